@@ -1,0 +1,81 @@
+"""The flat-batch description every paged-attention kernel reads (built once per step by the model runner)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch: ``B`` sequences, ``T`` query tokens in total, decodes ordered first.
+
+    Device tensors are what kernels read; the ``*_cpu`` lists mirror them for backends that plan on the host.
+    """
+
+    query_start_loc: torch.Tensor  # int32 [B+1]: sequence i owns query rows [qsl[i], qsl[i+1])
+    seq_lens: torch.Tensor  # int32 [B]: tokens in context *including* this step's new ones
+    block_tables: torch.Tensor  # int32 [B, max_blocks]: physical block ids, padded with 0
+    slot_mapping: torch.Tensor  # int64 [T]: flat cache slot of each new token, -1 = padding
+    max_query_len: int
+    max_seq_len: int
+    num_decodes: int  # sequences [0, num_decodes) have query_len == 1
+    block_size: int
+    query_start_loc_cpu: list[int] = field(default_factory=list)
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)  # backend-private per-step precomputation
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        slot_mapping: list[int] | None = None,
+    ) -> "AttentionMetadata":
+        """Build from host lists; ``slot_mapping`` defaults to the slots of each sequence's last query tokens."""
+        qsl = [0]
+        for n in query_lens:
+            qsl.append(qsl[-1] + n)
+        if slot_mapping is None:
+            slot_mapping = []
+            for q, s, bt in zip(query_lens, seq_lens, block_tables):
+                for pos in range(s - q, s):
+                    slot_mapping.append(bt[pos // block_size] * block_size + pos % block_size)
+        width = max((len(b) for b in block_tables), default=0) or 1
+        bt = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        for i, b in enumerate(block_tables):
+            if b:
+                bt[i, : len(b)] = torch.tensor(b, dtype=torch.int32)
+        num_decodes = 0
+        for q in query_lens:
+            if q != 1:
+                break
+            num_decodes += 1
+        return cls(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=bt.to(device),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            num_decodes=num_decodes,
+            block_size=block_size,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=list(seq_lens),
+        )

@@ -1,0 +1,114 @@
+"""Pure-torch reference ops: the semantics of every kernel hook, and the oracle of the conformance suite.
+
+Written for clarity, not speed (per-sequence loops, float32 math). Canonical KV layout per layer:
+``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention import AttentionMetadata
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                      dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    shape = (2, num_blocks, block_size, num_kv_heads, head_size)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``[T, Hkv, D]`` keys/values into flat slots; slots < 0 are skipped."""
+    _, nb, bs, h, d = kv_cache.shape
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    kv_cache[0].view(nb * bs, h, d)[slots] = key[keep].to(kv_cache.dtype)
+    kv_cache[1].view(nb * bs, h, d)[slots] = value[keep].to(kv_cache.dtype)
+
+
+def gather_kv_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    return kv_cache[:, block_ids.long()]
+
+
+def copy_kv_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    for cache in kv_caches:
+        cache[:, dst.long()] = cache[:, src.long()]
+
+
+def swap_kv_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src: torch.Tensor,
+                   dst: torch.Tensor) -> None:
+    for s, d in zip(src_caches, dst_caches):
+        d[:, dst.long().to(d.device)] = s[:, src.long().to(s.device)].to(d.device)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None) -> torch.Tensor:
+    """See ``hookspec.pagedllm_paged_attention``. One sequence at a time, scores in float32."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    bs = kv_cache.shape[2]
+    out = torch.empty_like(query)
+    qsl = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = qsl[i], qsl[i + 1]
+        qlen = end - start
+        if qlen == 0:
+            continue
+        nblk = (seq_len + bs - 1) // bs
+        blocks = meta.block_tables[i, :nblk].long()
+        k = kv_cache[0, blocks].reshape(nblk * bs, num_kv_heads, head_size)[:seq_len].float()
+        v = kv_cache[1, blocks].reshape(nblk * bs, num_kv_heads, head_size)[:seq_len].float()
+        k = k.repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        q = query[start:end].float()  # [L, H, D]
+        scores = torch.einsum("lhd,shd->hls", q, k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        q_pos = torch.arange(seq_len - qlen, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= (q_pos - k_pos) < sliding_window
+        scores = scores.masked_fill(~allowed[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hls,shd->lhd", probs, v).to(query.dtype)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalize in float32, cast back, then scale."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+           cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Neox/HF rotary over the first ``rot_dim`` features; ``cos_sin_cache[p] = cat(cos, sin)`` of width rot_dim."""
+    cs = cos_sin_cache[positions.long()]  # [T, rot_dim]
+    half = cs.shape[-1] // 2
+    cos = torch.cat((cs[:, :half], cs[:, :half]), dim=-1)[:, None, :]
+    sin = torch.cat((cs[:, half:], cs[:, half:]), dim=-1)[:, None, :]
+    rot = cs.shape[-1]
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        xr, xp = x[..., :rot], x[..., rot:]
+        y = (xr * cos.to(x.dtype)) + (rotate_half(xr) * sin.to(x.dtype))
+        return torch.cat((y, xp), dim=-1) if xp.numel() else y
+
+    return apply(query), apply(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]

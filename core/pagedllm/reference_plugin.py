@@ -1,0 +1,79 @@
+"""Core's fallback implementations of every optional hook, registered ``trylast`` beside each backend."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm import ref_ops
+from pagedllm.hookspec import Capabilities, GraphRunner, KVCacheSpec, hookimpl
+
+
+@hookimpl(trylast=True)
+def pagedllm_capabilities() -> Capabilities:
+    return Capabilities()
+
+
+@hookimpl(trylast=True)
+def pagedllm_distributed_backend() -> str:
+    return "gloo"
+
+
+@hookimpl(trylast=True)
+def pagedllm_set_device(device: torch.device) -> None:
+    return None
+
+
+@hookimpl(trylast=True)
+def pagedllm_synchronize(device: torch.device) -> None:
+    return None
+
+
+@hookimpl(trylast=True)
+def pagedllm_allocate_kv_cache(spec: KVCacheSpec) -> list:
+    return ref_ops.allocate_kv_cache(spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads,
+                                     spec.head_size, spec.dtype, spec.device)
+
+
+@hookimpl(trylast=True)
+def pagedllm_write_kv(key, value, kv_cache, slot_mapping) -> None:
+    ref_ops.write_kv(key, value, kv_cache, slot_mapping)
+
+
+@hookimpl(trylast=True)
+def pagedllm_paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap):
+    return ref_ops.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap)
+
+
+@hookimpl(trylast=True)
+def pagedllm_gather_kv_blocks(kv_cache, block_ids):
+    return ref_ops.gather_kv_blocks(kv_cache, block_ids)
+
+
+@hookimpl(trylast=True)
+def pagedllm_copy_kv_blocks(kv_caches, src, dst) -> None:
+    ref_ops.copy_kv_blocks(kv_caches, src, dst)
+
+
+@hookimpl(trylast=True)
+def pagedllm_swap_kv_blocks(src_caches, dst_caches, src, dst) -> None:
+    ref_ops.swap_kv_blocks(src_caches, dst_caches, src, dst)
+
+
+@hookimpl(trylast=True)
+def pagedllm_graph_runner(model, max_num_seqs, device) -> GraphRunner:
+    return GraphRunner(run=model, level="none")
+
+
+@hookimpl(trylast=True)
+def pagedllm_rms_norm(x, weight, eps):
+    return ref_ops.rms_norm(x, weight, eps)
+
+
+@hookimpl(trylast=True)
+def pagedllm_rotary(positions, query, key, cos_sin_cache):
+    return ref_ops.rotary(positions, query, key, cos_sin_cache)
+
+
+@hookimpl(trylast=True)
+def pagedllm_silu_and_mul(x):
+    return ref_ops.silu_and_mul(x)

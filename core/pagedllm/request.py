@@ -1,0 +1,95 @@
+"""A request's life in the engine: its tokens, how many are computed, and why it finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from pagedllm.outputs import SampleLogprobs
+from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Tokens are ``prompt + output``; ``num_computed_tokens`` of them have K/V in the cache.
+
+    Preemption by recompute just resets ``num_computed_tokens`` to 0: the next schedule re-prefills prompt and
+    output together, so chunked prefill, recompute and decode are one code path (as in vLLM v1).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_id: Optional[int] = None, prompt: Optional[str] = None,
+                 arrival_time: Optional[float] = None, max_tokens: Optional[int] = None, index: int = 0):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
+        self.index = index  # position among a parent's n samples
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.stop_reason: object = None
+        self.logprobs: Optional[SampleLogprobs] = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.output_text = ""
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+        self.generator: Optional[torch.Generator] = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return FINISH_REASON.get(self.status)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")

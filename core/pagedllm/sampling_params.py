@@ -1,0 +1,120 @@
+"""Per-request sampling settings, with vLLM's names and defaults; bad values raise naming the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+class ParamError(ValueError):
+    """Invalid request parameter; ``field`` names it (the server maps this to HTTP 400 with ``param``)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    logprobs: Optional[int] = None  # number of top logprobs per generated token (the sampled one is added)
+    prompt_logprobs: Optional[int] = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    priority: int = 0  # used by the `priority` scheduling policy: lower value runs first (vLLM's convention)
+    _all_stop_token_ids: set = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.best_of is None:
+            self.best_of = self.n
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(name: str, msg: str) -> None:
+            raise ParamError(name, msg)
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.best_of, int) or self.best_of < self.n:
+            bad("best_of", f"must be an integer >= n ({self.n}), got {self.best_of!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+                bad(name, f"must be in [-2, 2], got {v!r}")
+        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            bad("top_k", f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0 or v > 20):
+                bad(name, f"must be an integer in [0, 20], got {v!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+        if not isinstance(self.priority, int):
+            bad("priority", f"must be an integer, got {self.priority!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes) -> "SamplingParams":
+        from dataclasses import replace
+
+        return replace(self, **changes)
+
+
+@dataclass
+class BeamSearchParams:
+    """``LLM.beam_search`` settings, as in vLLM."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ParamError("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ParamError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
