@@ -1,0 +1,30 @@
+"""pagedllm: paged-KV LLM inference with a small, versioned hardware-backend contract.
+
+Names are loaded lazily so ``import pagedllm`` (and the CLI's ``backends`` command) stays fast.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "pagedllm.llm",
+    "SamplingParams": "pagedllm.sampling_params",
+    "BeamSearchParams": "pagedllm.sampling_params",
+    "RequestOutput": "pagedllm.outputs",
+    "CompletionOutput": "pagedllm.outputs",
+    "Logprob": "pagedllm.outputs",
+    "EngineConfig": "pagedllm.config",
+    "LLMEngine": "pagedllm.engine",
+    "ParamError": "pagedllm.sampling_params",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

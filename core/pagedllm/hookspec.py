@@ -79,6 +79,9 @@ class MemoryInfo:
     total_bytes: int
     free_bytes: int
     pinned_host: bool = False  # page-locked host memory available for swap
+    # Suggested KV budget when the user sets neither kv_cache_memory nor a utilization fraction. Host backends
+    # share RAM with everything else and set one (like vLLM CPU's 4 GiB default); devices leave it None.
+    default_kv_bytes: Optional[int] = None
 
 
 @dataclass(frozen=True)

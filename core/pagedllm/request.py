@@ -47,6 +47,7 @@ class Request:
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_id = eos_token_id
+        self.eos_token_ids: set[int] = {eos_token_id} if eos_token_id is not None else set()
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
         self.index = index  # position among a parent's n samples

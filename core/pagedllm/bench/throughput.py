@@ -1,0 +1,149 @@
+"""Offline throughput: N random-token prompts of I tokens -> O tokens each, median of repeats, optional HF baseline.
+
+Greedy with ignore_eos so every run generates exactly N x O tokens. The prefix cache is reset before each repeat so
+repeats measure the same work (a shared prefix still hits *within* a repeat, which is the point of
+``--shared-prefix-len``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class ThroughputResult:
+    model: str
+    device: str
+    dtype: str
+    num_prompts: int
+    input_len: int
+    output_len: int
+    shared_prefix_len: int
+    prefix_caching: bool
+    repeats: int
+    cold_start_s: float  # LLM() construction + first token of one prompt
+    init_s: float
+    elapsed_s: list[float] = field(default_factory=list)
+    output_tok_s: float = 0.0
+    total_tok_s: float = 0.0
+    prefill_tok_s: Optional[float] = None  # prompt tokens / time to first token of the whole batch
+    hf_elapsed_s: list[float] = field(default_factory=list)
+    hf_output_tok_s: Optional[float] = None
+    speedup_vs_hf: Optional[float] = None
+    threads: int = 0
+
+
+def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = min(100, vocab // 4), vocab - 1
+    prefix = torch.randint(lo, hi, (shared_prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(lo, hi, (input_len - shared_prefix_len,), generator=g).tolist()
+            for _ in range(num)]
+
+
+def run_hf(model_path: str, prompts: list[list[int]], output_len: int, repeats: int) -> list[float]:
+    """HF transformers ``generate`` on the same prompts in one batch (equal lengths: no padding), fp32 greedy."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    if model_path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
+              attention_mask=torch.ones_like(ids), pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids[:2], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm up
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            model.generate(ids, **kw)
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def run(args) -> ThroughputResult:
+    from pagedllm.commands.engine_args import engine_config
+    from pagedllm.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    cfg = engine_config(args)
+    t0 = time.perf_counter()
+    llm = LLM(**vars(cfg))
+    engine = llm.llm_engine
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    cold = time.perf_counter() - t0
+    prompts = make_prompts(args.num_prompts, args.input_len, engine.model.vocab_size, args.shared_prefix_len,
+                           args.seed)
+    sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(batch[: min(4, len(batch))], sp.clone(max_tokens=2), use_tqdm=False)  # warm up
+    res = ThroughputResult(engine.model_path, engine.backend.name, str(engine.dtype).removeprefix("torch."),
+                           args.num_prompts, args.input_len, args.output_len, args.shared_prefix_len,
+                           cfg.enable_prefix_caching, args.repeats, cold, engine.init_seconds,
+                           threads=torch.get_num_threads())
+    prefill = []
+    for _ in range(args.repeats):
+        engine.kv.reset_prefix_cache()
+        t = time.perf_counter()
+        # Prefill throughput: one-token generation of the whole batch (prompt work only).
+        llm.generate(batch, sp.clone(max_tokens=1), use_tqdm=False)
+        prefill.append(time.perf_counter() - t)
+        engine.kv.reset_prefix_cache()
+        t = time.perf_counter()
+        outs = llm.generate(batch, sp, use_tqdm=False)
+        res.elapsed_s.append(time.perf_counter() - t)
+        assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+    med = statistics.median(res.elapsed_s)
+    res.output_tok_s = args.num_prompts * args.output_len / med
+    res.total_tok_s = args.num_prompts * (args.input_len + args.output_len) / med
+    res.prefill_tok_s = args.num_prompts * args.input_len / statistics.median(prefill)
+    if args.compare_hf:
+        res.hf_elapsed_s = run_hf(engine.model_path, prompts, args.output_len, args.repeats)
+        res.hf_output_tok_s = args.num_prompts * args.output_len / statistics.median(res.hf_elapsed_s)
+        res.speedup_vs_hf = res.output_tok_s / res.hf_output_tok_s
+    return res
+
+
+def add_parser(sub) -> None:
+    from pagedllm.commands.engine_args import add_engine_args
+
+    p = sub.add_parser("throughput", help="offline throughput (output tok/s, total tok/s)")
+    add_engine_args(p)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--shared-prefix-len", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate, same prompts")
+    p.add_argument("--json", default=None, help="write the result as JSON here")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    res = run(args)
+    print(f"model={res.model} device={res.device} dtype={res.dtype} threads={res.threads}")
+    print(f"workload: {res.num_prompts} prompts x {res.input_len} -> {res.output_len} tokens"
+          f" (shared prefix {res.shared_prefix_len}, prefix caching {'on' if res.prefix_caching else 'off'})")
+    print(f"cold start (LLM() + first token): {res.cold_start_s:.2f} s  (engine init {res.init_s:.2f} s)")
+    print(f"pagedllm: {res.output_tok_s:.1f} output tok/s, {res.total_tok_s:.1f} total tok/s, "
+          f"prefill {res.prefill_tok_s:.1f} tok/s  (median of {res.repeats}: "
+          f"{', '.join(f'{t:.2f}s' for t in res.elapsed_s)})")
+    if res.hf_output_tok_s:
+        print(f"HF transformers generate: {res.hf_output_tok_s:.1f} output tok/s (median of {res.repeats}: "
+              f"{', '.join(f'{t:.2f}s' for t in res.hf_elapsed_s)})")
+        print(f"speedup vs HF: {res.speedup_vs_hf:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(asdict(res), f, indent=2)
+    return 0

@@ -1,0 +1,32 @@
+"""``pagedllm`` command line: each subcommand lives in its own module with ``add_parser(subparsers)``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional, Sequence
+
+COMMANDS = (
+    "pagedllm.commands.generate",
+    "pagedllm.commands.backends",
+    "pagedllm.commands.bench",
+    "pagedllm.commands.serve",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="Paged-KV LLM inference and serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for mod in COMMANDS:
+        importlib.import_module(mod).add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""``pagedllm bench throughput|serve ...``."""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    for mod in BENCHES:
+        importlib.import_module(mod).add_parser(bsub)

@@ -1,0 +1,37 @@
+"""Engine flags shared by ``generate``, ``serve`` and ``bench``, with vLLM's names."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedllm.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        p.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
+    else:
+        p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
+    p.add_argument("--device", default="auto", help="backend name, or auto (see `pagedllm backends`)")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped KV blocks")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--enforce-eager", action="store_true")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=args.swap_space, scheduling_policy=args.scheduling_policy, seed=args.seed,
+        enforce_eager=args.enforce_eager)

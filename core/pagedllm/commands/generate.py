@@ -1,0 +1,38 @@
+"""``pagedllm generate [--model M] [--device D] PROMPT...``: offline generation, text to stdout."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedllm.commands.engine_args import add_engine_args, engine_config
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text offline (default model: embedded SmolLM2-135M-Instruct)")
+    add_engine_args(p)
+    p.add_argument("prompts", nargs="+", help="one or more prompts")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message with the chat template")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedllm.llm import LLM
+    from pagedllm.sampling_params import SamplingParams
+
+    cfg = engine_config(args)
+    llm = LLM(**vars(cfg))
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                        top_k=args.top_k, seed=args.seed)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], sp, use_tqdm=False)
+    else:
+        outs = llm.generate(args.prompts, sp, use_tqdm=False)
+    for prompt, out in zip(args.prompts, outs):
+        if len(args.prompts) > 1:
+            print(f"### {prompt}")
+        print(prompt + out.outputs[0].text if not args.chat else out.outputs[0].text)
+    return 0

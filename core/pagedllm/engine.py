@@ -1,0 +1,320 @@
+"""LLMEngine: add requests, step (schedule -> run -> sample -> update -> detokenize), abort, stats."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from pagedllm.backends import get_backend
+from pagedllm.config import DTYPES, EngineConfig
+from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.hookspec import KVCacheSpec
+from pagedllm.kv_manager import KVCacheManager
+from pagedllm.model_runner import ModelRunner
+from pagedllm.models import load_model, load_tokenizer, resolve_model_path
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.request import Request, RequestStatus
+from pagedllm.sampler import Sampler
+from pagedllm.sampling_params import ParamError, SamplingParams
+from pagedllm.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+PromptType = Union[str, list[int], dict]
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges for /metrics and tests (vLLM's meanings)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_used_blocks: int = 0
+    num_cached_blocks: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompt tokens of admitted requests
+    computed_prompt_tokens: int = 0  # prefill tokens actually run through the model (cache hits excluded)
+    generation_tokens: int = 0
+    live_token_slots: int = 0  # tokens with K/V held by running requests
+    allocated_token_slots: int = 0  # blocks held by running requests x block_size
+
+
+class ParentRequest:
+    """Groups the ``n`` (or ``best_of``) samples of one user request."""
+
+    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int], params: SamplingParams):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.children: list[Request] = []
+        self.detoks: dict[str, Optional[IncrementalDetokenizer]] = {}
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.children)
+
+    def output(self) -> RequestOutput:
+        children = self.children
+        if self.params.best_of > self.params.n:
+            if not self.finished:
+                children = []
+            else:
+                children = sorted(children, key=lambda c: -c.cumulative_logprob)[: self.params.n]
+        outs = []
+        for i, c in enumerate(children):
+            outs.append(CompletionOutput(
+                index=c.index if self.params.best_of == self.params.n else i,
+                text=c.output_text, token_ids=list(c.output_token_ids),
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        first = self.children[0]
+        metrics = {"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
+                   "last_token_time": max((c.last_token_time or 0.0) for c in self.children) or None}
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
+                             num_cached_tokens=first.num_cached_tokens, metrics=metrics)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        t0 = time.perf_counter()
+        self.config = config
+        self.backend = get_backend(config.device)
+        self.device = self.backend.device()
+        self.backend.set_device(self.device)
+        torch.manual_seed(config.seed)
+        self.model_path = resolve_model_path(config.model)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path)
+        caps = self.backend.capabilities
+        dtype_name = caps.dtypes[0] if config.dtype == "auto" else config.dtype
+        self.dtype = DTYPES[dtype_name]
+        if not any(DTYPES[d] == self.dtype for d in caps.dtypes):
+            raise ParamError("dtype", f"backend {self.backend.name!r} supports {caps.dtypes}, not {dtype_name!r}")
+        self.model = load_model(self.model_path, backend=self.backend, dtype=self.dtype, device=self.device)
+        m = self.model
+        if m.head_size not in caps.head_sizes:
+            raise ParamError("model", f"head size {m.head_size} is not supported by backend {self.backend.name!r} "
+                                      f"(supports {caps.head_sizes})")
+        if config.block_size not in caps.block_sizes:
+            raise ParamError("block_size", f"backend {self.backend.name!r} supports {caps.block_sizes}, "
+                                           f"not {config.block_size}")
+        self.max_model_len = config.max_model_len or m.max_model_len
+        if self.max_model_len > m.max_model_len:
+            raise ParamError("max_model_len", f"{self.max_model_len} exceeds the model's "
+                                              f"max_position_embeddings {m.max_model_len}")
+        self.num_blocks = self._num_blocks()
+        spec = KVCacheSpec(m.num_layers, self.num_blocks, config.block_size, m.num_kv_heads, m.head_size,
+                           self.dtype, self.device)
+        self.kv_caches = self.backend.allocate_kv_cache(spec)
+        m.kv_caches = self.kv_caches
+        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        max_batched = config.max_num_batched_tokens or min(max(2048, self.max_model_len), 8192)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, max_batched, self.max_model_len,
+                                   config.scheduling_policy)
+        graph = (self.backend.graph_runner(m, config.max_num_seqs, self.device) if not config.enforce_eager
+                 else None)
+        self.graph_level = graph.level if graph is not None else "none"
+        self.runner = ModelRunner(m, graph.run if graph is not None else m, self.kv, self.device)
+        self.sampler = Sampler()
+        self.parents: dict[str, ParentRequest] = {}
+        self.requests: dict[str, tuple[ParentRequest, Request]] = {}
+        self.stats = EngineStats(num_blocks=self.num_blocks)
+        self._ids = itertools.count()
+        self.init_seconds = time.perf_counter() - t0
+        logger.info("engine ready in %.2fs: backend=%s dtype=%s blocks=%d max_model_len=%d graph=%s",
+                    self.init_seconds, self.backend.name, dtype_name, self.num_blocks, self.max_model_len,
+                    self.graph_level)
+
+    # ---- sizing ----------------------------------------------------------------------------------
+    def _num_blocks(self) -> int:
+        c, m = self.config, self.model
+        bpb = KVCacheSpec(m.num_layers, 1, c.block_size, m.num_kv_heads, m.head_size, self.dtype,
+                          self.device).bytes_per_block
+        per_seq = -(-self.max_model_len // c.block_size)
+        if c.num_gpu_blocks_override is not None:
+            n = c.num_gpu_blocks_override
+            field_name = "num_gpu_blocks_override"
+        else:
+            mem = self.backend.memory_info(self.device)
+            if c.kv_cache_memory is not None:
+                budget, field_name = c.kv_cache_memory, "kv_cache_memory"
+            elif c.gpu_memory_utilization is not None:
+                budget, field_name = c.gpu_memory_utilization * mem.free_bytes, "gpu_memory_utilization"
+            elif mem.default_kv_bytes is not None:
+                budget, field_name = mem.default_kv_bytes, "kv_cache_memory"
+            else:
+                budget, field_name = 0.9 * mem.free_bytes, "gpu_memory_utilization"
+            # More blocks than every sequence at full length can use only feed the prefix cache; cap there x2.
+            n = min(int(budget // bpb), 2 * c.max_num_seqs * per_seq)
+        if n < per_seq:
+            raise ParamError(field_name, f"the KV pool would hold {n} blocks ({n * c.block_size} tokens), fewer "
+                                         f"than one max_model_len={self.max_model_len} sequence needs ({per_seq}); "
+                                         f"give more KV memory or lower max_model_len")
+        return n
+
+    # ---- requests --------------------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise ParamError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise ParamError("prompt", f"must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str) or not text:
+                raise ParamError("prompt", "must not be empty")
+            if self.tokenizer is None:
+                raise ParamError("prompt", "this engine has no tokenizer; pass prompt_token_ids")
+            ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ParamError("prompt", "must not be empty")
+        vocab = self.model.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ParamError("prompt_token_ids", f"every token id must be an integer in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ParamError("prompt", f"the prompt has {len(ids)} tokens, but max_model_len is "
+                                       f"{self.max_model_len} (prompt plus at least one generated token must fit)")
+        return text, list(ids)
+
+    def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None, priority: Optional[int] = None) -> str:
+        """Validate and queue a request (``n`` child samples). Raises ParamError naming the bad field."""
+        params = params if params is not None else SamplingParams()
+        if priority is not None and priority != params.priority:
+            params = params.clone(priority=priority)
+        if request_id is None:
+            request_id = str(next(self._ids))
+        if request_id in self.parents:
+            raise ParamError("request_id", f"{request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        parent = ParentRequest(request_id, text, ids, params)
+        eos = self.model.eos_token_ids[0] if self.model.eos_token_ids else None
+        max_tokens = self.max_model_len - len(ids)
+        if params.max_tokens is not None:
+            max_tokens = min(max_tokens, params.max_tokens)
+        arrival = arrival_time if arrival_time is not None else time.time()
+        for i in range(params.best_of):
+            child_id = request_id if params.best_of == 1 else f"{i}_{request_id}"
+            child_params = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
+            req = Request(child_id, ids, child_params, eos_token_id=eos, prompt=text, arrival_time=arrival,
+                          max_tokens=max_tokens, index=i)
+            req.eos_token_ids = set(self.model.eos_token_ids)
+            parent.children.append(req)
+            parent.detoks[child_id] = (IncrementalDetokenizer(self.tokenizer, ids, child_params)
+                                       if self.tokenizer is not None and params.detokenize else None)
+        self.parents[request_id] = parent
+        for req in parent.children:
+            self.requests[req.request_id] = (parent, req)
+            self.scheduler.add_request(req)
+            self.stats.prompt_tokens += len(ids)
+        return request_id
+
+    def abort_request(self, request_ids: Union[str, list[str]]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            for req in parent.children:
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                self.requests.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns a (cumulative) RequestOutput for every request that advanced or finished."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        for s in sched.scheduled:
+            r = s.request
+            prompt_left = r.num_prompt_tokens - s.num_computed_tokens
+            if prompt_left > 0:
+                self.stats.computed_prompt_tokens += min(prompt_left, s.num_new_tokens)
+        reqs, logits = self.runner.execute(sched.scheduled)
+        self.scheduler.update(sched)
+        touched: dict[str, ParentRequest] = {}
+        if reqs:
+            sampled = self.sampler(logits, reqs)
+            now = time.time()
+            for i, req in enumerate(reqs):
+                parent = self.requests[req.request_id][0]
+                self._process_token(parent, req, sampled.token_ids[i],
+                                    sampled.logprobs[i] if sampled.logprobs else None,
+                                    sampled.sampled_logprob[i] if sampled.sampled_logprob else 0.0, now)
+                touched[parent.request_id] = parent
+        outputs = []
+        for parent in touched.values():
+            outputs.append(parent.output())
+            if parent.finished:
+                self.parents.pop(parent.request_id, None)
+                for c in parent.children:
+                    self.requests.pop(c.request_id, None)
+        return outputs
+
+    def _process_token(self, parent: ParentRequest, req: Request, token: int, logprobs, logprob: float,
+                       now: float) -> None:
+        req.append_token(token)
+        self.stats.generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        req.cumulative_logprob += logprob
+        if req.logprobs is not None and logprobs is not None:
+            req.logprobs.append(logprobs)
+        params = req.params
+        status = None
+        if token in params.stop_token_ids:
+            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+        elif not params.ignore_eos and token in req.eos_token_ids:
+            status = RequestStatus.FINISHED_STOPPED
+        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            status = RequestStatus.FINISHED_LENGTH
+        detok = parent.detoks.get(req.request_id)
+        if detok is not None:
+            # EOS / stop-token text is not part of the output (as in vLLM); skip_special_tokens hides it anyway.
+            _, stop_str = detok.update([token])
+            if stop_str is not None and req.num_output_tokens >= params.min_tokens:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+            elif status is not None:
+                detok.finish()
+            req.output_text = detok.output_text
+        if status is not None:
+            self.scheduler.finish(req, status)
+
+    # ---- stats -----------------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        s = self.stats
+        kv = self.kv
+        s.num_running = len(self.scheduler.running)
+        s.num_waiting = len(self.scheduler.waiting)
+        s.num_used_blocks = kv.num_used_blocks
+        s.num_cached_blocks = kv.pool.num_cached
+        s.kv_usage = kv.usage
+        s.prefix_queries, s.prefix_hits = kv.stats.queries, kv.stats.hits
+        s.num_preemptions = self.scheduler.num_preemptions
+        s.live_token_slots = sum(r.num_computed_tokens for r in self.scheduler.running)
+        s.allocated_token_slots = sum(len(kv.req_blocks.get(r.request_id, ())) for r in self.scheduler.running
+                                      ) * kv.block_size
+        return s

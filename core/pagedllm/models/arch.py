@@ -1,0 +1,68 @@
+"""Supported architectures as data: one decoder implementation, configured by per-architecture flags."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """How an HF architecture differs from plain Llama. Flags are functions of the HF config."""
+
+    hf_module: str  # transformers.models.<hf_module>.modeling_<hf_module>
+    rotary_class: str  # HF's rotary embedding class there: the source of inv_freq and attention scaling
+    qkv_bias: Callable[[Any], bool]
+    o_bias: Callable[[Any], bool]
+    mlp_bias: Callable[[Any], bool] = lambda c: False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
+    sliding: str = "none"  # none | all (Mistral: config.sliding_window everywhere) | layer_types (Qwen2/3)
+
+    def rotary_embedding_cls(self) -> type:
+        module = importlib.import_module(f"transformers.models.{self.hf_module}.modeling_{self.hf_module}")
+        return getattr(module, self.rotary_class)
+
+
+def _attention_bias(c: Any) -> bool:
+    return bool(getattr(c, "attention_bias", False))
+
+
+ARCHITECTURES: dict[str, ArchSpec] = {
+    "LlamaForCausalLM": ArchSpec("llama", "LlamaRotaryEmbedding", _attention_bias, _attention_bias,
+                                 mlp_bias=lambda c: bool(getattr(c, "mlp_bias", False))),
+    "MistralForCausalLM": ArchSpec("mistral", "MistralRotaryEmbedding", lambda c: False, lambda c: False,
+                                   sliding="all"),
+    "Qwen2ForCausalLM": ArchSpec("qwen2", "Qwen2RotaryEmbedding", lambda c: True, lambda c: False,
+                                 sliding="layer_types"),
+    "Qwen3ForCausalLM": ArchSpec("qwen3", "Qwen3RotaryEmbedding", _attention_bias, _attention_bias, qk_norm=True,
+                                 sliding="layer_types"),
+}
+# GGUF configs carry a model_type but no `architectures`.
+_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM"}
+
+
+def architecture_of(config: Any) -> tuple[str, ArchSpec]:
+    """The (name, spec) of a HF config; a clear ValueError for anything we do not implement."""
+    archs = list(getattr(config, "architectures", None) or [])
+    if not archs and getattr(config, "model_type", None) in _BY_MODEL_TYPE:
+        archs = [_BY_MODEL_TYPE[config.model_type]]
+    for name in archs:
+        if name in ARCHITECTURES:
+            return name, ARCHITECTURES[name]
+    shown = archs or [f"model_type={getattr(config, 'model_type', None)!r}"]
+    raise ValueError(f"unsupported model architecture {', '.join(shown)}; "
+                     f"pagedllm supports {', '.join(ARCHITECTURES)}")
+
+
+def layer_sliding_windows(config: Any, spec: ArchSpec) -> list[Optional[int]]:
+    """Per-layer sliding window (``None`` = full attention), exactly as HF's attention modules pick it."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if spec.sliding == "all":
+        return [window] * n
+    if spec.sliding == "layer_types" and window is not None:
+        types = getattr(config, "layer_types", None) or ["full_attention"] * n
+        return [window if t == "sliding_attention" else None for t in types]
+    return [None] * n

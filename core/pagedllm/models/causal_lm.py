@@ -1,0 +1,150 @@
+"""One native decoder for Llama, Mistral, Qwen2 and Qwen3, running attention through a pagedllm backend.
+
+Flat batch, no batch dimension: ``T`` tokens of many sequences, described by an ``AttentionMetadata``. q/k/v and
+gate/up are fused into one matmul each (as vLLM does); hot-path ops are the backend's resolved plain functions.
+Call under ``torch.inference_mode()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.models.arch import ArchSpec, layer_sliding_windows
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, op):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+        self.eps = eps
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Any, spec: ArchSpec, backend: Any, sliding_window: Optional[int]):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias(config))
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=spec.o_bias(config))
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, backend.rms_norm)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, backend.rms_norm)
+        else:
+            self.q_norm = self.k_norm = None
+        self.scale = self.head_size ** -0.5
+        self.sliding_window = sliding_window
+        self.soft_cap = getattr(config, "attn_logit_softcapping", None)
+        self.rotary, self.write_kv, self.paged_attention = backend.rotary, backend.write_kv, backend.paged_attention
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_size)
+        k = k.view(t, self.num_kv_heads, self.head_size)
+        v = v.view(t, self.num_kv_heads, self.head_size)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k, cos_sin_cache)
+        self.write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_size))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: Any, spec: ArchSpec, backend: Any):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: pagedllm models implement silu only")
+        bias = spec.mlp_bias(config)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.silu_and_mul = backend.silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: Any, spec: ArchSpec, backend: Any, sliding_window: Optional[int]):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm)
+        self.self_attn = Attention(config, spec, backend, sliding_window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm)
+        self.mlp = GatedMLP(config, spec, backend)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, cos_sin_cache).add_(h)
+        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM whose attention reads and writes the paged KV cache through ``backend``.
+
+    The engine sets ``kv_caches`` (one opaque object per layer, from ``backend.allocate_kv_cache``) before
+    ``forward``. ``forward`` returns final-normed hidden states; ``compute_logits`` projects the rows it is given.
+    """
+
+    def __init__(self, config: Any, spec: ArchSpec, backend: Any):
+        super().__init__()
+        self.config = config
+        self.spec = spec
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = config.num_key_value_heads
+        self.head_size: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self.max_model_len: int = config.max_position_embeddings
+        self.layer_sliding_windows = layer_sliding_windows(config, spec)
+        # One window for the whole model only when every layer slides: then old blocks are dead for all layers.
+        windows = set(self.layer_sliding_windows)
+        self.sliding_window: Optional[int] = windows.pop() if len(windows) == 1 else None
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.eos_token_ids: list[int] = []
+        self.kv_caches: list = []
+
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec, backend, w) for w in self.layer_sliding_windows)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.requires_grad_(False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` -> final-normed hidden states ``[T, hidden_size]``."""
+        h = self.embed_tokens(input_ids)
+        cos_sin = self.cos_sin_cache
+        for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
+            h = layer(h, positions, kv_cache, meta, cos_sin)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> ``[N, vocab_size]`` in the model's dtype."""
+        return F.linear(hidden, self.lm_head_weight)

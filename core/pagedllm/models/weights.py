@@ -1,0 +1,98 @@
+"""Checkpoint readers (safetensors folders, GGUF files) and the HF-name -> fused-parameter mapping."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Protocol
+
+import torch
+
+
+class WeightSource(Protocol):
+    """HF-named checkpoint tensors, read one at a time."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def take(self, name: str) -> torch.Tensor:
+        """The tensor ``name``; each is taken once, so a source may drop its own reference."""
+
+
+class SafetensorsWeights:
+    """A HF folder's ``*.safetensors`` (single file or sharded via ``model.safetensors.index.json``), mmapped."""
+
+    def __init__(self, folder: str):
+        from safetensors import safe_open
+
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+            paths = [os.path.join(folder, name) for name in files]
+        else:
+            paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+        if not paths:
+            raise FileNotFoundError(f"model: {folder} holds no *.safetensors weights (other formats are not loaded)")
+        self._files = {p: safe_open(p, framework="pt") for p in paths}
+        self._where = {name: h for h in self._files.values() for name in h.keys()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def take(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
+
+
+class DictWeights(dict):
+    """Tensors already in memory (GGUF, dequantized by transformers' converter)."""
+
+    def take(self, name: str) -> torch.Tensor:
+        return self.pop(name)  # frees the dequantized copy as soon as its fused/cast copy exists
+
+
+def gguf_weights(gguf_path: str, config: Any, dtype: torch.dtype) -> DictWeights:
+    """Dequantized, HF-named tensors from transformers' own GGUF converter (which undoes llama.cpp's q/k permute).
+
+    The converter names tensors after a model's state dict, so it gets an HF model built on the meta device.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)
+    return DictWeights(parsed["tensors"])
+
+
+def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """Our state dict from HF-named tensors: q/k/v and gate/up concatenated along the output dim."""
+    prefix = "model." if "model.embed_tokens.weight" in weights else ""
+
+    def load(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise KeyError(f"checkpoint lacks tensor {name!r}")
+        return weights.take(name).to(device=device, dtype=dtype)
+
+    def cat(names: list[str]) -> torch.Tensor:
+        return torch.cat([load(n) for n in names], dim=0)
+
+    sd: dict[str, torch.Tensor] = {}
+    for key in model.state_dict():
+        sd[key] = _fetch(key, prefix, load, cat)
+    return sd
+
+
+def _fetch(key: str, prefix: str, load, cat) -> torch.Tensor:
+    module, _, leaf = key.rpartition(".")
+    if key == "lm_head.weight":
+        return load("lm_head.weight")
+    if module.endswith("self_attn.qkv_proj"):
+        base = prefix + module.removesuffix("qkv_proj")
+        return cat([f"{base}{p}_proj.{leaf}" for p in "qkv"])
+    if module.endswith("mlp.gate_up_proj"):
+        base = prefix + module.removesuffix("gate_up_proj")
+        return cat([f"{base}gate_proj.{leaf}", f"{base}up_proj.{leaf}"])
+    return load(prefix + key)
+

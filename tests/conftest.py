@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random HF models built once per session, and a reference-ops-only backend."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import tiny_models`
+
+import tiny_models  # noqa: E402
+from pagedllm.hookspec import BackendInfo, MemoryInfo, ProbeResult, hookimpl  # noqa: E402
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
+    """Every tiny model of ``tiny_models.TINY_MODEL_SPECS``, saved once: name -> folder."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {name: tiny_models.make_tiny_model(arch, root / name, **kw)
+            for name, (arch, kw) in tiny_models.TINY_MODEL_SPECS.items()}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_dirs) -> str:
+    return tiny_model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def bench_llama(tmp_path_factory) -> str:
+    """DESIGN.md's ~19M-parameter benchmark Llama."""
+    return tiny_models.make_bench_llama(tmp_path_factory.mktemp("bench_llama"))
+
+
+class RefOnlyPlugin:
+    """A backend implementing only the required hooks, so every op is core's reference implementation."""
+
+    @hookimpl
+    def pagedllm_backend_info(self):
+        return BackendInfo(name="ref", device_type="cpu")
+
+    @hookimpl
+    def pagedllm_probe(self):
+        return ProbeResult(usable=True, device_name="cpu (reference ops)")
+
+    @hookimpl
+    def pagedllm_memory_info(self, device):
+        return MemoryInfo(total_bytes=8 << 30, free_bytes=4 << 30)
+
+
+@pytest.fixture(scope="session")
+def ref_backend():
+    """``pagedllm.backends.Backend`` over ``RefOnlyPlugin`` (reference ops everywhere), not registered globally."""
+    from pagedllm.backends import Backend
+
+    return Backend(RefOnlyPlugin(), "ref-test")

@@ -1,0 +1,78 @@
+"""Tiny random HF models (config + safetensors, float32, seeded): exact oracles with no downloads.
+
+Weights are drawn wider than HF's default init, and norm weights and biases are randomized too (HF inits them to
+ones/zeros), so logits are well separated and a wrong mapping of any tensor shows up in the outputs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_COMMON = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+               initializer_range=0.15, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# Each arch exercises its distinctive feature: GQA head_dim 64 untied (llama); sliding window smaller than the
+# test prompts (mistral); qkv bias (qwen2); q/k norm with explicit head_dim 128 and tied embeddings (qwen3).
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama", tie_word_embeddings=False, rope_theta=10000.0),
+    "mistral": dict(model_type="mistral", sliding_window=8, tie_word_embeddings=False, head_dim=64),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=False, use_sliding_window=False),
+    "qwen3": dict(model_type="qwen3", head_dim=128, tie_word_embeddings=True, hidden_size=128,
+                  intermediate_size=384),
+}
+
+# The models the test suite builds: name -> (arch, overrides). "qwen2_swa" mixes full attention (layer 0) and
+# sliding-window attention (layer 1).
+TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3": ("qwen3", {}),
+}
+
+BENCH_LLAMA = dict(model_type="llama", vocab_size=32000, hidden_size=256, intermediate_size=1024,
+                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                   tie_word_embeddings=False, initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1,
+                   eos_token_id=2, pad_token_id=0)
+
+
+def _randomize_norms_and_biases(model: torch.nn.Module, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+
+
+def save_random_model(config_kwargs: dict[str, Any], out_dir: str | os.PathLike, seed: int = 0) -> str:
+    """Save a seeded random ``AutoModelForCausalLM.from_config`` model (float32) to ``out_dir``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = dict(config_kwargs)
+    config = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_norms_and_biases(model, torch.Generator().manual_seed(seed + 1))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return str(out)
+
+
+def make_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """A tiny random ``arch`` model ("llama", "mistral", "qwen2", "qwen3") saved in ``out_dir``; returns the path."""
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny arch {arch!r}; known: {sorted(TINY_CONFIGS)}")
+    return save_random_model({**_COMMON, **TINY_CONFIGS[arch], **overrides}, out_dir, seed)
+
+
+def make_bench_llama(out_dir: str | os.PathLike, seed: int = 0) -> str:
+    """DESIGN.md's benchmark model: ~19M-parameter Llama (hidden 256, 4 layers, 8/4 heads, vocab 32000)."""
+    return save_random_model(BENCH_LLAMA, out_dir, seed)
