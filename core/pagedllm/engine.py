@@ -282,6 +282,9 @@ class LLMEngine:
         req.last_token_time = now
         req.cumulative_logprob += logprob
         if req.logprobs is not None and logprobs is not None:
+            if self.tokenizer is not None:
+                for tid, lp in logprobs.items():
+                    lp.decoded_token = self.tokenizer.decode([tid])
             req.logprobs.append(logprobs)
         params = req.params
         status = None
@@ -294,7 +297,7 @@ class LLMEngine:
         detok = parent.detoks.get(req.request_id)
         if detok is not None:
             # EOS / stop-token text is not part of the output (as in vLLM); skip_special_tokens hides it anyway.
-            _, stop_str = detok.update([token])
+            _, stop_str = detok.update([token], stop_terminated=status == RequestStatus.FINISHED_STOPPED)
             if stop_str is not None and req.num_output_tokens >= params.min_tokens:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
             elif status is not None:
