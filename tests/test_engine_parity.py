@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import hf_oracle
 from pagedllm import LLM, SamplingParams
 
 MAX_TOKENS = 12
@@ -23,15 +24,7 @@ def hf_model(path: str):
 
 
 def hf_greedy(path: str, prompt: list[int], n: int) -> list[int]:
-    model = hf_model(path)
-    out_ids = []
-    with torch.inference_mode():
-        out = model(torch.tensor([prompt]), use_cache=True)
-        for _ in range(n):
-            tok = int(out.logits[0, -1].argmax())
-            out_ids.append(tok)
-            out = model(torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True)
-    return out_ids
+    return hf_oracle.hf_greedy(hf_model(path), prompt, n)
 
 
 def mixed_prompts(num: int, vocab: int, seed: int, max_len: int = 60) -> list[list[int]]:

@@ -39,6 +39,9 @@ def test_greedy_is_argmax_any_dtype():
         out = Sampler()(logits.to(dt), reqs)
         assert out.token_ids == logits.to(dt).float().argmax(-1).tolist()
         assert out.logprobs == [None] * 7
+        assert out.sampled_logprob == [0.0] * 7  # nobody asked for logprobs: the log_softmax is skipped
+        lp_reqs = [req(temperature=0.0, logprobs=0) for _ in range(7)]
+        out = Sampler()(logits.to(dt), lp_reqs)
         ref = logits.to(dt).float().log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
         assert out.sampled_logprob == pytest.approx(ref.tolist(), abs=1e-5)
 

@@ -26,7 +26,8 @@ class SamplerOutput:
     token_ids: list[int]
     # Per request: None unless params.logprobs is set, else the sampled token + top-N (raw logprob, 1-based rank).
     logprobs: list[Optional[dict[int, Logprob]]]
-    sampled_logprob: list[float]  # raw logprob of each sampled token (for cumulative_logprob)
+    sampled_logprob: list[float]  # raw logprob of each sampled token (for cumulative_logprob); 0.0 when no row
+    # of the batch reports logprobs or ranks samples by them
 
 
 def _rows(idx: list[int], device: torch.device) -> torch.Tensor:
@@ -202,10 +203,13 @@ class Sampler:
 
     @staticmethod
     def _outputs(raw: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
-        all_lps = raw.log_softmax(dim=-1)  # (faster than logsumexp on CPU)
-        sampled = all_lps.gather(1, tokens.unsqueeze(1)).squeeze(1)
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         logprobs: list[Optional[dict[int, Logprob]]] = [None] * len(reqs)
+        # Logprobs cost a full-vocab log_softmax per row: only for rows that report them or rank by them (best_of).
+        if not lp_rows and all(r.params.best_of == r.params.n for r in reqs):
+            return SamplerOutput(tokens.tolist(), logprobs, [0.0] * len(reqs))
+        all_lps = raw.log_softmax(dim=-1)  # (faster than logsumexp on CPU)
+        sampled = all_lps.gather(1, tokens.unsqueeze(1)).squeeze(1)
         if lp_rows:
             rows = _rows(lp_rows, raw.device)
             lps = all_lps[rows]
