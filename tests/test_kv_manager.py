@@ -59,7 +59,7 @@ def test_prefix_hit_shares_blocks_and_leaves_one_token():
     assert kv.num_free_blocks == 16 and kv.pool.num_cached == 3  # freed but still cached
     c = req("c", list(range(13)))
     hits, n = kv.get_computed_blocks(c)
-    assert n == 12 and kv.stats.hits == 8 + 12
+    assert n == 12
 
 
 def test_cached_block_is_evicted_when_reused_and_collision_is_verified():

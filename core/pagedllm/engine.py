@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import torch
@@ -14,7 +14,7 @@ from pagedllm.backends import get_backend
 from pagedllm.config import DTYPES, EngineConfig
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.hookspec import KVCacheSpec
-from pagedllm.kv_manager import KVCacheManager
+from pagedllm.kv_manager import BlockPool, KVCacheManager
 from pagedllm.model_runner import ModelRunner
 from pagedllm.models import load_model, load_tokenizer, resolve_model_path
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -44,8 +44,12 @@ class EngineStats:
     prompt_tokens: int = 0  # prompt tokens of admitted requests
     computed_prompt_tokens: int = 0  # prefill tokens actually run through the model (cache hits excluded)
     generation_tokens: int = 0
+    num_swaps: int = 0
     live_token_slots: int = 0  # tokens with K/V held by running requests
     allocated_token_slots: int = 0  # blocks held by running requests x block_size
+    slot_steps_live: int = 0  # the two above summed over every step: utilisation = live / allocated
+    slot_steps_allocated: int = 0
+    slot_steps_seqs: int = 0  # running sequences summed over steps (what contiguous preallocation would reserve)
 
 
 class ParentRequest:
@@ -65,7 +69,8 @@ class ParentRequest:
 
     def output(self) -> RequestOutput:
         children = self.children
-        if self.params.best_of > self.params.n:
+        ranked = self.params.best_of > self.params.n  # best_of: the n best by cumulative logprob, at the end
+        if ranked:
             if not self.finished:
                 children = []
             else:
@@ -75,7 +80,7 @@ class ParentRequest:
             outs.append(CompletionOutput(
                 index=c.index if self.params.best_of == self.params.n else i,
                 text=c.output_text, token_ids=list(c.output_token_ids),
-                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None else None,
+                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None or ranked else None,
                 logprobs=list(c.logprobs) if c.logprobs is not None else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         first = self.children[0]
@@ -118,9 +123,15 @@ class LLMEngine:
         self.kv_caches = self.backend.allocate_kv_cache(spec)
         m.kv_caches = self.kv_caches
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.host_caches, swap_pool = None, None
+        num_host_blocks = int(config.swap_space * (1 << 30) // spec.bytes_per_block)
+        if num_host_blocks > 0:
+            host_spec = replace(spec, num_blocks=num_host_blocks, device=torch.device("cpu"))
+            self.host_caches = self.backend.allocate_kv_cache(host_spec)
+            swap_pool = BlockPool(num_host_blocks, enable_caching=False)
         max_batched = config.max_num_batched_tokens or min(max(2048, self.max_model_len), 8192)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, max_batched, self.max_model_len,
-                                   config.scheduling_policy)
+                                   config.scheduling_policy, swap=swap_pool)
         graph = (self.backend.graph_runner(m, config.max_num_seqs, self.device) if not config.enforce_eager
                  else None)
         self.graph_level = graph.level if graph is not None else "none"
@@ -252,6 +263,15 @@ class LLMEngine:
             prompt_left = r.num_prompt_tokens - s.num_computed_tokens
             if prompt_left > 0:
                 self.stats.computed_prompt_tokens += min(prompt_left, s.num_new_tokens)
+        if sched.swap_out:  # before the model: freed device blocks may be rewritten in this very step
+            src, dst = zip(*sched.swap_out)
+            self.backend.swap_kv_blocks(self.kv_caches, self.host_caches, torch.tensor(src), torch.tensor(dst))
+        if sched.swap_in:
+            src, dst = zip(*sched.swap_in)
+            self.backend.swap_kv_blocks(self.host_caches, self.kv_caches, torch.tensor(src), torch.tensor(dst))
+        self._sample_slot_usage(sched)
+        if not sched.scheduled:
+            return []
         reqs, logits = self.runner.execute(sched.scheduled)
         self.scheduler.update(sched)
         touched: dict[str, ParentRequest] = {}
@@ -306,6 +326,14 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish(req, status)
 
+    def _sample_slot_usage(self, sched) -> None:
+        """Accumulate, over steps, token slots holding K/V after the step vs slots allocated (KV utilisation)."""
+        bs = self.kv.block_size
+        self.stats.slot_steps_seqs += len(sched.scheduled)
+        for s in sched.scheduled:
+            self.stats.slot_steps_live += s.num_computed_tokens + s.num_new_tokens
+            self.stats.slot_steps_allocated += len(self.kv.req_blocks[s.request.request_id]) * bs
+
     # ---- stats -----------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
         s = self.stats
@@ -317,6 +345,7 @@ class LLMEngine:
         s.kv_usage = kv.usage
         s.prefix_queries, s.prefix_hits = kv.stats.queries, kv.stats.hits
         s.num_preemptions = self.scheduler.num_preemptions
+        s.num_swaps = self.scheduler.num_swaps
         s.live_token_slots = sum(r.num_computed_tokens for r in self.scheduler.running)
         s.allocated_token_slots = sum(len(kv.req_blocks.get(r.request_id, ())) for r in self.scheduler.running
                                       ) * kv.block_size

@@ -165,9 +165,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.queries += req.num_tokens
-        self.stats.hits += len(hits) * bs
         return hits, len(hits) * bs
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
+        """Count a lookup once, when the request is admitted (a refused admission retries next step)."""
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit
 
     # ---- allocation ------------------------------------------------------------------------------
     def allocate_slots(self, req: Request, num_new_tokens: int,

@@ -57,6 +57,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        self.swapped_blocks: Optional[list[int]] = None  # host blocks holding its K/V while swapped out
         self.stop_reason: object = None
         self.logprobs: Optional[SampleLogprobs] = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0

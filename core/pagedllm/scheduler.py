@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional
 
-from pagedllm.kv_manager import KVCacheManager
+from pagedllm.kv_manager import BlockPool, KVCacheManager
 from pagedllm.request import Request, RequestStatus
 
 
@@ -33,19 +33,23 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), run before the model
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     def __bool__(self) -> bool:
-        return bool(self.scheduled)
+        return bool(self.scheduled or self.swap_out)
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 policy: str = "fcfs"):
+                 policy: str = "fcfs", swap: Optional[BlockPool] = None):
         self.kv = kv
+        self.swap = swap  # host block pool for swapped-out requests (None: recompute only)
+        self.num_swaps = 0
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -75,14 +79,54 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step --------------------------------------------------------------------------------
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, out: SchedulerOutput, allow_swap: bool = True) -> None:
+        """Free a running request's device blocks: swap them to host when that is cheaper, else recompute later.
+
+        Cost rule: swapping moves each block twice (out and back in); recomputing reruns every computed token
+        through the model. A request holding more than one block's worth of computed tokens is cheaper to swap
+        whenever host space is there (a token's K/V is far fewer bytes than its forward pass is FLOPs).
+        """
         self.running.remove(req)
+        blocks = self.kv.block_ids(req.request_id)
+        if (allow_swap and self.swap is not None and req.num_computed_tokens > self.kv.block_size
+                and self.swap.num_free >= len(blocks)):
+            host = [b.block_id for b in self.swap.take(len(blocks))]
+            out.swap_out.extend(zip(blocks, host))
+            req.swapped_blocks = host
+            self.num_swaps += 1
+        else:
+            req.num_computed_tokens = 0
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        if self.policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=self._rank))
+        out.preempted.append(req)
+
+    def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> int:
+        """Try to start (or resume) the head waiting request; returns the tokens scheduled (0 = could not)."""
+        if req.swapped_blocks is not None:
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req, n):
+                return 0
+            out.swap_in.extend(zip(req.swapped_blocks, self.kv.block_ids(req.request_id)))
+            self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
+            req.swapped_blocks = None
+        else:
+            hits, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                return 0
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append(ScheduledRequest(req, n))
+        return n
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -95,8 +139,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
                 victim = max(self.running, key=self._rank)
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt(victim, out)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
@@ -106,19 +149,25 @@ class Scheduler:
             i += 1
         if out.preempted:  # admitting new work now would only thrash
             return out
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
-            hits, num_hit = self.kv.get_computed_blocks(req)
-            n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            if req.swapped_blocks is not None and out.swap_out:
+                break  # its host blocks may be reused by this step's swap-out: resume it next step
+            n = self._admit(req, out, budget) if len(self.running) < self.max_num_seqs else 0
+            if n == 0 and self.policy == "priority" and self.running:
+                # A more urgent request preempts the least urgent running one (recompute: no swap ordering issue).
+                victim = max(self.running, key=self._rank)
+                if self._rank(victim) <= self._rank(req):
+                    break
+                for k, s in enumerate(out.scheduled):
+                    if s.request is victim:
+                        budget += out.scheduled.pop(k).num_new_tokens
+                        break
+                self._preempt(victim, out, allow_swap=False)
+                continue
+            if n == 0:
                 break
-            self.waiting.popleft()
-            req.num_computed_tokens = num_hit
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = num_hit
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n))
+            self.waiting.remove(req)
             budget -= n
         return out
 
@@ -140,6 +189,9 @@ class Scheduler:
                 pass
         req.status = status
         self.kv.free(req)
+        if req.swapped_blocks is not None:
+            self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
+            req.swapped_blocks = None
 
     def finish_all(self, reqs: Iterable[Request], status: RequestStatus) -> None:
         for r in list(reqs):
