@@ -17,6 +17,8 @@ _EXPORTS = {
     "EngineConfig": "pagedllm.config",
     "LLMEngine": "pagedllm.engine",
     "ParamError": "pagedllm.sampling_params",
+    "BeamSearchOutput": "pagedllm.beam_search",
+    "BeamSearchSequence": "pagedllm.beam_search",
 }
 
 __all__ = list(_EXPORTS)

@@ -174,7 +174,7 @@ class LLMEngine:
         return n
 
     # ---- requests --------------------------------------------------------------------------------
-    def _tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -214,7 +214,7 @@ class LLMEngine:
             request_id = str(next(self._ids))
         if request_id in self.parents:
             raise ParamError("request_id", f"{request_id!r} is already in use")
-        text, ids = self._tokenize(prompt)
+        text, ids = self.tokenize(prompt)
         parent = ParentRequest(request_id, text, ids, params)
         eos = self.model.eos_token_ids[0] if self.model.eos_token_ids else None
         max_tokens = self.max_model_len - len(ids)
@@ -301,12 +301,12 @@ class LLMEngine:
             req.first_token_time = now
         req.last_token_time = now
         req.cumulative_logprob += logprob
+        params = req.params
         if req.logprobs is not None and logprobs is not None:
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and params.detokenize:
                 for tid, lp in logprobs.items():
                     lp.decoded_token = self.tokenizer.decode([tid])
             req.logprobs.append(logprobs)
-        params = req.params
         status = None
         if token in params.stop_token_ids:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token

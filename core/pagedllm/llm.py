@@ -9,7 +9,7 @@ from tqdm import tqdm
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -87,3 +87,10 @@ class LLM:
                                           add_generation_prompt=add_generation_prompt, return_dict=False)
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list:
+        """vLLM's ``LLM.beam_search``: beams share their common prefix's blocks through the prefix cache."""
+        from pagedllm.beam_search import beam_search
+
+        return beam_search(self, prompts, params, use_tqdm)
