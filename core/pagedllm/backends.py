@@ -118,7 +118,8 @@ def discover(refresh: bool = False) -> dict[str, Discovered]:
     global _registry
     if _registry is not None and not refresh:
         return _registry
-    found: dict[str, Discovered] = {}
+    # Backends registered in-process (register_backend) survive a refresh; entry points are re-read.
+    found: dict[str, Discovered] = {k: d for k, d in (_registry or {}).items() if d.distribution == "<registered>"}
     for ep in md.entry_points(group=ENTRY_POINT_GROUP):
         dist = ep.dist.name if ep.dist is not None else "?"
         item = Discovered(ep.name, dist)

@@ -12,6 +12,7 @@ COMMANDS = (
     "pagedllm.commands.backends",
     "pagedllm.commands.bench",
     "pagedllm.commands.serve",
+    "pagedllm.conformance.cli",
 )
 
 

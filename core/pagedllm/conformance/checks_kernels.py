@@ -1,0 +1,157 @@
+"""Kernel checks: each hook against ``pagedllm.ref_ops`` on fresh random inputs, caches poisoned with NaN."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm import ref_ops
+from pagedllm.conformance.harness import (CaseContext, PagedBatch, Untested, canonical_cache, make_batch, poison,
+                                          poison_allocator)
+from pagedllm.hookspec import KVCacheSpec
+
+NUM_KV_HEADS = 2
+
+
+def allocate(ctx: CaseContext, num_blocks: int, block_size: int, head_size: int, num_layers: int = 1) -> list:
+    spec = KVCacheSpec(num_layers, num_blocks, block_size, NUM_KV_HEADS, head_size, ctx.dtype, ctx.device)
+    caches = ctx.backend.allocate_kv_cache(spec)
+    for c in caches:
+        if not poison(c):
+            ctx.notes.append("cache is not made of float tensors: unwritten slots are not poisoned")
+    return caches
+
+
+def gather_all(ctx: CaseContext, cache, num_blocks: int) -> torch.Tensor:
+    return ctx.backend.gather_kv_blocks(cache, torch.arange(num_blocks, device=ctx.device))
+
+
+# ---- write_kv ---------------------------------------------------------------------------------------------------
+def check_write_kv(ctx: CaseContext) -> None:
+    hs, bs = ctx.params["head_size"], ctx.params["block_size"]
+    nb, t = 5, 12
+    slots = torch.tensor(ctx.randperm(nb * bs)[:t], dtype=torch.int64)
+    slots[torch.tensor([2, 7, 11])] = -1  # padding tokens: must not be written
+    slots = slots.to(ctx.device)
+    key, value = ctx.randn(t, NUM_KV_HEADS, hs), ctx.randn(t, NUM_KV_HEADS, hs)
+    (cache,) = allocate(ctx, nb, bs, hs)
+    ctx.backend.write_kv(key, value, cache, slots)
+    ref = canonical_cache(nb, bs, NUM_KV_HEADS, hs, ctx.dtype, ctx.device)
+    ref_ops.write_kv(key, value, ref, slots)
+    ctx.compare(gather_all(ctx, cache, nb), ref, "cache after write_kv", exact=True)
+
+
+# ---- paged attention ----------------------------------------------------------------------------------------------
+def scenario_lengths(scenario: str, bs: int) -> tuple[list[int], list[int]]:
+    """(query_lens, seq_lens), decodes first; lengths straddle block boundaries and span several key tiles."""
+    if scenario == "decode":
+        return [1, 1, 1, 1], [1, bs, bs + 1, 8 * bs + 5]
+    if scenario == "prefill":
+        return [3, bs + 5], [3, bs + 5]
+    # mixed (also used for sliding window / soft cap): decodes, then chunks after cached context
+    return [1, 1, 6, bs + 2], [bs - 1, 3 * bs + 2, bs + 9, 2 * bs + 2]
+
+
+def fill_context(ctx: CaseContext, batch: PagedBatch, head_size: int) -> tuple[object, torch.Tensor]:
+    """Write every context token's K/V through the backend, and the same into a canonical reference cache."""
+    n = batch.context_slots.shape[0]
+    key, value = ctx.randn(n, NUM_KV_HEADS, head_size), ctx.randn(n, NUM_KV_HEADS, head_size)
+    (cache,) = allocate(ctx, batch.num_blocks, batch.meta.block_size, head_size)
+    ctx.backend.write_kv(key, value, cache, batch.context_slots)
+    ref = canonical_cache(batch.num_blocks, batch.meta.block_size, NUM_KV_HEADS, head_size, ctx.dtype, ctx.device)
+    ref_ops.write_kv(key, value, ref, batch.context_slots)
+    return cache, ref
+
+
+def check_attention(ctx: CaseContext) -> None:
+    p = ctx.params
+    hs, bs, heads = p["head_size"], p["block_size"], NUM_KV_HEADS * p["gqa"]
+    batch = make_batch(ctx, *scenario_lengths(p["scenario"], bs), bs)
+    cache, ref_cache = fill_context(ctx, batch, hs)
+    query = ctx.randn(batch.meta.num_tokens, heads, hs, scale=p.get("query_scale", 1.0))
+    scale = hs ** -0.5
+    window, cap = p.get("sliding_window"), p.get("soft_cap")
+    poison_allocator(query.numel(), ctx.dtype, ctx.device)
+    out = ctx.backend.paged_attention(query, cache, batch.meta, scale, window, cap)
+    ref = ref_ops.paged_attention(query, ref_cache, batch.meta, scale, window, cap)
+    ctx.compare(out, ref, "attention output")
+
+
+# ---- block copies ---------------------------------------------------------------------------------------------------
+def _filled(ctx: CaseContext, num_layers: int, nb: int, bs: int, hs: int) -> tuple[list, list]:
+    """Backend caches and canonical references with every slot written except the last block's second half."""
+    caches = allocate(ctx, nb, bs, hs, num_layers)
+    refs = []
+    slots = torch.arange(nb * bs - bs // 2, device=ctx.device)
+    for cache in caches:
+        key, value = ctx.randn(slots.numel(), NUM_KV_HEADS, hs), ctx.randn(slots.numel(), NUM_KV_HEADS, hs)
+        ctx.backend.write_kv(key, value, cache, slots)
+        ref = canonical_cache(nb, bs, NUM_KV_HEADS, hs, ctx.dtype, ctx.device)
+        ref_ops.write_kv(key, value, ref, slots)
+        refs.append(ref)
+    return caches, refs
+
+
+def check_gather(ctx: CaseContext) -> None:
+    hs, bs, nb = ctx.params["head_size"], ctx.params["block_size"], 5
+    (cache,), (ref,) = _filled(ctx, 1, nb, bs, hs)
+    ids = torch.tensor([4, 1, 3], device=ctx.device)
+    ctx.compare(ctx.backend.gather_kv_blocks(cache, ids), ref_ops.gather_kv_blocks(ref, ids), "gathered blocks",
+                exact=True)
+
+
+def check_copy(ctx: CaseContext) -> None:
+    hs, bs, nb = ctx.params["head_size"], ctx.params["block_size"], 6
+    caches, refs = _filled(ctx, 2, nb, bs, hs)
+    src, dst = torch.tensor([0, 5], device=ctx.device), torch.tensor([4, 2], device=ctx.device)
+    ctx.backend.copy_kv_blocks(caches, src, dst)
+    ref_ops.copy_kv_blocks(refs, src, dst)
+    for i, (c, r) in enumerate(zip(caches, refs)):
+        ctx.compare(gather_all(ctx, c, nb), r, f"layer {i} after copy_kv_blocks", exact=True)
+
+
+def check_swap(ctx: CaseContext) -> None:
+    """Device -> host -> other device blocks round trip; every other block must be left alone."""
+    hs, bs, nb = ctx.params["head_size"], ctx.params["block_size"], 6
+    caches, refs = _filled(ctx, 2, nb, bs, hs)
+    if not all(isinstance(c, torch.Tensor) for c in caches):
+        raise Untested("the cache is not a tensor: host copies cannot be allocated generically")
+    pin = ctx.device.type != "cpu" and ctx.backend.memory_info(ctx.device).pinned_host
+    host = [torch.full(c.shape, float("nan"), dtype=c.dtype, pin_memory=pin) for c in caches]
+    ref_host = [torch.full(r.shape, float("nan"), dtype=r.dtype) for r in refs]
+    out_src, out_dst = torch.tensor([1, 5]), torch.tensor([3, 0])
+    in_src, in_dst = torch.tensor([3, 0]), torch.tensor([2, 4])
+    ctx.backend.swap_kv_blocks(caches, host, out_src.to(ctx.device), out_dst)
+    ctx.backend.swap_kv_blocks(host, caches, in_src, in_dst.to(ctx.device))
+    ref_ops.swap_kv_blocks(refs, ref_host, out_src, out_dst)
+    ref_ops.swap_kv_blocks(ref_host, refs, in_src, in_dst)
+    for i, (c, r) in enumerate(zip(caches, refs)):
+        ctx.compare(gather_all(ctx, c, nb), r, f"layer {i} after swap out and back in", exact=True)
+
+
+# ---- fused ops --------------------------------------------------------------------------------------------------
+def check_rms_norm(ctx: CaseContext) -> None:
+    hidden = ctx.params["hidden"]
+    x = ctx.randn(7, hidden, scale=3.0)
+    w = (1.0 + 0.1 * ctx.randn(hidden, dtype=torch.float32)).to(ctx.dtype)
+    poison_allocator(x.numel(), ctx.dtype, ctx.device)
+    ctx.compare(ctx.backend.rms_norm(x, w, 1e-6), ref_ops.rms_norm(x, w, 1e-6), "rms_norm output")
+
+
+def check_silu_and_mul(ctx: CaseContext) -> None:
+    x = ctx.randn(7, 2 * ctx.params["hidden"], scale=2.0)
+    poison_allocator(x.numel() // 2, ctx.dtype, ctx.device)
+    ctx.compare(ctx.backend.silu_and_mul(x), ref_ops.silu_and_mul(x), "silu_and_mul output")
+
+
+def check_rotary(ctx: CaseContext) -> None:
+    hs, rot, max_pos, t = ctx.params["head_size"], ctx.params["rot_dim"], 64, 9
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot))
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device=ctx.device, dtype=ctx.dtype)
+    positions = ctx.randint(max_pos, t)
+    q, k = ctx.randn(t, 2 * NUM_KV_HEADS, hs), ctx.randn(t, NUM_KV_HEADS, hs)
+    q0, k0 = q.clone(), k.clone()
+    out_q, out_k = ctx.backend.rotary(positions, q, k, cos_sin)
+    ref_q, ref_k = ref_ops.rotary(positions, q0, k0, cos_sin)
+    ctx.compare(out_q, ref_q, "rotated query")
+    ctx.compare(out_k, ref_k, "rotated key")

@@ -1,0 +1,169 @@
+"""Enumerate a backend's conformance cases from its declared Capabilities, select, run, report."""
+
+from __future__ import annotations
+
+import re
+import time
+import traceback
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+
+from pagedllm.backends import Backend, BackendError, get_backend
+from pagedllm.conformance import checks_e2e, checks_kernels as K, checks_runtime as R
+from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested, case_seed
+from pagedllm.conformance.report import CaseResult, Report, case_id
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Default (atol, rtol) per dtype; data-movement hooks (write_kv, gather/copy/swap) are compared exactly.
+DEFAULT_TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)}
+#: Query heads per KV head tried for attention: MHA, an odd group (e.g. SmolLM2's 3), a power of two.
+GQA_RATIOS = (1, 3, 4)
+
+
+@dataclass
+class Case:
+    feature: str
+    kernel: str
+    model: str
+    dtype: str
+    check: Callable[[CaseContext], None]
+    params: dict = field(default_factory=dict)
+    untested: str = ""  # set when the backend's capabilities rule the case out
+
+    @property
+    def id(self) -> str:
+        return case_id(self.kernel, self.model, self.dtype)
+
+
+def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) -> list[Case]:
+    """Every case implied by ``backend.capabilities``: dtypes x head sizes x block sizes x GQA ratios."""
+    caps = backend.capabilities
+    hs0, bs0 = caps.head_sizes[0], caps.block_sizes[0]
+    cases = [Case("memory", "memory_info", "-", "-", R.check_memory_info)]
+    for dt in caps.dtypes:
+        for bs in caps.block_sizes:
+            cases.append(Case("kv_cache", "allocate_kv_cache", f"hs{hs0}-bs{bs}", dt, R.check_allocator,
+                              dict(head_size=hs0, block_size=bs)))
+        for hs, bs in product(caps.head_sizes, caps.block_sizes):
+            cases.append(Case("kv_cache", "write_kv", f"hs{hs}-bs{bs}", dt, K.check_write_kv,
+                              dict(head_size=hs, block_size=bs)))
+        for bs in caps.block_sizes:
+            for name, fn in (("gather_kv_blocks", K.check_gather), ("copy_kv_blocks", K.check_copy),
+                             ("swap_kv_blocks", K.check_swap)):
+                cases.append(Case("kv_cache", name, f"hs{hs0}-bs{bs}", dt, fn, dict(head_size=hs0, block_size=bs)))
+        for scenario, hs, bs, g in product(("decode", "prefill", "mixed"), caps.head_sizes, caps.block_sizes,
+                                           gqa_ratios):
+            cases.append(Case("attention", f"paged_attention.{scenario}", f"hs{hs}-bs{bs}-gqa{g}", dt,
+                              K.check_attention, dict(scenario=scenario, head_size=hs, block_size=bs, gqa=g)))
+        g = max(gqa_ratios)
+        for bs in caps.block_sizes:
+            cases.append(Case("attention", "paged_attention.sliding_window", f"hs{hs0}-bs{bs}-gqa{g}", dt,
+                              K.check_attention, dict(scenario="mixed", head_size=hs0, block_size=bs, gqa=g,
+                                                      sliding_window=bs // 2 + 3),
+                              untested="" if caps.sliding_window else "capabilities do not declare sliding_window"))
+            cases.append(Case("attention", "paged_attention.soft_cap", f"hs{hs0}-bs{bs}-gqa{g}", dt,
+                              K.check_attention, dict(scenario="mixed", head_size=hs0, block_size=bs, gqa=g,
+                                                      soft_cap=1.5, query_scale=3.0),
+                              untested="" if caps.soft_cap else "capabilities do not declare soft_cap"))
+        cases.append(Case("fused_ops", "rms_norm", "hidden576", dt, K.check_rms_norm, dict(hidden=576)))
+        cases.append(Case("fused_ops", "silu_and_mul", "d320", dt, K.check_silu_and_mul, dict(hidden=320)))
+        for hs in caps.head_sizes:
+            for rot in (hs, hs // 2):
+                cases.append(Case("fused_ops", "rotary", f"hs{hs}-rot{rot}", dt, K.check_rotary,
+                                  dict(head_size=hs, rot_dim=rot)))
+    dt0 = "float32" if "float32" in caps.dtypes else caps.dtypes[0]
+    cases.append(Case("graph", "graph_runner.replay_vs_eager", f"tiny-decoder-hs{hs0}-bs{bs0}", dt0,
+                      R.check_graph_replay, dict(head_size=hs0, block_size=bs0)))
+    hs_e2e = 64 if 64 in caps.head_sizes else hs0
+    cases.append(Case("e2e", "greedy_parity_vs_hf", f"tiny-llama-hs{hs_e2e}", "float32",
+                      checks_e2e.check_greedy_parity, dict(head_size=hs_e2e, block_size=bs0),
+                      untested="" if "float32" in caps.dtypes else "greedy parity needs float32, not declared"))
+    for c in cases:
+        if c.dtype not in DTYPES and c.dtype != "-" and not c.untested:
+            c.untested = f"dtype {c.dtype!r} is not known to the conformance suite"
+    return cases
+
+
+def _match(pattern: str, case: Case) -> bool:
+    """Shell-style ``*``/``?`` (brackets literal) against the case id, its kernel or its feature."""
+    rx = re.compile(re.escape(pattern).replace(r"\*", ".*").replace(r"\?", ".") + r"\Z")
+    return any(rx.match(s) for s in (case.id, case.kernel, case.feature))
+
+
+def selection_reason(case: Case, allow: Optional[Iterable[str]], exclude: Optional[Iterable[str]]) -> str:
+    """Why ``case`` is not run ('' when it is): capabilities, the allowlist, or an exclusion."""
+    if case.untested:
+        return case.untested
+    allow, exclude = list(allow or []), list(exclude or [])
+    if allow and not any(_match(p, case) for p in allow):
+        return "not in the allowlist"
+    for p in exclude:
+        if _match(p, case):
+            return f"excluded by {p!r}"
+    return ""
+
+
+def tolerance(case: Case, overrides: Optional[dict]) -> tuple[float, float]:
+    """A matching pattern key of ``overrides`` wins, then a dtype key, then :data:`DEFAULT_TOLERANCES`."""
+    overrides = overrides or {}
+    for key, tol in overrides.items():
+        if key not in DTYPES and _match(key, case):
+            return tuple(tol)  # type: ignore[return-value]
+    return tuple(overrides.get(case.dtype, DEFAULT_TOLERANCES.get(case.dtype, (0.0, 0.0))))  # type: ignore
+
+
+def run_case(backend: Backend, case: Case, tolerances: Optional[dict] = None, seed: int = 0) -> CaseResult:
+    atol, rtol = tolerance(case, tolerances)
+    ctx = CaseContext(backend, backend.device(), DTYPES.get(case.dtype, torch.float32), case.params, atol, rtol,
+                      case_seed(seed, case.id))
+    t0 = time.perf_counter()
+    status, error = "passing", ""
+    try:
+        with torch.no_grad():
+            case.check(ctx)
+    except Untested as e:
+        status, error = "untested", str(e)
+    except CheckFailed as e:
+        status, error = "failing", str(e)
+    except Exception as e:  # the backend raised: a failure, with where it came from
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        status, error = "failing", f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})"
+    return CaseResult(case.feature, case.kernel, case.model, case.dtype, status, error,
+                      "; ".join(dict.fromkeys(ctx.notes)), ctx.max_abs_err if status != "untested" else None,
+                      round(time.perf_counter() - t0, 3))
+
+
+def run_conformance(backend: Union[str, Backend], report_dir: Optional[str] = None,
+                    allow: Optional[Iterable[str]] = None, exclude: Optional[Iterable[str]] = None,
+                    tolerances: Optional[dict] = None, *, seed: int = 0, gqa_ratios: Iterable[int] = GQA_RATIOS,
+                    progress: Optional[Callable[[CaseResult], None]] = None) -> Report:
+    """Check every contract hook of ``backend`` (a name or a :class:`Backend`) against core's reference ops.
+
+    ``allow``/``exclude``: patterns (``*``, ``?``) on case ids ``kernel[model|dtype]``, kernels or features; cases
+    not selected are reported untested. ``tolerances``: ``{dtype or pattern: (atol, rtol)}`` overrides. Writes
+    ``conformance-<name>.{md,json,csv}`` to ``report_dir`` when given.
+    """
+    be = get_backend(backend) if isinstance(backend, str) else backend
+    if not be.probe.usable:
+        raise BackendError(f"backend {be.name!r} is not usable here: {be.probe.reason}")
+    import pagedllm
+
+    caps = be.capabilities
+    report = Report(be.name, str(be.device()), environment={
+        "pagedllm": getattr(pagedllm, "__version__", "?"), "torch": torch.__version__,
+        "device_name": be.probe.device_name, "graph_capture": caps.graph_capture, "seed": seed})
+    for case in enumerate_cases(be, tuple(gqa_ratios)):
+        reason = selection_reason(case, allow, exclude)
+        if reason:
+            result = CaseResult(case.feature, case.kernel, case.model, case.dtype, "untested", reason)
+        else:
+            result = run_case(be, case, tolerances, seed)
+        report.results.append(result)
+        if progress is not None:
+            progress(result)
+    if report_dir:
+        report.write(report_dir)
+    return report

@@ -1,0 +1,24 @@
+"""The ``cuda`` backend: core's portable Triton kernels plus the shared torch.cuda hooks (memory, CUDA graphs, nccl).
+
+Everything but identity and probe is shared with the rocm backend (``pagedllm.kernels``); loading this module
+imports neither Triton nor any CUDA library.
+"""
+
+from pagedllm.hookspec import BackendInfo, ProbeResult, hookimpl
+from pagedllm.kernels import torch_cuda
+from pagedllm.kernels.ops_plugin import (pagedllm_paged_attention, pagedllm_rms_norm,  # noqa: F401
+                                         pagedllm_rotary, pagedllm_silu_and_mul, pagedllm_write_kv)
+from pagedllm.kernels.torch_cuda import (pagedllm_capabilities, pagedllm_distributed_backend,  # noqa: F401
+                                         pagedllm_graph_runner, pagedllm_memory_info, pagedllm_set_device,
+                                         pagedllm_synchronize)
+
+
+@hookimpl
+def pagedllm_backend_info() -> BackendInfo:
+    return BackendInfo(name="cuda", device_type="cuda", priority=100, extra="cuda",
+                       description="NVIDIA GPUs: Triton paged attention, CUDA graphs for decode, nccl")
+
+
+@hookimpl
+def pagedllm_probe() -> ProbeResult:
+    return torch_cuda.probe("cuda")
