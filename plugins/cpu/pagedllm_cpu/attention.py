@@ -1,0 +1,272 @@
+"""Paged attention and KV writes on the canonical layout ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+
+Decodes are batched (no per-token Python): their blocks are gathered through the block tables into a padded
+``[B, S, Hkv, D]`` buffer and attended by torch's fused CPU SDPA with GQA, a few sequences at a time so the keys are
+still in cache; sequences of very different lengths go in separate groups so nobody pads to the longest. Prefill
+chunks run one sequence at a time through the same fused SDPA (causal, or an explicit mask over cached context).
+Everything that depends only on the batch (gather indices, masks) is computed once per step and cached in
+``meta.extra``, since the model calls attention once per layer with the same metadata. Soft-capping is not in SDPA:
+it takes a float32 matmul path.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention import AttentionMetadata
+
+_PLAN_KEY = "pagedllm_cpu.plan"
+_CHUNK_BYTES = 8 << 20  # gathered K+V per decode chunk: stays in cache between the gather and the attention
+_SCORES_BUDGET = 1 << 25  # float32 scores per soft-capped prefill pass (128 MiB)
+_local = threading.local()
+
+
+def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A flat scratch buffer reused across layers and steps: a fresh multi-MB tensor per call costs more in page
+    faults than the gather itself. Per thread, so concurrent engines never share one."""
+    pool = _local.__dict__.setdefault("pool", {})
+    buf = pool.get((dtype, device))
+    if buf is None or buf.numel() < numel:
+        buf = pool[(dtype, device)] = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+    return buf[:numel]
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter ``[T, Hkv, D]`` keys/values into flat slots with ``index_copy_``; slots < 0 are skipped."""
+    _, nb, bs, h, d = kv_cache.shape
+    slots = slot_mapping
+    if slots.numel() and int(slots.min()) < 0:
+        keep = slots >= 0
+        slots, key, value = slots[keep], key[keep], value[keep]
+    slots = slots.long()
+    kv_cache[0].view(nb * bs, h, d).index_copy_(0, slots, key.to(kv_cache.dtype))
+    kv_cache[1].view(nb * bs, h, d).index_copy_(0, slots, value.to(kv_cache.dtype))
+
+
+@dataclass
+class _DecodeGroup:
+    """Decodes batched into one op: ``nblk`` blocks gathered per sequence (from the first block its window needs)
+    into ``S = nblk * bs`` key rows; ``valid[b, s]`` says whether row s is a real key of sequence b in its window."""
+
+    rows: Optional[torch.Tensor]  # long [B]: the group's query rows; None = all decodes, in order
+    block_ids: torch.Tensor  # long [B * nblk]
+    valid: torch.Tensor  # bool [B, S]
+    nblk: int
+    biases: dict = field(default_factory=dict)  # dtype -> additive mask [B, 1, 1, S] (0 / -inf)
+    _chunks: dict = field(default_factory=dict)
+
+    def chunks(self, size: int) -> list[tuple[int, int, Optional[torch.Tensor]]]:
+        """(first, end, invalid rows of the chunk's flat [n * S] keys or None) per chunk of ``size`` sequences."""
+        got = self._chunks.get(size)
+        if got is None:
+            got = self._chunks[size] = []
+            for s0 in range(0, self.valid.shape[0], size):
+                s1 = min(s0 + size, self.valid.shape[0])
+                inv = (~self.valid[s0:s1]).view(-1).nonzero().squeeze(1)
+                got.append((s0, s1, inv if inv.numel() else None))
+        return got
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """SDPA takes an additive mask in the query's dtype faster than a bool one it must convert every call."""
+        b = self.biases.get(dtype)
+        if b is None:
+            v = self.valid.view(self.valid.shape[0], 1, 1, -1)
+            b = self.biases[dtype] = torch.zeros(v.shape, dtype=dtype, device=v.device).masked_fill_(~v, float("-inf"))
+        return b
+
+
+@dataclass
+class _PrefillSeq:
+    """One prefill chunk: query rows [start, end), keys at positions [k_lo, seq_len) read from ``block_ids``."""
+
+    start: int
+    end: int
+    block_ids: torch.Tensor  # long [nblk]
+    skip: int  # rows of the first gathered block before k_lo
+    num_keys: int  # seq_len - k_lo
+    mask: Optional[torch.Tensor]  # bool [L, num_keys], None when plain causal with no cached context
+    biases: dict = field(default_factory=dict)  # dtype -> additive mask [1, 1, L, num_keys] (0 / -inf)
+
+    def bias(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The mask as SDPA takes it fastest (a bool mask is converted on every call, every layer)."""
+        if self.mask is None:
+            return None
+        b = self.biases.get(dtype)
+        if b is None:
+            b = self.biases[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))[None, None]
+        return b
+
+
+@dataclass
+class _Plan:
+    decodes: list[_DecodeGroup]
+    prefills: list[_PrefillSeq]
+
+
+def _split_by_length(nblk: list[int]) -> list[list[int]]:
+    """Group decode indices so no sequence is padded to more than twice its own block count: one long context
+    must not make the whole batch attend over its length. Usually one group (similar lengths), in order."""
+    if max(nblk) < 2 * min(nblk):
+        return [list(range(len(nblk)))]
+    groups: list[list[int]] = []
+    for i in sorted(range(len(nblk)), key=lambda j: -nblk[j]):
+        if not groups or 2 * nblk[i] <= nblk[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
+def _decode_group(meta: AttentionMetadata, rows: Optional[list[int]], seq_lens: torch.Tensor, first: torch.Tensor,
+                  num_blocks: int) -> _DecodeGroup:
+    bs = meta.block_size
+    bt = meta.block_tables[: meta.num_decodes].long()
+    idx = None
+    if rows is not None:
+        idx = torch.tensor(rows, dtype=torch.long, device=bt.device)
+        seq_lens, first, bt = seq_lens[idx], first[idx], bt[idx]
+    first_blk = first // bs
+    nblk = int(((seq_lens - 1) // bs - first_blk).max()) + 1
+    cols = (first_blk[:, None] + torch.arange(nblk, device=bt.device)[None, :]).clamp_(max=bt.shape[1] - 1)
+    block_ids = bt.gather(1, cols).clamp_(0, num_blocks - 1).reshape(-1)
+    pos = first_blk[:, None] * bs + torch.arange(nblk * bs, device=bt.device)[None, :]
+    valid = (pos < seq_lens[:, None]) & (pos >= first[:, None])
+    return _DecodeGroup(idx, block_ids, valid, nblk)
+
+
+def _plan_decodes(meta: AttentionMetadata, window: Optional[int], num_blocks: int) -> list[_DecodeGroup]:
+    b = meta.num_decodes
+    if b == 0:
+        return []
+    bs = meta.block_size
+    seq_lens = meta.seq_lens[:b].long()
+    first = (seq_lens - window).clamp_(min=0) if window is not None else torch.zeros_like(seq_lens)
+    nblk = ((seq_lens - 1) // bs - first // bs + 1).tolist()
+    groups = _split_by_length(nblk)
+    if len(groups) == 1:
+        return [_decode_group(meta, None, seq_lens, first, num_blocks)]
+    return [_decode_group(meta, g, seq_lens, first, num_blocks) for g in groups]
+
+
+def _plan_prefills(meta: AttentionMetadata, window: Optional[int]) -> list[_PrefillSeq]:
+    bs = meta.block_size
+    qsl = meta.query_start_loc_cpu
+    out = []
+    for i in range(meta.num_decodes, meta.num_seqs):
+        start, end, seq_len = qsl[i], qsl[i + 1], meta.seq_lens_cpu[i]
+        qlen = end - start
+        if qlen == 0:
+            continue
+        q_lo = seq_len - qlen  # position of the chunk's first query token
+        k_lo = max(0, q_lo - window + 1) if window is not None else 0
+        b0, b1 = k_lo // bs, (seq_len + bs - 1) // bs
+        block_ids = meta.block_tables[i, b0:b1].long()
+        mask = None
+        if q_lo > 0 or (window is not None and window < qlen):
+            q_pos = torch.arange(q_lo, seq_len)[:, None]
+            k_pos = torch.arange(k_lo, seq_len)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= (q_pos - k_pos) < window
+            mask = mask.to(block_ids.device)
+        out.append(_PrefillSeq(start, end, block_ids, k_lo - b0 * bs, seq_len - k_lo, mask))
+    return out
+
+
+def _get_plan(meta: AttentionMetadata, window: Optional[int], num_blocks: int) -> _Plan:
+    plans = meta.extra.setdefault(_PLAN_KEY, {})
+    plan = plans.get(window)
+    if plan is None:
+        plan = plans[window] = _Plan(_plan_decodes(meta, window, num_blocks), _plan_prefills(meta, window))
+    return plan
+
+
+def _decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float,
+            soft_cap: Optional[float], out: torch.Tensor) -> None:
+    """Attention for one decode group: its query rows ``[B, H, D]`` -> ``out`` ``[B, H, D]``.
+
+    Sequences go in chunks of about ``_CHUNK_BYTES`` of gathered K/V, so the attention reads its keys from cache
+    rather than DRAM: the same speed at short contexts, 15-35% faster at contexts of 500-2000 than one gather."""
+    b = group.valid.shape[0]
+    _, nb, bs, hkv, d = kv_cache.shape
+    h = query.shape[1]
+    s = group.nblk * bs
+    row = bs * hkv * d
+    per_seq = 2 * s * hkv * d * kv_cache.element_size()
+    bias = group.bias(query.dtype if soft_cap is None else torch.float32)
+    for s0, s1, invalid_rows in group.chunks(max(1, _CHUNK_BYTES // per_seq)):
+        n = s1 - s0
+        kv = _workspace(2 * n * group.nblk * row, kv_cache.dtype, kv_cache.device).view(2, -1, row)
+        for i in range(2):  # index_select on the leading dim into a reused buffer: copy bandwidth
+            torch.index_select(kv_cache[i].view(nb, row), 0, group.block_ids[s0 * group.nblk:s1 * group.nblk],
+                               out=kv[i])
+            if invalid_rows is not None:  # unwritten/out-of-window slots may hold anything, even NaN: 0*NaN=NaN
+                kv[i].view(n * s, hkv * d).index_fill_(0, invalid_rows, 0)
+        kv = kv.view(2, n, s, hkv, d)
+        k, v = kv[0], kv[1]
+        if soft_cap is None:
+            q = query[s0:s1].reshape(n, h, 1, d)
+            out[s0:s1] = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias[s0:s1],
+                                                        scale=scale, enable_gqa=True).view(n, h, d)
+            continue
+        g = h // hkv
+        q = query[s0:s1].reshape(n, hkv, g, d).float()
+        scores = torch.einsum("bkgd,bskd->bkgs", q, k.float()).mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+        scores.add_(bias[s0:s1])
+        probs = torch.softmax(scores, dim=-1)
+        out[s0:s1] = torch.einsum("bkgs,bskd->bkgd", probs, v.float()).reshape(n, h, d)
+
+
+def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale: float,
+             soft_cap: Optional[float]) -> torch.Tensor:
+    _, nb, bs, hkv, d = kv_cache.shape
+    h = query.shape[1]
+    n = p.block_ids.numel()
+    row = bs * hkv * d
+    kv = _workspace(2 * n * row, kv_cache.dtype, kv_cache.device).view(2, n, row)
+    for i in range(2):
+        torch.index_select(kv_cache[i].view(nb, row), 0, p.block_ids, out=kv[i])
+    kv = kv.view(2, n * bs, hkv, d)[:, p.skip:p.skip + p.num_keys]
+    k, v = kv[0], kv[1]
+    q = query[p.start:p.end]  # [L, H, D]
+    if soft_cap is None:  # 4-D: torch's fused CPU kernel takes only 4-D inputs (3-D runs the slow math path)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                             attn_mask=p.bias(q.dtype), is_causal=p.mask is None, scale=scale,
+                                             enable_gqa=True)
+        return out[0].transpose(0, 1)
+    g = h // hkv
+    qlen = q.shape[0]
+    mask = p.mask if p.mask is not None else torch.ones(qlen, p.num_keys, dtype=torch.bool).tril_()
+    kf, vf = k.float().transpose(0, 1), v.float().transpose(0, 1)  # [Hkv, S, D]
+    out = torch.empty(qlen, h, d, dtype=query.dtype, device=query.device)
+    step = max(1, _SCORES_BUDGET // (h * p.num_keys))  # query rows per pass: bounds the float32 score matrix
+    for r in range(0, qlen, step):
+        n = min(step, qlen - r)
+        qg = q[r:r + n].float().view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
+        scores = torch.bmm(qg, kf.transpose(1, 2)).mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+        scores = scores.view(hkv, g, n, -1).masked_fill_(~mask[r:r + n], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(hkv, g * n, -1)
+        out[r:r + n] = torch.bmm(probs, vf).view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, h, d)
+    return out
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None) -> torch.Tensor:
+    """Same semantics as ``pagedllm.ref_ops.paged_attention`` (see the hookspec); returns ``[T, H, D]``."""
+    plan = _get_plan(meta, sliding_window, kv_cache.shape[1])
+    out = torch.empty_like(query)
+    for group in plan.decodes:
+        if group.rows is None:
+            _decode(query[: meta.num_decodes], kv_cache, group, scale, soft_cap, out[: meta.num_decodes])
+        else:
+            res = torch.empty((group.rows.numel(),) + query.shape[1:], dtype=query.dtype, device=query.device)
+            _decode(query.index_select(0, group.rows), kv_cache, group, scale, soft_cap, res)
+            out.index_copy_(0, group.rows, res)
+    for p in plan.prefills:
+        out[p.start:p.end] = _prefill(query, kv_cache, p, scale, soft_cap)
+    return out

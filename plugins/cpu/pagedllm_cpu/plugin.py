@@ -1,0 +1,89 @@
+"""The CPU backend's hook implementations (entry point ``cpu`` in group ``pagedllm.backends``).
+
+KV caches use the canonical layout, so core's reference gather/copy/swap apply unchanged; rms_norm and silu_and_mul
+also stay on the reference ops, which were as fast as anything tried (see ``ops.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
+                               ProbeResult, hookimpl)
+from pagedllm_cpu import attention, graph, ops, platform
+
+#: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
+_DEFAULT_KV_BYTES = 4 << 30
+_DEFAULT_KV_FRACTION = 0.4
+
+
+@hookimpl
+def pagedllm_backend_info() -> BackendInfo:
+    return BackendInfo(name="cpu", device_type="cpu", priority=10, api_version=API_VERSION, extra="cpu",
+                       description="host CPU: paged attention through torch SDPA (fp32 fast path)")
+
+
+@hookimpl
+def pagedllm_probe() -> ProbeResult:
+    try:
+        torch.empty(1, device="cpu")
+    except Exception as e:  # a broken torch install is the only way a CPU is unusable
+        return ProbeResult(False, f"torch cannot allocate CPU tensors: {type(e).__name__}: {e}")
+    return ProbeResult(True, f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+                             f"kernels for {torch.backends.cpu.get_cpu_capability()}", platform.device_name())
+
+
+@hookimpl
+def pagedllm_capabilities() -> Capabilities:
+    return Capabilities(
+        dtypes=("float32", "bfloat16", "float16"),
+        kv_cache_dtypes=("auto",),
+        head_sizes=(32, 64, 80, 96, 128, 256),
+        block_sizes=(8, 16, 32, 64, 128),
+        graph_capture=graph.CAPTURE_LEVEL,
+        sliding_window=True,
+        soft_cap=True,
+    )
+
+
+@hookimpl
+def pagedllm_memory_info(device: torch.device) -> MemoryInfo:
+    total, avail = platform.memory_bytes()
+    return MemoryInfo(total_bytes=total, free_bytes=avail, pinned_host=False,
+                      default_kv_bytes=min(_DEFAULT_KV_BYTES, int(avail * _DEFAULT_KV_FRACTION)))
+
+
+@hookimpl
+def pagedllm_distributed_backend() -> str:
+    return "gloo"
+
+
+@hookimpl
+def pagedllm_allocate_kv_cache(spec: KVCacheSpec) -> list:
+    shape = (2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    return [torch.zeros(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+
+
+@hookimpl
+def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    attention.write_kv(key, value, kv_cache, slot_mapping)
+
+
+@hookimpl
+def pagedllm_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float,
+                             sliding_window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
+    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap)
+
+
+@hookimpl
+def pagedllm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                    cos_sin_cache: torch.Tensor) -> tuple:
+    return ops.rotary(positions, query, key, cos_sin_cache)
+
+
+@hookimpl
+def pagedllm_graph_runner(model: Any, max_num_seqs: int, device: torch.device) -> GraphRunner:
+    return graph.make_runner(model, max_num_seqs, device)
