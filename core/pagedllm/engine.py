@@ -322,7 +322,8 @@ class LLMEngine:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
             elif status is not None:
                 detok.finish()
-            req.output_text = detok.output_text
+            # While running, expose only text that can no longer turn into a stop string (as vLLM does).
+            req.output_text = detok.output_text if status is not None else detok.emitted_text
         if status is not None:
             self.scheduler.finish(req, status)
 

@@ -60,14 +60,14 @@ def run_hf(model_path: str, prompts: list[list[int]], output_len: int, repeats: 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()
     ids = torch.tensor(prompts)
-    kw = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
-              attention_mask=torch.ones_like(ids), pad_token_id=0)
+    kw = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(ids[:2], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm up
+        warm = ids[:2]
+        model.generate(warm, attention_mask=torch.ones_like(warm), **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            model.generate(ids, **kw)
+            model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
             times.append(time.perf_counter() - t)
     return times
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config
 
@@ -16,7 +17,8 @@ def add_parser(sub) -> None:
     add_engine_args(p, model_positional=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (env: none)")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported in responses (default: MODEL)")
     p.add_argument("--chat-template", default=None, help="Jinja chat template, or a file holding one")
@@ -28,7 +30,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.api_server import serve
+    try:
+        from pagedllm.entrypoints.api_server import serve
+    except ImportError as e:
+        raise SystemExit(f"pagedllm serve needs the serving extras ({e.name} is missing): "
+                         "pip install 'pagedllm[serve]'") from None
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,

@@ -1,0 +1,222 @@
+"""Online serving benchmark against any OpenAI-compatible server (``pagedllm serve``, ``vllm serve``).
+
+Requests arrive as a Poisson process at ``--request-rate`` (inf: all at once), each a streamed /v1/completions call
+with a random token-id prompt of exactly ``--input-len`` tokens and ``ignore_eos`` so it yields exactly
+``--output-len`` tokens. Reports request and token throughput and TTFT / TPOT / ITL / end-to-end latency (mean,
+median, p99), as vLLM's ``benchmarks/benchmark_serving.py`` defines them:
+TTFT: send -> first chunk carrying output (text, or token ids: ``return_token_ids``, vLLM's extension, makes
+tokenizer-less models measurable); TPOT per request: (latency - TTFT) / (output tokens - 1);
+ITL: the gaps between successive output chunks (a chunk may carry several tokens when the server coalesces).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import numpy as np
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+
+
+@dataclass
+class ServeBenchResult:
+    base_url: str
+    model: str
+    num_prompts: int
+    request_rate: float
+    input_len: int
+    output_len: int
+    max_concurrency: Optional[int]
+    duration_s: float = 0.0
+    completed: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+    total_input_tokens: int = 0
+    total_output_tokens: int = 0
+    request_throughput: float = 0.0
+    output_throughput: float = 0.0
+    total_token_throughput: float = 0.0
+    mean_ttft_ms: float = 0.0
+    median_ttft_ms: float = 0.0
+    p99_ttft_ms: float = 0.0
+    mean_tpot_ms: float = 0.0
+    median_tpot_ms: float = 0.0
+    p99_tpot_ms: float = 0.0
+    mean_itl_ms: float = 0.0
+    median_itl_ms: float = 0.0
+    p99_itl_ms: float = 0.0
+    mean_e2el_ms: float = 0.0
+    median_e2el_ms: float = 0.0
+    p99_e2el_ms: float = 0.0
+
+
+def make_prompts(num: int, input_len: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(num)]
+
+
+def arrival_gaps(num: int, rate: float, seed: int) -> list[float]:
+    """Poisson process: exponential inter-arrival gaps with mean 1/rate (all zero for an infinite rate)."""
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed + 1)
+    return [rng.expovariate(rate) for _ in range(num)]
+
+
+async def _one(client, url: str, headers: dict, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    res = RequestResult(prompt_len=len(prompt))
+    payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res.error = str(obj["error"].get("message"))
+                    return res
+                if obj.get("usage"):
+                    res.output_tokens = obj["usage"]["completion_tokens"]
+                choices = obj.get("choices") or []
+                if choices and (choices[0].get("text") or choices[0].get("token_ids")):
+                    t = time.perf_counter()
+                    if res.ttft == 0.0:
+                        res.ttft = t - start
+                    else:
+                        res.itl.append(t - last)
+                    last = t
+        res.latency = time.perf_counter() - start
+        res.ok = res.ttft > 0.0
+        if not res.ok:
+            res.error = "no text received"
+    except Exception as e:  # network errors count as failures, the run goes on
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def _stats(values: list[float]) -> tuple[float, float, float]:
+    if not values:
+        return 0.0, 0.0, 0.0
+    a = np.asarray(values) * 1000.0
+    return float(a.mean()), float(np.median(a)), float(np.percentile(a, 99))
+
+
+async def run_async(base_url: str, num_prompts: int, request_rate: float, input_len: int, output_len: int,
+                    model: Optional[str] = None, api_key: Optional[str] = None, max_concurrency: Optional[int] = None,
+                    seed: int = 0, token_id_range: tuple[int, int] = (100, 1000),
+                    warmup: bool = True) -> ServeBenchResult:
+    import httpx
+
+    base = base_url.rstrip("/")
+    if base.endswith("/v1"):
+        base = base[:-3]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        if model is None:
+            r = await client.get(f"{base}/v1/models", headers=headers)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        url = f"{base}/v1/completions"
+        prompts = make_prompts(num_prompts, input_len, *token_id_range, seed)
+        if warmup:
+            w = await _one(client, url, headers, model, prompts[0], min(output_len, 4))
+            if not w.ok:
+                raise RuntimeError(f"warm-up request failed: {w.error}")
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+        async def limited(p: list[int]) -> RequestResult:
+            if sem is None:
+                return await _one(client, url, headers, model, p, output_len)
+            async with sem:
+                return await _one(client, url, headers, model, p, output_len)
+
+        tasks = []
+        t0 = time.perf_counter()
+        for p, gap in zip(prompts, arrival_gaps(num_prompts, request_rate, seed)):
+            if gap > 0:
+                await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(limited(p)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    out = ServeBenchResult(base, model, num_prompts, request_rate, input_len, output_len, max_concurrency,
+                           duration_s=duration)
+    ok = [r for r in results if r.ok]
+    out.completed, out.failed = len(ok), len(results) - len(ok)
+    out.errors = sorted({r.error for r in results if not r.ok})[:5]
+    out.total_input_tokens = sum(r.prompt_len for r in ok)
+    out.total_output_tokens = sum(r.output_tokens for r in ok)
+    out.request_throughput = out.completed / duration
+    out.output_throughput = out.total_output_tokens / duration
+    out.total_token_throughput = (out.total_input_tokens + out.total_output_tokens) / duration
+    out.mean_ttft_ms, out.median_ttft_ms, out.p99_ttft_ms = _stats([r.ttft for r in ok])
+    out.mean_tpot_ms, out.median_tpot_ms, out.p99_tpot_ms = _stats(
+        [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1])
+    out.mean_itl_ms, out.median_itl_ms, out.p99_itl_ms = _stats([x for r in ok for x in r.itl])
+    out.mean_e2el_ms, out.median_e2el_ms, out.p99_e2el_ms = _stats([r.latency for r in ok])
+    return out
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="online serving benchmark against an OpenAI-compatible server")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="model name to request (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--token-id-range", type=int, nargs=2, default=(100, 1000), metavar=("LO", "HI"),
+                   help="random prompt token ids are drawn from [LO, HI)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--json", default=None, help="write the result as JSON here")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    res = asyncio.run(run_async(args.base_url, args.num_prompts, args.request_rate, args.input_len, args.output_len,
+                                args.model, args.api_key, args.max_concurrency, args.seed,
+                                tuple(args.token_id_range), not args.no_warmup))
+    print(f"model={res.model} base_url={res.base_url}")
+    print(f"workload: {res.num_prompts} prompts x {res.input_len} -> {res.output_len} tokens, "
+          f"rate {res.request_rate} req/s, max concurrency {res.max_concurrency}")
+    print(f"completed {res.completed}, failed {res.failed} in {res.duration_s:.2f} s"
+          + (f"; errors: {res.errors}" if res.errors else ""))
+    print(f"throughput: {res.request_throughput:.2f} req/s, {res.output_throughput:.1f} output tok/s, "
+          f"{res.total_token_throughput:.1f} total tok/s")
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        print(f"{name.upper():>5} ms: mean {getattr(res, f'mean_{name}_ms'):.2f}  "
+              f"median {getattr(res, f'median_{name}_ms'):.2f}  p99 {getattr(res, f'p99_{name}_ms'):.2f}")
+    if args.json:
+        data = asdict(res)
+        if math.isinf(data["request_rate"]):
+            data["request_rate"] = "inf"  # strict JSON has no Infinity
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2)
+    return 0 if res.failed == 0 else 1

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP serving: ``pagedllm serve`` (FastAPI + uvicorn over an async engine thread)."""

@@ -1,0 +1,102 @@
+"""Prometheus metrics with vLLM's meanings under a ``pagedllm:`` prefix, one registry per app.
+
+Gauges and counters that the engine already keeps (running/waiting, KV usage, prefix-cache queries/hits, token
+counts, preemptions) are read at scrape time from the engine thread's latest stats snapshot by a custom collector, so
+nothing on the hot path touches prometheus. Latency histograms are observed by the HTTP handlers when a request ends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagedllm.engine import EngineStats
+from pagedllm.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.stats()
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"pagedllm:{name}", doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("num_requests_running", "Number of requests in model execution batches.", s.num_running)
+        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
+        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage)
+        yield gauge("kv_cache_used_blocks", "KV-cache blocks held by requests.", s.num_used_blocks)
+        yield gauge("kv_cache_total_blocks", "KV-cache blocks in the pool.", s.num_blocks)
+        yield gauge("kv_cache_cached_blocks", "Free KV-cache blocks still holding reusable prefix-cache content.",
+                    s.num_cached_blocks)
+        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      s.prefix_queries)
+        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_hits)
+        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
+        yield counter("prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
+        yield counter("generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+
+
+class ServerMetrics:
+    """The app's registry: engine snapshot collector plus request-latency histograms."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.registry.register(_EngineCollector(stats, model_name))
+        lab = ["model_name"]
+        self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              lab, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.tpot = Histogram("pagedllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds (request mean after the first).",
+                              lab, buckets=_TPOT_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("pagedllm:e2e_request_latency_seconds",
+                             "Histogram of end to end request latency in seconds.", lab, buckets=_E2E_BUCKETS,
+                             registry=self.registry).labels(model_name)
+        self.success = Counter("pagedllm:request_success", "Count of successfully processed requests.",
+                               ["model_name", "finished_reason"], registry=self.registry)
+        self.aborted = Counter("pagedllm:request_aborted", "Requests aborted (client disconnect or shutdown).",
+                               lab, registry=self.registry).labels(model_name)
+
+    def observe_finished(self, out: RequestOutput) -> None:
+        """Record one finished request's latencies from the engine's timestamps (wall clock, time.time())."""
+        m = out.metrics or {}
+        arrival, first, last = m.get("arrival_time"), m.get("first_token_time"), m.get("last_token_time")
+        now = time.time()
+        if arrival is not None:
+            self.e2e.observe(max(now - arrival, 0.0))
+            if first is not None:
+                self.ttft.observe(max(first - arrival, 0.0))
+        n = max((len(c.token_ids) for c in out.outputs), default=0)
+        if first is not None and last is not None and n > 1:
+            self.tpot.observe(max(last - first, 0.0) / (n - 1))
+        for c in out.outputs:
+            self.success.labels(self.model_name, c.finish_reason or "unknown").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

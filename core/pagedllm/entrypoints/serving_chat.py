@@ -1,0 +1,144 @@
+"""POST /v1/chat/completions: messages -> the tokenizer's chat template -> choices, streamed as SSE or whole.
+
+The template is applied exactly as ``LLM.chat`` does (``apply_chat_template(..., tokenize=True)``), so greedy output
+matches the offline API. A streamed choice opens with a ``{"role": "assistant"}`` delta and ends with a chunk
+carrying ``finish_reason``; ``stream_options.include_usage`` adds a final chunk with empty ``choices`` and the usage.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from pagedllm.entrypoints.async_engine import EngineDeadError
+from pagedllm.entrypoints.errors import APIError, error_body
+from pagedllm.entrypoints.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.serving_common import (
+    SSE_DONE,
+    ChoiceState,
+    Serving,
+    Usage,
+    merge_streams,
+    now,
+    random_id,
+    sse,
+    stream_response,
+    until_disconnect,
+)
+from pagedllm.sampling_params import SamplingParams
+
+_RENAME = {"logprobs": "top_logprobs", "prompt_token_ids": "messages", "prompt": "messages"}
+
+
+def render_chat(tokenizer: Any, messages: list[dict], template: Optional[str], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, kwargs: Optional[dict] = None) -> list[int]:
+    """Token ids of ``messages`` under the chat template; template problems are 400s naming ``messages``."""
+    if tokenizer is None:
+        raise APIError(400, "messages: this model was loaded without a tokenizer", param="messages")
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(400, "messages: the model's tokenizer has no chat template; start the server with "
+                            "--chat-template or pass chat_template", param="messages")
+    try:
+        ids = tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=True, return_dict=False,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
+            continue_final_message=continue_final_message, **(kwargs or {}))
+    except Exception as e:  # jinja errors ("roles must alternate", raise_exception) and bad kwargs
+        raise APIError(400, f"messages: could not apply the chat template: {e}", param="messages") from None
+    if hasattr(ids, "keys") and "input_ids" in ids:
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+class ChatServing(Serving):
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        arrival = time.time()
+        self.check_model(req.model)
+        params = self.make_params(req.to_sampling_params, _RENAME)
+        ids = render_chat(self.tokenizer, [m.to_template_dict() for m in req.messages],
+                          req.chat_template or self.chat_template, req.add_generation_prompt,
+                          req.continue_final_message, req.chat_template_kwargs)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        self.check_lengths(len(ids), req.max_new_tokens, field, prompt_field="messages")
+        rid = random_id("chatcmpl")
+        streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, _RENAME)
+        if req.stream:
+            return stream_response(self._stream(rid, req, params, streams), streams, self.metrics)
+        return await until_disconnect(self._full(rid, req, params, streams), raw, self.metrics)
+
+    def _k(self, req: ChatCompletionRequest) -> int:
+        return req.top_logprobs or 0
+
+    async def _full(self, rid: str, req: ChatCompletionRequest, params: SamplingParams, streams) -> JSONResponse:
+        final = None
+        try:
+            async for _, out in merge_streams(streams):
+                if out.finished:
+                    final = out
+                    self.finished(out)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        usage = Usage(prompt_tokens=len(final.prompt_token_ids))
+        choices = []
+        for c in final.outputs:
+            usage.completion_tokens += len(c.token_ids)
+            choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": (self.chat_logprobs(c, 0, len(c.token_ids), self._k(req))
+                                         if req.logprobs else None),
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                            **({"token_ids": list(c.token_ids)} if req.return_token_ids else {})})
+        choices.sort(key=lambda ch: ch["index"])
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+                             "choices": choices, "usage": usage.as_dict()})
+
+    async def _stream(self, rid: str, req: ChatCompletionRequest, params: SamplingParams,
+                      streams) -> AsyncIterator[str]:
+        created = now()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+        usage = Usage()
+        states: dict[int, ChoiceState] = {}
+
+        def chunk(index: int, delta: dict, logprobs: Optional[dict] = None, finish: Optional[str] = None,
+                  stop_reason=None, token_ids: Optional[list[int]] = None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": stop_reason}
+            if token_ids is not None:
+                choice["token_ids"] = token_ids
+            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
+                    "choices": [choice]}
+            if continuous:
+                body["usage"] = usage.as_dict()
+            return sse(body)
+
+        try:
+            for j in range(params.n):
+                yield chunk(j, {"role": "assistant", "content": ""})
+            async for _, out in merge_streams(streams):
+                usage.prompt_tokens = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    st = states.setdefault(c.index, ChoiceState())
+                    if st.finished:
+                        continue
+                    text, start, end = st.delta(c, params)
+                    usage.completion_tokens += end - start
+                    lp = self.chat_logprobs(c, start, end, self._k(req)) if req.logprobs and end > start else None
+                    finish = c.finish_reason
+                    if finish is not None:
+                        st.finished = True
+                    ids = c.token_ids[start:end] if req.return_token_ids else None
+                    if text or lp is not None or ids:
+                        yield chunk(c.index, {"content": text}, lp, token_ids=ids)
+                    if finish is not None:
+                        yield chunk(c.index, {}, None, finish, c.stop_reason)
+                if out.finished:
+                    self.finished(out)
+            if include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": self.model_name, "choices": [], "usage": usage.as_dict()})
+        except EngineDeadError as e:
+            yield sse(error_body(503, str(e), code="engine_unavailable"))
+        yield SSE_DONE

