@@ -286,7 +286,8 @@ class LLMEngine:
                 touched[parent.request_id] = parent
         outputs = []
         for parent in touched.values():
-            outputs.append(parent.output())
+            if parent.finished or parent.params.output_kind == "cumulative":
+                outputs.append(parent.output())
             if parent.finished:
                 self.parents.pop(parent.request_id, None)
                 for c in parent.children:

@@ -176,25 +176,29 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        computed_blocks: Sequence[KVBlock] = ()) -> bool:
         """Ensure blocks for ``num_computed_tokens + num_new_tokens`` tokens; False (and no change) if short."""
-        blocks = self.req_blocks.get(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(computed_blocks) * self.block_size
-        need = self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(computed_blocks)
-        idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # these leave the free queue too
-        if need + idle_hits > self.pool.num_free:
-            return False
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
-            blocks = blocks + list(computed_blocks)
-        if need > 0:
-            blocks = blocks + self.pool.take(need)
-        self.req_blocks[req.request_id] = blocks
+        rid, bs = req.request_id, self.block_size
+        blocks = self.req_blocks.get(rid, [])
+        num_computed = req.num_computed_tokens + len(computed_blocks) * bs
+        total = num_computed + num_new_tokens
+        need = -(-total // bs) - len(blocks) - len(computed_blocks)
+        if need > 0 or computed_blocks:  # (a decode step usually fits its last block: skip all of this)
+            idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # these leave the free queue too
+            if need + idle_hits > self.pool.num_free:
+                return False
+            if computed_blocks:
+                self.pool.touch(computed_blocks)
+                blocks = blocks + list(computed_blocks)
+            if need > 0:
+                blocks = blocks + self.pool.take(need)
+        self.req_blocks[rid] = blocks
         if self.enable_caching:  # publish blocks that will be full once this step's tokens are written
-            bs = self.block_size
-            full = min(num_computed + num_new_tokens, req.num_tokens) // bs
-            hashes = self._block_hashes(req, full * bs)
-            for i in range(self.req_registered.get(req.request_id, 0), full):
-                self.pool.register(blocks[i], hashes[i], tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
-            self.req_registered[req.request_id] = full
+            full = min(total, req.num_tokens) // bs
+            done = self.req_registered.get(rid, 0)
+            if full > done:
+                hashes = self._block_hashes(req, full * bs)
+                for i in range(done, full):
+                    self.pool.register(blocks[i], hashes[i], tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
+                self.req_registered[rid] = full
         return True
 
     def free(self, req: Request) -> None:

@@ -38,6 +38,8 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        final = {id(p): p.clone(output_kind="final_only") for p in params}  # generate() only reads final outputs
+        params = [final[id(p)] for p in params]
         engine = self.llm_engine
         ids = []
         try:

@@ -38,6 +38,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     priority: int = 0  # used by the `priority` scheduling policy: lower value runs first (vLLM's convention)
+    output_kind: str = "cumulative"  # "cumulative": an output every step; "final_only": only when finished
     _all_stop_token_ids: set = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +90,8 @@ class SamplingParams:
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.output_kind not in ("cumulative", "final_only"):
+            bad("output_kind", f"must be 'cumulative' or 'final_only', got {self.output_kind!r}")
         if not isinstance(self.priority, int):
             bad("priority", f"must be an integer, got {self.priority!r}")
 

@@ -227,3 +227,18 @@ def test_graph_runner_is_eager(cpu):
     runner = cpu.graph_runner(model, 8, torch.device("cpu"))
     assert runner.level == "none" == cpu.capabilities.graph_capture
     assert runner.run is model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rms_norm_and_silu_and_mul_match_reference(dtype):
+    from pagedllm import ref_ops
+    from pagedllm.backends import get_backend
+
+    b = get_backend("cpu")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 256, generator=g).to(dtype)
+    w = (1 + 0.2 * torch.randn(256, generator=g)).to(dtype)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    torch.testing.assert_close(b.rms_norm(x, w, 1e-6), ref_ops.rms_norm(x, w, 1e-6), **tol)
+    y = torch.randn(37, 512, generator=g).to(dtype)
+    torch.testing.assert_close(b.silu_and_mul(y), ref_ops.silu_and_mul(y), atol=0, rtol=0)

@@ -85,5 +85,15 @@ def pagedllm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
 
 
 @hookimpl
+def pagedllm_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return ops.rms_norm(x, weight, eps)
+
+
+@hookimpl
+def pagedllm_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return ops.silu_and_mul(x)
+
+
+@hookimpl
 def pagedllm_graph_runner(model: Any, max_num_seqs: int, device: torch.device) -> GraphRunner:
     return graph.make_runner(model, max_num_seqs, device)
