@@ -128,6 +128,8 @@ class LLMEngine:
         if num_host_blocks > 0:
             host_spec = replace(spec, num_blocks=num_host_blocks, device=torch.device("cpu"))
             self.host_caches = self.backend.allocate_kv_cache(host_spec)
+            if self.backend.memory_info(self.device).pinned_host:  # page-locked: async DMA for swap in/out
+                self.host_caches = [c.pin_memory() for c in self.host_caches]
             swap_pool = BlockPool(num_host_blocks, enable_caching=False)
         max_batched = config.max_num_batched_tokens or min(max(2048, self.max_model_len), 8192)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, max_batched, self.max_model_len,

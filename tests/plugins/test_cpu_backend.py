@@ -184,6 +184,7 @@ def test_decodes_in_cache_sized_chunks(cpu, monkeypatch, chunk_bytes, window, ca
     import pagedllm_cpu.attention as cpu_attention
 
     monkeypatch.setattr(cpu_attention, "_CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr(cpu_attention, "_SPLIT_MIN_BLOCKS", 0)  # keep short contexts in two length groups
     qlens, slens = [1] * 9 + [6], [3, 64, 17, 50, 1, 45, 60, 33, 64, 40]  # two length groups, 1-3 seqs per chunk
     query, cache, meta = make_batch(qlens, slens, 4, 2, 32, 16, torch.float32, seed=9)
     check(cpu, query, cache, meta, 0.2, window, cap)

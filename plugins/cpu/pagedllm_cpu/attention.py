@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from pagedllm.attention import AttentionMetadata
 
 _PLAN_KEY = "pagedllm_cpu.plan"
+_SPLIT_MIN_BLOCKS = 8  # decode batches whose longest context fits in this many blocks stay one group
 _CHUNK_BYTES = 8 << 20  # gathered K+V per decode chunk: stays in cache between the gather and the attention
 _SCORES_BUDGET = 1 << 25  # float32 scores per soft-capped prefill pass (128 MiB)
 _local = threading.local()
@@ -111,8 +112,9 @@ class _Plan:
 
 def _split_by_length(nblk: list[int]) -> list[list[int]]:
     """Group decode indices so no sequence is padded to more than twice its own block count: one long context
-    must not make the whole batch attend over its length. Usually one group (similar lengths), in order."""
-    if max(nblk) < 2 * min(nblk):
+    must not make the whole batch attend over its length. Usually one group (similar lengths), in order.
+    Short contexts (all within _SPLIT_MIN_BLOCKS) are never split: there the padding costs less than another call."""
+    if max(nblk) < 2 * min(nblk) or max(nblk) <= _SPLIT_MIN_BLOCKS:
         return [list(range(len(nblk)))]
     groups: list[list[int]] = []
     for i in sorted(range(len(nblk)), key=lambda j: -nblk[j]):
