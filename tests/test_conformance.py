@@ -10,7 +10,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,31 +18,7 @@ import torch.nn.functional as F
 from pagedllm.backends import Backend, discover
 from pagedllm.conformance import run_conformance
 from pagedllm.conformance import cli as conformance_cli
-from pagedllm.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
-
-
-def make_plugin(name: str, caps: Capabilities = Capabilities(), **ops) -> SimpleNamespace:
-    """A CPU backend plugin: required hooks, ``caps``, and the given op hooks (others fall back to reference)."""
-    @hookimpl
-    def pagedllm_backend_info():
-        return BackendInfo(name=name, device_type="cpu")
-
-    @hookimpl
-    def pagedllm_probe():
-        return ProbeResult(True, device_name="cpu")
-
-    @hookimpl
-    def pagedllm_capabilities():
-        return caps
-
-    @hookimpl
-    def pagedllm_memory_info(device):
-        return MemoryInfo(total_bytes=8 << 30, free_bytes=4 << 30)
-
-    hooks = {f"pagedllm_{k}": hookimpl(v) for k, v in ops.items()}
-    return SimpleNamespace(pagedllm_backend_info=pagedllm_backend_info, pagedllm_probe=pagedllm_probe,
-                           pagedllm_capabilities=pagedllm_capabilities, pagedllm_memory_info=pagedllm_memory_info,
-                           **hooks)
+from plugin_factory import make_plugin
 
 
 def off_by_one_attention(query, kv_cache, meta, scale, sliding_window, soft_cap):

@@ -24,9 +24,10 @@ from pagedllm import ref_ops  # noqa: E402
 from pagedllm.attention import AttentionMetadata  # noqa: E402
 from pagedllm.backends import Backend  # noqa: E402
 from pagedllm.conformance import run_conformance  # noqa: E402
-from pagedllm.hookspec import BackendInfo, Capabilities, GraphRunner, MemoryInfo, ProbeResult, hookimpl  # noqa: E402
+from pagedllm.hookspec import Capabilities, GraphRunner  # noqa: E402
 from pagedllm.kernels import ops_plugin  # noqa: E402
 from pagedllm.kernels.graph_runner import DecodeGraphRunner, default_buckets  # noqa: E402
+from plugin_factory import make_plugin  # noqa: E402
 
 CAPS = Capabilities(dtypes=("float32", "float16", "bfloat16"), head_sizes=(32, 80), block_sizes=(16,),
                     graph_capture="decode")
@@ -43,31 +44,12 @@ class ReplayingRunner(DecodeGraphRunner):
 
 
 def triton_cpu_plugin(caps: Capabilities = CAPS) -> SimpleNamespace:
-    @hookimpl
-    def pagedllm_backend_info():
-        return BackendInfo(name="triton-cpu", device_type="cpu")
-
-    @hookimpl
-    def pagedllm_probe():
-        return ProbeResult(True, device_name="CPU via TRITON_INTERPRET=1")
-
-    @hookimpl
-    def pagedllm_capabilities():
-        return caps
-
-    @hookimpl
-    def pagedllm_memory_info(device):
-        return MemoryInfo(total_bytes=8 << 30, free_bytes=4 << 30)
-
-    @hookimpl
-    def pagedllm_graph_runner(model, max_num_seqs, device):
+    def graph_runner(model, max_num_seqs, device):
         runner = ReplayingRunner(model, max_num_seqs, device)
         return GraphRunner(run=runner, level="decode", stats=runner.stats)
 
-    ops = {name: getattr(ops_plugin, name) for name in ops_plugin.__all__}
-    return SimpleNamespace(**ops, **{f.__name__: f for f in (pagedllm_backend_info, pagedllm_probe,
-                                                               pagedllm_capabilities, pagedllm_memory_info,
-                                                               pagedllm_graph_runner)})
+    ops = {name.removeprefix("pagedllm_"): getattr(ops_plugin, name) for name in ops_plugin.__all__}
+    return make_plugin("triton-cpu", caps, device_name="CPU via TRITON_INTERPRET=1", graph_runner=graph_runner, **ops)
 
 
 @pytest.fixture(scope="module")
