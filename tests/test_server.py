@@ -16,6 +16,8 @@ import openai
 import pytest
 from server_utils import API_KEY, ServerProcess, metrics, tiny_chat_model, wait_idle
 
+from pagedllm import SamplingParams
+
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):"]
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
 
@@ -124,6 +126,23 @@ def test_echo(client):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model="test-model", prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True, stream=True))
     assert streamed == echoed.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt(client, offline):
+    """lm-eval-style scoring: echo + logprobs returns the prompt tokens' logprobs (first is null), then the output."""
+    r = client.completions.create(model="test-model", prompt=PROMPTS[1], max_tokens=1, temperature=0, echo=True,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    want = offline.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2, logprobs=2),
+                            use_tqdm=False)[0]
+    ids = want.prompt_token_ids
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert lp.token_logprobs[i] == pytest.approx(want.prompt_logprobs[i][ids[i]].logprob, abs=1e-5)
+        assert len(lp.top_logprobs[i]) == 2
+    assert lp.token_logprobs[-1] == pytest.approx(
+        want.outputs[0].logprobs[0][want.outputs[0].token_ids[0]].logprob, abs=1e-5)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
 def test_null_optional_fields_accepted(server):

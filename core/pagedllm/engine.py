@@ -17,7 +17,7 @@ from pagedllm.hookspec import KVCacheSpec
 from pagedllm.kv_manager import BlockPool, KVCacheManager
 from pagedllm.model_runner import ModelRunner
 from pagedllm.models import load_model, load_tokenizer, resolve_model_path
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampler import Sampler
 from pagedllm.sampling_params import ParamError, SamplingParams
@@ -87,7 +87,8 @@ class ParentRequest:
         metrics = {"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
                    "last_token_time": max((c.last_token_time or 0.0) for c in self.children) or None}
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             num_cached_tokens=first.num_cached_tokens, metrics=metrics)
+                             prompt_logprobs=first.prompt_logprobs, num_cached_tokens=first.num_cached_tokens,
+                             metrics=metrics)
 
 
 class LLMEngine:
@@ -274,8 +275,11 @@ class LLMEngine:
         self._sample_slot_usage(sched)
         if not sched.scheduled:
             return []
-        reqs, logits = self.runner.execute(sched.scheduled)
+        step = self.runner.execute(sched.scheduled)
+        reqs, logits = step.requests, step.logits
         self.scheduler.update(sched)
+        for req, first, plogits in step.prompt_logits:
+            self._record_prompt_logprobs(req, first, plogits)
         touched: dict[str, ParentRequest] = {}
         if reqs:
             sampled = self.sampler(logits, reqs)
@@ -295,6 +299,24 @@ class LLMEngine:
                 for c in parent.children:
                     self.requests.pop(c.request_id, None)
         return outputs
+
+    def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
+        """Logprobs of prompt tokens first+1.. under the positions' raw logits: the token itself plus the top-N."""
+        lps = logits.log_softmax(dim=-1)
+        targets = torch.tensor(req.prompt_token_ids[first + 1:first + 1 + lps.shape[0]], dtype=torch.long)
+        tok_lp = lps.gather(1, targets[:, None].to(lps.device))
+        ranks = ((lps > tok_lp).sum(dim=-1) + 1).tolist()
+        n = req.params.prompt_logprobs
+        top_vals, top_ids = lps.topk(n, dim=-1) if n else (lps[:, :0], lps[:, :0].long())
+        top_vals, top_ids, tok_lp = top_vals.tolist(), top_ids.tolist(), tok_lp[:, 0].tolist()
+        for j, tok in enumerate(targets.tolist()):
+            d = {tok: Logprob(tok_lp[j], ranks[j])}
+            for k in range(n):
+                d.setdefault(top_ids[j][k], Logprob(top_vals[j][k], k + 1))
+            if self.tokenizer is not None and req.params.detokenize:
+                for tid, lp in d.items():
+                    lp.decoded_token = self.tokenizer.decode([tid])
+            req.prompt_logprobs.append(d)
 
     def _process_token(self, parent: ParentRequest, req: Request, token: int, logprobs, logprob: float,
                        now: float) -> None:

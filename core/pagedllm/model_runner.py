@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -63,14 +64,33 @@ class ModelRunner:
         return input_ids, positions, meta
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[list[Request], torch.Tensor | None]:
-        """Run one step; returns the requests that sample this step and their float32 logits (same order)."""
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepOutput:
+        """Run one step: float32 logits for the requests that sample, plus prompt-position logits where asked."""
         batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.run(input_ids, positions, meta)
+        out = StepOutput()
         rows = [i for i, s in enumerate(batch) if s.samples]
-        if not rows:
-            return [], None
-        last = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in rows], dtype=torch.long, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last)).float()
-        return [batch[i].request for i in rows], logits
+        if rows:
+            last = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in rows], dtype=torch.long,
+                                device=hidden.device)
+            out.requests = [batch[i].request for i in rows]
+            out.logits = self.model.compute_logits(hidden.index_select(0, last)).float()
+        for i, s in enumerate(batch):
+            r = s.request
+            if r.prompt_logprobs is None:
+                continue
+            # Position p's logits predict token p + 1: prompt tokens 1..P-1 need positions 0..P-2, once each.
+            lo = max(s.num_computed_tokens, len(r.prompt_logprobs) - 1)
+            hi = min(s.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens - 1)
+            if lo < hi:
+                base = meta.query_start_loc_cpu[i] - s.num_computed_tokens
+                out.prompt_logits.append((r, lo, self.model.compute_logits(hidden[base + lo:base + hi]).float()))
+        return out
+
+
+@dataclass
+class StepOutput:
+    requests: list[Request] = field(default_factory=list)  # requests that sample this step
+    logits: Optional[torch.Tensor] = None  # [len(requests), vocab] float32
+    prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)  # (req, first pos, logits)

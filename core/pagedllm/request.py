@@ -60,6 +60,8 @@ class Request:
         self.swapped_blocks: Optional[list[int]] = None  # host blocks holding its K/V while swapped out
         self.stop_reason: object = None
         self.logprobs: Optional[SampleLogprobs] = [] if params.logprobs is not None else None
+        # One entry per prompt token; the first has no context, so it is None (as in vLLM).
+        self.prompt_logprobs: Optional[list] = [None] if params.prompt_logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.output_text = ""
         self.first_token_time: Optional[float] = None

@@ -115,7 +115,8 @@ class Scheduler:
             self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = None
         else:
-            hits, num_hit = self.kv.get_computed_blocks(req)
+            # Prompt logprobs need every prompt position's logits, so such requests skip the prefix cache.
+            hits, num_hit = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else ([], 0)
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 return 0

@@ -40,10 +40,12 @@ class CompletionServing(Serving):
         self.check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix")
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo: echo together with logprobs needs prompt logprobs, which this server does "
-                                "not compute", param="echo")
+        if req.echo and req.logprobs is not None and req.stream:
+            raise APIError(400, "stream: echo together with logprobs is supported without streaming only",
+                           param="stream")
         params = self.make_params(req.to_sampling_params)
+        if req.echo and req.logprobs is not None:  # the echoed prompt carries its own logprobs (lm-eval scoring)
+            params = params.clone(prompt_logprobs=req.logprobs)
         if req.stream and params.best_of > params.n:
             raise APIError(400, "best_of: must equal n when streaming", param="best_of")
         prompts = self._prompts(req.prompt)
@@ -89,9 +91,12 @@ class CompletionServing(Serving):
         if req.echo:
             text = prompt["prompt"] + text
             offset = len(prompt["prompt"])
-        ch = {"index": i * params.n + c.index, "text": text,
-              "logprobs": (self.completion_logprobs(c, 0, len(c.token_ids), req.logprobs, offset)
-                           if req.logprobs is not None else None),
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = self.completion_logprobs(c, 0, len(c.token_ids), req.logprobs, offset)
+            if req.echo:
+                logprobs = self.prompt_completion_logprobs(prompt, req.logprobs, logprobs)
+        ch = {"index": i * params.n + c.index, "text": text, "logprobs": logprobs,
               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if req.return_token_ids:
             ch["prompt_token_ids"] = prompt["prompt_token_ids"]
@@ -112,6 +117,7 @@ class CompletionServing(Serving):
         choices = []
         for i in range(len(prompts)):
             out = final[i]
+            prompts[i]["prompt_logprobs"] = out.prompt_logprobs
             usage.prompt_tokens += len(out.prompt_token_ids)
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
@@ -173,3 +179,20 @@ class CompletionServing(Serving):
         except EngineDeadError as e:
             yield sse(error_body(503, str(e), code="engine_unavailable"))
         yield SSE_DONE
+
+    def prompt_completion_logprobs(self, prompt: dict, k: int, generated: Optional[dict]) -> dict:
+        """OpenAI's echo + logprobs: the prompt's tokens first (the first one has no logprob), then the generated."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        offset = 0
+        for tid, lp in zip(prompt["prompt_token_ids"], prompt.get("prompt_logprobs") or []):
+            tok = self.token_text(tid)
+            entry = lp.get(tid) if lp is not None else None
+            tokens.append(tok)
+            token_lps.append(entry.logprob if entry is not None else None)
+            tops.append({self.token_text(t): v for t, v in self.top_entries(lp, k)} if lp is not None and k > 0
+                        else None)
+            offsets.append(offset)
+            offset += len(tok)
+        gen = generated or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        return {"tokens": tokens + gen["tokens"], "token_logprobs": token_lps + gen["token_logprobs"],
+                "top_logprobs": tops + gen["top_logprobs"], "text_offset": offsets + gen["text_offset"]}
