@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 import torch
@@ -17,7 +17,8 @@ from pagedllm.hookspec import KVCacheSpec
 from pagedllm.kv_manager import BlockPool, KVCacheManager
 from pagedllm.model_runner import ModelRunner
 from pagedllm.models import load_model, load_tokenizer, resolve_model_path
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import RequestOutput
+from pagedllm.output_processor import OutputProcessor, ParentRequest
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampler import Sampler
 from pagedllm.sampling_params import ParamError, SamplingParams
@@ -50,45 +51,6 @@ class EngineStats:
     slot_steps_live: int = 0  # the two above summed over every step: utilisation = live / allocated
     slot_steps_allocated: int = 0
     slot_steps_seqs: int = 0  # running sequences summed over steps (what contiguous preallocation would reserve)
-
-
-class ParentRequest:
-    """Groups the ``n`` (or ``best_of``) samples of one user request."""
-
-    def __init__(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int], params: SamplingParams):
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self.children: list[Request] = []
-        self.detoks: dict[str, Optional[IncrementalDetokenizer]] = {}
-
-    @property
-    def finished(self) -> bool:
-        return all(c.is_finished for c in self.children)
-
-    def output(self) -> RequestOutput:
-        children = self.children
-        ranked = self.params.best_of > self.params.n  # best_of: the n best by cumulative logprob, at the end
-        if ranked:
-            if not self.finished:
-                children = []
-            else:
-                children = sorted(children, key=lambda c: -c.cumulative_logprob)[: self.params.n]
-        outs = []
-        for i, c in enumerate(children):
-            outs.append(CompletionOutput(
-                index=c.index if self.params.best_of == self.params.n else i,
-                text=c.output_text, token_ids=list(c.output_token_ids),
-                cumulative_logprob=c.cumulative_logprob if c.logprobs is not None or ranked else None,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-        first = self.children[0]
-        metrics = {"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
-                   "last_token_time": max((c.last_token_time or 0.0) for c in self.children) or None}
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             prompt_logprobs=first.prompt_logprobs, num_cached_tokens=first.num_cached_tokens,
-                             metrics=metrics)
 
 
 class LLMEngine:
@@ -140,6 +102,7 @@ class LLMEngine:
         self.graph_level = graph.level if graph is not None else "none"
         self.runner = ModelRunner(m, graph.run if graph is not None else m, self.kv, self.device)
         self.sampler = Sampler()
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
         self.requests: dict[str, tuple[ParentRequest, Request]] = {}
         self.stats = EngineStats(num_blocks=self.num_blocks)
@@ -276,20 +239,21 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         step = self.runner.execute(sched.scheduled)
-        reqs, logits = step.requests, step.logits
         self.scheduler.update(sched)
         for req, first, plogits in step.prompt_logits:
-            self._record_prompt_logprobs(req, first, plogits)
+            self.output_processor.record_prompt_logprobs(req, first, plogits)
         touched: dict[str, ParentRequest] = {}
-        if reqs:
-            sampled = self.sampler(logits, reqs)
+        if step.requests:
+            sampled = self.sampler(step.logits, step.requests)
             now = time.time()
-            for i, req in enumerate(reqs):
+            for i, req in enumerate(step.requests):
                 parent = self.requests[req.request_id][0]
-                self._process_token(parent, req, sampled.token_ids[i],
-                                    sampled.logprobs[i] if sampled.logprobs else None,
-                                    sampled.sampled_logprob[i] if sampled.sampled_logprob else 0.0, now)
+                status = self.output_processor.process_token(parent, req, sampled.token_ids[i], sampled.logprobs[i],
+                                                             sampled.sampled_logprob[i], now)
+                if status is not None:
+                    self.scheduler.finish(req, status)
                 touched[parent.request_id] = parent
+            self.stats.generation_tokens += len(step.requests)
         outputs = []
         for parent in touched.values():
             if parent.finished or parent.params.output_kind == "cumulative":
@@ -299,58 +263,6 @@ class LLMEngine:
                 for c in parent.children:
                     self.requests.pop(c.request_id, None)
         return outputs
-
-    def _record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
-        """Logprobs of prompt tokens first+1.. under the positions' raw logits: the token itself plus the top-N."""
-        lps = logits.log_softmax(dim=-1)
-        targets = torch.tensor(req.prompt_token_ids[first + 1:first + 1 + lps.shape[0]], dtype=torch.long)
-        tok_lp = lps.gather(1, targets[:, None].to(lps.device))
-        ranks = ((lps > tok_lp).sum(dim=-1) + 1).tolist()
-        n = req.params.prompt_logprobs
-        top_vals, top_ids = lps.topk(n, dim=-1) if n else (lps[:, :0], lps[:, :0].long())
-        top_vals, top_ids, tok_lp = top_vals.tolist(), top_ids.tolist(), tok_lp[:, 0].tolist()
-        for j, tok in enumerate(targets.tolist()):
-            d = {tok: Logprob(tok_lp[j], ranks[j])}
-            for k in range(n):
-                d.setdefault(top_ids[j][k], Logprob(top_vals[j][k], k + 1))
-            if self.tokenizer is not None and req.params.detokenize:
-                for tid, lp in d.items():
-                    lp.decoded_token = self.tokenizer.decode([tid])
-            req.prompt_logprobs.append(d)
-
-    def _process_token(self, parent: ParentRequest, req: Request, token: int, logprobs, logprob: float,
-                       now: float) -> None:
-        req.append_token(token)
-        self.stats.generation_tokens += 1
-        if req.first_token_time is None:
-            req.first_token_time = now
-        req.last_token_time = now
-        req.cumulative_logprob += logprob
-        params = req.params
-        if req.logprobs is not None and logprobs is not None:
-            if self.tokenizer is not None and params.detokenize:
-                for tid, lp in logprobs.items():
-                    lp.decoded_token = self.tokenizer.decode([tid])
-            req.logprobs.append(logprobs)
-        status = None
-        if token in params.stop_token_ids:
-            status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-        elif not params.ignore_eos and token in req.eos_token_ids:
-            status = RequestStatus.FINISHED_STOPPED
-        elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            status = RequestStatus.FINISHED_LENGTH
-        detok = parent.detoks.get(req.request_id)
-        if detok is not None:
-            # EOS / stop-token text is not part of the output (as in vLLM); skip_special_tokens hides it anyway.
-            _, stop_str = detok.update([token], stop_terminated=status == RequestStatus.FINISHED_STOPPED)
-            if stop_str is not None and req.num_output_tokens >= params.min_tokens:
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            elif status is not None:
-                detok.finish()
-            # While running, expose only text that can no longer turn into a stop string (as vLLM does).
-            req.output_text = detok.output_text if status is not None else detok.emitted_text
-        if status is not None:
-            self.scheduler.finish(req, status)
 
     def _sample_slot_usage(self, sched) -> None:
         """Accumulate, over steps, token slots holding K/V after the step vs slots allocated (KV utilisation)."""

@@ -212,16 +212,24 @@ class Sampler:
         sampled = all_lps.gather(1, tokens.unsqueeze(1)).squeeze(1)
         if lp_rows:
             rows = _rows(lp_rows, raw.device)
-            lps = all_lps[rows]
-            tok_lp = sampled[rows].unsqueeze(1)
-            ranks = ((lps > tok_lp).sum(dim=-1) + 1).tolist()
-            top_n = max(reqs[i].params.logprobs for i in lp_rows)
-            top_vals, top_ids = (lps.topk(top_n, dim=-1) if top_n else (lps[:, :0], lps[:, :0].long()))
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-            tok_list, tok_lps = tokens[rows].tolist(), tok_lp.squeeze(1).tolist()
-            for j, i in enumerate(lp_rows):
-                d = {tok_list[j]: Logprob(tok_lps[j], ranks[j])}
-                for k in range(reqs[i].params.logprobs):
-                    d.setdefault(top_ids[j][k], Logprob(top_vals[j][k], k + 1))
+            entries = logprob_entries(all_lps[rows], tokens[rows], [reqs[i].params.logprobs for i in lp_rows])
+            for i, d in zip(lp_rows, entries):
                 logprobs[i] = d
         return SamplerOutput(tokens.tolist(), logprobs, sampled.tolist())
+
+
+def logprob_entries(lps: torch.Tensor, tokens: torch.Tensor, nums: Sequence[int]) -> list[dict[int, Logprob]]:
+    """Per row of log-probabilities ``lps`` [R, V]: {token: Logprob(value, rank)} for the chosen token (rank 1 =
+    most likely) plus the row's top ``nums[r]`` tokens — vLLM's shape for sample and prompt logprobs alike."""
+    tok_lp = lps.gather(1, tokens.view(-1, 1).to(lps.device))
+    ranks = ((lps > tok_lp).sum(dim=-1) + 1).tolist()
+    top_n = max(nums, default=0)
+    top_vals, top_ids = lps.topk(top_n, dim=-1) if top_n else (lps[:, :0], lps[:, :0].long())
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out = []
+    for j, (tok, lp) in enumerate(zip(tokens.tolist(), tok_lp[:, 0].tolist())):
+        d = {tok: Logprob(lp, ranks[j])}
+        for k in range(nums[j]):
+            d.setdefault(top_ids[j][k], Logprob(top_vals[j][k], k + 1))
+        out.append(d)
+    return out
