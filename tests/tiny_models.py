@@ -34,6 +34,10 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("qwen2", {}),
     "qwen2_swa": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "qwen3": ("qwen3", {}),
+    # A scaled rope type: inv_freq comes from HF's ROPE_INIT_FUNCTIONS rather than the default formula.
+    "llama_rope_llama3": ("llama", dict(rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
 }
 
 BENCH_LLAMA = dict(model_type="llama", vocab_size=32000, hidden_size=256, intermediate_size=1024,

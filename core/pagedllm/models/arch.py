@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -11,17 +10,11 @@ from typing import Any, Callable, Optional
 class ArchSpec:
     """How an HF architecture differs from plain Llama. Flags are functions of the HF config."""
 
-    hf_module: str  # transformers.models.<hf_module>.modeling_<hf_module>
-    rotary_class: str  # HF's rotary embedding class there: the source of inv_freq and attention scaling
     qkv_bias: Callable[[Any], bool]
     o_bias: Callable[[Any], bool]
     mlp_bias: Callable[[Any], bool] = lambda c: False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
     sliding: str = "none"  # none | all (Mistral: config.sliding_window everywhere) | layer_types (Qwen2/3)
-
-    def rotary_embedding_cls(self) -> type:
-        module = importlib.import_module(f"transformers.models.{self.hf_module}.modeling_{self.hf_module}")
-        return getattr(module, self.rotary_class)
 
 
 def _attention_bias(c: Any) -> bool:
@@ -29,13 +22,13 @@ def _attention_bias(c: Any) -> bool:
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "LlamaForCausalLM": ArchSpec("llama", "LlamaRotaryEmbedding", _attention_bias, _attention_bias,
+    "LlamaForCausalLM": ArchSpec(_attention_bias, _attention_bias,
                                  mlp_bias=lambda c: bool(getattr(c, "mlp_bias", False))),
-    "MistralForCausalLM": ArchSpec("mistral", "MistralRotaryEmbedding", lambda c: False, lambda c: False,
+    "MistralForCausalLM": ArchSpec(lambda c: False, lambda c: False,
                                    sliding="all"),
-    "Qwen2ForCausalLM": ArchSpec("qwen2", "Qwen2RotaryEmbedding", lambda c: True, lambda c: False,
+    "Qwen2ForCausalLM": ArchSpec(lambda c: True, lambda c: False,
                                  sliding="layer_types"),
-    "Qwen3ForCausalLM": ArchSpec("qwen3", "Qwen3RotaryEmbedding", _attention_bias, _attention_bias, qk_norm=True,
+    "Qwen3ForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True,
                                  sliding="layer_types"),
 }
 # GGUF configs carry a model_type but no `architectures`.

@@ -50,6 +50,6 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     weights = gguf_weights(path, config, dtype) if is_gguf(path) else SafetensorsWeights(path)
     model.load_state_dict(fused_state_dict(model, weights, dtype, device), strict=True, assign=True)
     del weights
-    model.cos_sin_cache = build_cos_sin_cache(config, spec.rotary_embedding_cls(), model.max_model_len, device)
+    model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device)
     model.eos_token_ids = eos_token_ids(path, config)
     return model.requires_grad_(False).eval()
