@@ -25,6 +25,7 @@ from pagedllm.entrypoints.serving_common import (
     now,
     random_id,
     sse,
+    sse_choice_chunk,
     stream_response,
     until_disconnect,
 )
@@ -104,15 +105,9 @@ class ChatServing(Serving):
 
         def chunk(index: int, delta: dict, logprobs: Optional[dict] = None, finish: Optional[str] = None,
                   stop_reason=None, token_ids: Optional[list[int]] = None) -> str:
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-                      "stop_reason": stop_reason}
-            if token_ids is not None:
-                choice["token_ids"] = token_ids
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                    "choices": [choice]}
-            if continuous:
-                body["usage"] = usage.as_dict()
-            return sse(body)
+            return sse_choice_chunk(rid, "chat.completion.chunk", created, self.model_name,
+                                    {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish},
+                                    stop_reason, token_ids, usage.as_dict() if continuous else None)
 
         try:
             for j in range(params.n):

@@ -35,6 +35,18 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def sse_choice_chunk(rid: str, obj_type: str, created: int, model: str, choice: dict, stop_reason,
+                     token_ids: Optional[list[int]], usage: Optional[dict]) -> str:
+    """One streamed choice (chat ``delta`` or completion ``text`` already in ``choice``) as an SSE event."""
+    choice["stop_reason"] = stop_reason
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    body = {"id": rid, "object": obj_type, "created": created, "model": model, "choices": [choice]}
+    if usage is not None:
+        body["usage"] = usage
+    return sse(body)
+
+
 def stable_text(text: str, params: SamplingParams, finished: bool) -> str:
     """``text`` minus a tail that is a proper prefix of a stop string (only while unfinished)."""
     if finished or not params.stop or params.include_stop_str_in_output:

@@ -25,6 +25,7 @@ from pagedllm.entrypoints.serving_common import (
     now,
     random_id,
     sse,
+    sse_choice_chunk,
     stream_response,
     until_disconnect,
 )
@@ -136,15 +137,9 @@ class CompletionServing(Serving):
 
         def chunk(index: int, text: str, logprobs: Optional[dict], finish: Optional[str], stop_reason,
                   token_ids: Optional[list[int]]) -> str:
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
-                      "stop_reason": stop_reason}
-            if token_ids is not None:
-                choice["token_ids"] = token_ids
-            body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": [choice]}
-            if continuous:
-                body["usage"] = usage.as_dict()
-            return sse(body)
+            return sse_choice_chunk(rid, "text_completion", created, self.model_name,
+                                    {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish},
+                                    stop_reason, token_ids, usage.as_dict() if continuous else None)
 
         try:
             async for i, out in merge_streams(streams):
