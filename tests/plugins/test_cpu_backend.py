@@ -83,8 +83,26 @@ def test_allocate_kv_cache_is_canonical(cpu):
     assert len(caches) == 3
     for c in caches:
         assert c.shape == (2, 7, 16, 2, 64) and c.dtype == torch.bfloat16 and c.is_contiguous()
-        assert not c.any()
     assert caches[0].data_ptr() != caches[1].data_ptr()
+    # Left uninitialised on purpose (lazy pages): kernels must never read an unwritten slot into an output, which
+    # every attention test here checks by poisoning caches with NaN, and the engine test below checks end to end.
+
+
+def test_engine_on_garbage_filled_kv_pool_matches_reference_backend(cpu, tiny_llama, ref_backend):
+    """The pool starts as whatever memory held: fill it with NaN before generating; greedy tokens must equal a run
+    whose every op is core's reference."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.backends import register_backend
+
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=8 << 20)
+    for c in llm.llm_engine.kv_caches:
+        c.fill_(float("nan"))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    register_backend(ref_backend.plugin, "ref-test")
+    ref = LLM(tiny_llama, device=ref_backend.name, dtype="float32", max_model_len=128, kv_cache_memory=8 << 20)
+    assert got == [o.outputs[0].token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
 
 
 # ---- write_kv ----------------------------------------------------------------------------------------------------

@@ -29,11 +29,13 @@ _local = threading.local()
 
 def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A flat scratch buffer reused across layers and steps: a fresh multi-MB tensor per call costs more in page
-    faults than the gather itself. Per thread, so concurrent engines never share one."""
+    faults than the gather itself. Per thread, so concurrent engines never share one; per inference-mode state,
+    since a buffer made under inference_mode cannot be written outside it."""
     pool = _local.__dict__.setdefault("pool", {})
-    buf = pool.get((dtype, device))
+    key = (dtype, device, torch.is_inference_mode_enabled())
+    buf = pool.get(key)
     if buf is None or buf.numel() < numel:
-        buf = pool[(dtype, device)] = torch.empty(numel + numel // 4, dtype=dtype, device=device)
+        buf = pool[key] = torch.empty(numel + numel // 4, dtype=dtype, device=device)
     return buf[:numel]
 
 
