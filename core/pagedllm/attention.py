@@ -34,10 +34,6 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.query_start_loc_cpu[-1]
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
-
     @classmethod
     def build(
         cls,

@@ -140,9 +140,6 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     # ---- prefix cache ----------------------------------------------------------------------------
     def _block_hashes(self, req: Request, upto: int) -> list[bytes]:
         """Hashes of the full blocks among the request's first ``upto`` tokens (memoized per request)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 
@@ -39,7 +39,6 @@ class SamplingParams:
     detokenize: bool = True
     priority: int = 0  # used by the `priority` scheduling policy: lower value runs first (vLLM's convention)
     output_kind: str = "cumulative"  # "cumulative": an output every step; "final_only": only when finished
-    _all_stop_token_ids: set = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Optional
 
 from pagedllm.kv_manager import BlockPool, KVCacheManager
 from pagedllm.request import Request, RequestStatus
@@ -70,10 +70,6 @@ class Scheduler:
         self.waiting.append(req)
         if self.policy == "priority":
             self.waiting = deque(sorted(self.waiting, key=self._rank))
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -193,7 +189,3 @@ class Scheduler:
         if req.swapped_blocks is not None:
             self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = None
-
-    def finish_all(self, reqs: Iterable[Request], status: RequestStatus) -> None:
-        for r in list(reqs):
-            self.finish(r, status)
