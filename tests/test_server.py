@@ -145,6 +145,25 @@ def test_echo_with_logprobs_scores_the_prompt(client, offline):
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
 
 
+def test_streamed_echo_with_logprobs_equals_non_streamed(client):
+    """Streaming echo + logprobs: the first chunk carries the prompt and its logprobs; all chunks concatenate to the
+    non-streamed choice (text, tokens, logprobs, top logprobs and text offsets)."""
+    kw = dict(model="test-model", prompt=PROMPTS[0], max_tokens=5, temperature=0, echo=True, logprobs=2)
+    full = client.completions.create(**kw).choices[0]
+    text, lp = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            text += ch.text
+            if ch.logprobs is not None:
+                for key in lp:
+                    lp[key] += getattr(ch.logprobs, key)
+    assert text == full.text
+    assert lp["tokens"] == full.logprobs.tokens and lp["text_offset"] == full.logprobs.text_offset
+    assert lp["token_logprobs"][0] is None and full.logprobs.token_logprobs[0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(full.logprobs.token_logprobs[1:], abs=1e-6)
+    assert [t and sorted(t) for t in lp["top_logprobs"]] == [t and sorted(t) for t in full.logprobs.top_logprobs]
+
+
 def test_null_optional_fields_accepted(server):
     """Some clients send every optional field, as null: that means the default, not a 400."""
     nulls = {k: None for k in ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty",
@@ -355,28 +374,46 @@ def test_sigterm_drains_inflight_request(model_path):
         srv.stop()
 
 
-def _thread_cpu_ticks(native_id: int) -> int:
-    with open(f"/proc/self/task/{native_id}/stat") as f:
+def _process_cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def test_async_engine_thread(offline):
-    """In-process: outputs stream, bad input raises ParamError, abort frees blocks, the idle thread burns no CPU."""
-    from pagedllm import ParamError, SamplingParams
+def test_async_engine_process(model_path):
+    """In-process client of the engine process: outputs stream (deltas rebuilt into cumulative outputs equal to the
+    offline ones; with stream_interval=3 a 12-token request reaches its consumer at most 5 times: tokens 1, 4, 7,
+    10 and the end), bad input raises ParamError, abort frees blocks, the idle engine process burns no CPU."""
+    from pagedllm import EngineConfig, LLM, ParamError, SamplingParams
     from pagedllm.entrypoints.async_engine import AsyncEngine
 
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
+    want = LLM(model_path, device="cpu").generate(PROMPTS, sp, use_tqdm=False)
+
     async def main() -> None:
-        ae = AsyncEngine(offline.llm_engine)
+        with pytest.raises(ParamError):
+            AsyncEngine(EngineConfig(model=model_path, device="cpu"), stream_interval=0)
+        ae = AsyncEngine(EngineConfig(model=model_path, device="cpu"), stream_interval=3)
         with pytest.raises(RuntimeError):  # no event loop bound yet
             await ae.add_request("x", {"prompt_token_ids": [1]}, SamplingParams())
-        ae.start()
+        await ae.start()
         try:
-            s = await ae.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=5))
-            outs = [o async for o in s]
-            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 5
-            with pytest.raises(ParamError):
+            streams = [await ae.add_request(f"p{i}", p, sp) for i, p in enumerate(PROMPTS)]
+
+            async def drain(s):
+                return [len(o.outputs[0].token_ids) async for o in s], s.last
+
+            for (counts, last), w in zip(await asyncio.gather(*map(drain, streams)), want):
+                assert len(counts) <= 5 and counts[-1] == len(w.outputs[0].token_ids)
+                outs = [last]
+                got, exp = outs[-1].outputs[0], w.outputs[0]
+                assert outs[-1].finished and outs[-1].prompt_token_ids == w.prompt_token_ids
+                assert (got.text, got.token_ids, got.finish_reason) == (exp.text, exp.token_ids, exp.finish_reason)
+                assert [d[t].logprob for d, t in zip(got.logprobs, got.token_ids)] == pytest.approx(
+                    [d[t].logprob for d, t in zip(exp.logprobs, exp.token_ids)], abs=1e-4)
+            with pytest.raises(ParamError) as e:
                 await ae.add_request("b", {"prompt_token_ids": []}, SamplingParams())
+            assert e.value.field == "prompt"
             s = await ae.add_request("c", {"prompt_token_ids": [4, 5, 6]},
                                      SamplingParams(max_tokens=480, ignore_eos=True))
             await s.__anext__()
@@ -387,27 +424,44 @@ def test_async_engine_thread(offline):
                 if st.num_running == st.num_waiting == st.num_used_blocks == 0:
                     break
             assert (st.num_running, st.num_waiting, st.num_used_blocks) == (0, 0, 0)
-            tid = ae._thread.native_id
-            steps, ticks = ae.num_steps, _thread_cpu_ticks(tid)
+            await asyncio.sleep(0.2)
+            steps, ticks = ae.stats().num_steps, _process_cpu_ticks(ae.pid)
             await asyncio.sleep(0.5)
-            assert ae.num_steps == steps and _thread_cpu_ticks(tid) - ticks <= 1  # asleep on the command queue
+            assert ae.stats().num_steps == steps and _process_cpu_ticks(ae.pid) - ticks <= 1  # asleep on the pipe
         finally:
-            ae.shutdown()
-        assert not ae.is_running
+            await asyncio.to_thread(ae.shutdown)
+        assert not ae.is_running and ae.error is None
 
     asyncio.run(main())
 
 
-def test_async_engine_builds_engine_on_its_thread(model_path):
-    """Given a config, the engine (model load included) is built on the engine thread; build errors surface here."""
-    from pagedllm import EngineConfig, ParamError
-    from pagedllm.entrypoints.async_engine import AsyncEngine
+def test_async_engine_build_error_and_crash(model_path):
+    """A build error re-raises in the server process with its field; an engine process that dies fails its
+    in-flight requests with EngineDeadError and refuses new ones (the server maps both to 503)."""
+    import os
+    import signal
+
+    from pagedllm import EngineConfig, ParamError, SamplingParams
+    from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError
 
     with pytest.raises(ParamError) as e:
         AsyncEngine(EngineConfig(model=model_path, device="cpu", max_model_len=10 ** 6))
     assert e.value.field == "max_model_len"
-    ae = AsyncEngine(EngineConfig(model=model_path, device="cpu", max_model_len=128))
-    try:
-        assert ae.max_model_len == 128 and ae.tokenizer is not None and ae._thread.is_alive()
-    finally:
-        ae.shutdown()
+
+    async def main() -> None:
+        ae = AsyncEngine(EngineConfig(model=model_path, device="cpu", max_model_len=128))
+        assert ae.max_model_len == 128 and ae.tokenizer is not None
+        await ae.start()
+        s = await ae.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=120,
+                                                                                    ignore_eos=True))
+        await s.__anext__()
+        os.kill(ae.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError):
+            async for _ in s:
+                pass
+        assert not ae.is_running and "exited unexpectedly" in str(ae.error)
+        with pytest.raises(EngineDeadError):
+            await ae.add_request("b", {"prompt_token_ids": [1]}, SamplingParams())
+        await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())

@@ -63,7 +63,6 @@ BAD_COMPLETIONS = [
     ({**C, "stop": [1]}, "stop"),
     ({**C, "stop": [""]}, "stop"),
     ({**C, "stream": "yes"}, "stream"),
-    ({**C, "echo": True, "logprobs": 1, "stream": True}, "stream"),
     ({"max_tokens": 2}, "prompt"),
     ({**C, "prompt": 5}, "prompt"),
     ({**C, "prompt": ""}, "prompt"),

@@ -51,6 +51,7 @@ class EngineStats:
     slot_steps_live: int = 0  # the two above summed over every step: utilisation = live / allocated
     slot_steps_allocated: int = 0
     slot_steps_seqs: int = 0  # running sequences summed over steps (what contiguous preallocation would reserve)
+    num_steps: int = 0  # model steps run
 
 
 class LLMEngine:
@@ -239,6 +240,7 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         step = self.runner.execute(sched.scheduled)
+        self.stats.num_steps += 1
         self.scheduler.update(sched)
         for req, first, plogits in step.prompt_logits:
             self.output_processor.record_prompt_logprobs(req, first, plogits)
@@ -256,7 +258,7 @@ class LLMEngine:
             self.stats.generation_tokens += len(step.requests)
         outputs = []
         for parent in touched.values():
-            if parent.finished or parent.params.output_kind == "cumulative":
+            if parent.finished or parent.params.output_kind != "final_only":
                 outputs.append(parent.output())
             if parent.finished:
                 self.parents.pop(parent.request_id, None)

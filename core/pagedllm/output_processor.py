@@ -24,6 +24,8 @@ class ParentRequest:
         self.params = params
         self.children: list[Request] = []
         self.detoks: dict[str, Optional[IncrementalDetokenizer]] = {}
+        self.sent: dict[str, tuple[int, int, int]] = {}  # delta outputs: tokens, text chars, logprobs already out
+        self.prompt_sent = False  # delta outputs carry the prompt fields once
 
     @property
     def finished(self) -> bool:
@@ -37,17 +39,27 @@ class ParentRequest:
                 children = []
             else:
                 children = sorted(children, key=lambda c: -c.cumulative_logprob)[: self.params.n]
+        delta = self.params.output_kind == "delta"
         outs = []
         for i, c in enumerate(children):
+            toks, text, lps = c.output_token_ids, c.output_text, c.logprobs
+            if delta:  # the detokenizer's text only grows, so new text is a suffix
+                nt, nx, nl = self.sent.get(c.request_id, (0, 0, 0))
+                self.sent[c.request_id] = (len(toks), len(text), len(lps) if lps is not None else 0)
+                toks, text, lps = toks[nt:], text[nx:], lps[nl:] if lps is not None else None
             outs.append(CompletionOutput(
                 index=c.index if self.params.best_of == self.params.n else i,
-                text=c.output_text, token_ids=list(c.output_token_ids),
+                text=text, token_ids=list(toks),
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None or ranked else None,
-                logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                logprobs=list(lps) if lps is not None else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         first = self.children[0]
         metrics = {"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
                    "last_token_time": max((c.last_token_time or 0.0) for c in self.children) or None}
+        if delta and self.prompt_sent:
+            return RequestOutput(self.request_id, None, [], outs, self.finished,
+                                 num_cached_tokens=first.num_cached_tokens, metrics=metrics)
+        self.prompt_sent = True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              prompt_logprobs=first.prompt_logprobs, num_cached_tokens=first.num_cached_tokens,
                              metrics=metrics)

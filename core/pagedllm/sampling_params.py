@@ -12,6 +12,10 @@ class ParamError(ValueError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
+
+    def __reduce__(self):  # pickles across the server/engine process boundary
+        return ParamError, (self.field, self.message)
 
 
 @dataclass
@@ -38,7 +42,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     priority: int = 0  # used by the `priority` scheduling policy: lower value runs first (vLLM's convention)
-    output_kind: str = "cumulative"  # "cumulative": an output every step; "final_only": only when finished
+    # "cumulative": every step, everything so far; "delta": every step, only what is new (the prompt fields only in
+    # the first); "final_only": once, when finished (vLLM's RequestOutputKind)
+    output_kind: str = "cumulative"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,8 +95,8 @@ class SamplingParams:
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be a list of non-negative integers")
-        if self.output_kind not in ("cumulative", "final_only"):
-            bad("output_kind", f"must be 'cumulative' or 'final_only', got {self.output_kind!r}")
+        if self.output_kind not in ("cumulative", "delta", "final_only"):
+            bad("output_kind", f"must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}")
         if not isinstance(self.priority, int):
             bad("priority", f"must be an integer, got {self.priority!r}")
 

@@ -78,22 +78,22 @@ def arrival_gaps(num: int, rate: float, seed: int) -> list[float]:
     return [rng.expovariate(rate) for _ in range(num)]
 
 
-async def _one(client, url: str, headers: dict, model: str, prompt: list[int], output_len: int) -> RequestResult:
+async def _one(session, url: str, headers: dict, model: str, prompt: list[int], output_len: int) -> RequestResult:
     res = RequestResult(prompt_len=len(prompt))
     payload = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     start = time.perf_counter()
     last = start
     try:
-        async with client.stream("POST", url, json=payload, headers=headers) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+        async with session.post(url, json=payload, headers=headers) as r:
+            if r.status != 200:
+                res.error = f"HTTP {r.status}: {(await r.read()).decode(errors='replace')[:200]}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in r.content:  # aiohttp's StreamReader yields whole lines
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 obj = json.loads(data)
                 if "error" in obj:
@@ -129,18 +129,19 @@ async def run_async(base_url: str, num_prompts: int, request_rate: float, input_
                     model: Optional[str] = None, api_key: Optional[str] = None, max_concurrency: Optional[int] = None,
                     seed: int = 0, token_id_range: tuple[int, int] = (100, 1000),
                     warmup: bool = True) -> ServeBenchResult:
-    import httpx
+    import aiohttp
 
     base = base_url.rstrip("/")
     if base.endswith("/v1"):
         base = base[:-3]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=0)  # no connection cap: --max-concurrency is the only limit
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                     read_bufsize=1 << 20) as client:
         if model is None:
-            r = await client.get(f"{base}/v1/models", headers=headers)
-            r.raise_for_status()
-            model = r.json()["data"][0]["id"]
+            async with client.get(f"{base}/v1/models", headers=headers) as r:
+                r.raise_for_status()
+                model = (await r.json())["data"][0]["id"]
         url = f"{base}/v1/completions"
         prompts = make_prompts(num_prompts, input_len, *token_id_range, seed)
         if warmup:
@@ -199,8 +200,18 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
+def _event_loop_runner():
+    """uvloop when installed (it comes with the serve extra): the client shares the machine with the server, so
+    its per-chunk cost is taken from the server's throughput."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
 def main(args) -> int:
-    res = asyncio.run(run_async(args.base_url, args.num_prompts, args.request_rate, args.input_len, args.output_len,
+    res = _event_loop_runner()(run_async(args.base_url, args.num_prompts, args.request_rate, args.input_len, args.output_len,
                                 args.model, args.api_key, args.max_concurrency, args.seed,
                                 tuple(args.token_id_range), not args.no_warmup))
     print(f"model={res.model} base_url={res.base_url}")

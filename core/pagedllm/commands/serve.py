@@ -26,6 +26,8 @@ def add_parser(sub) -> None:
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--timeout-graceful-shutdown", type=float, default=None,
                    help="seconds to wait for in-flight requests on SIGTERM (default: until they finish)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="send a streamed choice only every N tokens (first token and end at once); default 1")
     p.set_defaults(func=run)
 
 
@@ -39,4 +41,5 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  served_model_names=args.served_model_name, chat_template=args.chat_template,
-                 uvicorn_log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+                 uvicorn_log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+                 stream_interval=args.stream_interval)

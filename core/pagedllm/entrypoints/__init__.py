@@ -1,1 +1,1 @@
-"""OpenAI-compatible HTTP serving: ``pagedllm serve`` (FastAPI + uvicorn over an async engine thread)."""
+"""OpenAI-compatible HTTP serving: ``pagedllm serve`` (FastAPI + uvicorn in front of an engine process)."""

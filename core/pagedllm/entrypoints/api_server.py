@@ -1,14 +1,15 @@
 """The FastAPI app (``build_app``) and the uvicorn runner (``serve``) behind ``pagedllm serve``.
 
-Lifecycle: the engine is built (model loaded, on its own thread) before uvicorn binds, so ``/health`` answers only
+Lifecycle: the engine is built (model loaded, in its own process) before uvicorn binds, so ``/health`` answers only
 once the server can serve. The app's lifespan binds the event loop to the engine at startup and stops the engine
-thread after uvicorn's graceful shutdown has drained every in-flight request (uvicorn handles SIGTERM/SIGINT: stop
+process after uvicorn's graceful shutdown has drained every in-flight request (uvicorn handles SIGTERM/SIGINT: stop
 accepting, finish open responses, then run lifespan exit).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -99,7 +100,11 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        engine.start()
+        await engine.start()
+        # What startup allocated (torch, FastAPI, the tokenizer) lives for good: keep it out of every GC pass, which
+        # otherwise walks those millions of objects while outputs are being unpickled (vLLM freezes them too).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
@@ -176,12 +181,13 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
 
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
           served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None,
-          uvicorn_log_level: str = "info", timeout_graceful_shutdown: Optional[float] = None) -> int:
+          uvicorn_log_level: str = "info", timeout_graceful_shutdown: Optional[float] = None,
+          stream_interval: int = 1) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code."""
     import uvicorn
 
     template = load_chat_template(chat_template)
-    engine = AsyncEngine(config)  # loads the model on the engine thread (see AsyncEngine for why)
+    engine = AsyncEngine(config, stream_interval)  # starts the engine process and waits until the model is loaded
     if not served_model_names:
         served_model_names = [config.model if config.model else
                               os.path.basename(engine.model_path).split(".")[0]]

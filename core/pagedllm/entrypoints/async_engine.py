@@ -1,32 +1,33 @@
-"""AsyncEngine: the (not thread-safe) LLMEngine owned by ONE background thread, fed by a command queue.
+"""AsyncEngine: the server's handle on the engine process (see ``engine_core.py`` for why it is a process).
 
-Every engine call (add, abort, step, get_stats) happens on that thread, so the asyncio event loop never blocks on a
-model step. Outputs travel back in one ``loop.call_soon_threadsafe`` per step into per-request asyncio queues. Outputs
-are cumulative, so a consumer that falls behind simply skips to the newest one (vLLM's output coalescing). The thread
-sleeps on the command queue whenever no request is unfinished: no busy loop.
+``await add_request(...)`` sends the request and returns a :class:`RequestStream` once the engine accepted it (or
+raises the engine's ParamError). Outputs come back one pipe message per engine step, read by the event loop itself
+(asyncio pipe transports: no threads, so no GIL hand-offs) and routed to their requests' asyncio queues. Outputs are
+cumulative, so a consumer that falls behind skips to the newest one (vLLM's output coalescing). Commands are written
+through a non-blocking transport, so the event loop never waits on a full pipe while the engine is mid-step.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import queue
-import threading
-from typing import Any, Optional, Union
+import multiprocessing
+import os
+import pickle
+import struct
+from typing import Any, Optional
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine import EngineStats, LLMEngine, PromptType
+from pagedllm.engine import EngineStats, PromptType
+from pagedllm.entrypoints.engine_core import ACCEPTED, run_engine_core
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import ParamError, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_ACCEPTED = object()  # first queue item of a request the engine validated and queued
-
 
 class EngineDeadError(RuntimeError):
-    """The engine thread hit an unexpected error and stopped; the server reports 503 from then on."""
+    """The engine process stopped (a bug, a crash, or shutdown); the server reports 503 from then on."""
 
 
 class RequestStream:
@@ -39,6 +40,9 @@ class RequestStream:
         self.finished = False
         self.aborted = False  # closed by the server before the engine finished it
         self.last: Optional[RequestOutput] = None
+        self.accumulate = False  # the engine sends deltas; rebuild the cumulative output in ``acc``
+        self.acc: Optional[RequestOutput] = None
+        self.released = -1  # output tokens at the last output handed to the consumer (stream interval)
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -67,54 +71,93 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """``await add_request(...)`` validates and queues a request and returns its :class:`RequestStream`.
+    """Starts the engine process for ``config`` and waits until the model is loaded (build errors re-raise here).
 
-    Given an ``EngineConfig``, the engine thread also builds the engine (loads the model), so every torch op of the
-    process runs on that one thread. This matters on CPU: GNU OpenMP keeps its workers spinning between parallel
-    regions only while the process has no more OpenMP threads than cores; a second thread running torch ops (the
-    event loop, had it loaded the model) creates a second team and drops both to sleeping waits, which made every
-    decode step ~2x slower than the offline ``LLM`` on a quiet 2-core machine.
+    The tokenizer is loaded here too, for chat templates and /tokenize; the engine process tokenizes prompts and
+    detokenizes outputs itself. ``stream_interval`` (vLLM's ``--stream-interval``): hand a request's consumer a new
+    output only once it grew by that many tokens (the first token and the end always go at once); larger values
+    trade streaming smoothness for less HTTP work per token.
     """
 
-    def __init__(self, engine: Union[LLMEngine, EngineConfig]):
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # engine-thread only
+    def __init__(self, config: EngineConfig, stream_interval: int = 1):
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ParamError("stream_interval", f"must be an integer >= 1, got {stream_interval!r}")
+        self.stream_interval = stream_interval
+        from pagedllm.models import load_tokenizer, resolve_model_path
+
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold accelerator state
+        self._conn, child_out = ctx.Pipe(duplex=False)  # engine -> server
+        child_in, self._cmd_conn = ctx.Pipe(duplex=False)  # server -> engine
+        self._proc = ctx.Process(target=run_engine_core, name="pagedllm-engine", daemon=True,
+                                 args=(config, child_in, child_out, logging.getLogger().getEffectiveLevel()))
+        self._proc.start()
+        child_in.close()
+        child_out.close()
+        self._writer: Optional[asyncio.WriteTransport] = None
+        self._streams: dict[str, RequestStream] = {}
+        self._pending: dict[str, asyncio.Future] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._stopping = False
         self.error: Optional[BaseException] = None
-        self.num_steps = 0
-        self._ready = threading.Event()
-        self._thread: Optional[threading.Thread] = threading.Thread(
-            target=self._main, args=(engine,), name="pagedllm-engine", daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self.error is not None:  # the engine could not be built: re-raise here (e.g. ParamError for a flag)
-            self._thread.join()
-            self._thread = None
-            raise self.error
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len: int = self.engine.max_model_len
-        self.model_path: str = self.engine.model_path
-        self.vocab_size: int = self.engine.model.vocab_size
+        tok_error: Optional[BaseException] = None
+        try:  # overlaps with the model load in the engine process
+            self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(resolve_model_path(config.model))
+        except Exception as e:  # noqa: BLE001 - the engine's own error about the same model is more telling
+            tok_error = e
+        try:
+            kind, info = self._conn.recv()
+        except EOFError:
+            kind, info = "error", EngineDeadError(f"engine process exited with code {self._proc.exitcode}")
+        if kind != "ready" or tok_error is not None:
+            self._proc.join(5)
+            if self._proc.is_alive():
+                self._proc.kill()
+            raise info if kind != "ready" else tok_error
+        self.max_model_len: int = info["max_model_len"]
+        self.model_path: str = info["model_path"]
+        self.vocab_size: int = info["vocab_size"]
+        self._stats: EngineStats = info["stats"]
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._proc.pid
 
     # ---- lifecycle (event-loop side) -------------------------------------------------------------------------
-    def start(self) -> None:
-        """Bind the running event loop that consumes outputs; call from inside it before the first request."""
+    async def start(self) -> None:
+        """Attach both pipes to the running event loop (non-blocking transports: no thread, no GIL hand-offs)."""
         self._loop = asyncio.get_running_loop()
+        await self._loop.connect_read_pipe(lambda: _MessageReader(self._on_message, self._on_eof),
+                                           os.fdopen(self._conn.fileno(), "rb", buffering=0, closefd=False))
+        self._writer, _ = await self._loop.connect_write_pipe(
+            asyncio.Protocol, os.fdopen(self._cmd_conn.fileno(), "wb", buffering=0, closefd=False))
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort whatever is left, stop the thread and wait for it (call after in-flight HTTP requests drained)."""
-        if self._thread is None:
+        """Abort whatever is left and stop the engine process (call after in-flight HTTP requests drained)."""
+        if self._stopping:
             return
-        self._cmds.put(("stop",))
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            logger.warning("engine thread did not stop within %.0fs", timeout)
-        self._thread = None
+        self._stopping = True
+        try:
+            in_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            in_loop = False
+        if self._writer is None or self._loop.is_closed():
+            try:
+                self._cmd_conn.send(("stop",))
+            except OSError:  # already gone
+                pass
+        elif in_loop:
+            self._send(("stop",))
+        else:
+            self._loop.call_soon_threadsafe(self._send, ("stop",))
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            logger.warning("engine process did not stop within %.0fs; killing it", timeout)
+            self._proc.kill()
+            self._proc.join()
 
     @property
     def is_running(self) -> bool:
-        return (self._thread is not None and self._thread.is_alive() and self.error is None
-                and self._loop is not None)
+        return self._loop is not None and not self._stopping and self.error is None
 
     # ---- requests (event-loop side) --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -122,132 +165,143 @@ class AsyncEngine:
         """Queue a request; raises the engine's ParamError (or EngineDeadError) before any output exists."""
         if not self.is_running:
             raise EngineDeadError(f"engine is not running: {self.error!r}" if self.error else "engine is not running")
+        if request_id in self._streams or request_id in self._pending:
+            raise ParamError("request_id", f"{request_id!r} is already in use")
         stream = RequestStream(self, request_id)
-        self._cmds.put(("add", stream, prompt, params, arrival_time, priority))
-        if self.error is not None:  # died between the check and the put: answer the command ourselves
-            self._fail_pending(EngineDeadError(f"engine error: {self.error!r}"))
+        if params.output_kind == "cumulative":  # the pipe carries deltas; _route accumulates them here
+            params = params.clone(output_kind="delta")
+            stream.accumulate = True
+        accepted = self._loop.create_future()
+        self._pending[request_id] = accepted
+        self._streams[request_id] = stream
+        self._send(("add", request_id, prompt, params, arrival_time, priority))
         try:
-            first = await stream.queue.get()
+            await accepted
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
-        if isinstance(first, BaseException):
+        except BaseException:
             stream.finished = True
-            raise first
-        assert first is _ACCEPTED
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id))
+        if self._streams.pop(request_id, None) is not None and not self._stopping:
+            self._send(("abort", request_id))
 
     def stats(self) -> EngineStats:
-        """The engine thread's latest stats snapshot (refreshed after every step and every command batch)."""
+        """The engine's stats snapshot as of its latest step or command."""
         return self._stats
 
-    # ---- the engine thread -----------------------------------------------------------------------------------
-    def _main(self, engine: Union[LLMEngine, EngineConfig]) -> None:
-        try:
-            self.engine = engine if isinstance(engine, LLMEngine) else LLMEngine(engine)
-            self._stats = dataclasses.replace(self.engine.get_stats())
-        except BaseException as e:
-            self.error = e
+    # ---- plumbing --------------------------------------------------------------------------------------------
+    def _send(self, msg: tuple) -> None:
+        """Frame a command as multiprocessing.Connection does, so the engine reads it with ``Connection.recv``."""
+        if self._writer is None or self._writer.is_closing():
             return
-        finally:
-            self._ready.set()
-        self._run()
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        self._writer.write(struct.pack("!i", len(data)) + data)
 
-    def _run(self) -> None:
-        eng = self.engine
-        try:
-            while True:
-                busy = eng.has_unfinished_requests()
-                try:
-                    cmds = [self._cmds.get(block=not busy)]
-                except queue.Empty:
-                    cmds = []
-                while True:
-                    try:
-                        cmds.append(self._cmds.get_nowait())
-                    except queue.Empty:
-                        break
-                batch: list[tuple[asyncio.Queue, Any]] = []
-                stop = self._handle(cmds, batch)
-                if stop:
-                    self._abort_all(batch)
-                    self._publish(batch)
-                    return
-                if eng.has_unfinished_requests():
-                    outs = eng.step()
-                    self.num_steps += 1
-                    for out in outs:
-                        stream = self._streams.get(out.request_id)
-                        if stream is None:
-                            continue
-                        batch.append((stream.queue, out))
-                        if out.finished:
-                            del self._streams[out.request_id]
-                self._publish(batch)
-        except BaseException as e:  # a bug in the engine: fail every request, refuse new ones
-            logger.exception("engine thread died")
-            self.error = e
-            dead = EngineDeadError(f"engine error: {type(e).__name__}: {e}")
-            batch = [(s.queue, dead) for s in self._streams.values()]
-            self._streams.clear()
-            self._publish(batch, refresh=False)
-            self._fail_pending(dead)
+    def _on_eof(self) -> None:
+        self._proc.join(0.5)  # usually already gone: its exit code tells a crash from a kill
+        code = self._proc.exitcode
+        self._die(EngineDeadError("engine shut down" if self._stopping else "engine process exited unexpectedly"
+                                  + (f" (exit code {code})" if code is not None else "")))
 
-    def _handle(self, cmds: list, batch: list) -> bool:
-        eng = self.engine
-        stop = False
-        for cmd in cmds:
-            kind = cmd[0]
-            if kind == "add":
-                _, stream, prompt, params, arrival, priority = cmd
-                try:
-                    eng.add_request(stream.request_id, prompt, params, arrival_time=arrival, priority=priority)
-                except Exception as e:  # ParamError and friends go back to that request only
-                    batch.append((stream.queue, e))
+    def _on_message(self, msg: tuple) -> None:
+        if msg[0] == "out":
+            self._route(msg[1])
+            self._stats = msg[2]
+        else:  # "dead"
+            self._die(EngineDeadError(f"engine error: {msg[1]}"))
+
+    def _route(self, items: list[tuple[str, Any]]) -> None:
+        for rid, x in items:
+            if isinstance(x, str):  # ACCEPTED
+                fut = self._pending.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+                continue
+            if isinstance(x, BaseException):
+                fut = self._pending.pop(rid, None)
+                self._streams.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(x)
+                continue
+            stream = self._streams.get(rid)
+            if stream is None:  # aborted here; the engine's abort is on its way
+                continue
+            if stream.accumulate:
+                x = stream.acc = _accumulate(stream.acc, x)
+            if x.finished:
+                del self._streams[rid]
+            elif self.stream_interval > 1 and stream.accumulate:  # cumulative: skipping loses nothing
+                n = sum(len(c.token_ids) for c in x.outputs)
+                if stream.released >= 0 and n - stream.released < self.stream_interval:
                     continue
-                self._streams[stream.request_id] = stream
-                batch.append((stream.queue, _ACCEPTED))
-            elif kind == "abort":
-                rid = cmd[1]
-                if self._streams.pop(rid, None) is not None:
-                    eng.abort_request(rid)
-            elif kind == "stop":
-                stop = True
-        return stop
+                stream.released = n
+            stream.queue.put_nowait(x)
 
-    def _abort_all(self, batch: list) -> None:
-        ids = list(self._streams)
-        if ids:
-            self.engine.abort_request(ids)
-        err = EngineDeadError("engine shut down")
-        batch.extend((s.queue, err) for s in self._streams.values())
+    def _die(self, err: EngineDeadError) -> None:
+        if not self._stopping and self.error is None:
+            logger.error("%s", err)
+            self.error = err
+        self._fail_all(err)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+        for s in self._streams.values():
+            s.queue.put_nowait(err)
         self._streams.clear()
 
-    def _fail_pending(self, err: BaseException) -> None:
-        """Answer commands queued after the engine died, so no caller waits forever."""
-        while True:
-            try:
-                cmd = self._cmds.get_nowait()
-            except queue.Empty:
-                return
-            if cmd[0] == "add":
-                self._publish([(cmd[1].queue, err)], refresh=False)
 
-    def _publish(self, batch: list, refresh: bool = True) -> None:
-        # Stats first: a client that sees its final output and then scrapes /metrics sees a snapshot taken after
-        # the step that finished it (blocks already freed).
-        if refresh:
-            self._stats = dataclasses.replace(self.engine.get_stats())
-        if batch and self._loop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(_deliver, batch)
-            except RuntimeError:  # loop closed under us during shutdown
-                pass
+def _accumulate(acc: Optional[RequestOutput], d: RequestOutput) -> RequestOutput:
+    """Fold a delta output into the cumulative one (updated in place: queued references all see the newest)."""
+    if acc is None or len(acc.outputs) != len(d.outputs):  # first output (or best_of's final ranking)
+        if acc is not None:
+            d.prompt, d.prompt_token_ids, d.prompt_logprobs = acc.prompt, acc.prompt_token_ids, acc.prompt_logprobs
+        return d
+    for a, c in zip(acc.outputs, d.outputs):
+        a.text += c.text
+        a.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if a.logprobs is None:
+                a.logprobs = []
+            a.logprobs.extend(c.logprobs)
+        a.cumulative_logprob, a.finish_reason, a.stop_reason = c.cumulative_logprob, c.finish_reason, c.stop_reason
+    acc.finished, acc.num_cached_tokens, acc.metrics = d.finished, d.num_cached_tokens, d.metrics
+    return acc
 
 
-def _deliver(batch: list) -> None:
-    for q, item in batch:
-        q.put_nowait(item)
+class _MessageReader(asyncio.Protocol):
+    """Splits the engine's byte stream into messages (``multiprocessing.Connection`` framing: a big-endian int32
+    length, then the pickle) and hands each to ``on_message`` on the event loop."""
+
+    def __init__(self, on_message, on_eof):
+        self.on_message = on_message
+        self.on_eof = on_eof
+        self.buf = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        while len(buf) - pos >= 4:
+            (n,) = struct.unpack_from("!i", buf, pos)
+            head = 4
+            if n == -1:  # Connection's framing for messages over 2 GiB
+                if len(buf) - pos < 12:
+                    break
+                (n,) = struct.unpack_from("!Q", buf, pos + 4)
+                head = 12
+            if len(buf) - pos < head + n:
+                break
+            msg = pickle.loads(memoryview(buf)[pos + head:pos + head + n])
+            pos += head + n
+            self.on_message(msg)
+        del buf[:pos]
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self.on_eof()

@@ -1,7 +1,7 @@
 """Prometheus metrics with vLLM's meanings under a ``pagedllm:`` prefix, one registry per app.
 
 Gauges and counters that the engine already keeps (running/waiting, KV usage, prefix-cache queries/hits, token
-counts, preemptions) are read at scrape time from the engine thread's latest stats snapshot by a custom collector, so
+counts, preemptions) are read at scrape time from the engine process's latest stats snapshot by a custom collector, so
 nothing on the hot path touches prometheus. Latency histograms are observed by the HTTP handlers when a request ends.
 """
 

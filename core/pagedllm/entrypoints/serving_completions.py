@@ -41,9 +41,6 @@ class CompletionServing(Serving):
         self.check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix")
-        if req.echo and req.logprobs is not None and req.stream:
-            raise APIError(400, "stream: echo together with logprobs is supported without streaming only",
-                           param="stream")
         params = self.make_params(req.to_sampling_params)
         if req.echo and req.logprobs is not None:  # the echoed prompt carries its own logprobs (lm-eval scoring)
             params = params.clone(prompt_logprobs=req.logprobs)
@@ -157,8 +154,12 @@ class CompletionServing(Serving):
                     text, start, end = st.delta(c, params)
                     usage.completion_tokens += end - start
                     lp = None
-                    if req.logprobs is not None and end > start:
-                        lp = self.completion_logprobs(c, start, end, req.logprobs, st.text_len - len(text))
+                    if req.logprobs is not None and (end > start or prefix):
+                        base = len(prompts[i]["prompt"]) if req.echo else 0  # offsets count the echoed prompt
+                        lp = self.completion_logprobs(c, start, end, req.logprobs, base + st.text_len - len(text))
+                        if prefix:  # the echoed prompt's own logprobs lead the first chunk
+                            prompts[i]["prompt_logprobs"] = out.prompt_logprobs
+                            lp = self.prompt_completion_logprobs(prompts[i], req.logprobs, lp)
                     finish = c.finish_reason
                     if finish is not None:
                         st.finished = True

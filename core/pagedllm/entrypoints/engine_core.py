@@ -1,0 +1,105 @@
+"""The engine process: owns the LLMEngine and runs its step loop; talks to the server process over one pipe.
+
+Why a process (vLLM v1's EngineCore split): the engine's Python work (scheduling, sampling, detokenising) and the
+server's (HTTP, JSON, SSE) then run in parallel instead of taking turns on one GIL, and every torch op of the engine
+runs on this process's main thread (one OpenMP team, as offline).
+
+Protocol: two one-way pipes carrying pickled tuples in ``multiprocessing.Connection`` framing. Server -> engine: ``("add", rid, prompt, params, arrival, priority)``,
+``("abort", rid)``, ``("stop",)``. Engine -> server: ``("ready", info)`` or ``("error", exc)`` once, then
+``("out", items, stats)`` after every loop turn that did something, where ``items`` are ``(rid, x)`` with ``x``
+:data:`ACCEPTED`, an exception (the add was rejected) or a cumulative RequestOutput; and ``("dead", message)`` if
+the engine hit a bug. The loop blocks on the pipe whenever no request is unfinished: an idle engine burns no CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import pickle
+import signal
+from multiprocessing.connection import Connection
+
+from pagedllm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+ACCEPTED = "accepted"  # reply to an add the engine validated and queued
+
+
+def _portable(e: BaseException) -> BaseException:
+    """The exception itself if it survives pickling, else a RuntimeError carrying its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - anything unpicklable
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
+                    log_level: int = logging.INFO) -> None:
+    """Process entry point (spawned by :class:`~pagedllm.entrypoints.async_engine.AsyncEngine`)."""
+    # The server process owns shutdown (it drains, then sends "stop"); a terminal's Ctrl-C or a service manager's
+    # SIGTERM to the whole process group must not kill requests mid-flight. If the server dies, the pipe closes
+    # and this loop exits.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    from pagedllm.engine import LLMEngine
+
+    try:
+        engine = LLMEngine(config)
+    except BaseException as e:  # noqa: BLE001 - reported to the server, which re-raises it
+        outputs.send(("error", _portable(e)))
+        return
+    gc.collect()
+    gc.freeze()  # the model and its imports live for good: keep them out of GC passes during the step loop
+    outputs.send(("ready", {"max_model_len": engine.max_model_len, "model_path": engine.model_path,
+                         "vocab_size": engine.model.vocab_size, "stats": engine.get_stats()}))
+    try:
+        _loop(engine, commands, outputs)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        logger.info("server process went away; engine exiting")
+    except BaseException as e:  # noqa: BLE001 - a bug in the engine: tell the server, then exit
+        logger.exception("engine died")
+        try:
+            outputs.send(("dead", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+
+
+def _loop(engine, commands: Connection, outputs: Connection) -> None:
+    while True:
+        if not engine.has_unfinished_requests():
+            commands.poll(None)  # sleep until a command (or EOF) arrives
+        items: list[tuple[str, object]] = []
+        stop = False
+        while commands.poll():
+            cmd = commands.recv()
+            kind = cmd[0]
+            if kind == "add":
+                _, rid, prompt, params, arrival, priority = cmd
+                try:
+                    engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority)
+                except Exception as e:  # ParamError and friends go back to that request only
+                    items.append((rid, _portable(e)))
+                    continue
+                items.append((rid, ACCEPTED))
+            elif kind == "abort":
+                engine.abort_request(cmd[1])
+            elif kind == "stop":
+                stop = True
+        if stop:
+            st = engine.get_stats()
+            logger.info("engine stopping: %d steps, %d prompt and %d generated tokens, %d unfinished requests aborted",
+                        st.num_steps, st.prompt_tokens, st.generation_tokens, len(engine.parents))
+            ids = list(engine.parents)
+            engine.abort_request(ids)
+            outputs.send(("out", [], dataclasses.replace(engine.get_stats())))
+            return
+        if engine.has_unfinished_requests():
+            items.extend((o.request_id, o) for o in engine.step())
+        # Stats are taken after the step: a client that sees its final output and then scrapes /metrics sees the
+        # blocks of its request already freed.
+        stats = dataclasses.replace(engine.get_stats())
+        outputs.send(("out", items, stats))
