@@ -162,3 +162,20 @@ def test_still_serving_after_errors(server, client):
     assert (m["pagedllm:num_requests_running"], m["pagedllm:num_requests_waiting"],
             m["pagedllm:kv_cache_used_blocks"]) == (0, 0, 0)
     assert "Traceback" not in server.output()
+
+
+def test_bad_serve_flags_exit_2_naming_the_flag():
+    """``pagedllm serve`` with a bad flag value prints one line naming it and exits 2 (argparse's code), no traceback;
+    checked for a server-side flag and for an engine flag that only the engine process can judge."""
+    import subprocess
+    import sys
+
+    from server_utils import tiny_chat_model
+
+    model = tiny_chat_model()
+    cases = ((["--stream-interval", "0"], "stream_interval"), (["--max-model-len", "1000000"], "max_model_len"))
+    for flag, field in cases:
+        res = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", model, "--device", "cpu", "--port", "1",
+                              *flag], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, res.stderr
+        assert f"error: {field}:" in res.stderr and "Traceback" not in res.stderr, res.stderr

@@ -211,9 +211,9 @@ def _event_loop_runner():
 
 
 def main(args) -> int:
-    res = _event_loop_runner()(run_async(args.base_url, args.num_prompts, args.request_rate, args.input_len, args.output_len,
-                                args.model, args.api_key, args.max_concurrency, args.seed,
-                                tuple(args.token_id_range), not args.no_warmup))
+    res = _event_loop_runner()(run_async(
+        args.base_url, args.num_prompts, args.request_rate, args.input_len, args.output_len, args.model, args.api_key,
+        args.max_concurrency, args.seed, tuple(args.token_id_range), not args.no_warmup))
     print(f"model={res.model} base_url={res.base_url}")
     print(f"workload: {res.num_prompts} prompts x {res.input_len} -> {res.output_len} tokens, "
           f"rate {res.request_rate} req/s, max concurrency {res.max_concurrency}")

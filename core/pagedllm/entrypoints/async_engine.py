@@ -216,7 +216,7 @@ class AsyncEngine:
 
     def _route(self, items: list[tuple[str, Any]]) -> None:
         for rid, x in items:
-            if isinstance(x, str):  # ACCEPTED
+            if isinstance(x, str) and x == ACCEPTED:
                 fut = self._pending.pop(rid, None)
                 if fut is not None and not fut.done():
                     fut.set_result(None)

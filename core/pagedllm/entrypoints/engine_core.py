@@ -1,14 +1,15 @@
-"""The engine process: owns the LLMEngine and runs its step loop; talks to the server process over one pipe.
+"""The engine process: owns the LLMEngine and runs its step loop; talks to the server process over two pipes.
 
 Why a process (vLLM v1's EngineCore split): the engine's Python work (scheduling, sampling, detokenising) and the
-server's (HTTP, JSON, SSE) then run in parallel instead of taking turns on one GIL, and every torch op of the engine
-runs on this process's main thread (one OpenMP team, as offline).
+server's (HTTP, JSON, SSE) run in parallel instead of taking turns on one GIL, an engine crash leaves a server that
+answers 503 instead of a dead one, and every torch op runs on this process's main thread (one OpenMP team).
 
-Protocol: two one-way pipes carrying pickled tuples in ``multiprocessing.Connection`` framing. Server -> engine: ``("add", rid, prompt, params, arrival, priority)``,
-``("abort", rid)``, ``("stop",)``. Engine -> server: ``("ready", info)`` or ``("error", exc)`` once, then
-``("out", items, stats)`` after every loop turn that did something, where ``items`` are ``(rid, x)`` with ``x``
-:data:`ACCEPTED`, an exception (the add was rejected) or a cumulative RequestOutput; and ``("dead", message)`` if
-the engine hit a bug. The loop blocks on the pipe whenever no request is unfinished: an idle engine burns no CPU.
+Protocol: one pipe each way, pickled tuples in ``multiprocessing.Connection`` framing. Server -> engine:
+``("add", rid, prompt, params, arrival, priority)``, ``("abort", rid)``, ``("stop",)``. Engine -> server:
+``("ready", info)`` or ``("error", exc)`` once, then ``("out", items, stats)`` after every loop turn that did
+something, where ``items`` are ``(rid, x)`` with ``x`` :data:`ACCEPTED`, an exception (the add was rejected) or a
+RequestOutput (deltas: the server asks for ``output_kind="delta"`` and accumulates); and ``("dead", message)`` if the
+engine hit a bug. The loop blocks on the pipe whenever no request is unfinished: an idle engine burns no CPU.
 """
 
 from __future__ import annotations
