@@ -109,6 +109,8 @@ class AsyncEngine:
         except EOFError:
             kind, info = "error", EngineDeadError(f"engine process exited with code {self._proc.exitcode}")
         if kind != "ready" or tok_error is not None:
+            if kind == "ready":  # the engine is up but the tokenizer is not: stop the engine
+                self._cmd_conn.send(("stop",))
             self._proc.join(5)
             if self._proc.is_alive():
                 self._proc.kill()
