@@ -42,16 +42,16 @@ class ParentRequest:
         delta = self.params.output_kind == "delta"
         outs = []
         for i, c in enumerate(children):
-            toks, text, lps = c.output_token_ids, c.output_text, c.logprobs
+            nt = nx = nl = 0
             if delta:  # the detokenizer's text only grows, so new text is a suffix
                 nt, nx, nl = self.sent.get(c.request_id, (0, 0, 0))
-                self.sent[c.request_id] = (len(toks), len(text), len(lps) if lps is not None else 0)
-                toks, text, lps = toks[nt:], text[nx:], lps[nl:] if lps is not None else None
-            outs.append(CompletionOutput(
+                self.sent[c.request_id] = (len(c.output_token_ids), len(c.output_text),
+                                           len(c.logprobs) if c.logprobs is not None else 0)
+            outs.append(CompletionOutput(  # slices: copies of the (new) part, one per output
                 index=c.index if self.params.best_of == self.params.n else i,
-                text=text, token_ids=list(toks),
+                text=c.output_text[nx:], token_ids=c.output_token_ids[nt:],
                 cumulative_logprob=c.cumulative_logprob if c.logprobs is not None or ranked else None,
-                logprobs=list(lps) if lps is not None else None,
+                logprobs=c.logprobs[nl:] if c.logprobs is not None else None,
                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         first = self.children[0]
         metrics = {"arrival_time": first.arrival_time, "first_token_time": first.first_token_time,
