@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from pagedllm.bench.serve import arrival_gaps, make_prompts
 from server_utils import API_KEY, ServerProcess, metrics, tiny_chat_model, wait_idle
+from tiny_models import make_bench_llama
 
 
 def test_poisson_gaps_and_prompts():
@@ -54,3 +58,22 @@ def test_bench_serve_json(server, tmp_path):
     m = wait_idle(server.base_url)
     assert m["pagedllm:generation_tokens_total"] - before["pagedllm:generation_tokens_total"] == n * olen + 4
     assert m["pagedllm:prompt_tokens_total"] - before["pagedllm:prompt_tokens_total"] == (n + 1) * ilen
+
+
+def test_bench_serving_script(tmp_path):
+    """``ci/bench_serving.sh``, the rerun recipe behind docs/benchmarks.md's server/offline ratios, runs end to end
+    (pinned variant: offline and the engine process on one CPU set, the HTTP process and the client on another)."""
+    root = Path(__file__).resolve().parents[1]
+    model = make_bench_llama(tmp_path / "bench_llama")  # vocab 32000: bench serve's default prompt token ids fit
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "PYTHON": sys.executable, "ENGINE_CPUS": str(cpus[0]), "FRONTEND_CPUS": str(cpus[-1])}
+    proc = subprocess.run(["bash", str(root / "ci" / "bench_serving.sh"), "1", "4", "8", "4", "--model", model,
+                           "--device", "cpu", "--max-model-len", "128"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    m = re.fullmatch(r"round 1: offline ([\d.]+) tok/s, server ([\d.]+) tok/s, ratio ([\d.]+) \(failed=0 .*\)", lines[0])
+    assert m, proc.stdout
+    off, srv, ratio = map(float, m.groups())
+    assert off > 0 and srv > 0 and ratio == pytest.approx(srv / off, abs=2e-3)
+    assert lines[1].startswith(f"median: offline {off:.1f} tok/s, server {srv:.1f} tok/s"), proc.stdout

@@ -173,7 +173,8 @@ def test_bad_serve_flags_exit_2_naming_the_flag():
     from server_utils import tiny_chat_model
 
     model = tiny_chat_model()
-    cases = ((["--stream-interval", "0"], "stream_interval"), (["--max-model-len", "1000000"], "max_model_len"))
+    cases = ((["--stream-interval", "0"], "stream_interval"), (["--max-model-len", "1000000"], "max_model_len"),
+             (["--engine-cpus", "0-x"], "engine_cpus"))
     for flag, field in cases:
         res = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", model, "--device", "cpu", "--port", "1",
                               *flag], capture_output=True, text=True, timeout=120)

@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
                    help="seconds to wait for in-flight requests on SIGTERM (default: until they finish)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="send a streamed choice only every N tokens (first token and end at once); default 1")
+    p.add_argument("--engine-cpus", default=None, metavar="LIST",
+                   help="CPUs for the engine process (taskset syntax, e.g. 0-6), one torch thread each; the HTTP "
+                        "process runs on the other CPUs (default: both on every CPU)")
     p.set_defaults(func=run)
 
 
@@ -42,4 +45,4 @@ def run(args: argparse.Namespace) -> int:
     return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
                  served_model_names=args.served_model_name, chat_template=args.chat_template,
                  uvicorn_log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-                 stream_interval=args.stream_interval)
+                 stream_interval=args.stream_interval, engine_cpus=args.engine_cpus)

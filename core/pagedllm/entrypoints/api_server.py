@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.async_engine import AsyncEngine
+from pagedllm.entrypoints.cpu_split import parse_cpu_list, pin_front_end
 from pagedllm.entrypoints.errors import APIError, error_body, install_handlers, validation_error
 from pagedllm.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -182,12 +183,20 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
 def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
           served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None,
           uvicorn_log_level: str = "info", timeout_graceful_shutdown: Optional[float] = None,
-          stream_interval: int = 1) -> int:
-    """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code."""
+          stream_interval: int = 1, engine_cpus: Optional[str] = None) -> int:
+    """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code.
+
+    ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
+    """
     import uvicorn
 
     template = load_chat_template(chat_template)
-    engine = AsyncEngine(config, stream_interval)  # starts the engine process and waits until the model is loaded
+    cpus = parse_cpu_list(engine_cpus) if engine_cpus is not None else None
+    engine = AsyncEngine(config, stream_interval, cpus)  # starts the engine process, waits until the model is loaded
+    if cpus:
+        front = pin_front_end(cpus)
+        logger.info("HTTP process on CPUs %s%s", ",".join(map(str, sorted(front))),
+                    " (shared with the engine: none left)" if front & cpus else "")
     if not served_model_names:
         served_model_names = [config.model if config.model else
                               os.path.basename(engine.model_path).split(".")[0]]

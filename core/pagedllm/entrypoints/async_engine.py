@@ -76,10 +76,12 @@ class AsyncEngine:
     The tokenizer is loaded here too, for chat templates and /tokenize; the engine process tokenizes prompts and
     detokenizes outputs itself. ``stream_interval`` (vLLM's ``--stream-interval``): hand a request's consumer a new
     output only once it grew by that many tokens (the first token and the end always go at once); larger values
-    trade streaming smoothness for less HTTP work per token.
+    trade streaming smoothness for less HTTP work per token. ``engine_cpus``: run the engine process on these CPUs
+    only, one torch thread each (see ``cpu_split.py``).
     """
 
-    def __init__(self, config: EngineConfig, stream_interval: int = 1):
+    def __init__(self, config: EngineConfig, stream_interval: int = 1,
+                 engine_cpus: Optional[frozenset[int]] = None):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ParamError("stream_interval", f"must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
@@ -89,7 +91,8 @@ class AsyncEngine:
         self._conn, child_out = ctx.Pipe(duplex=False)  # engine -> server
         child_in, self._cmd_conn = ctx.Pipe(duplex=False)  # server -> engine
         self._proc = ctx.Process(target=run_engine_core, name="pagedllm-engine", daemon=True,
-                                 args=(config, child_in, child_out, logging.getLogger().getEffectiveLevel()))
+                                 args=(config, child_in, child_out, logging.getLogger().getEffectiveLevel(),
+                                       engine_cpus))
         self._proc.start()
         child_in.close()
         child_out.close()
@@ -118,6 +121,7 @@ class AsyncEngine:
         self.max_model_len: int = info["max_model_len"]
         self.model_path: str = info["model_path"]
         self.vocab_size: int = info["vocab_size"]
+        self.torch_threads: int = info["torch_threads"]  # the engine process's intra-op threads
         self._stats: EngineStats = info["stats"]
 
     @property

@@ -19,8 +19,10 @@ import logging
 import pickle
 import signal
 from multiprocessing.connection import Connection
+from typing import Optional
 
 from pagedllm.config import EngineConfig
+from pagedllm.entrypoints.cpu_split import pin_engine
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ def _portable(e: BaseException) -> BaseException:
 
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
-                    log_level: int = logging.INFO) -> None:
+                    log_level: int = logging.INFO, cpus: Optional[frozenset[int]] = None) -> None:
     """Process entry point (spawned by :class:`~pagedllm.entrypoints.async_engine.AsyncEngine`)."""
     # The server process owns shutdown (it drains, then sends "stop"); a terminal's Ctrl-C or a service manager's
     # SIGTERM to the whole process group must not kill requests mid-flight. If the server dies, the pipe closes
@@ -48,13 +50,19 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
     from pagedllm.engine import LLMEngine
 
     try:
+        if cpus:
+            threads = pin_engine(cpus)
+            logger.info("engine process on CPUs %s, %d torch threads", ",".join(map(str, sorted(cpus))), threads)
         engine = LLMEngine(config)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which re-raises it
         outputs.send(("error", _portable(e)))
         return
     gc.collect()
     gc.freeze()  # the model and its imports live for good: keep them out of GC passes during the step loop
+    import torch
+
     outputs.send(("ready", {"max_model_len": engine.max_model_len, "model_path": engine.model_path,
+                            "torch_threads": torch.get_num_threads(),
                          "vocab_size": engine.model.vocab_size, "stats": engine.get_stats()}))
     try:
         _loop(engine, commands, outputs)
