@@ -34,7 +34,8 @@ if [[ -n ${ENGINE_CPUS:-} ]]; then
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+pid=
+trap '[[ -n $pid ]] && kill -TERM $pid 2>/dev/null; rm -rf "$tmp"' EXIT  # a failed round leaves no server behind
 port=$($py -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 ratios=() offs=() srvs=()
 for ((r = 1; r <= rounds; r++)); do
@@ -51,6 +52,7 @@ for ((r = 1; r <= rounds; r++)); do
   "${on_frontend[@]}" "${pagedllm[@]}" bench serve --base-url "http://127.0.0.1:$port" --num-prompts "$n" \
     --input-len "$in" --output-len "$out" --json "$tmp/srv.json" >/dev/null
   kill -TERM $pid && wait $pid || true
+  pid=
   read -r srv line < <($py -c "
 import json; d = json.load(open('$tmp/srv.json'))
 print(round(d['output_throughput'], 1), f\"failed={d['failed']} ttft_p50={d['median_ttft_ms']:.0f}ms tpot_p50={d['median_tpot_ms']:.1f}ms\")")
