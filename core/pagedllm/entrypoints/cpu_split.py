@@ -2,8 +2,8 @@
 
 Why: streaming costs the HTTP process tens of microseconds of CPU per token. On CPUs the engine's torch threads also
 use, every slice the HTTP process takes stalls the engine's whole OpenMP team at its next barrier, so the engine loses
-more than the CPU taken (docs/benchmarks.md: 0.73-0.94 of offline throughput on 2 shared cores, 0.996 with one core
-each). vLLM's CPU backend reserves front-end cores for the same reason.
+more than the CPU taken (docs/benchmarks.md: 0.73-0.94 of offline throughput on 2 shared cores, 0.96-0.996 with
+one core each). vLLM's CPU backend reserves front-end cores for the same reason.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from pagedllm.sampling_params import ParamError
 
 def parse_cpu_list(text: str, field: str = "engine_cpus") -> frozenset[int]:
     """``"0-5,8"`` -> {0, 1, 2, 3, 4, 5, 8} (taskset / cpuset syntax); each CPU must be one this process may use."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ParamError(field, "CPU pinning needs os.sched_setaffinity (Linux); leave it unset here")
     cpus: set[int] = set()
     for part in str(text).split(","):
         lo, sep, hi = part.strip().partition("-")
