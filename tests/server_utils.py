@@ -133,6 +133,17 @@ class ServerProcess:
             pass
 
 
+def children(pid: int) -> list[int]:
+    """Child process ids of ``pid`` (a server's: its engine process and multiprocessing's resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
 def metrics(base_url: str) -> dict[str, float]:
     """``/metrics`` parsed to {sample name (labels dropped): value}, summed over label sets."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from pagedllm.entrypoints.cpu_split import parse_cpu_list
 from pagedllm.sampling_params import ParamError
-from server_utils import API_KEY, ServerProcess, tiny_chat_model, wait_idle
+from server_utils import API_KEY, ServerProcess, children, cmdline, tiny_chat_model, wait_idle
 
 
 def test_parse_cpu_list():
@@ -25,10 +25,6 @@ def test_parse_cpu_list():
         parse_cpu_list(str(max(cpus) + 1000))
 
 
-def _children(pid: int) -> list[int]:
-    return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
-
-
 def _thread_affinities(pid: int) -> list[set[int]]:
     return [os.sched_getaffinity(int(t.name)) for t in Path(f"/proc/{pid}/task").iterdir()]
 
@@ -42,8 +38,7 @@ def test_serve_engine_cpus_splits_the_processes():
                              "ignore_eos": True})
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
-        engines = [c for c in _children(srv.proc.pid)
-                   if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        engines = [c for c in children(srv.proc.pid) if "spawn_main" in cmdline(c)]
         assert len(engines) == 1
         assert {frozenset(a) for a in _thread_affinities(engines[0])} == {frozenset([cpus[0]])}
         if len(cpus) > 1:  # the whole HTTP process (event loop, libuv workers, import-time helpers) moved off it

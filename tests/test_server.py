@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import API_KEY, ServerProcess, metrics, tiny_chat_model, wait_idle
+from server_utils import API_KEY, ServerProcess, children, cmdline, metrics, tiny_chat_model, wait_idle
 
 from pagedllm import SamplingParams
 
@@ -365,26 +365,16 @@ def test_sigterm_drains_inflight_request(model_path):
         while "first" not in result and time.monotonic() < deadline:
             time.sleep(0.01)
         assert "first" in result
-        children = _children(srv.proc.pid)  # the engine process and multiprocessing's resource tracker
-        assert len(children) == 2 and any("spawn_main" in _cmdline(c) for c in children)
+        kids = children(srv.proc.pid)  # the engine process and multiprocessing's resource tracker
+        assert len(kids) == 2 and any("spawn_main" in cmdline(c) for c in kids)
         srv.terminate()
         assert "finish" not in result  # the request was still in flight when SIGTERM arrived
         t.join(60)
         assert srv.wait(60) == 0
         assert result.get("finish") == "length" and result.get("tokens") == 300, result
-        assert all(_gone(c, 10) for c in children)  # the engine process stopped with the server
+        assert all(_gone(c, 10) for c in kids)  # the engine process stopped with the server
     finally:
         srv.stop()
-
-
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(c) for c in f.read().split()]
-
-
-def _cmdline(pid: int) -> str:
-    with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode()
 
 
 def _gone(pid: int, timeout: float) -> bool:
@@ -408,11 +398,11 @@ def test_killed_server_takes_its_engine_process_along(model_path):
 
     srv = ServerProcess(model_path, api_key=None)
     try:
-        children = _children(srv.proc.pid)
-        assert any("spawn_main" in _cmdline(c) for c in children)
+        kids = children(srv.proc.pid)
+        assert any("spawn_main" in cmdline(c) for c in kids)
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.wait(30)
-        assert all(_gone(c, 15) for c in children)
+        assert all(_gone(c, 15) for c in kids)
     finally:
         srv.stop()
 
