@@ -121,7 +121,6 @@ class AsyncEngine:
         self.max_model_len: int = info["max_model_len"]
         self.model_path: str = info["model_path"]
         self.vocab_size: int = info["vocab_size"]
-        self.torch_threads: int = info["torch_threads"]  # the engine process's intra-op threads
         self._stats: EngineStats = info["stats"]
 
     @property

@@ -59,10 +59,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
         return
     gc.collect()
     gc.freeze()  # the model and its imports live for good: keep them out of GC passes during the step loop
-    import torch
-
     outputs.send(("ready", {"max_model_len": engine.max_model_len, "model_path": engine.model_path,
-                            "torch_threads": torch.get_num_threads(),
                          "vocab_size": engine.model.vocab_size, "stats": engine.get_stats()}))
     try:
         _loop(engine, commands, outputs)
