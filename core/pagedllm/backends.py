@@ -6,14 +6,14 @@ import importlib.metadata as md
 import traceback
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import pluggy
 import torch
 
 from pagedllm import hookspec, reference_plugin
-from pagedllm.hookspec import (API_VERSION, ENTRY_POINT_GROUP, OP_HOOKS, PROJECT, REQUIRED_HOOKS, BackendInfo,
-                               Capabilities, GraphRunner, KVCacheSpec, MemoryInfo, ProbeResult)
+from pagedllm.hookspec import (API_VERSION, ENTRY_POINT_GROUP, HOOK_NAMES, PROJECT, REQUIRED_HOOKS, BackendInfo,
+                               Capabilities, GraphRunner, KVCacheSpec, MemoryInfo, ProbeResult, RunnerContext)
 
 
 class BackendError(RuntimeError):
@@ -21,7 +21,13 @@ class BackendError(RuntimeError):
 
 
 class Backend:
-    """One backend: its plugin plus core's reference fallbacks in a private PluginManager."""
+    """One backend: its plugin plus core's reference fallbacks in a private PluginManager.
+
+    Every hook of :class:`~pagedllm.hookspec.BackendSpec` becomes a method named without the ``pagedllm_`` prefix
+    (``backend.write_kv(...)``, ``backend.update_config(...)``), bound once to exactly one implementation: the
+    backend's own, else core's reference. Nothing falls through from one to the other, so an in-place hook returning
+    ``None`` is never followed by the reference op on the backend's layout.
+    """
 
     def __init__(self, plugin: Any, plugin_name: str):
         self.pm = pluggy.PluginManager(PROJECT)
@@ -34,23 +40,36 @@ class Backend:
         if missing:
             raise BackendError(f"backend plugin {plugin_name!r} does not implement required hook(s): {missing}")
         self.pm.check_pending()
-        self.info: BackendInfo = self.pm.hook.pagedllm_backend_info()
+        for name in HOOK_NAMES:
+            if name not in ("pagedllm_probe", "pagedllm_capabilities"):  # cached properties below
+                setattr(self, name.removeprefix("pagedllm_"), self._resolve(name))
+        self.info: BackendInfo = self.backend_info()
         if self.info.api_version not in (API_VERSION - 1, API_VERSION):
             raise BackendError(
                 f"backend {self.info.name!r} was built for contract version {self.info.api_version}; "
                 f"this pagedllm implements version {API_VERSION} (accepts {API_VERSION - 1}..{API_VERSION})")
-        # Hot-path ops resolved once to plain functions (pluggy calls the last impl of a firstresult hook first).
-        for name in OP_HOOKS:
-            setattr(self, name.removeprefix("pagedllm_"), self._first_impl(name))
 
-    def _first_impl(self, hook_name: str) -> Callable:
-        return getattr(self.pm.hook, hook_name).get_hookimpls()[-1].function
+    def _resolve(self, hook_name: str) -> Callable:
+        """The one implementation of ``hook_name`` as a plain callable taking the spec's arguments (positional or by
+        name). An implementation that names fewer arguments than the spec (pluggy allows it; a v1 plugin's
+        ``pagedllm_graph_runner`` has no ``ctx``) gets only those."""
+        caller = getattr(self.pm.hook, hook_name)
+        impl = caller.get_hookimpls()[-1]  # pluggy calls the last-registered, non-trylast implementation first
+        spec_args = tuple(caller.spec.argnames)
+        if tuple(impl.argnames) == spec_args:
+            return impl.function
+        fn, wanted = impl.function, impl.argnames
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kwargs.update(zip(spec_args, args))
+            return fn(**{a: kwargs[a] for a in wanted})
+
+        return call
 
     def implements(self, hook_name: str) -> bool:
         """True when the backend itself (not core's reference fallback) implements ``hook_name``."""
         return any(i.plugin is self.plugin for i in getattr(self.pm.hook, hook_name).get_hookimpls())
 
-    # ---- typed wrappers -------------------------------------------------------------------------
     @property
     def name(self) -> str:
         return self.info.name
@@ -58,46 +77,41 @@ class Backend:
     @cached_property
     def probe(self) -> ProbeResult:
         try:
-            return self.pm.hook.pagedllm_probe()
+            return self._resolve("pagedllm_probe")()
         except Exception as e:  # a probe must not raise; report instead
             return ProbeResult(False, f"probe raised {type(e).__name__}: {e}")
 
     @cached_property
     def capabilities(self) -> Capabilities:
-        return self.pm.hook.pagedllm_capabilities()
+        return self._resolve("pagedllm_capabilities")()
 
     def device(self, index: Optional[int] = None) -> torch.device:
         return torch.device(self.info.device_type, index) if index is not None else torch.device(self.info.device_type)
 
-    def memory_info(self, device: torch.device) -> MemoryInfo:
-        return self.pm.hook.pagedllm_memory_info(device=device)
-
-    def distributed_backend(self) -> str:
-        return self.pm.hook.pagedllm_distributed_backend()
-
-    def set_device(self, device: torch.device) -> None:
-        self.pm.hook.pagedllm_set_device(device=device)
-
-    def synchronize(self, device: torch.device) -> None:
-        self.pm.hook.pagedllm_synchronize(device=device)
-
-    def allocate_kv_cache(self, spec: KVCacheSpec) -> list:
-        return self.pm.hook.pagedllm_allocate_kv_cache(spec=spec)
-
-    def gather_kv_blocks(self, kv_cache: Any, block_ids: torch.Tensor) -> torch.Tensor:
-        return self.pm.hook.pagedllm_gather_kv_blocks(kv_cache=kv_cache, block_ids=block_ids)
-
-    def copy_kv_blocks(self, kv_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.pm.hook.pagedllm_copy_kv_blocks(kv_caches=kv_caches, src=src, dst=dst)
-
-    def swap_kv_blocks(self, src_caches: list, dst_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.pm.hook.pagedllm_swap_kv_blocks(src_caches=src_caches, dst_caches=dst_caches, src=src, dst=dst)
-
-    def graph_runner(self, model: Any, max_num_seqs: int, device: torch.device) -> GraphRunner:
-        return self.pm.hook.pagedllm_graph_runner(model=model, max_num_seqs=max_num_seqs, device=device)
-
     def __repr__(self) -> str:
         return f"Backend({self.info.name!r}, device_type={self.info.device_type!r})"
+
+    if TYPE_CHECKING:  # the generated methods, for type checkers and readers
+        backend_info: Callable[[], BackendInfo]
+        memory_info: Callable[[torch.device], MemoryInfo]
+        memory_peak: Callable[[torch.device], Optional[int]]
+        update_config: Callable[..., Optional[dict]]
+        batch_policy: Callable[[RunnerContext], Any]
+        model_runner: Callable[..., Any]
+        distributed_backend: Callable[[], str]
+        set_device: Callable[[torch.device], None]
+        synchronize: Callable[[torch.device], None]
+        allocate_kv_cache: Callable[[KVCacheSpec], list]
+        allocate_host_kv_cache: Callable[[KVCacheSpec, bool], list]
+        write_kv: Callable[..., None]
+        paged_attention: Callable[..., torch.Tensor]
+        gather_kv_blocks: Callable[[Any, torch.Tensor], torch.Tensor]
+        copy_kv_blocks: Callable[[list, torch.Tensor, torch.Tensor], None]
+        swap_kv_blocks: Callable[[list, list, torch.Tensor, torch.Tensor], None]
+        graph_runner: Callable[..., GraphRunner]
+        rms_norm: Callable[..., torch.Tensor]
+        rotary: Callable[..., tuple]
+        silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass

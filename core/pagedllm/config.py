@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
 
@@ -20,7 +20,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"  # auto: float32 on backends without fast half precision, else the checkpoint's
     max_model_len: Optional[int] = None
-    block_size: int = 16
+    block_size: Optional[int] = None  # None: the backend's preferred size (config hook, else its first)
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: Optional[int] = None  # default: max(2048, max_model_len) capped at 8192
@@ -32,11 +32,13 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
+    kv_cache_dtype: str = "auto"  # auto: the model dtype (the only one core implements today)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ParamError("dtype", f"must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
-        if not isinstance(self.block_size, int) or self.block_size < 1 or self.block_size & (self.block_size - 1):
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1
+                                            or self.block_size & (self.block_size - 1)):
             raise ParamError("block_size", f"must be a power of two, got {self.block_size!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ParamError("max_num_seqs", f"must be an integer >= 1, got {self.max_num_seqs!r}")
@@ -52,3 +54,59 @@ class EngineConfig:
             raise ParamError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.swap_space < 0:
             raise ParamError("swap_space", f"must be >= 0 GiB, got {self.swap_space!r}")
+
+
+#: Fields a backend's ``pagedllm_update_config`` may set.
+BACKEND_SETTABLE = ("block_size", "dtype", "max_num_batched_tokens", "max_num_seqs", "enforce_eager")
+
+
+def dtype_name(dtype: str) -> str:
+    """Canonical name of a dtype alias (``bf16`` -> ``bfloat16``)."""
+    return str(DTYPES[dtype]).removeprefix("torch.")
+
+
+def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfig:
+    """The config an engine runs with: the backend's ``pagedllm_update_config`` changes first, then what is still
+    unset from the checkpoint and the backend's capabilities; every capability checked here, before any weight is
+    read, with a :class:`ParamError` naming the field. Returns a new config with dtype, block_size, max_model_len
+    and max_num_batched_tokens filled in."""
+    changes = backend.update_config(config, info) or {}
+    refused = sorted(set(changes) - set(BACKEND_SETTABLE))
+    if refused:
+        raise ParamError(refused[0], f"backend {backend.name!r} may only set {', '.join(BACKEND_SETTABLE)} "
+                                     f"from pagedllm_update_config, not {', '.join(refused)}")
+    config = replace(config, **changes)  # __post_init__ validates the backend's values too
+    caps, name = backend.capabilities, backend.name
+    supported = {dtype_name(d) for d in caps.dtypes}
+    if config.dtype == "auto":
+        config.dtype = info.dtype if info.dtype in supported else dtype_name(caps.dtypes[0])
+    if dtype_name(config.dtype) not in supported:
+        raise ParamError("dtype", f"backend {name!r} supports {caps.dtypes}, not {config.dtype!r}")
+    config.dtype = dtype_name(config.dtype)
+    if config.block_size is None:
+        config.block_size = caps.block_sizes[0]
+    if config.block_size not in caps.block_sizes:
+        raise ParamError("block_size", f"backend {name!r} supports {caps.block_sizes}, not {config.block_size}")
+    if config.kv_cache_dtype not in caps.kv_cache_dtypes:
+        raise ParamError("kv_cache_dtype", f"backend {name!r} supports {caps.kv_cache_dtypes}, "
+                                           f"not {config.kv_cache_dtype!r}")
+    if config.kv_cache_dtype != "auto":
+        raise ParamError("kv_cache_dtype", f"{config.kv_cache_dtype!r}: only 'auto' (the model dtype) is "
+                                           "implemented by the engine")
+    if caps.head_sizes is not None and info.head_size not in caps.head_sizes:
+        raise ParamError("model", f"head size {info.head_size} is not supported by backend {name!r} "
+                                  f"(supports {caps.head_sizes})")
+    if info.sliding_window is not None and not caps.sliding_window:
+        raise ParamError("model", f"{info.architecture} uses sliding-window attention ({info.sliding_window}), "
+                                  f"which backend {name!r} does not support")
+    if info.soft_cap is not None and not caps.soft_cap:
+        raise ParamError("model", f"{info.architecture} uses attention logit soft-capping ({info.soft_cap}), "
+                                  f"which backend {name!r} does not support")
+    if config.max_model_len is None:
+        config.max_model_len = info.max_model_len
+    elif config.max_model_len > info.max_model_len:
+        raise ParamError("max_model_len", f"{config.max_model_len} exceeds the model's "
+                                          f"max_position_embeddings {info.max_model_len}")
+    if config.max_num_batched_tokens is None:
+        config.max_num_batched_tokens = min(max(2048, config.max_model_len), 8192)
+    return config

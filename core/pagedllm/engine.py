@@ -5,24 +5,22 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Union
 
-import torch
 
 from pagedllm.backends import get_backend
-from pagedllm.config import DTYPES, EngineConfig
+from pagedllm.config import EngineConfig, resolve_config
 from pagedllm.detokenizer import IncrementalDetokenizer
-from pagedllm.hookspec import KVCacheSpec
 from pagedllm.kv_manager import BlockPool, KVCacheManager
-from pagedllm.model_runner import ModelRunner
-from pagedllm.models import load_model, load_tokenizer, resolve_model_path
+from pagedllm.models import load_config, load_tokenizer, resolve_model_path
+from pagedllm.models.info import read_model_info
 from pagedllm.outputs import RequestOutput
 from pagedllm.output_processor import OutputProcessor, ParentRequest
 from pagedllm.request import Request, RequestStatus
-from pagedllm.sampler import Sampler
 from pagedllm.sampling_params import ParamError, SamplingParams
 from pagedllm.scheduler import Scheduler
+from pagedllm.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -57,88 +55,37 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         t0 = time.perf_counter()
-        self.config = config
         self.backend = get_backend(config.device)
-        self.device = self.backend.device()
-        self.backend.set_device(self.device)
-        torch.manual_seed(config.seed)
         self.model_path = resolve_model_path(config.model)
+        hf_config = load_config(self.model_path)
+        info = read_model_info(self.model_path, hf_config)
+        self.config = config = resolve_config(config, self.backend, info)  # every field checked before loading
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path)
-        caps = self.backend.capabilities
-        dtype_name = caps.dtypes[0] if config.dtype == "auto" else config.dtype
-        self.dtype = DTYPES[dtype_name]
-        if not any(DTYPES[d] == self.dtype for d in caps.dtypes):
-            raise ParamError("dtype", f"backend {self.backend.name!r} supports {caps.dtypes}, not {dtype_name!r}")
-        self.model = load_model(self.model_path, backend=self.backend, dtype=self.dtype, device=self.device)
-        m = self.model
-        if m.head_size not in caps.head_sizes:
-            raise ParamError("model", f"head size {m.head_size} is not supported by backend {self.backend.name!r} "
-                                      f"(supports {caps.head_sizes})")
-        if config.block_size not in caps.block_sizes:
-            raise ParamError("block_size", f"backend {self.backend.name!r} supports {caps.block_sizes}, "
-                                           f"not {config.block_size}")
-        self.max_model_len = config.max_model_len or m.max_model_len
-        if self.max_model_len > m.max_model_len:
-            raise ParamError("max_model_len", f"{self.max_model_len} exceeds the model's "
-                                              f"max_position_embeddings {m.max_model_len}")
-        self.num_blocks = self._num_blocks()
-        spec = KVCacheSpec(m.num_layers, self.num_blocks, config.block_size, m.num_kv_heads, m.head_size,
-                           self.dtype, self.device)
-        self.kv_caches = self.backend.allocate_kv_cache(spec)
-        m.kv_caches = self.kv_caches
+        self.worker = w = Worker(config, self.backend, self.model_path, hf_config, info)
+        self.model, self.device, self.dtype, self.max_model_len = w.model, w.device, w.dtype, w.max_model_len
+        self.num_blocks = w.num_blocks
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.host_caches, swap_pool = None, None
-        num_host_blocks = int(config.swap_space * (1 << 30) // spec.bytes_per_block)
-        if num_host_blocks > 0:
-            host_spec = replace(spec, num_blocks=num_host_blocks, device=torch.device("cpu"))
-            self.host_caches = self.backend.allocate_kv_cache(host_spec)
-            if self.backend.memory_info(self.device).pinned_host:  # page-locked: async DMA for swap in/out
-                self.host_caches = [c.pin_memory() for c in self.host_caches]
-            swap_pool = BlockPool(num_host_blocks, enable_caching=False)
-        max_batched = config.max_num_batched_tokens or min(max(2048, self.max_model_len), 8192)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, max_batched, self.max_model_len,
+        swap_pool = BlockPool(w.num_host_blocks, enable_caching=False) if w.host_caches is not None else None
+        self.scheduler = Scheduler(self.kv, w.max_num_seqs, w.max_num_batched_tokens, self.max_model_len,
                                    config.scheduling_policy, swap=swap_pool)
-        graph = (self.backend.graph_runner(m, config.max_num_seqs, self.device) if not config.enforce_eager
-                 else None)
-        self.graph_level = graph.level if graph is not None else "none"
-        self.runner = ModelRunner(m, graph.run if graph is not None else m, self.kv, self.device)
-        self.sampler = Sampler()
+        w.start(self.kv)
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
         self.requests: dict[str, tuple[ParentRequest, Request]] = {}
         self.stats = EngineStats(num_blocks=self.num_blocks)
         self._ids = itertools.count()
         self.init_seconds = time.perf_counter() - t0
-        logger.info("engine ready in %.2fs: backend=%s dtype=%s blocks=%d max_model_len=%d graph=%s",
-                    self.init_seconds, self.backend.name, dtype_name, self.num_blocks, self.max_model_len,
-                    self.graph_level)
+        logger.info("engine ready in %.2fs: backend=%s dtype=%s block_size=%d blocks=%d max_model_len=%d graph=%s",
+                    self.init_seconds, self.backend.name, config.dtype, config.block_size, self.num_blocks,
+                    self.max_model_len, w.graph_level)
 
-    # ---- sizing ----------------------------------------------------------------------------------
-    def _num_blocks(self) -> int:
-        c, m = self.config, self.model
-        bpb = KVCacheSpec(m.num_layers, 1, c.block_size, m.num_kv_heads, m.head_size, self.dtype,
-                          self.device).bytes_per_block
-        per_seq = -(-self.max_model_len // c.block_size)
-        if c.num_gpu_blocks_override is not None:
-            n = c.num_gpu_blocks_override
-            field_name = "num_gpu_blocks_override"
-        else:
-            mem = self.backend.memory_info(self.device)
-            if c.kv_cache_memory is not None:
-                budget, field_name = c.kv_cache_memory, "kv_cache_memory"
-            elif c.gpu_memory_utilization is not None:
-                budget, field_name = c.gpu_memory_utilization * mem.free_bytes, "gpu_memory_utilization"
-            elif mem.default_kv_bytes is not None:
-                budget, field_name = mem.default_kv_bytes, "kv_cache_memory"
-            else:
-                budget, field_name = 0.9 * mem.free_bytes, "gpu_memory_utilization"
-            # More blocks than every sequence at full length can use only feed the prefix cache; cap there x2.
-            n = min(int(budget // bpb), 2 * c.max_num_seqs * per_seq)
-        if n < per_seq:
-            raise ParamError(field_name, f"the KV pool would hold {n} blocks ({n * c.block_size} tokens), fewer "
-                                         f"than one max_model_len={self.max_model_len} sequence needs ({per_seq}); "
-                                         f"give more KV memory or lower max_model_len")
-        return n
+    @property
+    def kv_caches(self) -> list:
+        return self.worker.kv_caches
+
+    @property
+    def graph_level(self) -> str:
+        return self.worker.graph_level
 
     # ---- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
@@ -231,22 +178,19 @@ class LLMEngine:
             if prompt_left > 0:
                 self.stats.computed_prompt_tokens += min(prompt_left, s.num_new_tokens)
         if sched.swap_out:  # before the model: freed device blocks may be rewritten in this very step
-            src, dst = zip(*sched.swap_out)
-            self.backend.swap_kv_blocks(self.kv_caches, self.host_caches, torch.tensor(src), torch.tensor(dst))
+            self.worker.swap(sched.swap_out, out=True)
         if sched.swap_in:
-            src, dst = zip(*sched.swap_in)
-            self.backend.swap_kv_blocks(self.host_caches, self.kv_caches, torch.tensor(src), torch.tensor(dst))
+            self.worker.swap(sched.swap_in, out=False)
         self._sample_slot_usage(sched)
         if not sched.scheduled:
             return []
-        step = self.runner.execute(sched.scheduled)
+        step, sampled = self.worker.execute_model(sched.scheduled)
         self.stats.num_steps += 1
         self.scheduler.update(sched)
         for req, first, plogits in step.prompt_logits:
             self.output_processor.record_prompt_logprobs(req, first, plogits)
         touched: dict[str, ParentRequest] = {}
         if step.requests:
-            sampled = self.sampler(step.logits, step.requests)
             now = time.time()
             for i, req in enumerate(step.requests):
                 parent = self.requests[req.request_id][0]

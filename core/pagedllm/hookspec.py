@@ -7,8 +7,20 @@ falls back to core's pure-torch reference ops. Hooks are resolved once, when the
 calls plain functions, not pluggy.
 
 Contract version: :data:`API_VERSION`. Core N loads plugins built for N or N-1 (``BackendInfo.api_version``) and
-refuses others with a message naming both versions. Hooks are only ever added, never changed in place: a changed
-signature is a new hook name and a new API version.
+refuses others with a message naming both versions. Hooks are only ever added, never changed in place: a spec may
+gain an argument (pluggy passes an implementation only the arguments it names, so older implementations keep
+working), but a changed meaning is a new hook name and a new API version.
+
+No fall-through: core resolves every hook once to exactly one implementation — the backend's own when it has one,
+else core's reference — and calls that alone. A backend's in-place hook (``write_kv``, ``copy_kv_blocks``...) may
+return ``None``; the reference never runs after it on the backend's layout.
+
+Version 2 added the hooks a static-shape or graph-first device needs to shape the engine around itself without
+patching core: ``pagedllm_update_config`` (block size, dtype, budgets, eager mode, or a refusal, before any weight is
+read), ``pagedllm_batch_policy`` (padded, bucketed batch shapes used by the scheduler's budget and the model runner,
+with warm-up of every shape), ``pagedllm_memory_peak`` (a profiling forward sizes the KV pool from measured peak
+memory), ``pagedllm_allocate_host_kv_cache`` (host swap caches in the backend's layout), ``pagedllm_model_runner``
+(a backend may own the whole step), and a :class:`RunnerContext` for ``pagedllm_graph_runner``.
 
 KV-cache layout is the backend's choice. The *canonical* layout, used by the reference ops and by the conformance
 suite, is one tensor per layer of shape ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = keys,
@@ -27,9 +39,11 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from pagedllm.attention import AttentionMetadata
+    from pagedllm.batch_policy import BatchPolicy
+    from pagedllm.config import EngineConfig
 
 PROJECT = "pagedllm"
-API_VERSION = 1
+API_VERSION = 2
 ENTRY_POINT_GROUP = "pagedllm.backends"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -61,15 +75,18 @@ class ProbeResult:
 class Capabilities:
     """What the backend's kernels support; core checks a model/config against this before running."""
 
-    dtypes: tuple[str, ...] = ("float32",)
+    dtypes: tuple[str, ...] = ("float32",)  # the first is the default when neither user nor checkpoint decides
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
-    head_sizes: tuple[int, ...] = (64, 128)
-    block_sizes: tuple[int, ...] = (16,)
+    head_sizes: Optional[tuple[int, ...]] = (64, 128)  # None: any head size
+    block_sizes: tuple[int, ...] = (16,)  # the first is the default block size
     # none: eager only; decode: decode-only graphs (like vLLM's UNIFORM_SINGLE_TOKEN_DECODE); full: any batch
     graph_capture: str = "none"
     sliding_window: bool = True
     soft_cap: bool = True
     quantization: tuple[str, ...] = ()
+    # The graph runner samples inside its captured region (tpu-inference, HPU graphs): core hands it the sampling
+    # parameters of rows that need no host-side work (``SamplingTensors``) and gets token ids back.
+    on_device_sampling: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +121,40 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What core reads from the checkpoint's config before loading any weight (for ``pagedllm_update_config``)."""
+
+    architecture: str
+    dtype: str  # the checkpoint's dtype name (``float32``, ``bfloat16``, ``float16``)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    vocab_size: int
+    max_model_len: int  # the model's max_position_embeddings
+    sliding_window: Optional[int] = None  # set when any layer slides
+    soft_cap: Optional[float] = None
+    quantization: Optional[str] = None  # e.g. "gguf"
+
+
+@dataclass(frozen=True)
+class RunnerContext:
+    """Everything a graph runner or a backend's own model runner needs to know about the engine it serves."""
+
+    config: "EngineConfig"  # resolved: block_size, dtype and budgets are final
+    model_info: ModelInfo
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    dtype: Any  # torch.dtype
+    device: Any  # torch.device
+    policy: "BatchPolicy"
+    # A slot padding tokens may write to: inside a block the pool never hands out (static backends), else -1.
+    pad_slot: int = -1
+
+
 @dataclass
 class GraphRunner:
     """Returned by ``pagedllm_graph_runner``: ``run(input_ids, positions, meta) -> hidden_states``.
@@ -114,6 +165,9 @@ class GraphRunner:
     run: Callable[..., "torch.Tensor"]
     level: str = "none"
     stats: dict = field(default_factory=dict)
+    # With ``Capabilities.on_device_sampling``: ``sample(input_ids, positions, meta, logits_indices, tensors) ->
+    # token ids [len(logits_indices)]``, forward + logits + sampling in one region. None: core samples on the host.
+    sample: Optional[Callable[..., "torch.Tensor"]] = None
 
 
 class BackendSpec:
@@ -137,6 +191,13 @@ class BackendSpec:
         """REQUIRED. Total/free device memory, and whether pinned host memory exists."""
 
     @hookspec(firstresult=True)
+    def pagedllm_memory_peak(self, device: "torch.device") -> Optional[int]:
+        """Peak bytes allocated on ``device`` since the last call (and reset the counter), e.g.
+        ``torch.cuda.max_memory_allocated`` + ``reset_peak_memory_stats``. Core calls it around a profiling forward
+        at the largest batch shape and sizes the KV pool from what is left. Default ``None``: no profiling (the pool
+        comes from free memory after load, or ``MemoryInfo.default_kv_bytes``)."""
+
+    @hookspec(firstresult=True)
     def pagedllm_distributed_backend(self) -> str:
         """torch.distributed backend name (gloo, nccl, hccl, xccl...). Default: gloo."""
 
@@ -148,6 +209,29 @@ class BackendSpec:
     def pagedllm_synchronize(self, device: "torch.device") -> None:
         """Wait for queued device work (used by benchmarks and graph capture). Default: nothing."""
 
+    # ---- engine shape (v2) -------------------------------------------------------------------------
+    @hookspec(firstresult=True)
+    def pagedllm_update_config(self, config: "EngineConfig", model_info: ModelInfo) -> Optional[dict]:
+        """Adjust the engine config before any weight is loaded: return ``{field: value}`` for ``block_size``,
+        ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``enforce_eager`` (others are refused), or raise
+        :class:`~pagedllm.sampling_params.ParamError` naming the field the device cannot run. ``config`` holds the
+        user's values (``block_size=None`` / ``dtype="auto"`` when unset); core fills what stays unset from the
+        checkpoint and ``Capabilities``. Default: no change."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_batch_policy(self, ctx: RunnerContext) -> "BatchPolicy":
+        """The batch shapes the model may see: :class:`~pagedllm.batch_policy.BatchPolicy` (identity, dynamic
+        shapes) or :class:`~pagedllm.batch_policy.BucketPolicy` (token count, sequence count and block-table width
+        each padded to a bucket; every shape warmed up before serving). Used by the scheduler's budget and the model
+        runner alike. ``ctx.policy`` is the identity here. Default: identity."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_model_runner(self, ctx: RunnerContext, model: Any, kv: Any) -> Any:
+        """Escape hatch: return an object with ``execute(scheduled) -> StepOutput`` (see ``model_runner.py``) to own
+        the whole step (input preparation, forward, logits, warm-up). ``model.kv_caches`` holds the caches; ``kv``
+        is the block manager (``kv.block_ids(request_id)`` is a request's block table). Default ``None``: core's
+        ``ModelRunner`` around the backend's graph runner."""
+
     # ---- KV cache ---------------------------------------------------------------------------------
     @hookspec(firstresult=True)
     def pagedllm_allocate_kv_cache(self, spec: KVCacheSpec) -> list:
@@ -155,6 +239,11 @@ class BackendSpec:
 
         Default: canonical ``[2, num_blocks, block_size, num_kv_heads, head_size]`` zeros on ``spec.device``.
         """
+
+    @hookspec(firstresult=True)
+    def pagedllm_allocate_host_kv_cache(self, spec: KVCacheSpec, pin_memory: bool) -> list:
+        """Host (CPU) caches for swapped-out blocks, in whatever layout ``pagedllm_swap_kv_blocks`` copies between;
+        page-locked when ``pin_memory`` (core passes ``MemoryInfo.pinned_host``). Default: canonical layout."""
 
     @hookspec(firstresult=True)
     def pagedllm_write_kv(
@@ -200,9 +289,12 @@ class BackendSpec:
 
     # ---- graph capture ----------------------------------------------------------------------------
     @hookspec(firstresult=True)
-    def pagedllm_graph_runner(self, model: Any, max_num_seqs: int, device: "torch.device") -> GraphRunner:
+    def pagedllm_graph_runner(self, model: Any, max_num_seqs: int, device: "torch.device",
+                              ctx: RunnerContext) -> GraphRunner:
         """Wrap the model forward in this backend's capture strategy (CUDA/HIP/NPU/HPU graphs, XLA buckets,
-        torch.compile). Default: eager. Graphs must read metadata from persistent buffers they own."""
+        torch.compile). Default: eager. Graphs must read metadata from persistent buffers they own. ``ctx`` (v2)
+        carries the engine's max_model_len, block size, budgets, dtype and batch policy; core warms up every
+        ``ctx.policy.warmup_shapes()`` shape through ``run`` right after this returns."""
 
     # ---- optional fused ops (fall back to reference) ------------------------------------------------
     @hookspec(firstresult=True)
@@ -223,11 +315,5 @@ class BackendSpec:
 
 #: Hooks every backend must implement itself (no reference fallback).
 REQUIRED_HOOKS = ("pagedllm_backend_info", "pagedllm_probe", "pagedllm_memory_info")
-#: Hooks the model runner calls on the hot path, resolved once to plain functions.
-OP_HOOKS = (
-    "pagedllm_write_kv",
-    "pagedllm_paged_attention",
-    "pagedllm_rms_norm",
-    "pagedllm_rotary",
-    "pagedllm_silu_and_mul",
-)
+#: Every hook of the contract, in spec order (core binds each once per backend: see ``backends.Backend``).
+HOOK_NAMES = tuple(n for n in vars(BackendSpec) if n.startswith("pagedllm_"))

@@ -1,4 +1,10 @@
-"""Turns one scheduled step into flat device tensors, runs the model, and returns logits for sampling rows."""
+"""Turns one scheduled step into flat device tensors, runs the model, and returns logits for sampling rows.
+
+Under a static batch policy every tensor is padded to the step's bucket: padding tokens (id 0, position 0) write to
+the policy's pad slot, padding sequences have no query tokens and ``seq_len`` 0, block tables are padded with block 0
+to the bucket width, ``query_start_loc`` repeats its last value. Kernels therefore see only bucket shapes, and the
+``*_cpu`` mirrors and ``num_tokens`` still describe the real tokens.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +15,25 @@ import numpy as np
 import torch
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.batch_policy import BatchPolicy, BatchShape
+from pagedllm.device_sampler import SamplingTensors, on_device_eligible
 from pagedllm.kv_manager import KVCacheManager
 from pagedllm.request import Request
+from pagedllm.sampler import SamplerOutput
 from pagedllm.scheduler import ScheduledRequest
 
 
 class ModelRunner:
-    def __init__(self, model: Any, run: Any, kv: KVCacheManager, device: torch.device):
+    def __init__(self, model: Any, run: Any, kv: KVCacheManager, device: torch.device,
+                 policy: BatchPolicy = BatchPolicy(), pad_slot: int = -1, sample: Any = None):
         self.model = model
         self.run = run  # the backend's graph runner callable: run(input_ids, positions, meta) -> hidden
         self.kv = kv
         self.device = device
         self.block_size = kv.block_size
+        self.policy = policy
+        self.pad_slot = pad_slot
+        self.sample = sample  # GraphRunner.sample: forward + logits + sampling in the backend's region
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -29,7 +42,9 @@ class ModelRunner:
         seq_lens = starts + qlens
         tables = [self.kv.block_ids(s.request.request_id) for s in batch]
         width = max(len(t) for t in tables)
-        bt = np.zeros((len(batch), width), dtype=np.int32)
+        real = BatchShape(int(qlens.sum()), len(batch), width)
+        shape = self.policy.pad(real)
+        bt = np.zeros((shape.num_seqs, shape.num_blocks), dtype=np.int32)
         for i, t in enumerate(tables):
             bt[i, : len(t)] = t
         if int(qlens.max()) == 1:  # pure decode step: one token each
@@ -46,6 +61,13 @@ class ModelRunner:
         qsl = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(qlens, out=qsl[1:])
         num_decodes = int(np.argmax(qlens != 1)) if (qlens != 1).any() else len(batch)
+        if shape != real:
+            pad_t, pad_s = shape.num_tokens - real.num_tokens, shape.num_seqs - real.num_seqs
+            tokens = list(tokens) + [0] * pad_t
+            pos = np.concatenate([pos, np.zeros(pad_t, dtype=np.int64)])
+            slots = np.concatenate([slots, np.full(pad_t, self.pad_slot, dtype=np.int64)])
+            qsl = np.concatenate([qsl, np.full(pad_s, qsl[-1], dtype=np.int64)])
+            seq_lens = np.concatenate([seq_lens, np.zeros(pad_s, dtype=np.int64)])
         dev = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
@@ -68,9 +90,22 @@ class ModelRunner:
         """Run one step: float32 logits for the requests that sample, plus prompt-position logits where asked."""
         batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
         input_ids, positions, meta = self.prepare(batch)
-        hidden = self.run(input_ids, positions, meta)
         out = StepOutput()
         rows = [i for i, s in enumerate(batch) if s.samples]
+        if (self.sample is not None and rows and all(on_device_eligible(batch[i]) for i in rows)
+                and not any(s.request.prompt_logprobs is not None for s in batch)):
+            # Forward, logits and sampling in the backend's region; the index and parameter rows are padded to
+            # the sequence bucket like everything else.
+            n = meta.seq_lens.shape[0]
+            last = [meta.query_start_loc_cpu[i + 1] - 1 for i in rows]
+            idx = torch.tensor(last + [0] * (n - len(rows)), dtype=torch.long, device=self.device)
+            reqs = [batch[i].request for i in rows]
+            tokens = self.sample(input_ids, positions, meta, idx, SamplingTensors.build(reqs, n, self.device))
+            out.requests = reqs
+            ids = tokens[:len(rows)].tolist()
+            out.sampled = SamplerOutput(ids, [None] * len(ids), [0.0] * len(ids))
+            return out
+        hidden = self.run(input_ids, positions, meta)
         if rows:
             last = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in rows], dtype=torch.long,
                                 device=hidden.device)
@@ -94,3 +129,4 @@ class StepOutput:
     requests: list[Request] = field(default_factory=list)  # requests that sample this step
     logits: Optional[torch.Tensor] = None  # [len(requests), vocab] float32
     prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)  # (req, first pos, logits)
+    sampled: Optional[SamplerOutput] = None  # set when the backend sampled on the device (logits stay None)

@@ -4,13 +4,36 @@ from __future__ import annotations
 
 import torch
 
+from typing import Any, Optional
+
 from pagedllm import ref_ops
-from pagedllm.hookspec import Capabilities, GraphRunner, KVCacheSpec, hookimpl
+from pagedllm.batch_policy import BatchPolicy
+from pagedllm.hookspec import Capabilities, GraphRunner, KVCacheSpec, ModelInfo, RunnerContext, hookimpl
 
 
 @hookimpl(trylast=True)
 def pagedllm_capabilities() -> Capabilities:
     return Capabilities()
+
+
+@hookimpl(trylast=True)
+def pagedllm_memory_peak(device: torch.device) -> Optional[int]:
+    return None
+
+
+@hookimpl(trylast=True)
+def pagedllm_update_config(config: Any, model_info: ModelInfo) -> Optional[dict]:
+    return None
+
+
+@hookimpl(trylast=True)
+def pagedllm_batch_policy(ctx: RunnerContext) -> BatchPolicy:
+    return BatchPolicy()
+
+
+@hookimpl(trylast=True)
+def pagedllm_model_runner(ctx: RunnerContext, model: Any, kv: Any) -> Any:
+    return None
 
 
 @hookimpl(trylast=True)
@@ -32,6 +55,12 @@ def pagedllm_synchronize(device: torch.device) -> None:
 def pagedllm_allocate_kv_cache(spec: KVCacheSpec) -> list:
     return ref_ops.allocate_kv_cache(spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads,
                                      spec.head_size, spec.dtype, spec.device)
+
+
+@hookimpl(trylast=True)
+def pagedllm_allocate_host_kv_cache(spec: KVCacheSpec, pin_memory: bool) -> list:
+    caches = pagedllm_allocate_kv_cache(spec)
+    return [c.pin_memory() for c in caches] if pin_memory else caches
 
 
 @hookimpl(trylast=True)

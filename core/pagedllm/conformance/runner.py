@@ -21,6 +21,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DEFAULT_TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 3e-2)}
 #: Query heads per KV head tried for attention: MHA, an odd group (e.g. SmolLM2's 3), a power of two.
 GQA_RATIOS = (1, 3, 4)
+#: Head sizes checked for a backend that takes any (``Capabilities.head_sizes = None``): tiny test models' 16,
+#: the common ones, and two that are not powers of two.
+ANY_HEAD_SIZES = (64, 16, 32, 80, 96, 128, 256)
 
 
 @dataclass
@@ -41,20 +44,21 @@ class Case:
 def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) -> list[Case]:
     """Every case implied by ``backend.capabilities``: dtypes x head sizes x block sizes x GQA ratios."""
     caps = backend.capabilities
-    hs0, bs0 = caps.head_sizes[0], caps.block_sizes[0]
+    head_sizes = caps.head_sizes or ANY_HEAD_SIZES
+    hs0, bs0 = head_sizes[0], caps.block_sizes[0]
     cases = [Case("memory", "memory_info", "-", "-", R.check_memory_info)]
     for dt in caps.dtypes:
         for bs in caps.block_sizes:
             cases.append(Case("kv_cache", "allocate_kv_cache", f"hs{hs0}-bs{bs}", dt, R.check_allocator,
                               dict(head_size=hs0, block_size=bs)))
-        for hs, bs in product(caps.head_sizes, caps.block_sizes):
+        for hs, bs in product(head_sizes, caps.block_sizes):
             cases.append(Case("kv_cache", "write_kv", f"hs{hs}-bs{bs}", dt, K.check_write_kv,
                               dict(head_size=hs, block_size=bs)))
         for bs in caps.block_sizes:
             for name, fn in (("gather_kv_blocks", K.check_gather), ("copy_kv_blocks", K.check_copy),
                              ("swap_kv_blocks", K.check_swap)):
                 cases.append(Case("kv_cache", name, f"hs{hs0}-bs{bs}", dt, fn, dict(head_size=hs0, block_size=bs)))
-        for scenario, hs, bs, g in product(("decode", "prefill", "mixed"), caps.head_sizes, caps.block_sizes,
+        for scenario, hs, bs, g in product(("decode", "prefill", "mixed"), head_sizes, caps.block_sizes,
                                            gqa_ratios):
             cases.append(Case("attention", f"paged_attention.{scenario}", f"hs{hs}-bs{bs}-gqa{g}", dt,
                               K.check_attention, dict(scenario=scenario, head_size=hs, block_size=bs, gqa=g)))
@@ -70,14 +74,14 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                               untested="" if caps.soft_cap else "capabilities do not declare soft_cap"))
         cases.append(Case("fused_ops", "rms_norm", "hidden576", dt, K.check_rms_norm, dict(hidden=576)))
         cases.append(Case("fused_ops", "silu_and_mul", "d320", dt, K.check_silu_and_mul, dict(hidden=320)))
-        for hs in caps.head_sizes:
+        for hs in head_sizes:
             for rot in (hs, hs // 2):
                 cases.append(Case("fused_ops", "rotary", f"hs{hs}-rot{rot}", dt, K.check_rotary,
                                   dict(head_size=hs, rot_dim=rot)))
     dt0 = "float32" if "float32" in caps.dtypes else caps.dtypes[0]
     cases.append(Case("graph", "graph_runner.replay_vs_eager", f"tiny-decoder-hs{hs0}-bs{bs0}", dt0,
                       R.check_graph_replay, dict(head_size=hs0, block_size=bs0)))
-    hs_e2e = 64 if 64 in caps.head_sizes else hs0
+    hs_e2e = 64 if 64 in head_sizes else hs0
     cases.append(Case("e2e", "greedy_parity_vs_hf", f"tiny-llama-hs{hs_e2e}", "float32",
                       checks_e2e.check_greedy_parity, dict(head_size=hs_e2e, block_size=bs0),
                       untested="" if "float32" in caps.dtypes else "greedy parity needs float32, not declared"))

@@ -36,14 +36,14 @@ def eos_token_ids(model_path: str, config: Any) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids))
 
 
-def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: torch.device) -> CausalLM:
-    """Build the native model for ``model_path`` with weights in ``dtype`` on ``device``.
-
-    Unsupported architectures fail (ValueError) before any weight is read.
+def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: torch.device,
+               config: Any = None) -> CausalLM:
+    """Build the native model for ``model_path`` (HF ``config`` if already read) with weights in ``dtype`` on
+    ``device``. Unsupported architectures fail (ValueError) before any weight is read.
     """
     path = resolve_model_path(model_path)
     device = torch.device(device)
-    config = load_config(path)
+    config = config if config is not None else load_config(path)
     _, spec = architecture_of(config)
     with torch.device("meta"):
         model = CausalLM(config, spec, backend)

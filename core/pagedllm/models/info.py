@@ -1,0 +1,40 @@
+"""``read_model_info``: what a backend may decide the engine config from, read before any weight is loaded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.hookspec import ModelInfo
+from pagedllm.models.arch import architecture_of, layer_sliding_windows
+from pagedllm.models.paths import is_gguf
+
+
+def checkpoint_dtype(config: Any) -> str:
+    """The checkpoint's dtype name (``dtype`` in transformers >= 4.56 configs, ``torch_dtype`` before); float32
+    when the config names none (GGUF configs: weights are dequantized to the engine dtype)."""
+    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dt, str):
+        dt = getattr(torch, dt, None)
+    return str(dt).removeprefix("torch.") if isinstance(dt, torch.dtype) else "float32"
+
+
+def read_model_info(model_path: str, config: Any) -> ModelInfo:
+    """Shapes, dtype and attention features of the checkpoint at ``model_path`` (its HF ``config``)."""
+    name, spec = architecture_of(config)
+    windows = [w for w in layer_sliding_windows(config, spec) if w is not None]
+    heads = config.num_attention_heads
+    return ModelInfo(
+        architecture=name,
+        dtype=checkpoint_dtype(config),
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_size=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        vocab_size=config.vocab_size,
+        max_model_len=config.max_position_embeddings,
+        sliding_window=max(windows) if windows else None,
+        soft_cap=getattr(config, "attn_logit_softcapping", None),
+        quantization="gguf" if is_gguf(model_path) else None,
+    )

@@ -1,0 +1,205 @@
+"""The Worker: everything an engine does on its device (vLLM v1's worker / model-runner split).
+
+``LLMEngine`` keeps requests, scheduling and outputs; the Worker loads the model, sizes the KV pool (a profiling
+forward at the largest batch shape where the backend can measure peak memory), allocates device and host caches
+through the backend, asks the backend for its batch policy, graph runner and, if it wants one, its own model runner,
+warms up every static shape, and runs one step at a time. Everything device-specific goes through backend hooks, so a
+vendor never patches this file.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.batch_policy import BatchPolicy, BatchShape
+from pagedllm.config import DTYPES, EngineConfig
+from pagedllm.hookspec import KVCacheSpec, ModelInfo, RunnerContext
+from pagedllm.kv_manager import KVCacheManager
+from pagedllm.model_runner import ModelRunner, StepOutput
+from pagedllm.models import load_model
+from pagedllm.sampler import Sampler, SamplerOutput
+from pagedllm.sampling_params import ParamError
+from pagedllm.scheduler import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, backend: Any, model_path: str, hf_config: Any, info: ModelInfo):
+        """``config`` is resolved (``config.resolve_config``): dtype, block size, max_model_len and the token budget
+        are final, and the backend's capabilities were checked against the checkpoint."""
+        self.config, self.backend, self.info = config, backend, info
+        self.device = backend.device()
+        backend.set_device(self.device)
+        torch.manual_seed(config.seed)
+        self.dtype = DTYPES[config.dtype]
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.model = load_model(model_path, backend=backend, dtype=self.dtype, device=self.device, config=hf_config)
+        self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        self.pad_slot = -1
+        self.policy: BatchPolicy = backend.batch_policy(self._context(BatchPolicy()))
+        self._fit_budget_to_policy()
+        self.num_blocks = self._num_blocks()
+        # Static backends get one block more than the pool hands out: padding tokens write there.
+        self.sink_block: Optional[int] = self.num_blocks if self.policy.static else None
+        self.pad_slot = self.sink_block * self.block_size if self.sink_block is not None else -1
+        spec = self._kv_spec(self.num_blocks + (self.sink_block is not None))
+        self.kv_caches = backend.allocate_kv_cache(spec)
+        self.model.kv_caches = self.kv_caches
+        self.host_caches: Optional[list] = None
+        self.num_host_blocks = int(config.swap_space * (1 << 30) // spec.bytes_per_block)
+        if self.num_host_blocks > 0:
+            host_spec = replace(spec, num_blocks=self.num_host_blocks, device=torch.device("cpu"))
+            self.host_caches = backend.allocate_host_kv_cache(host_spec,
+                                                              backend.memory_info(self.device).pinned_host)
+        self.ctx = self._context(self.policy)
+        self.sampler = Sampler()
+        self.runner: Any = None
+        self.graph_level = "none"
+        self.graph_stats: dict = {}
+        self.warmup_seconds = 0.0
+
+    def _context(self, policy: BatchPolicy) -> RunnerContext:
+        return RunnerContext(self.config, self.info, self.max_model_len, self.block_size, self.max_num_seqs,
+                             self.max_num_batched_tokens, self.dtype, self.device, policy, self.pad_slot)
+
+    def _kv_spec(self, num_blocks: int) -> KVCacheSpec:
+        m = self.model
+        return KVCacheSpec(m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_size, self.dtype,
+                           self.device)
+
+    def _fit_budget_to_policy(self) -> None:
+        """A static policy bounds every dimension: the scheduler's budget must stay inside the largest shape."""
+        lim = self.policy.limits()
+        if lim is None:
+            return
+        per_seq = -(-self.max_model_len // self.block_size)
+        if per_seq > lim.num_blocks:
+            raise ParamError("max_model_len", f"{self.max_model_len} tokens need {per_seq} blocks of "
+                                              f"{self.block_size}; backend {self.backend.name!r}'s largest "
+                                              f"block-table bucket is {lim.num_blocks}")
+        if self.max_num_batched_tokens > lim.num_tokens or self.max_num_seqs > lim.num_seqs:
+            logger.info("batch budget capped by backend %s's buckets: max_num_batched_tokens %d -> %d, "
+                        "max_num_seqs %d -> %d", self.backend.name, self.max_num_batched_tokens,
+                        min(self.max_num_batched_tokens, lim.num_tokens), self.max_num_seqs,
+                        min(self.max_num_seqs, lim.num_seqs))
+        self.max_num_batched_tokens = min(self.max_num_batched_tokens, lim.num_tokens)
+        self.max_num_seqs = min(self.max_num_seqs, lim.num_seqs)
+
+    # ---- KV sizing -------------------------------------------------------------------------------------------
+    def profile_peak_bytes(self) -> Optional[int]:
+        """Peak activation memory of one forward at the largest token budget, or None where the backend cannot
+        measure it. The forward writes into a one-block scratch cache (every slot is that block's first), so it
+        runs before the real pool exists, in any layout."""
+        if self.backend.memory_peak(self.device) is None:  # also resets the counter
+            return None
+        n = self.max_num_batched_tokens
+        scratch = self.backend.allocate_kv_cache(self._kv_spec(1))
+        self.model.kv_caches = scratch
+        meta = dummy_metadata(BatchShape(n, 1, -(-n // self.block_size)), self.block_size, self.device,
+                              pad_slot=0, block=0)
+        with torch.inference_mode():
+            self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                       torch.arange(n, device=self.device) % self.max_model_len, meta)
+        self.backend.synchronize(self.device)
+        peak = self.backend.memory_peak(self.device)
+        self.model.kv_caches = []
+        del scratch
+        return peak
+
+    def _num_blocks(self) -> int:
+        c = self.config
+        bpb = self._kv_spec(1).bytes_per_block
+        per_seq = -(-self.max_model_len // self.block_size)
+        if c.num_gpu_blocks_override is not None:
+            n, field_name = c.num_gpu_blocks_override, "num_gpu_blocks_override"
+        else:
+            mem = self.backend.memory_info(self.device)
+            if c.kv_cache_memory is not None:
+                budget, field_name = c.kv_cache_memory, "kv_cache_memory"
+            elif mem.default_kv_bytes is not None and c.gpu_memory_utilization is None:
+                budget, field_name = mem.default_kv_bytes, "kv_cache_memory"
+            else:
+                # vLLM's accounting: a fraction of the whole device, less what is in use after load, less the
+                # activation peak of the largest step (measured when the backend can).
+                util = c.gpu_memory_utilization if c.gpu_memory_utilization is not None else 0.9
+                peak = self.profile_peak_bytes()
+                used = mem.total_bytes - mem.free_bytes
+                budget = util * mem.total_bytes - used - (peak or 0)
+                field_name = "gpu_memory_utilization"
+                logger.info("KV budget %.2f GiB: %.0f%% of %.2f GiB, %.2f GiB in use after load, %s GiB activation "
+                            "peak", budget / 2**30, 100 * util, mem.total_bytes / 2**30, used / 2**30,
+                            f"{peak / 2**30:.2f}" if peak is not None else "unmeasured")
+            # More blocks than every sequence at full length can use only feed the prefix cache; cap there x2.
+            n = min(int(max(budget, 0) // bpb), 2 * self.max_num_seqs * per_seq)
+        if n < per_seq:
+            raise ParamError(field_name, f"the KV pool would hold {n} blocks ({n * self.block_size} tokens), fewer "
+                                         f"than one max_model_len={self.max_model_len} sequence needs ({per_seq}); "
+                                         f"give more KV memory or lower max_model_len")
+        return n
+
+    # ---- runners ---------------------------------------------------------------------------------------------
+    def start(self, kv: KVCacheManager) -> None:
+        """Build the model runner (the backend's own, or core's with the backend's graph runner) and warm up."""
+        own = self.backend.model_runner(self.ctx, self.model, kv)
+        if own is not None:  # the backend owns the step, warm-up included
+            self.runner, self.graph_level = own, getattr(own, "level", "custom")
+            return
+        graph = (self.backend.graph_runner(self.model, self.max_num_seqs, self.device, self.ctx)
+                 if not self.config.enforce_eager else None)
+        if graph is not None:
+            self.graph_level, self.graph_stats = graph.level, graph.stats
+        self.runner = ModelRunner(self.model, graph.run if graph is not None else self.model, kv, self.device,
+                                  self.policy, self.pad_slot, sample=graph.sample if graph is not None else None)
+        self.warmup()
+
+    def warmup(self) -> None:
+        """One forward per static shape, so compilation/capture happens now and never while serving."""
+        shapes = self.policy.warmup_shapes()
+        if not shapes:
+            return
+        t0 = time.perf_counter()
+        run = self.runner.run
+        block = self.sink_block if self.sink_block is not None else 0
+        with torch.inference_mode():
+            for shape in shapes:
+                meta = dummy_metadata(shape, self.block_size, self.device, self.pad_slot, block)
+                run(torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device),
+                    torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device), meta)
+        self.backend.synchronize(self.device)
+        self.warmup_seconds = time.perf_counter() - t0
+        logger.info("warmed up %d batch shapes in %.2fs", len(shapes), self.warmup_seconds)
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def execute_model(self, scheduled: list[ScheduledRequest]) -> tuple[StepOutput, Optional[SamplerOutput]]:
+        """Run one scheduled step; returns the runner's output and the sampled tokens of the rows that sample."""
+        step = self.runner.execute(scheduled)
+        sampled = None
+        if step.sampled is not None:
+            sampled = step.sampled
+        elif step.requests:
+            sampled = self.sampler(step.logits, step.requests)
+        return step, sampled
+
+    def swap(self, src_to_dst: list[tuple[int, int]], out: bool) -> None:
+        """Copy blocks device -> host (``out``) or host -> device, through the backend (its layout, its copy)."""
+        src, dst = zip(*src_to_dst)
+        caches = (self.kv_caches, self.host_caches) if out else (self.host_caches, self.kv_caches)
+        self.backend.swap_kv_blocks(caches[0], caches[1], torch.tensor(src), torch.tensor(dst))
+
+
+def dummy_metadata(shape: BatchShape, block_size: int, device: torch.device, pad_slot: int,
+                   block: int) -> AttentionMetadata:
+    """Metadata of exactly ``shape`` with every token written to ``pad_slot`` and every block-table entry ``block``:
+    warm-up and profiling touch no block a request owns. Tokens are spread evenly over the sequences."""
+    t, s, w = shape
+    lens = [t // s + (i < t % s) for i in range(s)]
+    return AttentionMetadata.build(lens, lens, [[block] * w for _ in range(s)], block_size, device=device,
+                                   slot_mapping=[pad_slot] * t)
