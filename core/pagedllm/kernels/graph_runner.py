@@ -1,4 +1,7 @@
-"""CUDA/HIP graphs for decode-only batches, shared by every torch.cuda-API backend (cuda, rocm).
+"""Device graphs for decode-only batches, shared by every backend whose torch device module speaks the CUDA graph
+API: ``torch.cuda`` (CUDA, and HIP graphs on ROCm builds), ``torch.xpu`` (``XPUGraph``), ``torch.npu`` (torch-npu's
+ACL graphs, ``NPUGraph``). The device module is a parameter: ``Stream``, ``current_stream``, ``stream``, ``graph``,
+``graph_pool_handle`` and the graph class are looked up on it, so no vendor module is named or imported here.
 
 Decode steps are launch-bound, so we capture the model forward once per batch-size bucket and replay it. A batch of
 ``n`` decodes is padded to the smallest captured bucket ``>= n``; the graphs read their inputs from persistent buffers
@@ -47,9 +50,14 @@ class DecodeGraphRunner:
     """
 
     def __init__(self, model: Callable, max_num_seqs: int, device: torch.device,
-                 buckets: Optional[list[int]] = None):
+                 buckets: Optional[list[int]] = None, api: Any = None, graph_cls: Any = None,
+                 max_model_len: Optional[int] = None):
         self.model = model
         self.device = torch.device(device)
+        self.api = api if api is not None else torch.cuda  # the device module: torch.cuda, torch.xpu, torch.npu
+        self.graph_cls = graph_cls if graph_cls is not None else self.api.CUDAGraph
+        # The engine's configured length (RunnerContext), not the model's: the buffers are that wide.
+        self.max_model_len = max_model_len
         self.buckets = sorted(set(buckets or default_buckets(max_num_seqs)))
         self.replays: dict[int, Callable[[], torch.Tensor]] = {}
         self.metas: dict[int, AttentionMetadata] = {}
@@ -60,16 +68,17 @@ class DecodeGraphRunner:
     # ---- the mechanism (the only CUDA/HIP-specific part) --------------------------------------------------------
     def _capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """Warm ``fn`` up on a side stream, capture it into the shared pool, return a replay function."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
+        api = self.api
+        stream = api.Stream(self.device)
+        stream.wait_stream(api.current_stream(self.device))
+        with api.stream(stream):
             for _ in range(2):  # compiles Triton kernels, sets up library workspaces outside the capture
                 fn()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        api.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()  # a HIP graph on ROCm builds of torch
-        with torch.cuda.graph(graph, pool=self._pool):
+            self._pool = api.graph_pool_handle()
+        graph = self.graph_cls()  # a HIP graph on ROCm builds of torch
+        with api.graph(graph, pool=self._pool):
             out = fn()
 
         def replay() -> torch.Tensor:
@@ -82,7 +91,7 @@ class DecodeGraphRunner:
     @torch.inference_mode(False)  # plain tensors: later steps may update them in or out of inference mode
     def _allocate(self, meta: AttentionMetadata) -> None:
         b, dev = self.buckets[-1], self.device
-        max_len = int(getattr(self.model, "max_model_len", 0) or 0)
+        max_len = int(self.max_model_len or getattr(self.model, "max_model_len", 0) or 0)
         self.width = max(meta.block_tables.shape[1], -(-max_len // meta.block_size))
         self.block_size = meta.block_size
         self.ids = torch.zeros(b, dtype=torch.long, device=dev)
@@ -144,9 +153,12 @@ def graphs_disabled() -> bool:
     return os.environ.get("PAGEDLLM_DISABLE_GRAPHS", "0") not in ("", "0")
 
 
-def make_graph_runner(model: Callable, max_num_seqs: int, device: torch.device) -> GraphRunner:
-    """The ``pagedllm_graph_runner`` result for torch.cuda-API devices (``PAGEDLLM_DISABLE_GRAPHS=1``: eager)."""
+def make_graph_runner(model: Callable, max_num_seqs: int, device: torch.device, ctx: Any = None, api: Any = None,
+                      graph_cls: Any = None) -> GraphRunner:
+    """The ``pagedllm_graph_runner`` result for CUDA-graph-API devices (``PAGEDLLM_DISABLE_GRAPHS=1``: eager).
+    ``ctx`` (a RunnerContext, absent for v1 callers) sizes the buffers from the configured max_model_len."""
     if graphs_disabled():
         return GraphRunner(run=model, level="none", stats={"disabled_by": "PAGEDLLM_DISABLE_GRAPHS"})
-    runner = DecodeGraphRunner(model, max_num_seqs, device)
+    runner = DecodeGraphRunner(model, max_num_seqs, device, api=api, graph_cls=graph_cls,
+                               max_model_len=ctx.max_model_len if ctx is not None else None)
     return GraphRunner(run=runner, level="decode", stats=runner.stats)

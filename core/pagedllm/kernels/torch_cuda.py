@@ -96,11 +96,18 @@ def pagedllm_synchronize(device: torch.device) -> None:
 
 
 @hookimpl
-def pagedllm_graph_runner(model: Any, max_num_seqs: int, device: torch.device) -> GraphRunner:
+def pagedllm_graph_runner(model: Any, max_num_seqs: int, device: torch.device, ctx: Any) -> GraphRunner:
     from pagedllm.kernels.graph_runner import make_graph_runner
 
-    return make_graph_runner(model, max_num_seqs, device)
+    return make_graph_runner(model, max_num_seqs, device, ctx)
 
 
-__all__ = ["pagedllm_capabilities", "pagedllm_memory_info", "pagedllm_distributed_backend", "pagedllm_set_device",
-           "pagedllm_synchronize", "pagedllm_graph_runner"]
+@hookimpl
+def pagedllm_memory_peak(device: torch.device) -> int:
+    peak = torch.cuda.max_memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
+__all__ = ["pagedllm_capabilities", "pagedllm_memory_info", "pagedllm_memory_peak", "pagedllm_distributed_backend",
+           "pagedllm_set_device", "pagedllm_synchronize", "pagedllm_graph_runner"]

@@ -9,8 +9,8 @@ from pagedllm.kernels import torch_cuda
 from pagedllm.kernels.ops_plugin import (pagedllm_paged_attention, pagedllm_rms_norm,  # noqa: F401
                                          pagedllm_rotary, pagedllm_silu_and_mul, pagedllm_write_kv)
 from pagedllm.kernels.torch_cuda import (pagedllm_capabilities, pagedllm_distributed_backend,  # noqa: F401
-                                         pagedllm_graph_runner, pagedllm_memory_info, pagedllm_set_device,
-                                         pagedllm_synchronize)
+                                         pagedllm_graph_runner, pagedllm_memory_info, pagedllm_memory_peak,
+                                         pagedllm_set_device, pagedllm_synchronize)
 
 
 @hookimpl
