@@ -19,6 +19,7 @@ import torch
 from pagedllm.attention import AttentionMetadata
 from pagedllm.batch_policy import BatchPolicy, BatchShape
 from pagedllm.config import DTYPES, EngineConfig
+from pagedllm.device_sampler import SamplingTensors
 from pagedllm.hookspec import KVCacheSpec, ModelInfo, RunnerContext
 from pagedllm.kv_manager import KVCacheManager
 from pagedllm.model_runner import ModelRunner, StepOutput
@@ -161,18 +162,22 @@ class Worker:
         self.warmup()
 
     def warmup(self) -> None:
-        """One forward per static shape, so compilation/capture happens now and never while serving."""
+        """One forward per static shape — and one forward + sampling where the backend samples on the device — so
+        compilation/capture happens now and never while serving."""
         shapes = self.policy.warmup_shapes()
         if not shapes:
             return
         t0 = time.perf_counter()
-        run = self.runner.run
+        runner = self.runner
         block = self.sink_block if self.sink_block is not None else 0
         with torch.inference_mode():
             for shape in shapes:
                 meta = dummy_metadata(shape, self.block_size, self.device, self.pad_slot, block)
-                run(torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device),
-                    torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device), meta)
+                ids = torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device)
+                runner.run(ids, ids, meta)
+                if runner.sample is not None:
+                    rows = torch.zeros(shape.num_seqs, dtype=torch.long, device=self.device)
+                    runner.sample(ids, ids, meta, rows, SamplingTensors.build([], shape.num_seqs, self.device))
         self.backend.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warmed up %d batch shapes in %.2fs", len(shapes), self.warmup_seconds)
