@@ -13,7 +13,7 @@ from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 
 class LLM:
-    """``LLM(model, device=..., dtype=..., max_model_len=..., block_size=16, enable_prefix_caching=True, ...)``.
+    """``LLM(model, device=..., dtype=..., max_model_len=..., block_size=None, enable_prefix_caching=True, ...)``.
 
     Any :class:`~pagedllm.config.EngineConfig` field is accepted as a keyword.
     """

@@ -29,6 +29,7 @@ class ThroughputResult:
     repeats: int
     cold_start_s: float  # LLM() construction + first token of one prompt
     init_s: float
+    warmup_s: float  # part of init_s: warm-up of a static backend's bucket shapes (0 for dynamic ones)
     elapsed_s: list[float] = field(default_factory=list)
     output_tok_s: float = 0.0
     total_tok_s: float = 0.0
@@ -91,7 +92,7 @@ def run(args) -> ThroughputResult:
     res = ThroughputResult(engine.model_path, engine.backend.name, str(engine.dtype).removeprefix("torch."),
                            args.num_prompts, args.input_len, args.output_len, args.shared_prefix_len,
                            cfg.enable_prefix_caching, args.repeats, cold, engine.init_seconds,
-                           threads=torch.get_num_threads())
+                           engine.worker.warmup_seconds, threads=torch.get_num_threads())
     prefill = []
     for _ in range(args.repeats):
         engine.kv.reset_prefix_cache()
@@ -135,7 +136,8 @@ def main(args) -> int:
     print(f"model={res.model} device={res.device} dtype={res.dtype} threads={res.threads}")
     print(f"workload: {res.num_prompts} prompts x {res.input_len} -> {res.output_len} tokens"
           f" (shared prefix {res.shared_prefix_len}, prefix caching {'on' if res.prefix_caching else 'off'})")
-    print(f"cold start (LLM() + first token): {res.cold_start_s:.2f} s  (engine init {res.init_s:.2f} s)")
+    print(f"cold start (LLM() + first token): {res.cold_start_s:.2f} s  (engine init {res.init_s:.2f} s, "
+          f"of which bucket warm-up {res.warmup_s:.2f} s)")
     print(f"pagedllm: {res.output_tok_s:.1f} output tok/s, {res.total_tok_s:.1f} total tok/s, "
           f"prefill {res.prefill_tok_s:.1f} tok/s  (median of {res.repeats}: "
           f"{', '.join(f'{t:.2f}s' for t in res.elapsed_s)})")

@@ -15,7 +15,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--device", default="auto", help="backend name, or auto (see `pagedllm backends`)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the backend's)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -25,6 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (auto: the model dtype)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -34,4 +35,4 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, scheduling_policy=args.scheduling_policy, seed=args.seed,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
