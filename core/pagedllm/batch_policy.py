@@ -1,10 +1,10 @@
 """Batch shapes a backend's model may see: dynamic (identity) or padded to buckets for static-shape devices.
 
-A static device (XLA/TPU, HPU graphs, ACL graphs) compiles or captures one program per input shape, so every step
-must land on a shape compiled ahead of time. The policy pads a step's three dimensions — query tokens, sequences,
-block-table width — each up to the smallest bucket that holds it (vllm-gaudi's bucketing; tpu-inference's padded
-token and request counts). The scheduler's budget is capped at the largest buckets, so no step can fall outside the
-set, and the worker runs one forward per :meth:`BatchPolicy.warmup_shapes` shape before serving.
+A static-shape device (a graph compiler, device graphs) compiles or captures one program per input shape, so every
+step must land on a shape compiled ahead of time. The policy pads a step's three dimensions — query tokens,
+sequences, block-table width — each up to the smallest bucket that holds it (as vLLM's static-shape vendor plugins
+bucket). The scheduler's budget is capped at the largest buckets, so no step can fall outside the set, and the
+worker runs one forward per :meth:`BatchPolicy.warmup_shapes` shape before serving.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class BatchPolicy:
 
 
 def pow2_buckets(max_value: int, min_value: int = 1) -> tuple[int, ...]:
-    """``min_value, 2*min_value, ...`` up to and including ``max_value`` (vllm-gaudi's exponential buckets)."""
+    """``min_value, 2*min_value, ...`` up to and including ``max_value`` (exponential bucketing)."""
     out, b = [], max(1, min_value)
     while b < max_value:
         out.append(b)

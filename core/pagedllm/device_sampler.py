@@ -1,7 +1,7 @@
 """Sampling that can run inside a captured or compiled region: fixed shapes, no host synchronisation.
 
 Static-shape devices (``Capabilities.on_device_sampling``) sample in the same region as the forward, as
-tpu-inference does, so a step costs one launch and no logits leave the device. Only what needs no per-request host
+compiled-graph engines do, so a step costs one launch and no logits leave the device. Only what needs no per-request host
 state runs here — greedy, temperature, top-k, top-p, min-p; rows that ask for logprobs, penalties, seeds, min_tokens
 or several samples per prompt go through the host sampler (``sampler.py``), whose semantics this mirrors: greedy is
 the same argmax, and random rows sample from the same filtered distribution (an exponential race instead of an

@@ -52,7 +52,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """Identity. ``device_type`` is the torch device type (``cpu``, ``cuda``, ``xpu``, ``npu``, ``hpu``, ``xla``)."""
+    """Identity. ``device_type`` is the torch device type (``cpu``, ``cuda``, or a vendor's)."""
 
     name: str
     device_type: str
@@ -84,7 +84,7 @@ class Capabilities:
     sliding_window: bool = True
     soft_cap: bool = True
     quantization: tuple[str, ...] = ()
-    # The graph runner samples inside its captured region (tpu-inference, HPU graphs): core hands it the sampling
+    # The graph runner samples inside its captured region (compiled-graph devices): core hands it the sampling
     # parameters of rows that need no host-side work (``SamplingTensors``) and gets token ids back.
     on_device_sampling: bool = False
 
@@ -199,7 +199,7 @@ class BackendSpec:
 
     @hookspec(firstresult=True)
     def pagedllm_distributed_backend(self) -> str:
-        """torch.distributed backend name (gloo, nccl, hccl, xccl...). Default: gloo."""
+        """torch.distributed backend name (gloo, nccl, or a vendor's collective library). Default: gloo."""
 
     @hookspec(firstresult=True)
     def pagedllm_set_device(self, device: "torch.device") -> None:
@@ -291,7 +291,7 @@ class BackendSpec:
     @hookspec(firstresult=True)
     def pagedllm_graph_runner(self, model: Any, max_num_seqs: int, device: "torch.device",
                               ctx: RunnerContext) -> GraphRunner:
-        """Wrap the model forward in this backend's capture strategy (CUDA/HIP/NPU/HPU graphs, XLA buckets,
+        """Wrap the model forward in this backend's capture strategy (device graphs, compiled buckets,
         torch.compile). Default: eager. Graphs must read metadata from persistent buffers they own. ``ctx`` (v2)
         carries the engine's max_model_len, block size, budgets, dtype and batch policy; core warms up every
         ``ctx.policy.warmup_shapes()`` shape through ``run`` right after this returns."""

@@ -1,13 +1,13 @@
 """A graph runner for static-shape backends: one captured program per bucket shape, replayed from persistent buffers.
 
-What XLA (TPU), HPU graphs (Gaudi) and ACL graphs (Ascend) need from a step, in one device-neutral class: the batch
-policy pads every step to a bucket (``model_runner.py``); this runner owns, per bucket, persistent input and
-metadata tensors, captures the forward once over them (at warm-up, through the backend's ``capture`` function) and
-replays it on every later step after copying the step's values in. A shape outside the warmed-up set is an error,
-never a silent recompile. With ``sample=True`` logits and sampling (``device_sampler.sample``) are part of the
-captured program too.
+What a compiled-graph device (a graph compiler, device graphs replayed per shape) needs from a step, in one
+device-neutral class: the batch policy pads every step to a bucket (``model_runner.py``); this runner owns, per
+bucket, persistent input and metadata tensors, captures the forward once over them (at warm-up, through the
+backend's ``capture`` function) and replays it on every later step after copying the step's values in. A shape
+outside the warmed-up set is an error, never a silent recompile. ``sample`` runs logits and sampling
+(``device_sampler.sample``) in the same captured program.
 
-``capture(fn) -> replay`` is the backend's mechanism (``torch.cuda.graph``-style capture, ``wrap_in_hpu_graph``,
+``capture(fn) -> replay`` is the backend's mechanism (``torch.cuda.graph``-style capture, a vendor's graph wrapper,
 ``torch.compile(dynamic=False)``...). The default, :func:`eager_capture`, re-runs ``fn`` on the buffers: the CPU
 backend's static mode uses it to exercise the whole static path (padding, buckets, warm-up, buffers, on-device
 sampling) on a machine without the device.

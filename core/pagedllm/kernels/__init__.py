@@ -1,4 +1,4 @@
-"""Portable Triton kernels (CUDA, ROCm, XPU; the CPU only under ``TRITON_INTERPRET=1``) and shared code for
+"""Portable Triton kernels (any GPU Triton targets; the CPU only under ``TRITON_INTERPRET=1``) and shared code for
 torch.cuda-API devices.
 
 Nothing here is imported by ``import pagedllm``: a backend imports the submodule it needs, and Triton itself is only

@@ -1,6 +1,6 @@
 """Device graphs for decode-only batches, shared by every backend whose torch device module speaks the CUDA graph
-API: ``torch.cuda`` (CUDA, and HIP graphs on ROCm builds), ``torch.xpu`` (``XPUGraph``), ``torch.npu`` (torch-npu's
-ACL graphs, ``NPUGraph``). The device module is a parameter: ``Stream``, ``current_stream``, ``stream``, ``graph``,
+API: ``torch.cuda`` (CUDA, and HIP graphs on ROCm builds) and the device modules of other backends that mirror it.
+The device module is a parameter: ``Stream``, ``current_stream``, ``stream``, ``graph``,
 ``graph_pool_handle`` and the graph class are looked up on it, so no vendor module is named or imported here.
 
 Decode steps are launch-bound, so we capture the model forward once per batch-size bucket and replay it. A batch of
@@ -54,7 +54,7 @@ class DecodeGraphRunner:
                  max_model_len: Optional[int] = None):
         self.model = model
         self.device = torch.device(device)
-        self.api = api if api is not None else torch.cuda  # the device module: torch.cuda, torch.xpu, torch.npu
+        self.api = api if api is not None else torch.cuda  # the device module (default torch.cuda)
         self.graph_cls = graph_cls if graph_cls is not None else self.api.CUDAGraph
         # The engine's configured length (RunnerContext), not the model's: the buffers are that wide.
         self.max_model_len = max_model_len
