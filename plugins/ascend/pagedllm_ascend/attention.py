@@ -1,0 +1,123 @@
+"""KV writes and paged attention through torch-npu's kernels, called as vllm-ascend calls them.
+
+Not verified on hardware: each call below matches the signature vllm-ascend uses (source cited at the call) and
+was run only against a simulated torch-npu that implements these ops with core's reference semantics.
+
+Per step, :func:`ascend_metadata` derives once (first layer; the other layers reuse it from ``meta.extra``) the
+host-side arguments torch-npu's kernels take as host values — context lengths as a host int32 tensor, cumulative
+query ends and per-sequence KV lengths as lists — and the int32 slot mapping; the 2048x2048 compressed causal mask
+is built once per device. Dispatch, as vllm-ascend's ``AscendAttentionBackendImpl.forward_impl``:
+
+- decode-only batch, no sliding window: ``torch_npu._npu_paged_attention`` (the decode kernel);
+- anything else (prefill, chunked prefill with cached context, mixed, sliding window):
+  ``torch_npu.npu_fused_infer_attention_score`` in TND layout over the paged cache (sparse_mode 3, causal aligned
+  to the end of each sequence; sparse_mode 4, a band, for sliding windows).
+
+Soft-capping is not offered by either kernel: the plugin does not declare it, so core refuses such models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm_ascend.vendor import torch_npu
+
+#: The compressed causal mask FIA takes with sparse_mode 3/4: ``triu(ones(2048, 2048), 1)`` as int8 (vllm-ascend
+#: vllm_ascend/attention/attention_mask.py ``get_splitfuse_attn_mask``).
+MASK_SIZE = 2048
+_masks: dict[str, torch.Tensor] = {}
+
+
+@dataclass
+class AscendMetadata:
+    """What torch-npu's kernels take beyond core's :class:`AttentionMetadata` (host values are host values)."""
+
+    num_tokens: int
+    decode_only: bool
+    context_lens: torch.Tensor  # int32, host: ``_npu_paged_attention(context_lens=...)`` (vllm-ascend: seq_lens_cpu)
+    actual_seq_lengths_q: list[int]  # cumulative query ends (TND), vllm-ascend: query_start_loc_cpu[1:].tolist()
+    actual_seq_lengths_kv: list[int]  # per-sequence context lengths, vllm-ascend: seq_lens_list
+
+
+def ascend_metadata(meta: AttentionMetadata) -> AscendMetadata:
+    """Built on the first call of a step and cached in ``meta.extra`` (every layer shares one metadata)."""
+    am = meta.extra.get("ascend")
+    if am is None:
+        seq_lens = list(meta.seq_lens_cpu)
+        qsl = list(meta.query_start_loc_cpu)
+        am = AscendMetadata(num_tokens=qsl[-1], decode_only=meta.num_decodes == len(seq_lens) and bool(seq_lens),
+                            context_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                            actual_seq_lengths_q=qsl[1:], actual_seq_lengths_kv=seq_lens)
+        meta.extra["ascend"] = am
+    return am
+
+
+def causal_mask(device: torch.device) -> torch.Tensor:
+    key = str(device)
+    mask = _masks.get(key)
+    if mask is None:
+        mask = _masks[key] = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE), diagonal=1).to(torch.int8).to(device)
+    return mask
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple, slot_mapping: torch.Tensor) -> None:
+    """Store new K/V at flat slots. Slot -1 (padding) is core's "skip"; the kernel's handling of negative slots is
+    not documented, so padding rows are dropped here first (one host sync, only when a negative slot exists —
+    vllm-ascend likewise passes only the real tokens, ``key[:num_actual_tokens]``)."""
+    key_cache, value_cache = kv_cache
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if slot_mapping.numel() == 0:
+        return
+    # vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py (v0.11.0, reshape_and_cache) and
+    # vllm_ascend/device/device_op.py (Ascend310PDeviceAdaptor.reshape_and_cache): int32 slots on the device.
+    torch_npu()._npu_reshape_and_cache(key=key.contiguous(), value=value.contiguous(), key_cache=key_cache,
+                                       value_cache=value_cache, slot_indices=slot_mapping.to(torch.int32))
+
+
+def paged_attention(query: torch.Tensor, kv_cache: tuple, meta: AttentionMetadata, scale: float,
+                    sliding_window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
+    if soft_cap is not None:
+        raise NotImplementedError("the Ascend attention kernels have no logit soft-capping (not declared)")
+    key_cache, value_cache = kv_cache
+    num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
+    num_heads = query.shape[1]
+    am = ascend_metadata(meta)
+    npu: Any = torch_npu()
+    query = query.contiguous()
+    if am.decode_only and sliding_window is None and query.shape[0] == am.num_tokens:
+        out = torch.empty_like(query)
+        # vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py: v0.11.0 _forward_decode_only,
+        # HEAD forward_paged_attention.
+        npu._npu_paged_attention(query=query, key_cache=key_cache, value_cache=value_cache,
+                                 num_kv_heads=num_kv_heads, num_heads=num_heads, scale_value=scale,
+                                 block_table=meta.block_tables, context_lens=am.context_lens, out=out)
+        return out
+    n = am.num_tokens
+    if sliding_window is None:
+        band: dict = dict(sparse_mode=3)
+    else:
+        # vLLM's window W keeps keys with q_pos - k_pos < W; FIA's band keeps q_pos - k_pos <= pre_tokens (torch_npu
+        # npu_fusion_attention docs, sparse_mode 4). vllm-ascend passes pre_tokens=W (attention_v1.py HEAD); we pass
+        # W - 1 so the band holds exactly W keys, as core's reference does. Not verified on hardware.
+        band = dict(sparse_mode=4, pre_tokens=sliding_window - 1, next_tokens=0)
+    # vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py (HEAD forward_fused_infer_attention /
+    # _get_fia_params): TND query, paged K/V viewed [num_blocks, block_size, Hkv * D], int32 block table,
+    # cumulative query ends, per-sequence KV lengths, the compressed causal mask.
+    out, _ = npu.npu_fused_infer_attention_score(
+        query=query[:n], key=key_cache.view(num_blocks, block_size, -1),
+        value=value_cache.view(num_blocks, block_size, -1), atten_mask=causal_mask(query.device),
+        block_table=meta.block_tables, input_layout="TND", block_size=block_size,
+        actual_seq_lengths=am.actual_seq_lengths_q, actual_seq_lengths_kv=am.actual_seq_lengths_kv,
+        num_key_value_heads=num_kv_heads, num_heads=num_heads, scale=scale, **band)
+    out = out.view(n, num_heads, head_size)
+    if query.shape[0] == n:
+        return out
+    full = torch.zeros_like(query)  # rows past the real tokens are padding: never read
+    full[:n] = out
+    return full
