@@ -1,0 +1,1 @@
+from intel_extension_for_pytorch.llm import modules  # noqa: F401

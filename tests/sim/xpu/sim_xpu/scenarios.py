@@ -1,0 +1,147 @@
+"""Scenarios run in a fresh process each: ``python -m sim_xpu.scenarios <name> [args]`` prints one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def _report_summary(report) -> dict:
+    return {"counts": report.counts(),
+            "failing": [f"{r.id}: {r.error}" for r in report.failing],
+            "passing": [r.id for r in report.results if r.status == "passing"],
+            "graph_detail": next((r.detail for r in report.results if r.feature == "graph"), ""),
+            "seconds": {r.id: r.seconds for r in report.results if r.status != "untested"}}
+
+
+def imports() -> dict:
+    """Load both plugin modules and run their probes on this machine: nothing vendor may be imported."""
+    from pagedllm.backends import discover
+
+    found = discover()
+    out = {name: {"usable": d.backend.probe.usable, "reason": d.backend.probe.reason, "error": d.error}
+           for name, d in found.items() if name in ("xpu", "ipex") and d.backend}
+    out["modules"] = sorted(m for m in sys.modules if m.split(".")[0] in ("triton", "intel_extension_for_pytorch"))
+    return out
+
+
+def probe_sim() -> dict:
+    """The xpu runtime hooks against the simulated torch.xpu."""
+    import torch
+    from sim_xpu.torch_xpu import cpu_backend, install
+
+    state = install()
+    be = cpu_backend()
+    caps = be.capabilities
+    dev = torch.device("xpu", 0)
+    state.peak_bytes = 3 << 30
+    mi = be.memory_info(dev)
+    peak = be.memory_peak(dev)
+    be.set_device(dev)
+    be.synchronize(dev)
+    state.bf16 = False
+    from pagedllm.backends import Backend
+
+    caps_no_bf16 = Backend(be.plugin, "xpu-again").capabilities
+    return {"probe": [be.probe.usable, be.probe.reason, be.probe.device_name], "dtypes": list(caps.dtypes),
+            "dtypes_no_bf16": list(caps_no_bf16.dtypes), "graph_capture": caps.graph_capture,
+            "memory": [mi.total_bytes, mi.free_bytes, mi.pinned_host], "peak": peak,
+            "peak_after_reset": state.peak_bytes, "dist": be.distributed_backend(),
+            "calls": [list(c) for c in state.calls]}
+
+
+def conformance(*allow: str) -> dict:
+    """Core's conformance suite on the xpu backend (simulated device, Triton interpreter), selected cases."""
+    from sim_xpu.torch_xpu import cpu_backend, install
+
+    from pagedllm.conformance.runner import run_conformance
+
+    install()
+    be = cpu_backend()
+    t0 = time.perf_counter()
+    report = run_conformance(be, allow=list(allow) or None, exclude=["*|bfloat16]"], gqa_ratios=(3,))
+    out = _report_summary(report)
+    out["total_seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def graph() -> dict:
+    """The xpu graph runner over the recording XPUGraph: Python is not re-run on replay, replays see new inputs,
+    Triton launches were captured, and a host sync inside capture fails as on a device."""
+    import torch
+    from sim_xpu.graph_recorder import HostSyncInCapture, RecordingGraph
+    from sim_xpu.torch_xpu import cpu_backend, install
+
+    from pagedllm.attention import AttentionMetadata
+
+    install()
+    be = cpu_backend()
+    calls = []
+
+    def model(ids, pos, meta):  # python side effect: counts how often the host code runs
+        calls.append(int(ids.shape[0]))
+        x = be.silu_and_mul(torch.stack([ids.float(), pos.float()], dim=-1).repeat(1, 2) + 1.0)
+        return x * meta.seq_lens[:, None].float()
+
+    runner = be.graph_runner(model, 2, torch.device("cpu"))
+    results = []
+    for ids, pos, lens in (([3], [4], [5]), ([7, 2], [1, 6], [2, 7]), ([5], [9], [10])):
+        meta = AttentionMetadata.build([1] * len(ids), lens, [[0]] * len(ids), 16)
+        out = runner.run(torch.tensor(ids), torch.tensor(pos), meta)
+        want = model(torch.tensor(ids), torch.tensor(pos), meta)
+        calls.pop()
+        results.append(bool(torch.allclose(out, want)))
+    graphs = [g for g in RecordingGraph.instances]
+    sync_error = ""
+    try:
+        def syncing(ids, pos, meta):
+            return ids.float() * float(meta.seq_lens.max())  # .item(): a host sync
+
+        sync_runner = be.graph_runner(syncing, 1, torch.device("cpu"))
+        sync_runner.run(torch.tensor([1]), torch.tensor([0]), AttentionMetadata.build([1], [3], [[0]], 16))
+    except HostSyncInCapture as e:
+        sync_error = str(e)
+    return {"level": runner.level, "stats": {k: v for k, v in runner.stats.items()}, "results": results,
+            "python_calls": calls, "graph_launches": [g.launches for g in graphs[:2]],
+            "graph_replays": [g.replays for g in graphs[:2]], "sync_error": sync_error}
+
+
+def ipex_probe(marker: str = "") -> dict:
+    """The ipex backend's probe with whatever IPEX the PYTHONPATH holds; did anything import it?"""
+    import os
+
+    from pagedllm.backends import discover
+
+    d = discover()["ipex"]
+    probe = d.backend.probe
+    return {"usable": probe.usable, "reason": probe.reason, "device_name": probe.device_name,
+            "imported": "intel_extension_for_pytorch" in sys.modules,
+            "marker": bool(marker) and os.path.exists(marker)}
+
+
+def ipex_conformance(*allow: str) -> dict:
+    """Core's conformance suite on the ipex backend over the fake IPEX (reference semantics)."""
+    from pagedllm.backends import get_backend
+    from pagedllm.conformance.runner import run_conformance
+
+    be = get_backend("ipex")
+    t0 = time.perf_counter()
+    report = run_conformance(be, allow=list(allow) or None, gqa_ratios=(1, 3))
+    from intel_extension_for_pytorch.llm.modules import CALLS
+
+    out = _report_summary(report)
+    out["untested"] = {r.id: r.error for r in report.results if r.status == "untested"}
+    out["ipex_calls"] = sorted(set(CALLS))
+    out["total_seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def main(argv: list[str]) -> None:
+    name, args = argv[0], argv[1:]
+    result = globals()[name](*args)
+    print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
