@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch_npu import _device, npu  # noqa: F401  (sets up the device and torch.npu)
 from torch_npu._ops import (_npu_paged_attention, _npu_reshape_and_cache,  # noqa: F401
-                            npu_fused_infer_attention_score)
+                            npu_fused_infer_attention_score, npu_fusion_attention)
 
 __version__ = "2.13.0+pagedllm.sim"
 __pagedllm_simulation__ = True

@@ -120,7 +120,12 @@ def _unwrap(x: Any) -> Any:
 
 
 def _wrap(x: Any) -> Any:
-    return NPUTensor(x) if isinstance(x, torch.Tensor) and not isinstance(x, NPUTensor) else x
+    if not isinstance(x, torch.Tensor) or isinstance(x, NPUTensor):
+        return x
+    # Never an inference tensor: a view of a normal tensor taken under inference_mode must be normal too (autograd
+    # shares the base's version counter with it), and the wrapper cannot tell which case it is in.
+    with torch.inference_mode(False):
+        return NPUTensor(x)
 
 
 def raw(x: Any) -> Any:
@@ -138,7 +143,7 @@ def _arange(*args, **kwargs):
     """``arange`` is composite (``empty`` then ``arange.out``, which resizes): a wrapper cannot follow a resize of
     its CPU tensor, so arange runs whole on the CPU and is wrapped once."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
-    return NPUTensor(torch.arange(*args, **kwargs))
+    return _wrap(torch.arange(*args, **kwargs))
 
 
 def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

@@ -137,3 +137,9 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     v4 = vc.view(vc.shape[0], vc.shape[1], n_kv, head)
     out = _reference(q, k4, v4, bt, q_lens, kv_lens, scale, window)
     return NPUTensor(out), NPUTensor(torch.empty(0, dtype=torch.float32))
+
+
+def npu_fusion_attention(*args, **kwargs):
+    """Present because transformers imports it when torch_npu is importable (integrations/npu_flash_attention.py);
+    the plugin never calls it, so it is not simulated."""
+    raise NotImplementedError("npu_fusion_attention is not simulated (pagedllm's ascend plugin does not call it)")
