@@ -60,5 +60,7 @@ def ragged_paged_attention(queries: Any, kv_pages: Any, kv_lens: Any, page_indic
         mask &= (q_pos[:, None] - k_pos) < sliding_window
     scores = jnp.where(mask[:, None, None, :], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("tkgl,tlkd->tkgd", probs, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    # A masked key has probability 0, but 0 x NaN is NaN: unwritten slots (NaN-filled pool) must not reach the sum.
+    v = jnp.where(mask[:, :, None, None], v.astype(jnp.float32), 0.0)
+    out = jnp.einsum("tkgl,tlkd->tkgd", probs, v, precision=jax.lax.Precision.HIGHEST)
     return out.reshape(t, hq, d).astype(queries.dtype)

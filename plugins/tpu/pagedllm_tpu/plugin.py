@@ -131,21 +131,22 @@ def pagedllm_model_runner(ctx: RunnerContext, model: Any, kv: Any) -> Any:
 # ---- KV cache --------------------------------------------------------------------------------------------------------
 @hookimpl
 def pagedllm_allocate_kv_cache(spec: KVCacheSpec) -> list:
-    """One :class:`~pagedllm_tpu.kv_cache.JaxKVCache` per layer, zeroed and committed to the JAX device (an
-    uncommitted array would key a different compiled program than the step's committed outputs)."""
+    """One :class:`~pagedllm_tpu.kv_cache.JaxKVCache` per layer, filled with NaN and committed to the JAX device (an
+    uncommitted array would key a different compiled program than the step's committed outputs). NaN, not zeros:
+    a kernel that reads a slot nobody wrote shows NaN instead of a plausible value (tpu-inference zero-fills; the
+    fill costs the same), and conformance's read-back compares unwritten slots as NaN."""
     import jax.numpy as jnp
 
     shape = kvc.cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
     dtype, dev = kvc.jax_dtype(spec.dtype), platform.device()
-    return [kvc.JaxKVCache(jnp.zeros(shape, dtype, device=dev)) for _ in range(spec.num_layers)]
+    return [kvc.JaxKVCache(jnp.full(shape, jnp.nan, dtype, device=dev)) for _ in range(spec.num_layers)]
 
 
 @hookimpl
 def pagedllm_allocate_host_kv_cache(spec: KVCacheSpec, pin_memory: bool) -> list:
     """Host swap space as numpy arrays in the device layout (JAX stages host transfers itself: no pinning)."""
     shape = kvc.cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-    dtype = kvc.jax_dtype(spec.dtype)
-    return [np.zeros(shape, dtype) for _ in range(spec.num_layers)]
+    return [np.full(shape, np.nan, kvc.jax_dtype(spec.dtype)) for _ in range(spec.num_layers)]
 
 
 @hookimpl
