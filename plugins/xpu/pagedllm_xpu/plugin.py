@@ -16,11 +16,12 @@ for the profiling run, XPU graphs supported from torch 2.11 by ``supports_xpu_gr
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from pagedllm.hookspec import BackendInfo, Capabilities, GraphRunner, MemoryInfo, ProbeResult, hookimpl
+from pagedllm.hookspec import BackendInfo, Capabilities, GraphRunner, MemoryInfo, ModelInfo, ProbeResult, hookimpl
+from pagedllm.sampling_params import ParamError
 from pagedllm.kernels.ops_plugin import (pagedllm_paged_attention, pagedllm_rms_norm,  # noqa: F401
                                          pagedllm_rotary, pagedllm_silu_and_mul, pagedllm_write_kv)
 from pagedllm_xpu import xpu_probe
@@ -57,6 +58,19 @@ def pagedllm_capabilities() -> Capabilities:
         dtypes = ("float32", "float16")
     return Capabilities(dtypes=dtypes, kv_cache_dtypes=("auto",), head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES,
                         graph_capture="decode" if graphs_enabled() else "none", sliding_window=True, soft_cap=True)
+
+
+@hookimpl
+def pagedllm_update_config(config: Any, model_info: ModelInfo) -> Optional[dict]:
+    """Arc A770 computes bfloat16 inaccurately (vllm/platforms/xpu.py ``check_if_supports_dtype`` refuses it):
+    an explicit bfloat16 is refused with the fix, and a bfloat16 checkpoint under ``dtype=auto`` runs float16."""
+    if not torch.xpu.is_available() or "a770" not in torch.xpu.get_device_name(0).lower():
+        return None
+    if config.dtype in ("bfloat16", "bf16"):
+        raise ParamError("dtype", "Intel Arc A770 has a known bfloat16 accuracy issue; use --dtype float16")
+    if config.dtype == "auto" and model_info.dtype == "bfloat16":
+        return {"dtype": "float16"}
+    return None
 
 
 @hookimpl

@@ -44,11 +44,34 @@ def probe_sim() -> dict:
     from pagedllm.backends import Backend
 
     caps_no_bf16 = Backend(be.plugin, "xpu-again").capabilities
+    config = _a770_update_config(be)
     return {"probe": [be.probe.usable, be.probe.reason, be.probe.device_name], "dtypes": list(caps.dtypes),
             "dtypes_no_bf16": list(caps_no_bf16.dtypes), "graph_capture": caps.graph_capture,
             "memory": [mi.total_bytes, mi.free_bytes, mi.pinned_host], "peak": peak,
             "peak_after_reset": state.peak_bytes, "dist": be.distributed_backend(),
-            "calls": [list(c) for c in state.calls]}
+            "calls": [list(c) for c in state.calls], "update_config": config}
+
+
+def _a770_update_config(be) -> dict:
+    """The config hook on the default simulated GPU and on an Arc A770 (bf16 refused / auto -> fp16)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from pagedllm.hookspec import ModelInfo
+    from pagedllm.sampling_params import ParamError
+
+    info = ModelInfo("LlamaForCausalLM", "bfloat16", 2, 4, 2, 64, 128, 512)
+    out = {"max1550_auto": be.update_config(SimpleNamespace(dtype="auto"), info)}
+    torch.xpu.get_device_name = lambda device=None: "Intel(R) Arc(TM) A770 Graphics"
+    out["a770_auto"] = be.update_config(SimpleNamespace(dtype="auto"), info)
+    out["a770_fp32"] = be.update_config(SimpleNamespace(dtype="float32"), info)
+    try:
+        be.update_config(SimpleNamespace(dtype="bfloat16"), info)
+        out["a770_bf16"] = "accepted"
+    except ParamError as e:
+        out["a770_bf16"] = f"ParamError({e.field}): {e}"
+    return out
 
 
 def conformance(*allow: str) -> dict:
