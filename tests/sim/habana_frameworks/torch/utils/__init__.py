@@ -1,0 +1,1 @@
+from habana_frameworks.torch.utils import internal  # noqa: F401
