@@ -5,7 +5,7 @@ Names are loaded lazily so ``import pagedllm`` (and the CLI's ``backends`` comma
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "LLM": "pagedllm.llm",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -33,6 +34,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ParamError as e:  # a bad flag value: one line naming it, argparse's exit code, no traceback
         print(f"pagedllm {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `pagedllm backends | head`: the reader left; exit quietly as coreutils do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes stdout
+        return 141
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ def add_parser(sub) -> None:
 
 
 def rows() -> list[dict]:
-    from pagedllm.backends import discover
+    """Installed backends (probed), then every backend extra of ours that is not installed, with how to get it."""
+    from pagedllm.backends import discover, known_extras
 
     out = []
-    for name, d in sorted(discover().items()):
+    found = discover()
+    for name, d in sorted(found.items()):
         if d.backend is None:
             out.append({"name": name, "distribution": d.distribution, "loaded": False, "usable": False,
                         "priority": None, "device_type": None, "reason": f"failed to load: {d.error}"})
@@ -25,6 +27,11 @@ def rows() -> list[dict]:
         out.append({"name": name, "distribution": d.distribution, "loaded": True, "usable": probe.usable,
                     "priority": b.info.priority, "device_type": b.info.device_type, "api_version": b.info.api_version,
                     "device_name": probe.device_name, "reason": probe.reason})
+    installed = {d.backend.info.extra for d in found.values() if d.backend is not None} | set(found)
+    for extra in known_extras():
+        if extra not in installed:
+            out.append({"name": extra, "distribution": "", "loaded": False, "usable": False, "priority": None,
+                        "device_type": None, "reason": f"not installed: pip install \"pagedllm[{extra}]\""})
     return out
 
 

@@ -1,0 +1,48 @@
+"""``pagedllm backends``: every backend of the project is listed with a reason, and piping into ``head`` is quiet."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm import backends
+from pagedllm.commands import backends as cmd
+
+ALL = {"cpu", "cuda", "rocm", "xpu", "ascend", "gaudi", "tpu"}
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedllm.cli", "backends", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_lists_every_backend_with_a_reason():
+    rows = {r["name"]: r for r in json.loads(_cli("--json").stdout)}
+    assert ALL <= set(rows)
+    assert rows["cpu"]["usable"]
+    for name in ALL - {"cpu"}:  # no accelerator here: each says why in one line
+        assert not rows[name]["usable"] and rows[name]["reason"] and "\n" not in rows[name]["reason"], rows[name]
+
+
+def test_an_extra_not_installed_says_how_to_get_it(monkeypatch):
+    real = backends.discover()
+    monkeypatch.setattr(backends, "discover", lambda refresh=False: {k: v for k, v in real.items() if k != "gaudi"})
+    row = {r["name"]: r for r in cmd.rows()}["gaudi"]
+    assert not row["usable"] and row["reason"] == 'not installed: pip install "pagedllm[gaudi]"'
+
+
+def test_reader_leaving_early_is_not_an_error():
+    """`pagedllm backends | head -1`: the reader closes the pipe before we write; no BrokenPipeError traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "backends"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=120) in (0, 141) and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_device_without_its_plugin_names_the_extra(monkeypatch):
+    real = backends.discover()
+    monkeypatch.setattr(backends, "discover", lambda refresh=False: {k: v for k, v in real.items() if k != "cuda"})
+    with pytest.raises(backends.BackendError, match=r"pip install pagedllm\[cuda\]"):
+        backends.get_backend("cuda")
