@@ -70,7 +70,7 @@ class ServerProcess:
     """``python -m pagedllm.cli serve MODEL --device cpu --port P ...`` in a subprocess; waits for /health."""
 
     def __init__(self, model: Optional[str], *extra: str, api_key: Optional[str] = API_KEY,
-                 served_name: str = "test-model", startup_timeout: float = 120.0):
+                 served_name: str = "test-model", startup_timeout: float = 120.0, env: Optional[dict] = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -81,7 +81,8 @@ class ServerProcess:
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env} if env else None)
         self._wait_ready(startup_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
@@ -137,6 +138,44 @@ def children(pid: int) -> list[int]:
     """Child process ids of ``pid`` (a server's: its engine process and multiprocessing's resource tracker)."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, grandchildren: the render workers hang off the forkserver)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = children(p)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        out.extend(kids)
+        todo.extend(kids)
+    return out
+
+
+def rss_kb(pid: int, field: str = "VmRSS") -> int:
+    """Resident set size (``VmRSS``) or its peak (``VmHWM``) of ``pid``, in KiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def gone(pid: int, timeout: float) -> bool:
+    """The process exited within ``timeout`` (a zombie awaiting its reaper counts as exited)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
 
 
 def cmdline(pid: int) -> str:

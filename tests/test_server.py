@@ -29,7 +29,7 @@ def model_path() -> str:
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    srv = ServerProcess(model_path)
+    srv = ServerProcess(model_path, "--trust-request-chat-template")  # test_request_chat_template sends one
     yield srv
     srv.stop()
 
@@ -365,8 +365,10 @@ def test_sigterm_drains_inflight_request(model_path):
         while "first" not in result and time.monotonic() < deadline:
             time.sleep(0.01)
         assert "first" in result
-        kids = children(srv.proc.pid)  # the engine process and multiprocessing's resource tracker
-        assert len(kids) == 2 and any("spawn_main" in cmdline(c) for c in kids)
+        # the engine process, multiprocessing's resource tracker and the render workers' forkserver
+        kids = children(srv.proc.pid)
+        assert len(kids) == 3 and any("spawn_main" in cmdline(c) for c in kids)
+        assert any("forkserver" in cmdline(c) for c in kids)
         srv.terminate()
         assert "finish" not in result  # the request was still in flight when SIGTERM arrived
         t.join(60)

@@ -1,15 +1,34 @@
 """``pagedllm serve [MODEL] --device cpu --host 127.0.0.1 --port 8000 ...``: the OpenAI-compatible server.
 
-Flag names follow ``vllm serve``. The default host is loopback: exposing the server is an explicit choice.
+Flag names follow ``vllm serve`` where vLLM has the flag (``--api-key``, ``--allowed-origins``,
+``--trust-request-chat-template``, ``--max-num-queued-reqs``, ...). Defaults are the safe ones: loopback only, CORS
+closed, request-level chat templates refused, a bounded queue and body size (see docs/security.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
-import os
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config
+from pagedllm.entrypoints.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_NUM_QUEUED_REQS,
+    DEFAULT_TEMPLATE_RENDER_TIMEOUT,
+)
+from pagedllm.sampling_params import ParamError
+
+
+def _str_list(value: str) -> list[str]:
+    """A JSON list (vLLM's form, '["http://a"]') or a comma-separated list."""
+    value = value.strip()
+    if value.startswith("["):
+        out = json.loads(value)
+        if not isinstance(out, list) or not all(isinstance(x, str) for x in out):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return out
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def add_parser(sub) -> None:
@@ -17,11 +36,38 @@ def add_parser(sub) -> None:
     add_engine_args(p, model_positional=True)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("PAGEDLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGEDLLM_API_KEY)")
+    p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*; several keys allowed (also $PAGEDLLM_API_KEY "
+                        "and --api-key-file)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="file with API keys, one a line")
+    p.add_argument("--allowed-origins", type=_str_list, default=None,
+                   help="CORS origins allowed (JSON list or comma-separated); default: none (CORS closed)")
+    p.add_argument("--allowed-methods", type=_str_list, default=None, help="CORS methods (default: all, once "
+                                                                             "--allowed-origins is set)")
+    p.add_argument("--allowed-headers", type=_str_list, default=None, help="CORS headers (default: all, once "
+                                                                             "--allowed-origins is set)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported in responses (default: MODEL)")
     p.add_argument("--chat-template", default=None, help="Jinja chat template, or a file holding one")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template in requests (default: refused with 400; a template is code)")
+    p.add_argument("--template-render-timeout", type=float, default=DEFAULT_TEMPLATE_RENDER_TIMEOUT,
+                   metavar="SECONDS", help="time limit for rendering and tokenising one request, in a render worker "
+                                           f"process (default {DEFAULT_TEMPLATE_RENDER_TIMEOUT:g})")
+    p.add_argument("--render-workers", type=int, default=2,
+                   help="render worker processes (templates, tokenisation); default 2")
+    p.add_argument("--max-num-queued-reqs", type=int, default=DEFAULT_MAX_NUM_QUEUED_REQS, metavar="N",
+                   help="in-flight sequences admitted (waiting + running; n/best_of count each); beyond it 429 with "
+                        f"Retry-After; 0 = unbounded (default {DEFAULT_MAX_NUM_QUEUED_REQS})")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="per-request deadline: past it the request is aborted (408) and its KV blocks freed "
+                        "(default: none)")
+    p.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help=f"larger request bodies get 413 before they are parsed (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--exit-on-engine-failure", action=argparse.BooleanOptionalAction, default=True,
+                   help="if the engine process dies, fail in-flight requests and exit with code 1 so a supervisor "
+                        "restarts the server (default); --no-exit-on-engine-failure keeps serving 503s")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--timeout-graceful-shutdown", type=float, default=None,
@@ -34,15 +80,43 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def _check(args: argparse.Namespace) -> None:
+    if args.template_render_timeout <= 0:
+        raise ParamError("template_render_timeout", f"must be > 0, got {args.template_render_timeout}")
+    if args.request_timeout is not None and args.request_timeout <= 0:
+        raise ParamError("request_timeout", f"must be > 0, got {args.request_timeout}")
+    if args.max_num_queued_reqs < 0:
+        raise ParamError("max_num_queued_reqs", f"must be >= 0, got {args.max_num_queued_reqs}")
+    if args.max_request_body_bytes < 1024:
+        raise ParamError("max_request_body_bytes", f"must be >= 1024, got {args.max_request_body_bytes}")
+    if args.render_workers < 1:
+        raise ParamError("render_workers", f"must be >= 1, got {args.render_workers}")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         from pagedllm.entrypoints.api_server import serve
+        from pagedllm.entrypoints.auth import load_api_keys
+        from pagedllm.entrypoints.limits import ServerLimits
     except ImportError as e:
         raise SystemExit(f"pagedllm serve needs the serving extras ({e.name} is missing): "
                          "pip install 'pagedllm[serve]'") from None
 
+    _check(args)
+    try:
+        keys = load_api_keys(args.api_key, args.api_key_file)
+    except (OSError, ValueError) as e:
+        raise ParamError("api_key", str(e)) from None
+    limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
+                          max_num_queued_reqs=args.max_num_queued_reqs or None,
+                          request_timeout=args.request_timeout,
+                          template_render_timeout=args.template_render_timeout,
+                          trust_request_chat_template=args.trust_request_chat_template)
+    cors = dict(allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
+                allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    return serve(engine_config(args), host=args.host, port=args.port, api_key=args.api_key,
+    return serve(engine_config(args), host=args.host, port=args.port, api_key=keys,
                  served_model_names=args.served_model_name, chat_template=args.chat_template,
                  uvicorn_log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-                 stream_interval=args.stream_interval, engine_cpus=args.engine_cpus)
+                 stream_interval=args.stream_interval, engine_cpus=args.engine_cpus, limits=limits,
+                 render_workers=args.render_workers, exit_on_engine_failure=args.exit_on_engine_failure, cors=cors)

@@ -1,81 +1,71 @@
 """The FastAPI app (``build_app``) and the uvicorn runner (``serve``) behind ``pagedllm serve``.
 
-Lifecycle: the engine is built (model loaded, in its own process) before uvicorn binds, so ``/health`` answers only
-once the server can serve. The app's lifespan binds the event loop to the engine at startup and stops the engine
-process after uvicorn's graceful shutdown has drained every in-flight request (uvicorn handles SIGTERM/SIGINT: stop
-accepting, finish open responses, then run lifespan exit).
+Lifecycle: the engine is built (model loaded, in its own process) and the render workers are up before uvicorn
+binds, so ``/health`` answers only once the server can serve. The app's lifespan binds the event loop to the engine
+at startup and stops the engine and render processes after uvicorn's graceful shutdown has drained every in-flight
+request (uvicorn handles SIGTERM/SIGINT: stop accepting, finish open responses, then run lifespan exit).
+
+The routes declare their request and response models, so ``/openapi.json`` (and ``/docs``) describe the real API;
+responses are still built as plain dicts (see ``protocol.py``). Engine death: with ``--exit-on-engine-failure`` (the
+default, as vLLM) every in-flight request gets its error, then the server exits non-zero for a supervisor to restart
+it; without it the server stays up answering 503 (``/health`` included).
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
-import json
 import logging
 import os
 import signal
+import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Optional, Sequence, TypeVar
+from typing import Any, Optional, Sequence
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ValidationError
 from starlette.responses import JSONResponse, Response
 
 import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.async_engine import AsyncEngine
+from pagedllm.entrypoints.auth import APIKeyMiddleware, add_cors
 from pagedllm.entrypoints.cpu_split import parse_cpu_list, pin_front_end
-from pagedllm.entrypoints.errors import APIError, error_body, install_handlers, validation_error
+from pagedllm.entrypoints.errors import APIError, error_body, install_handlers
+from pagedllm.entrypoints.limits import Admission, RequestBodyMiddleware, ServerLimits
 from pagedllm.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
-from pagedllm.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from pagedllm.entrypoints.serving_chat import ChatServing, render_chat
+from pagedllm.entrypoints.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from pagedllm.entrypoints.render_pool import RenderPool, warm_up_forkserver
+from pagedllm.entrypoints.serving_chat import ChatServing
 from pagedllm.entrypoints.serving_completions import CompletionServing
 
 logger = logging.getLogger(__name__)
-M = TypeVar("M", bound=BaseModel)
+
+ENGINE_FAILURE_EXIT_CODE = 1
 
 
-class APIKeyMiddleware:
-    """Plain ASGI middleware (no response buffering, so SSE streams pass untouched): ``/v1/*`` needs the key."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1") or scope.get("method") == "OPTIONS":
-            return await self.app(scope, receive, send)
-        got = b""
-        for k, v in scope.get("headers", ()):
-            if k == b"authorization":
-                got = v
-                break
-        if hmac.compare_digest(got, self.expected):
-            return await self.app(scope, receive, send)
-        msg = ("You didn't provide an API key: pass it as 'Authorization: Bearer <key>'." if not got
-               else "Incorrect API key provided.")
-        body = json.dumps(error_body(401, msg, code="invalid_api_key")).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+def _errors(*codes: int) -> dict[int, dict[str, Any]]:
+    return {c: {"model": ErrorResponse} for c in codes}
 
 
-async def parse_body(raw: Request, model: type[M]) -> M:
-    """JSON body -> pydantic model whatever the Content-Type (curl -d sends form-urlencoded); failures are 400s."""
-    data = await raw.body()
-    try:
-        obj = json.loads(data) if data else None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
-    if not isinstance(obj, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(obj)
-    except ValidationError as e:
-        raise validation_error(e) from None
+def _generation(model) -> dict[int, dict[str, Any]]:
+    ok = {"model": model, "description": "The completion; with \"stream\": true, server-sent events (one JSON "
+                                         "chunk per \"data:\" line, then \"data: [DONE]\")",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    return {200: ok, **_errors(400, 401, 404, 408, 413, 429, 499, 500, 503)}
 
 
 def load_chat_template(value: Optional[str]) -> Optional[str]:
@@ -90,18 +80,30 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
     return value
 
 
-def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: Optional[str] = None,
-              chat_template: Optional[str] = None) -> FastAPI:
-    """The OpenAI-compatible app around an AsyncEngine; its lifespan binds the event loop and stops the engine."""
+
+
+def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: Optional[Any] = None,
+              chat_template: Optional[str] = None, limits: Optional[ServerLimits] = None,
+              renderer: Optional[RenderPool] = None, cors: Optional[dict[str, Any]] = None) -> FastAPI:
+    """The OpenAI-compatible app around an AsyncEngine; its lifespan binds the event loop and stops the engine.
+
+    ``api_key``: one key or a list of keys (any of them is accepted). ``renderer``: the render worker pool that
+    renders templates and (de)tokenises requests (required when the model has a tokenizer). ``cors``: keyword
+    arguments of :func:`~pagedllm.entrypoints.auth.add_cors`.
+    """
     names = list(served_model_names)
+    limits = limits or ServerLimits()
     metrics = ServerMetrics(engine.stats, names[0])
-    completions = CompletionServing(engine, names, metrics, chat_template)
-    chat = ChatServing(engine, names, metrics, chat_template)
+    admission = Admission(limits.max_num_queued_reqs, limits.retry_after_s, on_reject=metrics.rejected.inc)
+    completions = CompletionServing(engine, names, metrics, chat_template, limits, admission, renderer)
+    chat = ChatServing(engine, names, metrics, chat_template, limits, admission, renderer)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await engine.start()
+        if renderer is not None:
+            await renderer.start()
         # What startup allocated (torch, FastAPI, the tokenizer) lives for good: keep it out of every GC pass, which
         # otherwise walks those millions of objects while outputs are being unpickled (vLLM freezes them too).
         gc.collect()
@@ -109,90 +111,137 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
         try:
             yield
         finally:
+            if renderer is not None:
+                await asyncio.to_thread(renderer.shutdown)
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     install_handlers(app)
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "The engine is running"}, **_errors(503)})
     async def health() -> Response:
         if not engine.is_running:
             return JSONResponse(error_body(503, f"engine is not running: {engine.error!r}"), status_code=503)
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionResponse)
     async def version() -> dict:
         return {"version": pagedllm.__version__}
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [
-            {"id": n, "object": "model", "created": created, "owned_by": "pagedllm", "root": engine.model_path,
-             "parent": None, "max_model_len": engine.max_model_len} for n in names]}
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "pagedllm", "root": engine.model_path,
+                "parent": None, "max_model_len": engine.max_model_len}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models", response_model=ModelList, responses=_errors(401))
+    async def models() -> dict:
+        return {"object": "list", "data": [card(n) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(401, 404))
     async def model(model_id: str) -> dict:
         completions.check_model(model_id)
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "pagedllm",
-                "root": engine.model_path, "parent": None, "max_model_len": engine.max_model_len}
+        return card(model_id)
 
-    @app.post("/v1/completions")
-    async def create_completion(raw: Request):
-        return await completions.create(await parse_body(raw, CompletionRequest), raw)
+    @app.post("/v1/completions", response_model=None, response_class=JSONResponse,
+              responses=_generation(CompletionResponse))
+    async def create_completion(body: CompletionRequest, raw: Request):
+        return await completions.create(body, raw)
 
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(raw: Request):
-        return await chat.create(await parse_body(raw, ChatCompletionRequest), raw)
+    @app.post("/v1/chat/completions", response_model=None, response_class=JSONResponse,
+              responses=_generation(ChatCompletionResponse))
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        return await chat.create(body, raw)
 
-    @app.post("/tokenize")
-    async def tokenize(raw: Request) -> dict:
-        body = await parse_body(raw, TokenizeRequest)
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404, 408, 413, 429, 503))
+    async def tokenize(body: TokenizeRequest) -> dict:
+        start = time.monotonic()
         completions.check_model(body.model)
-        tok = completions.need_tokenizer()
+        completions.need_tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt or messages", param="prompt")
-        if body.messages is not None:
-            ids = render_chat(tok, [m.to_template_dict() for m in body.messages], chat_template,
-                              body.add_generation_prompt)
-        else:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        ticket = completions.admit(1)
+        try:
+            if body.messages is not None:
+                ids = await completions.render_chat([m.to_template_dict() for m in body.messages], chat_template,
+                                                    body.add_generation_prompt, False, None, start)
+            else:
+                ids = (await completions.encode([body.prompt], body.add_special_tokens, "prompt", start))[0]
+        finally:
+            ticket.release()
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids), "token_strs": None}
 
-    @app.post("/detokenize")
-    async def detokenize(raw: Request) -> dict:
-        body = await parse_body(raw, DetokenizeRequest)
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404, 408, 413, 429, 503))
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        start = time.monotonic()
         completions.check_model(body.model)
         tok = completions.need_tokenizer()
         vocab = len(tok)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens: ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
-        return {"prompt": tok.decode(body.tokens)}
+        ticket = completions.admit(1)
+        try:
+            return {"prompt": (await completions.decode([body.tokens], "tokens", start))[0]}
+        finally:
+            ticket.release()
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"description": "Prometheus text format",
+                                          "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _plain_openapi = app.openapi
+
+    def openapi() -> dict:
+        """FastAPI's schema minus its default 422 answers: validation failures are 400s here (OpenAI's shape)."""
+        if app.openapi_schema is None:
+            schema = _plain_openapi()
+            for path in schema.get("paths", {}).values():
+                for op in path.values():
+                    if isinstance(op, dict):
+                        op.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+    # Outermost last: CORS, then the API key (no body is read for a caller without one), then the body limit.
+    app.add_middleware(RequestBodyMiddleware, max_bytes=limits.max_request_body_bytes)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    if keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=keys)
+    add_cors(app, **(cors or {}))
     return app
 
 
-def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
+def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[Any] = None,
           served_model_names: Optional[Sequence[str]] = None, chat_template: Optional[str] = None,
           uvicorn_log_level: str = "info", timeout_graceful_shutdown: Optional[float] = None,
-          stream_interval: int = 1, engine_cpus: Optional[str] = None) -> int:
+          stream_interval: int = 1, engine_cpus: Optional[str] = None, limits: Optional[ServerLimits] = None,
+          render_workers: int = 2, exit_on_engine_failure: bool = True,
+          cors: Optional[dict[str, Any]] = None) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code.
 
     ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
+    ``exit_on_engine_failure``: if the engine process dies, fail the in-flight requests, then exit with code 1.
     """
     import uvicorn
 
     template = load_chat_template(chat_template)
     cpus = parse_cpu_list(engine_cpus) if engine_cpus is not None else None
+    warm_up_forkserver()  # imports transformers in the background while the engine loads the model
     engine = AsyncEngine(config, stream_interval, cpus)  # starts the engine process, waits until the model is loaded
+    renderer = None
+    try:
+        if engine.tokenizer is not None:
+            renderer = RenderPool(engine.tokenizer, render_workers)
+            renderer.wait_ready()
+    except BaseException:
+        engine.shutdown()
+        raise
     if cpus:
         front = pin_front_end(cpus)
         logger.info("HTTP process on CPUs %s%s", ",".join(map(str, sorted(front))),
@@ -200,14 +249,37 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     if not served_model_names:
         served_model_names = [config.model if config.model else
                               os.path.basename(engine.model_path).split(".")[0]]
-    app = build_app(engine, served_model_names, api_key, template)
+    app = build_app(engine, served_model_names, api_key, template, limits, renderer, cors)
     ucfg = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                           timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
     server = uvicorn.Server(ucfg)
+    exit_code = {"code": 0}
+
+    if exit_on_engine_failure:
+        def on_dead(err: BaseException) -> None:
+            logger.error("engine failed (%s): in-flight requests were failed; exiting (--exit-on-engine-failure)",
+                         err)
+            exit_code["code"] = ENGINE_FAILURE_EXIT_CODE
+            server.should_exit = True
+            # Open responses already got their error; if a connection still holds the drain up, do not wait.
+            force = threading.Timer(3.0, lambda: setattr(server, "force_exit", True))
+            force.daemon = True
+            force.start()
+            watchdog = threading.Timer(4.5, lambda: os._exit(ENGINE_FAILURE_EXIT_CODE))
+            watchdog.daemon = True
+            watchdog.start()
+
+        engine.on_dead = on_dead
     logger.info("serving %s on http://%s:%d", ", ".join(served_model_names), host, port)
     # uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the previous handler; make that a no-op so
     # a drained shutdown exits 0 instead of dying by the signal.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if renderer is not None:
+            renderer.shutdown()
+    if exit_code["code"]:
+        return exit_code["code"]
     return 0 if server.started else 1

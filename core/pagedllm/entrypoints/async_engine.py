@@ -15,7 +15,7 @@ import multiprocessing
 import os
 import pickle
 import struct
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import EngineStats, PromptType
@@ -28,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine process stopped (a bug, a crash, or shutdown); the server reports 503 from then on."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request ran past its deadline (``--request-timeout``); it was aborted and its KV blocks freed."""
 
 
 class RequestStream:
@@ -43,6 +47,7 @@ class RequestStream:
         self.accumulate = False  # the engine sends deltas; rebuild the cumulative output in ``acc``
         self.acc: Optional[RequestOutput] = None
         self.released = -1  # output tokens at the last output handed to the consumer (stream interval)
+        self.timer: Optional[asyncio.TimerHandle] = None  # the deadline, if any
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -102,6 +107,9 @@ class AsyncEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._stopping = False
         self.error: Optional[BaseException] = None
+        # Called once (on the event loop) when the engine process dies unexpectedly, after every in-flight request
+        # got its error: ``pagedllm serve --exit-on-engine-failure`` exits the server from here.
+        self.on_dead: Optional[Callable[[BaseException], None]] = None
         tok_error: Optional[BaseException] = None
         try:  # overlaps with the model load in the engine process
             self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(resolve_model_path(config.model))
@@ -166,8 +174,13 @@ class AsyncEngine:
 
     # ---- requests (event-loop side) --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          arrival_time: Optional[float] = None, priority: Optional[int] = None) -> RequestStream:
-        """Queue a request; raises the engine's ParamError (or EngineDeadError) before any output exists."""
+                          arrival_time: Optional[float] = None, priority: Optional[int] = None,
+                          timeout: Optional[float] = None) -> RequestStream:
+        """Queue a request; raises the engine's ParamError (or EngineDeadError) before any output exists.
+
+        ``timeout`` (seconds from now): past it the request is aborted in the engine (its blocks freed) and its
+        consumer gets :class:`RequestTimeoutError`.
+        """
         if not self.is_running:
             raise EngineDeadError(f"engine is not running: {self.error!r}" if self.error else "engine is not running")
         if request_id in self._streams or request_id in self._pending:
@@ -180,6 +193,8 @@ class AsyncEngine:
         self._pending[request_id] = accepted
         self._streams[request_id] = stream
         self._send(("add", request_id, prompt, params, arrival_time, priority))
+        if timeout is not None:
+            stream.timer = self._loop.call_later(max(timeout, 0.0), self._expire, request_id, timeout)
         try:
             await accepted
         except asyncio.CancelledError:
@@ -187,12 +202,30 @@ class AsyncEngine:
             raise
         except BaseException:
             stream.finished = True
+            if stream.timer is not None:
+                stream.timer.cancel()
             raise
         return stream
 
     def abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None and not self._stopping:
-            self._send(("abort", request_id))
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            if stream.timer is not None:
+                stream.timer.cancel()
+            if not self._stopping:
+                self._send(("abort", request_id))
+
+    def _expire(self, request_id: str, timeout: float) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        err = RequestTimeoutError(f"the request ran past its deadline of {timeout:g} s (--request-timeout) and was "
+                                  "aborted")
+        fut = self._pending.pop(request_id, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(err)
+        stream.queue.put_nowait(err)
+        self.abort(request_id)
 
     def stats(self) -> EngineStats:
         """The engine's stats snapshot as of its latest step or command."""
@@ -239,6 +272,8 @@ class AsyncEngine:
                 x = stream.acc = _accumulate(stream.acc, x)
             if x.finished:
                 del self._streams[rid]
+                if stream.timer is not None:
+                    stream.timer.cancel()
             elif self.stream_interval > 1 and stream.accumulate:  # cumulative: skipping loses nothing
                 n = sum(len(c.token_ids) for c in x.outputs)
                 if stream.released >= 0 and n - stream.released < self.stream_interval:
@@ -247,10 +282,13 @@ class AsyncEngine:
             stream.queue.put_nowait(x)
 
     def _die(self, err: EngineDeadError) -> None:
-        if not self._stopping and self.error is None:
+        unexpected = not self._stopping and self.error is None
+        if unexpected:
             logger.error("%s", err)
             self.error = err
         self._fail_all(err)
+        if unexpected and self.on_dead is not None:
+            self.on_dead(err)
 
     def _fail_all(self, err: BaseException) -> None:
         for fut in self._pending.values():
@@ -258,6 +296,8 @@ class AsyncEngine:
                 fut.set_exception(err)
         self._pending.clear()
         for s in self._streams.values():
+            if s.timer is not None:
+                s.timer.cancel()
             s.queue.put_nowait(err)
         self._streams.clear()
 

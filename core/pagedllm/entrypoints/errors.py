@@ -21,16 +21,18 @@ from pagedllm.sampling_params import ParamError
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable_error"}
+          405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable_error"}
 
 
 class APIError(Exception):
     """Raised by handlers; rendered as an OpenAI error body with ``status``."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type_: Optional[str] = None):
+                 type_: Optional[str] = None, headers: Optional[dict[str, str]] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
         self.type = type_ or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
 
@@ -41,7 +43,8 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code, err.type), status_code=err.status)
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code, err.type), status_code=err.status,
+                        headers=err.headers)
 
 
 def from_param_error(e: ParamError, rename: Optional[dict[str, str]] = None) -> APIError:
@@ -56,7 +59,7 @@ def from_param_error(e: ParamError, rename: Optional[dict[str, str]] = None) -> 
 def _loc_name(loc: tuple) -> Optional[str]:
     parts = [str(p) for p in loc if p != "body"]
     # pydantic names union/function branches ("function-after[...]", "str", "list[int]"): keep the field path only.
-    parts = [p for p in parts if not any(c in p for c in "[](") and p not in ("str", "int", "float", "bool")]
+    parts = [p for p in parts if not any(c in p for c in "[](-") and p not in ("str", "int", "float", "bool")]
     return ".".join(parts) or None
 
 

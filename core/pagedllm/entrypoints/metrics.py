@@ -82,6 +82,9 @@ class ServerMetrics:
                                ["model_name", "finished_reason"], registry=self.registry)
         self.aborted = Counter("pagedllm:request_aborted", "Requests aborted (client disconnect or shutdown).",
                                lab, registry=self.registry).labels(model_name)
+        self.rejected = Counter("pagedllm:request_rejected",
+                                "Requests refused at admission with 429 (--max-num-queued-reqs).",
+                                lab, registry=self.registry).labels(model_name)
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Record one finished request's latencies from the engine's timestamps (wall clock, time.time())."""

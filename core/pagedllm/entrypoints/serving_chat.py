@@ -1,19 +1,21 @@
 """POST /v1/chat/completions: messages -> the tokenizer's chat template -> choices, streamed as SSE or whole.
 
-The template is applied exactly as ``LLM.chat`` does (``apply_chat_template(..., tokenize=True)``), so greedy output
-matches the offline API. A streamed choice opens with a ``{"role": "assistant"}`` delta and ends with a chunk
+The template is applied as ``LLM.chat`` does (``apply_chat_template``: render, then encode without special tokens),
+in a render worker process with a time limit, so greedy output matches the offline API and a hostile template cannot
+stall the server. A request's own ``chat_template`` is refused (400 naming it) unless the operator passed
+``--trust-request-chat-template``, as in vLLM. A streamed choice opens with a ``{"role": "assistant"}`` delta and ends with a chunk
 carrying ``finish_reason``; ``stream_options.include_usage`` adds a final chunk with empty ``choices`` and the usage.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import AsyncIterator, Optional
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pagedllm.entrypoints.async_engine import EngineDeadError
+from pagedllm.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
 from pagedllm.entrypoints.errors import APIError, error_body
 from pagedllm.entrypoints.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.serving_common import (
@@ -27,6 +29,7 @@ from pagedllm.entrypoints.serving_common import (
     sse,
     sse_choice_chunk,
     stream_response,
+    timeout_error,
     until_disconnect,
 )
 from pagedllm.sampling_params import SamplingParams
@@ -34,41 +37,33 @@ from pagedllm.sampling_params import SamplingParams
 _RENAME = {"logprobs": "top_logprobs", "prompt_token_ids": "messages", "prompt": "messages"}
 
 
-def render_chat(tokenizer: Any, messages: list[dict], template: Optional[str], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, kwargs: Optional[dict] = None) -> list[int]:
-    """Token ids of ``messages`` under the chat template; template problems are 400s naming ``messages``."""
-    if tokenizer is None:
-        raise APIError(400, "messages: this model was loaded without a tokenizer", param="messages")
-    if template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise APIError(400, "messages: the model's tokenizer has no chat template; start the server with "
-                            "--chat-template or pass chat_template", param="messages")
-    try:
-        ids = tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=True, return_dict=False,
-            add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message, **(kwargs or {}))
-    except Exception as e:  # jinja errors ("roles must alternate", raise_exception) and bad kwargs
-        raise APIError(400, f"messages: could not apply the chat template: {e}", param="messages") from None
-    if hasattr(ids, "keys") and "input_ids" in ids:
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
 class ChatServing(Serving):
     async def create(self, req: ChatCompletionRequest, raw: Request):
-        arrival = time.time()
+        arrival, start = time.time(), time.monotonic()
         self.check_model(req.model)
+        if req.chat_template is not None and not self.limits.trust_request_chat_template:
+            raise APIError(400, "chat_template: a request-level chat template is not accepted by this server (the "
+                                "operator can allow it with --trust-request-chat-template)", param="chat_template",
+                           code="chat_template_not_allowed")
         params = self.make_params(req.to_sampling_params, _RENAME)
-        ids = render_chat(self.tokenizer, [m.to_template_dict() for m in req.messages],
-                          req.chat_template or self.chat_template, req.add_generation_prompt,
-                          req.continue_final_message, req.chat_template_kwargs)
-        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        self.check_lengths(len(ids), req.max_new_tokens, field, prompt_field="messages")
-        rid = random_id("chatcmpl")
-        streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, _RENAME)
-        if req.stream:
-            return stream_response(self._stream(rid, req, params, streams), streams, self.metrics)
-        return await until_disconnect(self._full(rid, req, params, streams), raw, self.metrics)
+        ticket = self.admit(params.best_of)
+        try:
+            ids = await self.render_chat([m.to_template_dict() for m in req.messages],
+                                         req.chat_template or self.chat_template, req.add_generation_prompt,
+                                         req.continue_final_message, req.chat_template_kwargs, start,
+                                         request_template=req.chat_template is not None)
+            field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            self.check_lengths(len(ids), req.max_new_tokens, field, prompt_field="messages")
+            rid = random_id("chatcmpl")
+            streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, _RENAME, start)
+            if req.stream:
+                resp = stream_response(self._stream(rid, req, params, streams), streams, self.metrics, ticket)
+                ticket = None  # released when the response ends
+                return resp
+            return await until_disconnect(self._full(rid, req, params, streams), raw, self.metrics)
+        finally:
+            if ticket is not None:
+                ticket.release()
 
     def _k(self, req: ChatCompletionRequest) -> int:
         return req.top_logprobs or 0
@@ -82,6 +77,8 @@ class ChatServing(Serving):
                     self.finished(out)
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
+        except RequestTimeoutError:
+            raise timeout_error(self.limits.request_timeout) from None
         usage = Usage(prompt_tokens=len(final.prompt_token_ids))
         choices = []
         for c in final.outputs:
@@ -136,4 +133,6 @@ class ChatServing(Serving):
                            "model": self.model_name, "choices": [], "usage": usage.as_dict()})
         except EngineDeadError as e:
             yield sse(error_body(503, str(e), code="engine_unavailable"))
+        except RequestTimeoutError:
+            yield sse(error_body(408, timeout_error(self.limits.request_timeout).message, code="request_timeout"))
         yield SSE_DONE

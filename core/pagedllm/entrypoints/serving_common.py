@@ -3,6 +3,10 @@
 Streaming deltas come from cumulative outputs: each choice remembers how much text and how many tokens it already
 sent. While a request with stop strings is running, a text tail that could still grow into a stop string is held back
 (as vLLM's detokenizer does), so a client never receives text that the final, truncated output lacks.
+
+Every template render, tokenisation and detokenisation of a request goes to the render worker processes
+(``render_pool.py``) with a time limit, never onto the event loop; only single-token texts for logprobs (cached) are
+decoded here. A request holds admission slots (``limits.py``) from before its render until its response ends.
 """
 
 from __future__ import annotations
@@ -17,11 +21,27 @@ from typing import Any, AsyncIterator, Awaitable, Optional, Sequence
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError, RequestStream, RequestTimeoutError
 from pagedllm.entrypoints.errors import APIError, from_param_error
+from pagedllm.entrypoints.limits import Admission, ServerLimits, Ticket
 from pagedllm.entrypoints.metrics import ServerMetrics
+from pagedllm.entrypoints.render_pool import RenderPool, RenderTimeout
+from pagedllm.entrypoints.render_worker import RenderError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import ParamError, SamplingParams
+
+
+# apply_chat_template's own parameters: a request's chat_template_kwargs may not override them (tokenize,
+# chat_template, return_tensors, ...); everything else is handed to the template as vLLM does.
+_APPLY_CHAT_TEMPLATE_ARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs"})
+
+
+def timeout_error(limit: Optional[float]) -> APIError:
+    return APIError(408, f"the request ran past its deadline of {limit:g} s (--request-timeout) and was aborted",
+                    code="request_timeout")
 
 
 def random_id(prefix: str) -> str:
@@ -93,8 +113,12 @@ class Serving:
     """Handler state shared by the endpoints: the engine, served names, metrics and a token-text cache."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: Sequence[str], metrics: ServerMetrics,
-                 chat_template: Optional[str] = None):
+                 chat_template: Optional[str] = None, limits: Optional[ServerLimits] = None,
+                 admission: Optional[Admission] = None, renderer: Optional[RenderPool] = None):
         self.engine = engine
+        self.limits = limits or ServerLimits()
+        self.admission = admission or Admission(self.limits.max_num_queued_reqs, self.limits.retry_after_s)
+        self.renderer = renderer
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
         self.served_model_names = list(served_model_names)
@@ -126,6 +150,64 @@ class Serving:
                                 f"has {prompt_len} tokens, so {field_name} must be <= {limit - prompt_len}, got "
                                 f"{max_tokens}", param=field_name, code="context_length_exceeded")
 
+    # ---- deadlines, admission and rendering ------------------------------------------------------------------
+    def remaining(self, start: float) -> Optional[float]:
+        """Seconds left before the request's deadline (``start`` is its ``time.monotonic()`` arrival)."""
+        if self.limits.request_timeout is None:
+            return None
+        left = self.limits.request_timeout - (time.monotonic() - start)
+        if left <= 0:
+            raise timeout_error(self.limits.request_timeout)
+        return left
+
+    def admit(self, slots: int, param: str = "n") -> Ticket:
+        return self.admission.acquire(slots, param)
+
+    async def render(self, job: tuple, param: str, start: float) -> Any:
+        """Run a render-worker job within ``--template-render-timeout`` (and the request's deadline)."""
+        if self.renderer is None:
+            self.need_tokenizer()
+            raise APIError(503, "the render workers are not running", code="renderer_unavailable")
+        limit = self.limits.template_render_timeout
+        left = self.remaining(start)
+        budget = limit if left is None else min(limit, left)
+        try:
+            return await self.renderer.run(job, budget)
+        except RenderTimeout:
+            if left is not None and left <= limit:
+                raise timeout_error(self.limits.request_timeout) from None
+            raise APIError(400, f"{param}: rendering or tokenising this request took longer than {limit:g} s "
+                                "(--template-render-timeout)", param=param, code="render_timeout") from None
+        except RenderError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from None
+
+    async def encode(self, texts: list[str], add_special_tokens: bool, param: str, start: float) -> list[list[int]]:
+        self.need_tokenizer()
+        return await self.render(("encode", texts, add_special_tokens), param, start)
+
+    async def decode(self, id_lists: list[list[int]], param: str, start: float) -> list[str]:
+        self.need_tokenizer()
+        return await self.render(("decode", id_lists), param, start)
+
+    async def render_chat(self, messages: list[dict], template: Optional[str], add_generation_prompt: bool,
+                          continue_final_message: bool, kwargs: Optional[dict], start: float,
+                          request_template: bool = False) -> list[int]:
+        """Token ids of ``messages`` under the chat template; problems are 400s naming ``messages`` (or
+        ``chat_template`` / ``chat_template_kwargs`` when those are the request's own)."""
+        if self.tokenizer is None:
+            raise APIError(400, "messages: this model was loaded without a tokenizer", param="messages")
+        if template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise APIError(400, "messages: the model's tokenizer has no chat template; start the server with "
+                                "--chat-template or pass chat_template", param="messages")
+        if kwargs:
+            reserved = sorted(set(kwargs) & _APPLY_CHAT_TEMPLATE_ARGS)
+            if reserved:
+                raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
+                               param="chat_template_kwargs")
+        job = ("chat", messages, template, add_generation_prompt, continue_final_message, kwargs,
+               self.limits.max_rendered_chars(self.engine.max_model_len))
+        return await self.render(job, "chat_template" if request_template else "messages", start)
+
     @staticmethod
     def make_params(build, rename: Optional[dict[str, str]] = None) -> SamplingParams:
         try:
@@ -135,23 +217,27 @@ class Serving:
 
     # ---- submission -------------------------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt: dict, params: SamplingParams, arrival: float,
-                     rename: Optional[dict[str, str]] = None) -> RequestStream:
+                     rename: Optional[dict[str, str]] = None, start: Optional[float] = None) -> RequestStream:
         try:
             return await self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
-                                                 priority=params.priority)
+                                                 priority=params.priority,
+                                                 timeout=self.remaining(start) if start is not None else None)
         except ParamError as e:
             raise from_param_error(e, rename) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
+        except RequestTimeoutError:
+            raise timeout_error(self.limits.request_timeout) from None
 
     async def submit_all(self, base_id: str, prompts: list[dict], params: SamplingParams, arrival: float,
-                         rename: Optional[dict[str, str]] = None) -> list[RequestStream]:
+                         rename: Optional[dict[str, str]] = None, start: Optional[float] = None
+                         ) -> list[RequestStream]:
         """All-or-nothing: if one prompt is rejected, the ones already queued are aborted."""
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.submit(rid, p, params, arrival, rename))
+                streams.append(await self.submit(rid, p, params, arrival, rename, start))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -254,10 +340,12 @@ class _EngineStreamingResponse(StreamingResponse):
     ``yield``; that generator would only be closed later by garbage collection, so the abort happens here instead.
     """
 
-    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream], metrics: ServerMetrics):
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream], metrics: ServerMetrics,
+                 ticket: Optional[Ticket] = None):
         super().__init__(content, media_type="text/event-stream")
         self.streams = streams
         self.metrics = metrics
+        self.ticket = ticket
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -267,11 +355,13 @@ class _EngineStreamingResponse(StreamingResponse):
                 s.abort()
             if any(s.aborted for s in self.streams):
                 self.metrics.aborted.inc()
+            if self.ticket is not None:
+                self.ticket.release()
 
 
 def stream_response(content: AsyncIterator[str], streams: list[RequestStream],
-                    metrics: ServerMetrics) -> StreamingResponse:
-    return _EngineStreamingResponse(content, streams, metrics)
+                    metrics: ServerMetrics, ticket: Optional[Ticket] = None) -> StreamingResponse:
+    return _EngineStreamingResponse(content, streams, metrics, ticket)
 
 
 async def until_disconnect(coro: Awaitable, raw: Request, metrics: Optional[ServerMetrics] = None) -> Any:

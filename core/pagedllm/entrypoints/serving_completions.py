@@ -1,8 +1,9 @@
 """POST /v1/completions: prompt (text, token ids, or a batch of either) -> choices, streamed as SSE or whole.
 
 Choice ``index`` is ``prompt_index * n + sample_index`` (OpenAI's and vLLM's convention for batched prompts).
-Prompts are tokenized here exactly as ``LLM.generate`` does (``tokenizer.encode``) so that lengths are known before
-queueing (400 for an oversized prompt or ``max_tokens``) and greedy output matches the offline API token for token.
+Prompts are tokenized exactly as ``LLM.generate`` does (``tokenizer.encode``, in a render worker process with a time
+limit) so that lengths are known before queueing (400 for an oversized prompt or ``max_tokens``, counted on token
+ids) and greedy output matches the offline API token for token.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import AsyncIterator, Optional
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from pagedllm.entrypoints.async_engine import EngineDeadError
+from pagedllm.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
 from pagedllm.entrypoints.errors import APIError, error_body
 from pagedllm.entrypoints.protocol import CompletionRequest
 from pagedllm.entrypoints.serving_common import (
@@ -27,6 +28,7 @@ from pagedllm.entrypoints.serving_common import (
     sse,
     sse_choice_chunk,
     stream_response,
+    timeout_error,
     until_disconnect,
 )
 from pagedllm.outputs import RequestOutput
@@ -37,7 +39,7 @@ _RENAME = {"prompt_token_ids": "prompt"}
 
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request):
-        arrival = time.time()
+        arrival, start = time.time(), time.monotonic()
         self.check_model(req.model)
         if req.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix")
@@ -46,21 +48,32 @@ class CompletionServing(Serving):
             params = params.clone(prompt_logprobs=req.logprobs)
         if req.stream and params.best_of > params.n:
             raise APIError(400, "best_of: must equal n when streaming", param="best_of")
-        prompts = self._prompts(req.prompt)
-        for p in prompts:
-            self.check_lengths(len(p["prompt_token_ids"]), req.max_tokens)
-        if req.echo:
-            tok = self.need_tokenizer()
+        items = self._items(req.prompt)
+        ticket = self.admit(len(items) * params.best_of)
+        try:
+            prompts = await self._prompts(items, start)
             for p in prompts:
-                if p.get("prompt") is None:
-                    p["prompt"] = tok.decode(p["prompt_token_ids"])
-        rid = random_id("cmpl")
-        streams = await self.submit_all(rid, prompts, params, arrival, _RENAME)
-        if req.stream:
-            return stream_response(self._stream(rid, req, params, prompts, streams), streams, self.metrics)
-        return await until_disconnect(self._full(rid, req, params, prompts, streams), raw, self.metrics)
+                self.check_lengths(len(p["prompt_token_ids"]), req.max_tokens)
+            if req.echo:
+                todo = [p for p in prompts if p.get("prompt") is None]
+                if todo:
+                    texts = await self.decode([p["prompt_token_ids"] for p in todo], "prompt", start)
+                    for p, t in zip(todo, texts):
+                        p["prompt"] = t
+            rid = random_id("cmpl")
+            streams = await self.submit_all(rid, prompts, params, arrival, _RENAME, start)
+            if req.stream:
+                resp = stream_response(self._stream(rid, req, params, prompts, streams), streams, self.metrics,
+                                       ticket)
+                ticket = None  # released when the response ends
+                return resp
+            return await until_disconnect(self._full(rid, req, params, prompts, streams), raw, self.metrics)
+        finally:
+            if ticket is not None:
+                ticket.release()
 
-    def _prompts(self, prompt) -> list[dict]:
+    @staticmethod
+    def _items(prompt) -> list:
         if isinstance(prompt, str):
             items = [prompt]
         elif prompt and isinstance(prompt[0], int):
@@ -69,18 +82,26 @@ class CompletionServing(Serving):
             items = list(prompt)
         if not items:
             raise APIError(400, "prompt: must not be empty", param="prompt")
+        return items
+
+    async def _prompts(self, items: list, start: float) -> list[dict]:
         out = []
         for p in items:
+            if not p:
+                raise APIError(400, "prompt: must not be empty", param="prompt")
             if isinstance(p, str):
-                if not p:
-                    raise APIError(400, "prompt: must not be empty", param="prompt")
-                out.append({"prompt": p, "prompt_token_ids": self.need_tokenizer().encode(p)})
+                out.append({"prompt": p, "prompt_token_ids": None})
             else:
-                if not p:
-                    raise APIError(400, "prompt: must not be empty", param="prompt")
+                if len(p) >= self.engine.max_model_len:  # counted on the ids, before any work
+                    self.check_lengths(len(p), None)
                 if any(not 0 <= t < self.vocab_size for t in p):
                     raise APIError(400, f"prompt: every token id must be in [0, {self.vocab_size})", param="prompt")
                 out.append({"prompt": None, "prompt_token_ids": list(p)})
+        texts = [p for p in out if p["prompt_token_ids"] is None]
+        if texts:
+            ids = await self.encode([p["prompt"] for p in texts], True, "prompt", start)
+            for p, i in zip(texts, ids):
+                p["prompt_token_ids"] = i
         return out
 
     def _choice(self, req: CompletionRequest, params: SamplingParams, i: int, c, prompt: dict) -> dict:
@@ -111,6 +132,8 @@ class CompletionServing(Serving):
                     self.finished(out)
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
+        except RequestTimeoutError:
+            raise timeout_error(self.limits.request_timeout) from None
         usage = Usage()
         choices = []
         for i in range(len(prompts)):
@@ -174,6 +197,8 @@ class CompletionServing(Serving):
                            "choices": [], "usage": usage.as_dict()})
         except EngineDeadError as e:
             yield sse(error_body(503, str(e), code="engine_unavailable"))
+        except RequestTimeoutError:
+            yield sse(error_body(408, timeout_error(self.limits.request_timeout).message, code="request_timeout"))
         yield SSE_DONE
 
     def prompt_completion_logprobs(self, prompt: dict, k: int, generated: Optional[dict]) -> dict:

@@ -1,0 +1,101 @@
+"""The render worker process: chat-template rendering, tokenisation and detokenisation of requests.
+
+Why a process: a Jinja template is pure Python and holds the GIL for as long as it runs, so even in a thread it
+starves the HTTP event loop (a nested ``range(99999)`` loop froze ``/health`` for good, issue 18). Here it runs in a
+separate process that the server kills when it overruns ``--template-render-timeout``; the address space is capped
+(``RLIMIT_AS``), so ``{{ 'x' * 10**10 }}`` is a MemoryError here instead of the server's OOM, and a rendered prompt
+longer than ``max_chars`` is refused before it is tokenised.
+
+Protocol (one ``multiprocessing`` pipe): the worker sends ``("ready", None)`` once, then answers each job with
+``("ok", value)`` or ``("err", message)``. Jobs: ``("chat", messages, template, add_generation_prompt,
+continue_final_message, kwargs, max_chars)`` -> token ids; ``("encode", texts, add_special_tokens)`` -> id lists;
+``("decode", id_lists)`` -> texts. The tokenizer arrives pickled, so the worker needs no file access.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import resource
+import signal
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+try:  # imported by the forkserver once (preload), so each forked worker starts in milliseconds
+    import transformers  # noqa: F401
+    import transformers.tokenization_utils_base  # noqa: F401
+except Exception:  # noqa: BLE001 - serving without transformers fails later with a clear error
+    pass
+
+
+class RenderError(Exception):
+    """A request's template or text could not be processed; the message goes back to the client (400)."""
+
+
+def _vm_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def render_chat_ids(tok: Any, messages: list[dict], template: Optional[str], add_generation_prompt: bool,
+                    continue_final_message: bool, kwargs: Optional[dict], max_chars: int) -> list[int]:
+    """``apply_chat_template(..., tokenize=True)`` in two steps (render, then ``encode`` without special tokens,
+    which is what transformers does) so an oversized rendering is refused before it is tokenised."""
+    text = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                   add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                   continue_final_message=continue_final_message, **(kwargs or {}))
+    if not isinstance(text, str):
+        raise RenderError(f"the chat template produced {type(text).__name__}, not text")
+    if len(text) > max_chars:
+        raise RenderError(f"the rendered chat prompt has {len(text)} characters, more than the limit of {max_chars}")
+    return [int(t) for t in tok.encode(text, add_special_tokens=False)]
+
+
+def handle(tok: Any, job: tuple) -> Any:
+    kind = job[0]
+    if kind == "chat":
+        return render_chat_ids(tok, *job[1:])
+    if kind == "encode":
+        return [list(tok.encode(t, add_special_tokens=job[2])) for t in job[1]]
+    if kind == "decode":
+        return [tok.decode(ids) for ids in job[1]]
+    raise RenderError(f"unknown job {kind!r}")
+
+
+def main(conn: Connection, tokenizer_blob: bytes, mem_limit_bytes: Optional[int]) -> None:
+    """Process entry point: load the tokenizer, cap the address space, answer jobs until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server owns shutdown (it closes the pipe or kills us)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    tok = pickle.loads(tokenizer_blob)
+    try:  # warm up: compile the model's template and touch the tokenizer, so a first request pays neither
+        tok.encode("warm up")
+        if getattr(tok, "chat_template", None):
+            tok.apply_chat_template([{"role": "user", "content": "warm up"}], tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that needs more than this is fine; requests will say so
+        pass
+    if mem_limit_bytes:
+        limit = _vm_bytes() + mem_limit_bytes
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    conn.send(("ready", None))
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply = ("ok", handle(tok, job))
+        except RenderError as e:
+            reply = ("err", str(e))
+        except MemoryError:
+            reply = ("err", "rendering exceeded the render worker's memory limit")
+        except RecursionError:
+            reply = ("err", "the chat template recursed too deeply")
+        except Exception as e:  # noqa: BLE001 - jinja errors ("roles must alternate", raise_exception), bad kwargs
+            reply = ("err", f"{type(e).__name__}: {e}")
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            return
+        except MemoryError:  # the reply itself does not fit: say so in a few bytes
+            conn.send(("err", "the result exceeded the render worker's memory limit"))
