@@ -24,7 +24,7 @@ def get_device_name(device=None) -> str:
     return "GAUDI (simulated)"
 
 
-def synchronize(device=None) -> None:
+def synchronize() -> None:  # no device argument, as the bridge's
     _sim.STATS["synchronize"] += 1
 
 
