@@ -93,10 +93,19 @@ def test_cann_home_from_environment(monkeypatch, tmp_path):
     assert probe.cann_home() in (None, probe.CANN_DEFAULT_DIR) and probe.cann_home() != str(tmp_path / "missing")
 
 
-def test_capabilities_are_what_the_kernels_take(ascend):
+def test_capabilities_are_what_the_kernels_take(ascend, monkeypatch):
     caps = ascend.capabilities
     assert caps.block_sizes == (128,) and set(caps.dtypes) == {"bfloat16", "float16"}
-    assert caps.soft_cap is False and caps.graph_capture == "none" and caps.head_sizes == (64, 128)
+    assert caps.soft_cap is False and caps.head_sizes == (64, 128) and caps.sliding_window
+    from pagedllm_ascend import plugin
+
+    monkeypatch.delenv("PAGEDLLM_ASCEND_ACL_GRAPH", raising=False)
+    assert plugin.pagedllm_capabilities().graph_capture == "none"  # ACL graphs are opt-in
+    monkeypatch.setenv("PAGEDLLM_ASCEND_ACL_GRAPH", "1")
+    monkeypatch.delenv("PAGEDLLM_DISABLE_GRAPHS", raising=False)
+    assert plugin.pagedllm_capabilities().graph_capture == "decode"
+    monkeypatch.setenv("PAGEDLLM_DISABLE_GRAPHS", "1")
+    assert plugin.pagedllm_capabilities().graph_capture == "none"
 
 
 # ---- the config hook, through core's resolve_config ----------------------------------------------------------------

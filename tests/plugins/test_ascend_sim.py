@@ -218,3 +218,47 @@ def test_engine_greedy_on_the_simulated_npu_equals_hf(tiny_llama, tmp_path):
             want = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
                                 pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
         assert res["tokens"] == want, (dtype, res["tokens"], want)
+
+
+GRAPHS = """
+import json
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.graph_runner import DecodeGraphRunner
+from pagedllm_ascend import graph
+out = {}
+for update in (True, False):
+    if not update:  # what a replay gives without vllm-ascend's per-replay update of the host context lengths
+        graph.AscendDecodeGraphRunner._load = DecodeGraphRunner._load
+    llm = LLM(model=MODEL, device="ascend", dtype="float16", skip_tokenizer_init=True, max_model_len=256,
+              max_num_seqs=4, num_gpu_blocks_override=16)
+    res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX),
+                       use_tqdm=False)
+    stats = llm.llm_engine.worker.graph_stats
+    out[str(update)] = dict(level=llm.llm_engine.worker.graph_level, captured=stats["captured"],
+                            replays=stats["replays"], tokens=[list(o.outputs[0].token_ids) for o in res])
+    del llm
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_acl_graph_decode_on_the_simulated_npu_equals_hf(tiny_llama, tmp_path, monkeypatch):
+    """Opt-in ACL graphs (PAGEDLLM_ASCEND_ACL_GRAPH=1): decode steps replay NPUGraphs captured per batch bucket
+    (3 sequences run in the bucket of 4: padding rows), with _npu_paged_attention's host context lengths updated
+    before each replay. The simulated graph replays recorded ops with the host values baked in at capture, like a
+    device: without the update the output goes wrong, so the test would catch a runner that forgot it."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("PAGEDLLM_ASCEND_ACL_GRAPH", "1")
+    monkeypatch.delenv("PAGEDLLM_DISABLE_GRAPHS", raising=False)
+    code = (GRAPHS.replace("MODEL", repr(tiny_llama)).replace("PROMPTS", repr(PROMPTS))
+            .replace("MAX)", f"{MAX_TOKENS})"))
+    got = json.loads(run_on_sim(code, tmp_path).split("RESULT ", 1)[1])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float16).eval()
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                            pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    updated, stale = got["True"], got["False"]
+    assert updated["level"] == "decode" and updated["captured"] == [4, 2, 1] and updated["replays"] >= MAX_TOKENS - 1
+    assert updated["tokens"] == want, (updated["tokens"], want)
+    assert stale["replays"] >= MAX_TOKENS - 1 and stale["tokens"] != want

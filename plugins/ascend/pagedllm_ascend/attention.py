@@ -24,6 +24,8 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.kernels.graph_runner import HostValuesUnavailable
+from pagedllm_ascend import graph
 from pagedllm_ascend.vendor import torch_npu
 
 #: The compressed causal mask FIA takes with sparse_mode 3/4: ``triu(ones(2048, 2048), 1)`` as int8 (vllm-ascend
@@ -38,7 +40,9 @@ class AscendMetadata:
 
     num_tokens: int
     decode_only: bool
-    context_lens: torch.Tensor  # int32, host: ``_npu_paged_attention(context_lens=...)`` (vllm-ascend: seq_lens_cpu)
+    # int32, host: ``_npu_paged_attention(context_lens=...)`` (vllm-ascend: seq_lens_cpu); None inside a decode
+    # graph runner, whose per-step lengths reach the kernel through the per-replay update (graph.py)
+    context_lens: Optional[torch.Tensor]
     actual_seq_lengths_q: list[int]  # cumulative query ends (TND), vllm-ascend: query_start_loc_cpu[1:].tolist()
     actual_seq_lengths_kv: list[int]  # per-sequence context lengths, vllm-ascend: seq_lens_list
 
@@ -47,11 +51,16 @@ def ascend_metadata(meta: AttentionMetadata) -> AscendMetadata:
     """Built on the first call of a step and cached in ``meta.extra`` (every layer shares one metadata)."""
     am = meta.extra.get("ascend")
     if am is None:
-        seq_lens = list(meta.seq_lens_cpu)
         qsl = list(meta.query_start_loc_cpu)
-        am = AscendMetadata(num_tokens=qsl[-1], decode_only=meta.num_decodes == len(seq_lens) and bool(seq_lens),
-                            context_lens=torch.tensor(seq_lens, dtype=torch.int32),
-                            actual_seq_lengths_q=qsl[1:], actual_seq_lengths_kv=seq_lens)
+        decode_only = meta.num_decodes == len(meta.seq_lens_cpu) > 0
+        if isinstance(meta.seq_lens_cpu, HostValuesUnavailable):  # a graph runner's bucket: decodes only
+            am = AscendMetadata(num_tokens=qsl[-1], decode_only=decode_only, context_lens=None,
+                                actual_seq_lengths_q=qsl[1:], actual_seq_lengths_kv=[])
+        else:
+            seq_lens = list(meta.seq_lens_cpu)
+            am = AscendMetadata(num_tokens=qsl[-1], decode_only=decode_only,
+                                context_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                                actual_seq_lengths_q=qsl[1:], actual_seq_lengths_kv=seq_lens)
         meta.extra["ascend"] = am
     return am
 
@@ -65,19 +74,22 @@ def causal_mask(device: torch.device) -> torch.Tensor:
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: tuple, slot_mapping: torch.Tensor) -> None:
-    """Store new K/V at flat slots. Slot -1 (padding) is core's "skip"; the kernel's handling of negative slots is
-    not documented, so padding rows are dropped here first (one host sync, only when a negative slot exists —
-    vllm-ascend likewise passes only the real tokens, ``key[:num_actual_tokens]``)."""
+    """Store new K/V at flat slots. Slot -1 is core's "skip" (padding); the kernel's handling of negative slots is
+    not documented (vllm-ascend never passes one: it slices ``key[:num_actual_tokens]`` and pads graph slots with 0,
+    a block vLLM never hands out). So padding rows become copies of the first real row — same slot, same key and
+    value, a harmless duplicate write — computed on the device: no host sync, and capturable in a graph."""
     key_cache, value_cache = kv_cache
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    if slot_mapping.numel() == 0:
+    n = slot_mapping.shape[0]
+    if n == 0:
         return
+    valid = slot_mapping >= 0
+    first = torch.argmax(valid.to(torch.int32))  # the first real row (argmax returns the first maximum)
+    rows = torch.where(valid, torch.arange(n, device=slot_mapping.device), first)
     # vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py (v0.11.0, reshape_and_cache) and
     # vllm_ascend/device/device_op.py (Ascend310PDeviceAdaptor.reshape_and_cache): int32 slots on the device.
-    torch_npu()._npu_reshape_and_cache(key=key.contiguous(), value=value.contiguous(), key_cache=key_cache,
-                                       value_cache=value_cache, slot_indices=slot_mapping.to(torch.int32))
+    torch_npu()._npu_reshape_and_cache(key=key[rows].contiguous(), value=value[rows].contiguous(),
+                                       key_cache=key_cache, value_cache=value_cache,
+                                       slot_indices=slot_mapping[rows].to(torch.int32))
 
 
 def paged_attention(query: torch.Tensor, kv_cache: tuple, meta: AttentionMetadata, scale: float,
@@ -92,11 +104,19 @@ def paged_attention(query: torch.Tensor, kv_cache: tuple, meta: AttentionMetadat
     query = query.contiguous()
     if am.decode_only and sliding_window is None and query.shape[0] == am.num_tokens:
         out = torch.empty_like(query)
+        context_lens = am.context_lens
+        if context_lens is None:  # inside the decode graph runner (graph.py)
+            if graph.capturing():
+                graph.capture_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale,
+                                              meta.block_tables, out)
+                return out
+            # its warm-up runs before capture: any valid lengths do, the output is discarded
+            context_lens = torch.ones(query.shape[0], dtype=torch.int32)
         # vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py: v0.11.0 _forward_decode_only,
         # HEAD forward_paged_attention.
         npu._npu_paged_attention(query=query, key_cache=key_cache, value_cache=value_cache,
                                  num_kv_heads=num_kv_heads, num_heads=num_heads, scale_value=scale,
-                                 block_table=meta.block_tables, context_lens=am.context_lens, out=out)
+                                 block_table=meta.block_tables, context_lens=context_lens, out=out)
         return out
     n = am.num_tokens
     if sliding_window is None:

@@ -20,7 +20,7 @@ import torch
 from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, hookimpl)
 from pagedllm.sampling_params import ParamError
-from pagedllm_ascend import attention, probe
+from pagedllm_ascend import attention, graph, probe
 from pagedllm_ascend import kv_cache as _kv
 from pagedllm_ascend.vendor import npu
 
@@ -46,7 +46,8 @@ def pagedllm_probe() -> ProbeResult:
 @hookimpl
 def pagedllm_capabilities() -> Capabilities:
     return Capabilities(dtypes=DTYPES, kv_cache_dtypes=("auto",), head_sizes=HEAD_SIZES, block_sizes=(BLOCK_SIZE,),
-                        graph_capture="none", sliding_window=True, soft_cap=False)
+                        graph_capture="decode" if graph.enabled() else "none", sliding_window=True,
+                        soft_cap=False)
 
 
 @hookimpl
@@ -134,5 +135,5 @@ def pagedllm_swap_kv_blocks(src_caches: list, dst_caches: list, src: torch.Tenso
 
 @hookimpl
 def pagedllm_graph_runner(model: Any, max_num_seqs: int, device: torch.device, ctx: Any) -> GraphRunner:
-    """Eager (see ``graph.py`` for why ACL graphs are not captured yet)."""
-    return GraphRunner(run=model, level="none", stats={"strategy": "eager"})
+    """Eager, or ACL graphs for decode batches when opted in (``PAGEDLLM_ASCEND_ACL_GRAPH=1``, see graph.py)."""
+    return graph.make_runner(model, max_num_seqs, device, ctx)

@@ -71,6 +71,10 @@ class NPUTensor(torch.Tensor):
         return r
 
     def tolist(self) -> Any:  # torch refuses tolist() on subclasses; a device tensor copies to the host
+        from torch_npu._graph import capturing
+
+        if capturing():
+            raise RuntimeError("tolist() of an npu tensor inside an ACL graph capture (simulated npu)")
         return self.raw.tolist()
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:

@@ -5,8 +5,9 @@ refuses without a test noticing). Nothing here says how the real kernels behave 
 Sources of the signatures and constraints:
 - ``_npu_reshape_and_cache``: vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py (v0.11.0) and
   vllm_ascend/device/device_op.py (Ascend310PDeviceAdaptor.reshape_and_cache);
-- ``_npu_paged_attention``: vllm_ascend/attention/attention_v1.py (v0.11.0 ``_forward_decode_only``; HEAD
-  ``forward_paged_attention``), context lengths as the host int32 ``seq_lens``;
+- ``_npu_paged_attention`` (and ``_npu_paged_attention_get_workspace``): vllm_ascend/attention/attention_v1.py
+  (v0.11.0 ``_forward_decode_only``; HEAD ``forward_paged_attention``), context lengths as the host int32
+  ``seq_lens``;
 - ``npu_fused_infer_attention_score``: vllm_ascend/attention/attention_v1.py (HEAD ``forward_fused_infer_attention``,
   TND layout with a block table) and the torch_npu API reference (query/key/value FLOAT16 or BFLOAT16; sparse_mode 3
   = rightDownCausal with the 2048x2048 compressed mask, 4 = band from pre_tokens/next_tokens).
@@ -21,6 +22,7 @@ import torch
 from pagedllm import ref_ops
 from pagedllm.attention import AttentionMetadata
 from torch_npu._device import NPUTensor, raw
+from torch_npu._graph import capturing
 
 _HALF = (torch.float16, torch.bfloat16)
 MASK_SIZE = 2048
@@ -50,7 +52,9 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices) -> 
              f"key/value {tuple(k.shape)} do not match slots {tuple(slots.shape)} and cache {tuple(kc.shape)}")
     _require(k.dtype == kc.dtype, f"key dtype {k.dtype} != cache dtype {kc.dtype}")
     nb, bs = kc.shape[0], kc.shape[1]
-    if slots.numel():
+    if capturing():  # no host read inside a graph: the check runs (and raises) at every replay instead
+        torch._assert_async(((slots >= 0) & (slots < nb * bs)).all(), "slot indices outside the cache")
+    elif slots.numel():
         _require(int(slots.min()) >= 0 and int(slots.max()) < nb * bs,
                  f"slot indices must lie in [0, {nb * bs}); got [{int(slots.min())}, {int(slots.max())}]")
     flat = slots.long()
@@ -60,16 +64,29 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices) -> 
 
 def _reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_table: torch.Tensor, q_lens: list[int],
                kv_lens: list[int], scale: float, window: Optional[int]) -> torch.Tensor:
-    """``ref_ops.paged_attention`` over a canonical cache made of just the blocks the batch reads."""
+    """``ref_ops.paged_attention`` on the canonical stack of the two caches. Lengths are host values (baked into a
+    graph at capture, as on the device); the block table is read as a tensor, so a replay sees its new contents."""
     bs = kc.shape[1]
-    tables = [block_table[i, :-(-s // bs)].tolist() for i, s in enumerate(kv_lens)]
-    used = sorted({b for t in tables for b in t}) or [0]
-    _require(max(used) < kc.shape[0] and min(used) >= 0, f"block table entries outside [0, {kc.shape[0]})")
-    remap = {b: i for i, b in enumerate(used)}
-    idx = torch.tensor(used)
-    cache = torch.stack((kc[idx], vc[idx]))
-    meta = AttentionMetadata.build(q_lens, kv_lens, [[remap[b] for b in t] for t in tables], bs)
-    return ref_ops.paged_attention(q, cache, meta, scale, window, None)
+    if not capturing():
+        for i, s in enumerate(kv_lens):
+            row = block_table[i, :-(-s // bs)]
+            _require(row.numel() == 0 or (int(row.min()) >= 0 and int(row.max()) < kc.shape[0]),
+                     f"block table row {i} points outside [0, {kc.shape[0]})")
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                             seq_lens=torch.tensor(kv_lens, dtype=torch.int32), block_tables=block_table,
+                             slot_mapping=torch.empty(0, dtype=torch.long), max_query_len=max(q_lens),
+                             max_seq_len=max(kv_lens), num_decodes=0, block_size=bs, query_start_loc_cpu=qsl,
+                             seq_lens_cpu=list(kv_lens))
+    return ref_ops.paged_attention(q, torch.stack((kc, vc)), meta, scale, window, None)
+
+
+def _npu_paged_attention_get_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
+                                       block_table, context_lens, out) -> torch.Tensor:
+    """The workspace vllm-ascend sizes before capturing ``_npu_paged_attention`` (the simulation needs none)."""
+    return NPUTensor(torch.empty(0, dtype=torch.uint8))
 
 
 def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
@@ -124,7 +141,8 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     _require(all(0 < ql <= kl for ql, kl in zip(q_lens, kv_lens)), f"q lens {q_lens} vs kv lens {kv_lens}")
     mask = raw(atten_mask) if atten_mask is not None else None
     want = torch.triu(torch.ones(MASK_SIZE, MASK_SIZE), diagonal=1)
-    _require(isinstance(atten_mask, NPUTensor) and mask.shape == want.shape and torch.equal(mask.float(), want),
+    _require(isinstance(atten_mask, NPUTensor) and mask.shape == want.shape
+             and (capturing() or torch.equal(mask.float(), want)),
              "sparse_mode 3/4 take the 2048x2048 compressed causal mask (triu(ones, 1)) on the device")
     if sparse_mode == 3:
         window = None

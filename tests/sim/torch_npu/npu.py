@@ -1,5 +1,5 @@
 """The simulated ``torch.npu`` / ``torch_npu.npu`` device module: the surface ``plugins/ascend`` calls (memory
-queries, peak stats, set_device, synchronize, device count and name). Total memory is a fixed 32 GiB; free is that
+queries, peak stats, set_device, synchronize, device count and name, and ACL graphs: ``_graph.py``). Total memory is a fixed 32 GiB; free is that
 less the bytes held by live simulated device storages."""
 
 from __future__ import annotations
@@ -8,6 +8,9 @@ import sys
 from typing import Any
 
 from torch_npu import _device
+from torch_npu._graph import (ExternalEvent, NPUGraph, Stream, current_stream, graph,  # noqa: F401
+                              graph_pool_handle, graph_task_group_begin, graph_task_group_end,
+                              graph_task_update_begin, graph_task_update_end, stream)
 
 TOTAL_BYTES = 32 << 30
 _current = 0
