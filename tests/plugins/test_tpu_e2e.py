@@ -147,7 +147,7 @@ def _parity(path: str, variant: str = "") -> dict:
     want = [hf_greedy(path, p, n_out) for p in prompts[1:] + prompts[:1]]
     out = _engine_report(llm, runner, c0, p0, s0)
     out.update(got=got, want=want, preemptions=llm.llm_engine.scheduler.num_preemptions,
-               swaps=llm.llm_engine.stats.num_swaps)
+               swaps=llm.llm_engine.scheduler.num_swaps)
     return out
 
 

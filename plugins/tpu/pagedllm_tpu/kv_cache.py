@@ -123,7 +123,7 @@ def pad_pow2(*index_lists: np.ndarray) -> list[np.ndarray]:
 _jitted: dict[str, Any] = {}
 
 
-def _fn(name: str) -> Any:
+def block_program(name: str) -> Any:
     """Block gather/copy/scatter programs, jitted once per process (the cache argument donated where updated)."""
     if not _jitted:
         import jax
@@ -142,7 +142,7 @@ def gather_blocks(cache: JaxKVCache, block_ids: torch.Tensor) -> torch.Tensor:
         n, p, h2, d = cache.shape
         return to_torch(np.zeros((2, 0, p, h2 // 2, d), np.float32))
     (padded,) = pad_pow2(ids)
-    pages = np.asarray(_fn("gather")(cache.array, padded))[: len(ids)]
+    pages = np.asarray(block_program("gather")(cache.array, padded))[: len(ids)]
     k, v = split_kv(pages)
     return to_torch(np.stack([k, v]))
 
@@ -150,7 +150,7 @@ def gather_blocks(cache: JaxKVCache, block_ids: torch.Tensor) -> torch.Tensor:
 def copy_blocks(caches: list[JaxKVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
     s, d = pad_pow2(src.detach().cpu().numpy(), dst.detach().cpu().numpy())
     for c in caches:
-        c.array = _fn("copy")(c.array, s, d)
+        c.array = block_program("copy")(c.array, s, d)
 
 
 def swap_blocks(src_caches: list, dst_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -160,7 +160,7 @@ def swap_blocks(src_caches: list, dst_caches: list, src: torch.Tensor, dst: torc
     for a, b in zip(src_caches, dst_caches):
         if isinstance(a, JaxKVCache):  # swap out: device pages -> host
             (ps,) = pad_pow2(s)
-            b[d] = np.asarray(_fn("gather")(a.array, ps))[: len(s)]
+            b[d] = np.asarray(block_program("gather")(a.array, ps))[: len(s)]
         else:  # swap in: host pages -> device
             pd, ps = pad_pow2(d, s)
-            b.array = _fn("scatter")(b.array, pd, np.asarray(a)[ps])
+            b.array = block_program("scatter")(b.array, pd, np.asarray(a)[ps])

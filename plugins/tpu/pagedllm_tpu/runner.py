@@ -34,6 +34,7 @@ from pagedllm.sampler import SamplerOutput
 from pagedllm.scheduler import ScheduledRequest
 from pagedllm.worker import dummy_metadata
 from pagedllm_tpu import compiles, platform
+from pagedllm_tpu import kv_cache as kvc
 from pagedllm_tpu import model as jmodel
 from pagedllm_tpu.sampler import sample
 
@@ -113,11 +114,27 @@ class TPUModelRunner:
             out = self._run(step_inputs(ids, ids, meta, [0] * shape.num_seqs,
                                         SamplingTensors.build([], shape.num_seqs, torch.device("cpu"))))
             out[0].block_until_ready()
+        if self.ctx.config.swap_space > 0:
+            self._warm_swap_programs(block)
         self.stats.update(warmup_seconds=round(time.perf_counter() - t0, 3),
                           warmup_compiles=compiles.compiles() - before, step_programs=self.step_programs())
         logger.info("tpu: %d bucket shapes compiled in %.2fs (%d XLA compilations, platform %s, cache %s)",
                     len(self.shapes), self.stats["warmup_seconds"], self.stats["warmup_compiles"],
                     self.device.platform, self.cache_dir)
+
+    def _warm_swap_programs(self, sink: int) -> None:
+        """Swaps move power-of-two padded block lists (``kv_cache.pad_pow2``): compile the page gather (swap out) and
+        scatter (swap in) for every power of two up to the pool size now, touching only the sink page."""
+        n = self.caches[0].shape[0]
+        m = 1
+        while True:
+            ids = np.full(m, sink, dtype=np.int32)
+            np.asarray(kvc.block_program("gather")(self.caches[0].array, ids))
+            pages = np.zeros((m,) + self.caches[0].shape[1:], dtype=self.caches[0].dtype)
+            self.caches[0].array = kvc.block_program("scatter")(self.caches[0].array, ids, pages)
+            if m >= n:
+                break
+            m *= 2
 
     def step_programs(self) -> int:
         """Distinct compiled versions of the step (one per bucket shape it has run)."""
