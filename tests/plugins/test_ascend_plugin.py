@@ -145,3 +145,21 @@ def test_host_cache_layout_without_a_device(ascend):
         assert isinstance(pair, tuple) and len(pair) == 2
         assert all(t.shape == (4, 128, 2, 64) and t.dtype == torch.float16 and t.device.type == "cpu" for t in pair)
     assert sum(t.numel() * t.element_size() for p in caches for t in p) == 4 * spec.bytes_per_block
+
+
+def test_acl_graphs_stay_off_for_sliding_window_models(monkeypatch):
+    """Only _npu_paged_attention's host lengths are updated per replay; a sliding-window decode runs FIA, so such a
+    model runs eagerly even when ACL graphs are opted in (decided before torch.npu is touched)."""
+    from types import SimpleNamespace
+
+    from pagedllm_ascend import graph
+
+    monkeypatch.setenv("PAGEDLLM_ASCEND_ACL_GRAPH", "1")
+    monkeypatch.delenv("PAGEDLLM_DISABLE_GRAPHS", raising=False)
+    model = object()
+    ctx = SimpleNamespace(model_info=replace(LLAMA, sliding_window=4096), max_model_len=512)
+    runner = graph.make_runner(model, 4, torch.device("cpu"), ctx)
+    assert runner.run is model and runner.level == "none" and "sliding-window" in runner.stats["reason"]
+    monkeypatch.delenv("PAGEDLLM_ASCEND_ACL_GRAPH")
+    runner = graph.make_runner(model, 4, torch.device("cpu"), ctx)
+    assert runner.run is model and runner.level == "none" and runner.stats["opt_in"] == "PAGEDLLM_ASCEND_ACL_GRAPH=1"

@@ -118,6 +118,8 @@ def paged_attention(query: torch.Tensor, kv_cache: tuple, meta: AttentionMetadat
                                  num_kv_heads=num_kv_heads, num_heads=num_heads, scale_value=scale,
                                  block_table=meta.block_tables, context_lens=context_lens, out=out)
         return out
+    if am.context_lens is None:
+        raise RuntimeError("ascend: inside a decode graph only _npu_paged_attention is captured (no sliding window)")
     n = am.num_tokens
     if sliding_window is None:
         band: dict = dict(sparse_mode=3)

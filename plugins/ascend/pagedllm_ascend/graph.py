@@ -161,6 +161,12 @@ def make_runner(model: Any, max_num_seqs: int, device: torch.device, ctx: Any) -
     """Eager unless opted in; then decode graphs (prefill and mixed batches stay eager)."""
     if not enabled():
         return GraphRunner(run=model, level="none", stats={"strategy": "eager", "opt_in": f"{ENV}=1"})
+    info = getattr(ctx, "model_info", None)
+    if info is not None and info.sliding_window is not None:
+        return GraphRunner(run=model, level="none", stats={
+            "strategy": "eager", "reason": "sliding-window decode runs npu_fused_infer_attention_score, whose host "
+                                           "lengths the per-replay update does not cover; only _npu_paged_attention "
+                                           "is captured"})
     runner = AscendDecodeGraphRunner(model, max_num_seqs, device,
                                      max_model_len=ctx.max_model_len if ctx is not None else None)
     return GraphRunner(run=runner, level="decode", stats=runner.stats)
