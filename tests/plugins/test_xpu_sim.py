@@ -64,3 +64,15 @@ def test_xpu_runtime_hooks_call_torch_xpu():
     assert cfg["max1550_auto"] is None and cfg["a770_fp32"] is None, cfg
     assert cfg["a770_auto"] == {"dtype": "float16"}, cfg
     assert cfg["a770_bf16"].startswith("ParamError(dtype)") and "float16" in cfg["a770_bf16"], cfg
+
+
+@pytest.mark.slow
+def test_xpu_engine_greedy_parity_with_hf_on_simulated_device():
+    """The whole engine on the xpu backend: Worker (set_device, profiling run through the peak-memory hooks, KV
+    sizing from mem_get_info), XPU graphs captured from the Worker's RunnerContext and replayed for decodes, greedy
+    tokens equal to HF transformers. A prompt crosses a block boundary (20 tokens, block size 16)."""
+    out = run_scenario("e2e", env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    assert out["got"] == out["want"], out
+    assert out["graph_level"] == "decode" and out["block_size"] == 16, out
+    assert out["graphs"] == 2 and out["graph_replays"] > 0, out  # buckets 1 and 2, replayed for decodes
+    assert {"set_device", "mem_get_info", "max_memory_allocated", "reset_peak_memory_stats"} <= set(out["calls"])

@@ -130,6 +130,37 @@ def graph() -> dict:
             "graph_replays": [g.replays for g in graphs[:2]], "sync_error": sync_error}
 
 
+def e2e(head_size: str = "64") -> dict:
+    """Greedy generation through ``pagedllm.LLM`` on the xpu backend (Worker: set_device, profiling run with the
+    peak-memory hooks, KV sizing from mem_get_info, XPU graph capture from the Worker's RunnerContext, replays) vs
+    HF transformers on the same tiny random Llama. Small budgets keep the interpreted kernels' grids small."""
+    from sim_xpu.graph_recorder import RecordingGraph
+    from sim_xpu.torch_xpu import cpu_backend, install
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.conformance.checks_e2e import MAX_TOKENS, hf_greedy, selected_by_name, tiny_llama
+
+    state = install()
+    state.total_bytes, state.free_bytes, state.allocated_bytes = 256 << 20, 192 << 20, 24 << 20
+    be = cpu_backend()
+    path = tiny_llama(int(head_size))
+    prompts = [[5, 9, 17, 33, 4], list(range(3, 23)), [7] * 3 + list(range(40, 50))]
+    want = hf_greedy(path, prompts)
+    t0 = time.perf_counter()
+    with selected_by_name(be):
+        llm = LLM(model=path, device="xpu", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
+                  max_num_seqs=2, max_num_batched_tokens=32)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    worker = llm.llm_engine.worker
+    spec_bytes = worker._kv_spec(1).bytes_per_block
+    return {"got": [list(o.outputs[0].token_ids) for o in outs], "want": want,
+            "graph_level": llm.llm_engine.graph_level, "block_size": worker.block_size,
+            "num_blocks": worker.num_blocks, "bytes_per_block": spec_bytes,
+            "graphs": len(RecordingGraph.instances), "graph_replays": sum(g.replays for g in RecordingGraph.instances),
+            "calls": sorted({c[0] for c in state.calls}), "seconds": round(time.perf_counter() - t0, 1)}
+
+
 def ipex_probe(marker: str = "") -> dict:
     """The ipex backend's probe with whatever IPEX the PYTHONPATH holds; did anything import it?"""
     import os
