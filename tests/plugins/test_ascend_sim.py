@@ -79,7 +79,8 @@ be.memory_peak(dev)
 spec = KVCacheSpec(2, 6, 128, 2, 64, torch.float16, dev)
 caches = be.allocate_kv_cache(spec)
 assert len(caches) == 2 and all(isinstance(c, tuple) and len(c) == 2 for c in caches)
-assert all(t.shape == (6, 128, 2, 64) and t.device.type == "npu" and t.dtype == torch.float16 for c in caches for t in c)
+assert all(t.shape == (6, 128, 2, 64) and t.device.type == "npu" and t.dtype == torch.float16
+           for c in caches for t in c)
 mi = be.memory_info(dev)
 assert mi.pinned_host and free0 - mi.free_bytes == 6 * spec.bytes_per_block, (free0, mi)
 assert be.memory_peak(dev) >= 6 * spec.bytes_per_block
@@ -129,7 +130,8 @@ be.write_kv(key, value, caches[0], torch.tensor([5, -1, 7], device=dev))
 after = torch.stack([k_cache, v_cache]).cpu()
 changed = (after != before).view(2, 6 * 128, -1).any(-1).any(0)
 assert changed.nonzero().flatten().tolist() == [5, 7], changed.nonzero()
-assert torch.equal(after[0].view(-1, 2, 64)[7], key.cpu()[2]) and torch.equal(after[1].view(-1, 2, 64)[5], value.cpu()[0])
+assert torch.equal(after[0].view(-1, 2, 64)[7], key.cpu()[2])
+assert torch.equal(after[1].view(-1, 2, 64)[5], value.cpu()[0])
 try:
     torch_npu._npu_reshape_and_cache(key=key, value=value, key_cache=k_cache, value_cache=v_cache,
                                      slot_indices=torch.tensor([5, -1, 7], dtype=torch.int32, device=dev))

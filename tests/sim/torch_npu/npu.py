@@ -1,6 +1,6 @@
 """The simulated ``torch.npu`` / ``torch_npu.npu`` device module: the surface ``plugins/ascend`` calls (memory
-queries, peak stats, set_device, synchronize, device count and name, and ACL graphs: ``_graph.py``). Total memory is a fixed 32 GiB; free is that
-less the bytes held by live simulated device storages."""
+queries, peak stats, set_device, synchronize, device count and name, and ACL graphs: ``_graph.py``). Total
+memory is a fixed 32 GiB; free is that less the bytes held by live simulated device storages."""
 
 from __future__ import annotations
 
