@@ -60,6 +60,7 @@ def test_xpu_runtime_hooks_call_torch_xpu():
     assert out["calls"] == [["mem_get_info", "xpu:0"], ["max_memory_allocated", "xpu:0"],
                             ["reset_peak_memory_stats", "xpu:0"], ["set_device", "xpu:0"],
                             ["synchronize", "xpu:0"]], out
+    assert out["graphs_off"] == ["none", "none"], out  # PAGEDLLM_XPU_GRAPHS=0: eager, and declared so
     cfg = out["update_config"]  # the config hook: Arc A770's bf16 issue (vllm/platforms/xpu.py)
     assert cfg["max1550_auto"] is None and cfg["a770_fp32"] is None, cfg
     assert cfg["a770_auto"] == {"dtype": "float16"}, cfg

@@ -45,11 +45,17 @@ def probe_sim() -> dict:
 
     caps_no_bf16 = Backend(be.plugin, "xpu-again").capabilities
     config = _a770_update_config(be)
+    import os
+
+    os.environ["PAGEDLLM_XPU_GRAPHS"] = "0"
+    eager = Backend(be.plugin, "xpu-eager")
+    eager_runner = eager.graph_runner(lambda *a: None, 2, torch.device("cpu"), None)
     return {"probe": [be.probe.usable, be.probe.reason, be.probe.device_name], "dtypes": list(caps.dtypes),
             "dtypes_no_bf16": list(caps_no_bf16.dtypes), "graph_capture": caps.graph_capture,
             "memory": [mi.total_bytes, mi.free_bytes, mi.pinned_host], "peak": peak,
             "peak_after_reset": state.peak_bytes, "dist": be.distributed_backend(),
-            "calls": [list(c) for c in state.calls], "update_config": config}
+            "calls": [list(c) for c in state.calls], "update_config": config,
+            "graphs_off": [eager.capabilities.graph_capture, eager_runner.level]}
 
 
 def _a770_update_config(be) -> dict:
