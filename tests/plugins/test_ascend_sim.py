@@ -99,7 +99,8 @@ print("OK metadata")
 
 # dispatch: decode-only -> _npu_paged_attention, everything else -> npu_fused_infer_attention_score
 calls = []
-for name in ("_npu_paged_attention", "npu_fused_infer_attention_score", "_npu_reshape_and_cache"):
+for name in ("_npu_paged_attention", "npu_fused_infer_attention_score", "_npu_reshape_and_cache", "npu_rms_norm",
+             "npu_swiglu"):
     fn = getattr(torch_npu, name)
     setattr(torch_npu, name, lambda *a, _fn=fn, _n=name, **k: (calls.append(_n), _fn(*a, **k))[1])
 k_cache, v_cache = caches[0]
@@ -121,6 +122,12 @@ calls.clear()
 be.paged_attention(rnd(2, 8, 64), caches[0], AttentionMetadata.build([1, 1], [9, 200], [[0], [2, 3]], 128,
                    device=dev), 0.125, 64, None)
 assert calls == ["npu_fused_infer_attention_score"], calls  # sliding window: FIA's band mode, decode included
+calls.clear()
+x, w = rnd(3, 128), rnd(128)
+assert torch.allclose(be.rms_norm(x, w, 1e-6).cpu().float(), ref_ops.rms_norm(x.cpu(), w.cpu(), 1e-6).float(),
+                      atol=4e-3, rtol=4e-3)
+assert torch.equal(be.silu_and_mul(x).cpu(), ref_ops.silu_and_mul(x.cpu()))
+assert calls == ["npu_rms_norm", "npu_swiglu"], calls
 print("OK dispatch")
 
 # write_kv drops padding slots (-1) itself: the simulated kernel refuses negative slots, like any undocumented input

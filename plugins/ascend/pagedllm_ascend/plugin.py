@@ -8,7 +8,7 @@ device (the probe only imports it once the CANN runtime is found).
 
 KV caches: a ``(key_cache, value_cache)`` pair per layer (``kv_cache.py``), so this backend implements every
 cache hook itself (write, gather, copy, swap, host caches) — core's reference ops only know the canonical layout.
-Fused ops (rms_norm, rotary, silu_and_mul) stay on core's torch reference, which runs on any torch device.
+rms_norm and silu_and_mul go through torch-npu's fused ops (``ops.py``); rotary stays on core's torch reference.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, hookimpl)
 from pagedllm.sampling_params import ParamError
-from pagedllm_ascend import attention, graph, probe
+from pagedllm_ascend import attention, graph, ops, probe
 from pagedllm_ascend import kv_cache as _kv
 from pagedllm_ascend.vendor import npu
 
@@ -131,6 +131,16 @@ def pagedllm_copy_kv_blocks(kv_caches: list, src: torch.Tensor, dst: torch.Tenso
 @hookimpl
 def pagedllm_swap_kv_blocks(src_caches: list, dst_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
     _kv.swap_blocks(src_caches, dst_caches, src, dst)
+
+
+@hookimpl
+def pagedllm_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return ops.rms_norm(x, weight, eps)
+
+
+@hookimpl
+def pagedllm_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return ops.silu_and_mul(x)
 
 
 @hookimpl

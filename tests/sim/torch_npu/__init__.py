@@ -12,7 +12,8 @@ from __future__ import annotations
 from torch_npu import _device, npu  # noqa: F401  (sets up the device and torch.npu)
 from torch_npu._ops import (_npu_paged_attention, _npu_paged_attention_get_workspace,  # noqa: F401
                             _npu_reshape_and_cache,
-                            npu_fused_infer_attention_score, npu_fusion_attention)
+                            npu_fused_infer_attention_score, npu_fusion_attention, npu_rms_norm,
+                            npu_swiglu)
 
 __version__ = "2.13.0+pagedllm.sim"
 __pagedllm_simulation__ = True

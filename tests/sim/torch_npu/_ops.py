@@ -21,7 +21,7 @@ import torch
 
 from pagedllm import ref_ops
 from pagedllm.attention import AttentionMetadata
-from torch_npu._device import NPUTensor, raw
+from torch_npu._device import NPUTensor, _wrap, raw
 from torch_npu._graph import capturing
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -86,7 +86,7 @@ def _reference(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, block_table:
 def _npu_paged_attention_get_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
                                        block_table, context_lens, out) -> torch.Tensor:
     """The workspace vllm-ascend sizes before capturing ``_npu_paged_attention`` (the simulation needs none)."""
-    return NPUTensor(torch.empty(0, dtype=torch.uint8))
+    return _wrap(torch.empty(0, dtype=torch.uint8))
 
 
 def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
@@ -154,7 +154,21 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
     k4 = kc.view(kc.shape[0], kc.shape[1], n_kv, head)
     v4 = vc.view(vc.shape[0], vc.shape[1], n_kv, head)
     out = _reference(q, k4, v4, bt, q_lens, kv_lens, scale, window)
-    return NPUTensor(out), NPUTensor(torch.empty(0, dtype=torch.float32))
+    return _wrap(out), _wrap(torch.empty(0, dtype=torch.float32))
+
+
+def npu_rms_norm(x, gamma, epsilon=1e-6):
+    """``(y, rstd)``: vllm_ascend/ops/layernorm.py (v0.11.0) calls ``npu_rms_norm(x, weight, eps)``."""
+    xr, g = _on_npu("x", x), _on_npu("gamma", gamma)
+    rstd = torch.rsqrt(xr.float().pow(2).mean(-1, keepdim=True) + epsilon)
+    return _wrap(ref_ops.rms_norm(xr, g, epsilon)), _wrap(rstd)
+
+
+def npu_swiglu(x, dim=-1):
+    """``silu(first half) * second half`` along ``dim``: vllm_ascend/ops/activation.py (v0.11.0)."""
+    xr = _on_npu("x", x)
+    _require(dim in (-1, xr.dim() - 1), "simulated npu_swiglu: last dimension only")
+    return _wrap(ref_ops.silu_and_mul(xr))
 
 
 def npu_fusion_attention(*args, **kwargs):
