@@ -120,7 +120,8 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
     install_handlers(app)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
 
-    @app.get("/health", responses={200: {"description": "The engine is running"}, **_errors(503)})
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "The engine is running (empty body)"}, **_errors(503)})
     async def health() -> Response:
         if not engine.is_running:
             return JSONResponse(error_body(503, f"engine is not running: {engine.error!r}"), status_code=503)
@@ -186,7 +187,7 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
         finally:
             ticket.release()
 
-    @app.get("/metrics", responses={200: {"description": "Prometheus text format",
+    @app.get("/metrics", response_class=Response, responses={200: {"description": "Prometheus text format",
                                           "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
