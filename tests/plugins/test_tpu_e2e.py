@@ -67,6 +67,17 @@ def test_preemption_with_swap_and_prefix_caching(tiny_model_dirs):
     _check_compiles(r)
 
 
+@pytest.mark.slow
+def test_enforce_eager_compiles_lazily_still_one_program_per_bucket(tiny_model_dirs):
+    """``enforce_eager`` skips the warm-up (as tpu-inference skips precompilation): buckets compile on first use,
+    never more than one program each, and the tokens are the same."""
+    r = child("parity", tiny_model_dirs["llama"], "eager")
+    assert r["got"] == r["want"]
+    assert r["step_programs"] == 0 and r["warmup_compiles"] == 0
+    assert 0 < r["step_programs_after"] <= r["buckets"] == 3
+    assert r["serving_compiles"] >= r["step_programs_after"]
+
+
 def test_host_sampled_rows_equal_the_cpu_backend(tiny_model_dirs):
     """Rows the device sampler cannot serve (logprobs, seeds, penalties, prompt logprobs) take float32 logits from
     the same program and core's host sampler: same tokens and same top-logprob ids as the cpu backend."""
@@ -139,6 +150,8 @@ def _parity(path: str, variant: str = "") -> dict:
     if variant == "preempt":
         kw.update(num_gpu_blocks_override=12, swap_space=0.002, enable_prefix_caching=True)
         n_out = 24
+    if variant == "eager":
+        kw.update(enforce_eager=True)
     llm = LLM(path, **kw)
     runner = llm.llm_engine.worker.runner
     c0, p0, s0 = compiles.compiles(), runner.step_programs(), runner.num_steps

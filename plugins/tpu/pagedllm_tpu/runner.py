@@ -90,7 +90,12 @@ class TPUModelRunner:
         self.shapes_seen: set = set()
         self.stats: dict = {"buckets": len(self.shapes), "platform": self.device.platform,
                             "compile_cache_dir": self.cache_dir}
-        self.warmup()
+        if ctx.config.enforce_eager:
+            # XLA has no eager mode: as tpu-inference under enforce_eager (capture_model returns early), skip the
+            # precompilation and compile each bucket on first use — still at most one program per bucket.
+            self.stats.update(warmup_seconds=0.0, warmup_compiles=0, step_programs=0)
+        else:
+            self.warmup()
 
     # ---- running one program ---------------------------------------------------------------------------------
     def _run(self, inputs: dict[str, np.ndarray]) -> tuple:
