@@ -96,7 +96,6 @@ N_CLIENTS = 512
 BIG_LIMIT = 384
 
 
-@pytest.mark.slow
 def test_512_concurrent_streaming_clients():
     srv = ServerProcess(tiny_chat_model(), "--max-model-len", "256", "--max-num-queued-reqs", str(BIG_LIMIT),
                         api_key=None)
@@ -138,7 +137,7 @@ def test_512_concurrent_streaming_clients():
               f"HTTP process RSS {rss_before / 1024:.0f} MiB before, {rss_after / 1024:.0f} MiB after, peak "
               f"{rss_peak / 1024:.0f} MiB")
         assert not errors, errors[:5]
-        assert len(ok) >= 1 and all(n >= 1 for _, n in ok)
+        assert len(ok) >= BIG_LIMIT and all(n >= 1 for _, n in ok)  # a refusal means the limit was full
         assert all(ra == "1" for _, ra in limited)
         assert (m["pagedllm:num_requests_running"], m["pagedllm:num_requests_waiting"],
                 m["pagedllm:kv_cache_used_blocks"]) == (0, 0, 0), m
