@@ -82,7 +82,8 @@ assert len(caches) == 2 and all(isinstance(c, tuple) and len(c) == 2 for c in ca
 assert all(t.shape == (6, 128, 2, 64) and t.device.type == "npu" and t.dtype == torch.float16
            for c in caches for t in c)
 mi = be.memory_info(dev)
-assert mi.pinned_host and free0 - mi.free_bytes == 6 * spec.bytes_per_block, (free0, mi)
+# torch's Python PrivateUse1 hooks cannot page-lock memory: the plugin asks torch and reports it
+assert not mi.pinned_host and free0 - mi.free_bytes == 6 * spec.bytes_per_block, (free0, mi)
 assert be.memory_peak(dev) >= 6 * spec.bytes_per_block
 print("OK layout+memory")
 
@@ -271,3 +272,33 @@ def test_acl_graph_decode_on_the_simulated_npu_equals_hf(tiny_llama, tmp_path, m
     assert updated["level"] == "decode" and updated["captured"] == [4, 2, 1] and updated["replays"] >= MAX_TOKENS - 1
     assert updated["tokens"] == want, (updated["tokens"], want)
     assert stale["replays"] >= MAX_TOKENS - 1 and stale["tokens"] != want
+
+
+SWAP = """
+import json
+from pagedllm import LLM, SamplingParams
+out = {}
+for name, blocks, swap in (("roomy", 16, 0), ("tight", 5, 0.001)):
+    llm = LLM(model=MODEL, device="ascend", dtype="float16", skip_tokenizer_init=True, max_model_len=384,
+              max_num_seqs=4, num_gpu_blocks_override=blocks, swap_space=swap)
+    res = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=24),
+                       use_tqdm=False)
+    st = llm.llm_engine.get_stats()
+    out[name] = dict(swaps=st.num_swaps, preemptions=st.num_preemptions,
+                     tokens=[list(o.outputs[0].token_ids) for o in res])
+    del llm
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_swap_preemption_on_the_simulated_npu_resumes_identically(tiny_llama, tmp_path):
+    """5 blocks of 128 for two 250-token prompts that grow into a third block, and a third prompt waiting: a
+    request holding 2 blocks is swapped out to the plugin's host caches (a K/V pair per layer, pageable on the
+    simulation) and back through its swap hook; outputs equal those of a run that never preempts."""
+    prompts = [[int(t) for t in torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (250, 251, 130)]
+    code = SWAP.replace("MODEL", repr(tiny_llama)).replace("PROMPTS", repr(prompts))
+    got = json.loads(run_on_sim(code, tmp_path).split("RESULT ", 1)[1])
+    assert got["tight"]["swaps"] > 0 and got["roomy"]["preemptions"] == 0, got
+    assert got["tight"]["tokens"] == got["roomy"]["tokens"]

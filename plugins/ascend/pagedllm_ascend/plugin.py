@@ -13,6 +13,7 @@ rms_norm and silu_and_mul go through torch-npu's fused ops (``ops.py``); rotary 
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Optional
 
 import torch
@@ -68,10 +69,20 @@ def pagedllm_update_config(config: Any, model_info: ModelInfo) -> Optional[dict]
     return changes or None
 
 
+@lru_cache(maxsize=1)
+def pinned_host_available() -> bool:
+    """Whether this torch can page-lock host memory for the device (torch-npu registers the pinned allocator)."""
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
 @hookimpl
 def pagedllm_memory_info(device: torch.device) -> MemoryInfo:
     free, total = npu().mem_get_info(device)
-    return MemoryInfo(total_bytes=int(total), free_bytes=int(free), pinned_host=True)
+    return MemoryInfo(total_bytes=int(total), free_bytes=int(free), pinned_host=pinned_host_available())
 
 
 @hookimpl
