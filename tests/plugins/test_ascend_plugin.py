@@ -163,3 +163,9 @@ def test_acl_graphs_stay_off_for_sliding_window_models(monkeypatch):
     monkeypatch.delenv("PAGEDLLM_ASCEND_ACL_GRAPH")
     runner = graph.make_runner(model, 4, torch.device("cpu"), ctx)
     assert runner.run is model and runner.level == "none" and runner.stats["opt_in"] == "PAGEDLLM_ASCEND_ACL_GRAPH=1"
+
+
+def test_pagedllm_backends_lists_ascend_with_its_reason():
+    res = _run("import sys; from pagedllm.cli import main; sys.exit(main(['backends']))")
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("ascend ")), "")
+    assert res.returncode == 0 and "pagedllm-ascend" in line and "torch-npu not installed" in line, res.stdout
