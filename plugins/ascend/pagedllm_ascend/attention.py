@@ -113,7 +113,7 @@ def paged_attention(query: torch.Tensor, kv_cache: tuple, meta: AttentionMetadat
             # its warm-up runs before capture: any valid lengths do, the output is discarded
             context_lens = torch.ones(query.shape[0], dtype=torch.int32)
         # vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py: v0.11.0 _forward_decode_only,
-        # HEAD forward_paged_attention.
+        # main@182b75e forward_paged_attention.
         npu._npu_paged_attention(query=query, key_cache=key_cache, value_cache=value_cache,
                                  num_kv_heads=num_kv_heads, num_heads=num_heads, scale_value=scale,
                                  block_table=meta.block_tables, context_lens=context_lens, out=out)
@@ -125,10 +125,10 @@ def paged_attention(query: torch.Tensor, kv_cache: tuple, meta: AttentionMetadat
         band: dict = dict(sparse_mode=3)
     else:
         # vLLM's window W keeps keys with q_pos - k_pos < W; FIA's band keeps q_pos - k_pos <= pre_tokens (torch_npu
-        # npu_fusion_attention docs, sparse_mode 4). vllm-ascend passes pre_tokens=W (attention_v1.py HEAD); we pass
-        # W - 1 so the band holds exactly W keys, as core's reference does. Not verified on hardware.
+        # npu_fusion_attention docs, sparse_mode 4). vllm-ascend passes pre_tokens=W (attention_v1.py, main@182b75e);
+        # we pass W - 1 so the band holds exactly W keys, as core's reference does. Not verified on hardware.
         band = dict(sparse_mode=4, pre_tokens=sliding_window - 1, next_tokens=0)
-    # vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py (HEAD forward_fused_infer_attention /
+    # vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py (main@182b75e forward_fused_infer_attention /
     # _get_fia_params): TND query, paged K/V viewed [num_blocks, block_size, Hkv * D], int32 block table,
     # cumulative query ends, per-sequence KV lengths, the compressed causal mask.
     out, _ = npu.npu_fused_infer_attention_score(

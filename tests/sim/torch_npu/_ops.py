@@ -6,10 +6,10 @@ Sources of the signatures and constraints:
 - ``_npu_reshape_and_cache``: vllm-project/vllm-ascend vllm_ascend/attention/attention_v1.py (v0.11.0) and
   vllm_ascend/device/device_op.py (Ascend310PDeviceAdaptor.reshape_and_cache);
 - ``_npu_paged_attention`` (and ``_npu_paged_attention_get_workspace``): vllm_ascend/attention/attention_v1.py
-  (v0.11.0 ``_forward_decode_only``; HEAD ``forward_paged_attention``), context lengths as the host int32
+  (v0.11.0 ``_forward_decode_only``; main@182b75e ``forward_paged_attention``), context lengths as the host int32
   ``seq_lens``;
-- ``npu_fused_infer_attention_score``: vllm_ascend/attention/attention_v1.py (HEAD ``forward_fused_infer_attention``,
-  TND layout with a block table) and the torch_npu API reference (query/key/value FLOAT16 or BFLOAT16; sparse_mode 3
+- ``npu_fused_infer_attention_score``: vllm_ascend/attention/attention_v1.py (main@182b75e
+  ``forward_fused_infer_attention``, TND layout with a block table) and the torch_npu API reference (query/key/value FLOAT16 or BFLOAT16; sparse_mode 3
   = rightDownCausal with the 2048x2048 compressed mask, 4 = band from pre_tokens/next_tokens).
 """
 
