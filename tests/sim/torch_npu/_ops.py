@@ -9,8 +9,9 @@ Sources of the signatures and constraints:
   (v0.11.0 ``_forward_decode_only``; main@182b75e ``forward_paged_attention``), context lengths as the host int32
   ``seq_lens``;
 - ``npu_fused_infer_attention_score``: vllm_ascend/attention/attention_v1.py (main@182b75e
-  ``forward_fused_infer_attention``, TND layout with a block table) and the torch_npu API reference (query/key/value FLOAT16 or BFLOAT16; sparse_mode 3
-  = rightDownCausal with the 2048x2048 compressed mask, 4 = band from pre_tokens/next_tokens).
+  ``forward_fused_infer_attention``, TND layout with a block table) and the torch_npu API reference
+  (query/key/value FLOAT16 or BFLOAT16; sparse_mode 3 = rightDownCausal with the 2048x2048 compressed mask,
+  4 = band from pre_tokens/next_tokens).
 """
 
 from __future__ import annotations
