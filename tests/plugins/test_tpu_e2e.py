@@ -43,13 +43,19 @@ def _check_compiles(r: dict) -> None:
     assert set(map(tuple, r["shapes_seen"])) <= set(map(tuple, r["warm_shapes"]))
 
 
+@pytest.fixture(scope="module")
+def llama_run(tiny_model_dirs) -> dict:
+    """One child for the tiny llama: greedy parity, then the host-sampled rows on the same engine (and on cpu)."""
+    return child("parity", tiny_model_dirs["llama"], "host_rows")
+
+
 @pytest.mark.parametrize("name", ["llama", pytest.param("qwen3", marks=pytest.mark.slow),
                                   pytest.param("mistral", marks=pytest.mark.slow),
                                   pytest.param("qwen2_swa", marks=pytest.mark.slow)])
-def test_greedy_parity_with_hf_and_compilations_bounded_by_buckets(tiny_model_dirs, name):
+def test_greedy_parity_with_hf_and_compilations_bounded_by_buckets(request, tiny_model_dirs, name):
     """Mixed prompt lengths (1..59 tokens, up to 5 pages of 16 with the output), chunked prefill under a 64-token
     budget, batch of 7 then batch of 1: every token equal to HF's greedy decode."""
-    r = child("parity", tiny_model_dirs[name])
+    r = request.getfixturevalue("llama_run") if name == "llama" else child("parity", tiny_model_dirs[name])
     assert r["got"] == r["want"]
     _check_compiles(r)
     print(f"{name}: {r['buckets']} buckets, {r['step_programs']} step programs, {r['warmup_compiles']} XLA "
@@ -78,10 +84,10 @@ def test_enforce_eager_compiles_lazily_still_one_program_per_bucket(tiny_model_d
     assert r["serving_compiles"] >= r["step_programs_after"]
 
 
-def test_host_sampled_rows_equal_the_cpu_backend(tiny_model_dirs):
+def test_host_sampled_rows_equal_the_cpu_backend(llama_run):
     """Rows the device sampler cannot serve (logprobs, seeds, penalties, prompt logprobs) take float32 logits from
     the same program and core's host sampler: same tokens and same top-logprob ids as the cpu backend."""
-    r = child("host_rows", tiny_model_dirs["llama"])
+    r = llama_run["host_rows"]
     assert r["tpu"] == r["cpu"]
     assert r["serving_compiles"] == 0
 
@@ -161,10 +167,12 @@ def _parity(path: str, variant: str = "") -> dict:
     out = _engine_report(llm, runner, c0, p0, s0)
     out.update(got=got, want=want, preemptions=llm.llm_engine.scheduler.num_preemptions,
                swaps=llm.llm_engine.scheduler.num_swaps)
+    if variant == "host_rows":
+        out["host_rows"] = _host_rows(path, llm)
     return out
 
 
-def _host_rows(path: str) -> dict:
+def _host_rows(path: str, tpu_llm) -> dict:
     from pagedllm import LLM, SamplingParams
     from pagedllm_tpu import compiles
     from test_engine_parity import mixed_prompts
@@ -177,7 +185,7 @@ def _host_rows(path: str) -> dict:
               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
 
     def outputs(device: str) -> list:
-        llm = LLM(path, **{**ENGINE, "device": device})
+        llm = tpu_llm if device == "tpu" else LLM(path, **{**ENGINE, "device": device})
         c0 = compiles.compiles()
         outs = llm.generate(prompts, params, use_tqdm=False)
         res = [[o.outputs[0].token_ids, [sorted(d) for d in (o.outputs[0].logprobs or [])],
@@ -220,8 +228,6 @@ def main(argv: list[str]) -> None:
     mode, rest = argv[0], argv[1:]
     if mode == "parity":
         out = _parity(*rest)
-    elif mode == "host_rows":
-        out = _host_rows(rest[0])
     elif mode == "warmup":
         out = _warmup(rest[0])
     elif mode == "conformance":
