@@ -36,7 +36,7 @@ def jax_installed() -> bool:
 def probe() -> tuple[bool, str, str]:
     """(usable, reason, device name). Imports jax only when it is installed; never raises."""
     if not jax_installed():
-        return False, "jax not installed (pip install 'pagedllm[tpu]' on a TPU VM)", ""
+        return False, "jax/jaxlib not installed (pip install 'pagedllm[tpu]'; on a TPU VM also 'jax[tpu]')", ""
     platform = requested_platform()
     if platform not in ("tpu", "cpu"):
         return False, f"{PLATFORM_ENV}={platform!r}: expected 'tpu' or 'cpu'", ""
