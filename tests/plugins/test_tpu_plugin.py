@@ -55,8 +55,9 @@ def test_distribution_entry_point_and_core_pin():
     assert any(r.startswith("jax[cpu]") for r in reqs), reqs  # jax + jaxlib; the tpu extra adds libtpu
 
 
-def test_importing_the_plugin_imports_no_jax():
-    out = _run("import sys, pagedllm_tpu.plugin, pagedllm_tpu.runner; "
+def test_importing_and_probing_the_plugin_imports_no_jax():
+    """Discovery is cheap: neither the import nor, without libtpu, the probe loads jax."""
+    out = _run("import sys, pagedllm_tpu.plugin, pagedllm_tpu.runner; pagedllm_tpu.plugin.pagedllm_probe(); "
                "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib')))")
     assert out.strip() == "[]"
 
@@ -64,7 +65,7 @@ def test_importing_the_plugin_imports_no_jax():
 def test_pagedllm_backends_lists_tpu_with_the_reason_and_torch_still_imports():
     out = _run("import sys, torch; from pagedllm.cli import main; sys.argv = ['pagedllm', 'backends']; main()")
     line = next(ln for ln in out.splitlines() if ln.split()[:1] == ["tpu"])
-    assert " no " in line and "no TPU: jax" in line and "sees only cpu" in line, line
+    assert " no " in line and "no TPU: libtpu is not installed, so jax" in line and "sees only cpu" in line, line
     out = _run("import pagedllm_tpu.plugin, torch; print(torch.ones(2).sum().item())")
     assert out.strip() == "2.0"
 
@@ -76,7 +77,15 @@ def test_probe_reasons(platform_env, monkeypatch):
 
     platform_env(None)
     p = plugin.pagedllm_probe()
+    assert not p.usable and p.reason == f"no TPU: libtpu is not installed, so jax {jax.__version__} sees only cpu"
+    # With libtpu present (simulated: its spec is faked, nothing of it runs) jax itself is asked, and here it finds
+    # only the CPU.
+    real = platform.importlib.util.find_spec
+    monkeypatch.setattr(platform.importlib.util, "find_spec",
+                        lambda name: real("jax") if name == "libtpu" else real(name))
+    p = plugin.pagedllm_probe()
     assert not p.usable and p.reason == f"no TPU: jax {jax.__version__} sees only cpu"
+    monkeypatch.setattr(platform.importlib.util, "find_spec", real)
     platform_env("gpu")
     assert "expected 'tpu' or 'cpu'" in plugin.pagedllm_probe().reason
     platform_env("cpu")

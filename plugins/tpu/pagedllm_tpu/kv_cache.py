@@ -140,7 +140,7 @@ def gather_blocks(cache: JaxKVCache, block_ids: torch.Tensor) -> torch.Tensor:
     ids = block_ids.detach().cpu().numpy().astype(np.int32)
     if ids.size == 0:
         n, p, h2, d = cache.shape
-        return to_torch(np.zeros((2, 0, p, h2 // 2, d), np.float32))
+        return to_torch(np.zeros((2, 0, p, h2 // 2, d), cache.dtype))
     (padded,) = pad_pow2(ids)
     pages = np.asarray(block_program("gather")(cache.array, padded))[: len(ids)]
     k, v = split_kv(pages)

@@ -40,6 +40,10 @@ def probe() -> tuple[bool, str, str]:
     platform = requested_platform()
     if platform not in ("tpu", "cpu"):
         return False, f"{PLATFORM_ENV}={platform!r}: expected 'tpu' or 'cpu'", ""
+    if platform == "tpu" and importlib.util.find_spec("libtpu") is None:
+        # JAX reaches a TPU only through the libtpu plugin (jax[tpu]); without it there is nothing to find, and not
+        # importing jax keeps `pagedllm backends` light (no XLA runtime threads in processes that fork later).
+        return False, f"no TPU: libtpu is not installed, so jax {_version('jax')} sees only cpu", ""
     try:
         import jax
 
@@ -56,6 +60,15 @@ def probe() -> tuple[bool, str, str]:
         return True, "", f"{tpus[0].device_kind} x{len(tpus)}"
     cpus = jax.devices("cpu")
     return True, "", f"XLA CPU x{len(cpus)} (opt-in {PLATFORM_ENV}=cpu; {CPU_LABEL})"
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "?"
 
 
 @lru_cache(maxsize=1)
