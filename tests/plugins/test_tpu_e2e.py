@@ -84,6 +84,18 @@ def test_enforce_eager_compiles_lazily_still_one_program_per_bucket(tiny_model_d
     assert r["serving_compiles"] >= r["step_programs_after"]
 
 
+@pytest.mark.slow
+def test_tensor_parallel_on_a_two_device_mesh(tiny_model_dirs):
+    """PAGEDLLM_TPU_TP=2 on two XLA CPU devices: weights split by heads/columns, KV pages by KV head; the same
+    tokens as HF under preemption with swap and prefix caching, and no compilation while serving."""
+    r = child("parity", tiny_model_dirs["llama"], "preempt", env={
+        "PAGEDLLM_TPU_TP": "2", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert r["kv_devices"] == 2 and r["kv_shard_heads"] == 2  # 2 of the 4 combined K/V heads on each device
+    assert r["preemptions"] > 0 and r["swaps"] > 0
+    assert r["got"] == r["want"]
+    _check_compiles(r)
+
+
 def test_host_sampled_rows_equal_the_cpu_backend(llama_run):
     """Rows the device sampler cannot serve (logprobs, seeds, penalties, prompt logprobs) take float32 logits from
     the same program and core's host sampler: same tokens and same top-logprob ids as the cpu backend."""
@@ -165,8 +177,10 @@ def _parity(path: str, variant: str = "") -> dict:
     got = run(llm, prompts[1:], max_tokens=n_out) + run(llm, prompts[:1], max_tokens=n_out)
     want = [hf_greedy(path, p, n_out) for p in prompts[1:] + prompts[:1]]
     out = _engine_report(llm, runner, c0, p0, s0)
+    cache = llm.llm_engine.kv_caches[0].array
     out.update(got=got, want=want, preemptions=llm.llm_engine.scheduler.num_preemptions,
-               swaps=llm.llm_engine.scheduler.num_swaps)
+               swaps=llm.llm_engine.scheduler.num_swaps, kv_devices=len(cache.sharding.device_set),
+               kv_shard_heads=int(cache.addressable_shards[0].data.shape[2]))
     if variant == "host_rows":
         out["host_rows"] = _host_rows(path, llm)
     return out

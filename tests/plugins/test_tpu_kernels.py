@@ -25,12 +25,14 @@ PAGE = 16
 @pytest.fixture(autouse=True)
 def xla_cpu(monkeypatch):
     """Opt into JAX's CPU device for this module (the probe and device choice read it; nothing else changes)."""
-    from pagedllm_tpu import platform
+    from pagedllm_tpu import mesh, platform
 
     monkeypatch.setenv(platform.PLATFORM_ENV, "cpu")
     platform.device.cache_clear()
+    mesh.mesh.cache_clear()
     yield
     platform.device.cache_clear()
+    mesh.mesh.cache_clear()
 
 
 def _plugin():

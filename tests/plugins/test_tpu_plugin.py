@@ -136,6 +136,18 @@ def test_update_config_and_memory_info(platform_env, monkeypatch, tiny_llama):
     assert mi.total_bytes == 16 << 30 and mi.free_bytes == (15 << 30) - weights and mi.default_kv_bytes is None
 
 
+def test_tensor_parallel_size_must_divide_the_heads(platform_env, monkeypatch, tiny_llama):
+    from pagedllm.sampling_params import ParamError
+    from pagedllm_tpu import mesh, plugin
+
+    platform_env("cpu")
+    monkeypatch.setenv(mesh.TP_ENV, "4")
+    with pytest.raises(ParamError, match="PAGEDLLM_TPU_TP=4 must divide the attention heads"):
+        plugin.pagedllm_update_config(SimpleNamespace(dtype="float32", model=tiny_llama), _info("float32"))
+    monkeypatch.setenv(mesh.TP_ENV, "2")
+    assert plugin.pagedllm_update_config(SimpleNamespace(dtype="float32", model=tiny_llama), _info("float32")) is None
+
+
 def test_compilation_cache_is_configured_from_the_environment(monkeypatch, tmp_path, platform_env):
     import jax
 

@@ -88,7 +88,7 @@ def to_jax(t: torch.Tensor, dtype: Any = None) -> Any:
     """A torch tensor on the backend's JAX device (through numpy; bf16 goes through float32, exactly)."""
     import jax
 
-    from pagedllm_tpu import platform
+    from pagedllm_tpu import mesh
 
     t = t.detach().cpu()
     arr = (t.float() if t.dtype in (torch.bfloat16, torch.float16) else t).numpy()
@@ -100,7 +100,7 @@ def to_jax(t: torch.Tensor, dtype: Any = None) -> Any:
         arr = arr.astype(jnp.bfloat16)
     elif t.dtype == torch.float16:
         arr = arr.astype(np.float16)
-    return jax.device_put(arr, platform.device())
+    return jax.device_put(arr, mesh.replicated())
 
 
 def to_torch(a: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -128,10 +128,14 @@ def block_program(name: str) -> Any:
     if not _jitted:
         import jax
 
-        _jitted["gather"] = jax.jit(lambda cache, ids: cache[ids])
-        _jitted["copy"] = jax.jit(lambda cache, src, dst: cache.at[dst].set(cache[src]), donate_argnums=0)
+        from pagedllm_tpu import mesh
+
+        kv = mesh.kv_sharding()  # updated caches keep the step's sharding (else the step would see a new signature)
+        _jitted["gather"] = jax.jit(lambda cache, ids: cache[ids], out_shardings=mesh.replicated())
+        _jitted["copy"] = jax.jit(lambda cache, src, dst: cache.at[dst].set(cache[src]), donate_argnums=0,
+                                  out_shardings=kv)
         _jitted["scatter"] = jax.jit(lambda cache, dst, blocks: cache.at[dst].set(blocks.astype(cache.dtype)),
-                                     donate_argnums=0)
+                                     donate_argnums=0, out_shardings=kv)
     return _jitted[name]
 
 

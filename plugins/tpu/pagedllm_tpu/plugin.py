@@ -20,6 +20,7 @@ import torch
 from pagedllm.batch_policy import BucketPolicy, pow2_buckets
 from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, KVCacheSpec, MemoryInfo, ModelInfo,
                                ProbeResult, RunnerContext, hookimpl)
+from pagedllm.sampling_params import ParamError
 from pagedllm_tpu import kv_cache as kvc
 from pagedllm_tpu import platform
 
@@ -75,6 +76,12 @@ def pagedllm_update_config(config: Any, model_info: ModelInfo) -> Optional[dict]
     """``dtype="auto"`` runs bfloat16 on a TPU (the MXU's type; a float32 checkpoint would otherwise run at a
     fraction of its speed), the checkpoint's dtype on XLA CPU (exact parity with HF). Remembers the weight bytes so
     ``memory_info`` can leave room for them: the runner places the weights after core sizes the pool."""
+    from pagedllm_tpu import mesh
+
+    n = mesh.tp_size()
+    if model_info.num_heads % n or model_info.num_kv_heads % n:
+        raise ParamError("model", f"{mesh.TP_ENV}={n} must divide the attention heads ({model_info.num_heads}) "
+                                  f"and KV heads ({model_info.num_kv_heads}): each device holds whole heads")
     changes: dict = {}
     dtype = config.dtype
     if dtype == "auto":
@@ -131,15 +138,19 @@ def pagedllm_model_runner(ctx: RunnerContext, model: Any, kv: Any) -> Any:
 # ---- KV cache --------------------------------------------------------------------------------------------------------
 @hookimpl
 def pagedllm_allocate_kv_cache(spec: KVCacheSpec) -> list:
-    """One :class:`~pagedllm_tpu.kv_cache.JaxKVCache` per layer, filled with NaN and committed to the JAX device (an
+    """One :class:`~pagedllm_tpu.kv_cache.JaxKVCache` per layer, filled with NaN and committed to the mesh (an
     uncommitted array would key a different compiled program than the step's committed outputs). NaN, not zeros:
     a kernel that reads a slot nobody wrote shows NaN instead of a plausible value (tpu-inference zero-fills; the
     fill costs the same), and conformance's read-back compares unwritten slots as NaN."""
+    import jax
     import jax.numpy as jnp
 
+    from pagedllm_tpu import mesh
+
     shape = kvc.cache_shape(spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-    dtype, dev = kvc.jax_dtype(spec.dtype), platform.device()
-    return [kvc.JaxKVCache(jnp.full(shape, jnp.nan, dtype, device=dev)) for _ in range(spec.num_layers)]
+    # Created in place, already split by KV head over the mesh (PAGEDLLM_TPU_TP; one device by default).
+    fill = jax.jit(lambda: jnp.full(shape, jnp.nan, kvc.jax_dtype(spec.dtype)), out_shardings=mesh.kv_sharding())
+    return [kvc.JaxKVCache(fill()) for _ in range(spec.num_layers)]
 
 
 @hookimpl

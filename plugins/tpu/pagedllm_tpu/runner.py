@@ -35,6 +35,7 @@ from pagedllm.scheduler import ScheduledRequest
 from pagedllm.worker import dummy_metadata
 from pagedllm_tpu import compiles, platform
 from pagedllm_tpu import kv_cache as kvc
+from pagedllm_tpu import mesh
 from pagedllm_tpu import model as jmodel
 from pagedllm_tpu.sampler import sample
 
@@ -83,13 +84,17 @@ class TPUModelRunner:
         self.spec, self.params = jmodel.params_from_torch(model, ctx.dtype)
         # Core's input preparation and padding, without its forward (run=None: never called).
         self.prep = ModelRunner(model, None, kv, torch.device("cpu"), ctx.policy, ctx.pad_slot)
-        self._step = jax.jit(partial(_step, self.spec), donate_argnums=(1,))
-        self.key = jax.device_put(jax.random.PRNGKey(ctx.config.seed), self.device)
+        rep, kv_sharding = mesh.replicated(), mesh.kv_sharding()
+        self._inputs_sharding = rep
+        # The KV outputs keep the inputs' sharding, so the next step (and swaps) present the same signature.
+        self._step = jax.jit(partial(_step, self.spec), donate_argnums=(1,),
+                             out_shardings=(rep, rep, rep, [kv_sharding] * len(self.caches)))
+        self.key = jax.device_put(jax.random.PRNGKey(ctx.config.seed), rep)
         self.num_steps = 0
         self.shapes = list(ctx.policy.warmup_shapes())
         self.shapes_seen: set = set()
         self.stats: dict = {"buckets": len(self.shapes), "platform": self.device.platform,
-                            "compile_cache_dir": self.cache_dir}
+                            "tensor_parallel": mesh.tp_size(), "compile_cache_dir": self.cache_dir}
         if ctx.config.enforce_eager:
             # XLA has no eager mode: as tpu-inference under enforce_eager (capture_model returns early), skip the
             # precompilation and compile each bucket on first use — still at most one program per bucket.
@@ -101,7 +106,7 @@ class TPUModelRunner:
     def _run(self, inputs: dict[str, np.ndarray]) -> tuple:
         import jax
 
-        dev = jax.device_put(inputs, self.device)
+        dev = jax.device_put(inputs, self._inputs_sharding)
         kv = [c.array for c in self.caches]
         tokens, logits, hidden, new_kv = self._step(self.params, kv, dev, self.key, np.int32(self.num_steps))
         for c, a in zip(self.caches, new_kv):
