@@ -109,7 +109,7 @@ with httpx.Client(timeout=5) as c:
             status = c.get(sys.argv[1]).status_code
         except httpx.HTTPError:
             status = -1
-        out.append((time.perf_counter() - t, status))
+        out.append((time.perf_counter() - t, status, time.monotonic()))
         time.sleep(0.02)
 print(json.dumps(out))
 """
@@ -146,12 +146,13 @@ def test_hostile_templates_while_streaming(server):
     base_samples = base_prober.finish()
     t1 = time.monotonic()
     prober = _Prober(server)
-    results = {}
+    results, marks = {}, {}
     try:
         for name, tpl in HOSTILE.items():
             t = time.monotonic()
             r = _post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 4, "chat_template": tpl})
             results[name] = (r.status_code, time.monotonic() - t, r.json()["error"])
+            marks[name] = round(t - t1, 2)
         # and several at once: the pool's workers are all busy, the server still is not
         threads = [threading.Thread(target=lambda: results.setdefault(
             f"parallel{i}", (lambda r: (r.status_code, 0.0, r.json().get("error")))(
@@ -177,7 +178,8 @@ def test_hostile_templates_while_streaming(server):
     assert len(lat) > 50 and all(s[1] == 200 for s in samples + base_samples), samples[:5]
     print(f"/health: {len(lat)} probes under attack, max {max(lat) * 1e3:.1f} ms, median "
           f"{statistics.median(lat) * 1e3:.1f} ms (baseline max {max(base_lat) * 1e3:.1f} ms)")
-    assert max(lat) < 0.1, sorted(lat)[-5:]
+    slow = [(round(s[2] - t1, 2), round(s[0] * 1e3)) for s in samples if s[0] >= 0.05]
+    assert max(lat) < 0.1, (slow, marks)  # (seconds into the attack, ms) and when each hostile request started
     assert not streamer.errors, streamer.errors
     base_gaps, gaps = _gaps(streamer.streams, t0, t1), _gaps(streamer.streams, t1, t2)
     assert len(base_gaps) > 20 and len(gaps) > 100
@@ -204,6 +206,9 @@ def test_request_template_benign_and_kwargs(server):
            400, "chat_template_kwargs")
     _error(_post(server, "/v1/chat/completions", {"messages": USER, "chat_template": "{{ raise_exception('no') }}"}),
            400, "chat_template")
+    include = {"messages": USER, "chat_template": "{% include '/etc/passwd' %}"}
+    err = _error(_post(server, "/v1/chat/completions", include), 400, "chat_template")
+    assert "root:" not in err["message"]  # no loader: templates cannot read files
     _error(_post(server, "/v1/chat/completions", {"messages": USER, "chat_template": "{" * (300 * 1024)}),
            400, "chat_template")
     assert want  # the tokenizer answered through the render workers

@@ -35,6 +35,8 @@ class _WorkerGone(Exception):
 
 
 def _context() -> multiprocessing.context.BaseContext:
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # Windows: slower respawns, same behaviour
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     # A forked child re-runs the parent's main module (``pagedllm.cli`` under ``python -m``) before its target: with
     # that module's imports (torch among them) preloaded once in the forkserver, a respawn takes milliseconds.
@@ -44,10 +46,10 @@ def _context() -> multiprocessing.context.BaseContext:
 
 def warm_up_forkserver() -> None:
     """Start the forkserver (it imports transformers) now, so it overlaps with the engine's model load."""
-    from multiprocessing import forkserver
+    if _context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
 
-    _context()
-    forkserver.ensure_running()
+        forkserver.ensure_running()
 
 
 class _Worker:

@@ -3,8 +3,10 @@
 The template is applied as ``LLM.chat`` does (``apply_chat_template``: render, then encode without special tokens),
 in a render worker process with a time limit, so greedy output matches the offline API and a hostile template cannot
 stall the server. A request's own ``chat_template`` is refused (400 naming it) unless the operator passed
-``--trust-request-chat-template``, as in vLLM. A streamed choice opens with a ``{"role": "assistant"}`` delta and ends with a chunk
-carrying ``finish_reason``; ``stream_options.include_usage`` adds a final chunk with empty ``choices`` and the usage.
+``--trust-request-chat-template``, as in vLLM.
+
+A streamed choice opens with a ``{"role": "assistant"}`` delta and ends with a chunk carrying ``finish_reason``;
+``stream_options.include_usage`` adds a final chunk with empty ``choices`` and the usage.
 """
 
 from __future__ import annotations
