@@ -98,10 +98,14 @@ def test_tensor_parallel_on_a_two_device_mesh(tiny_model_dirs):
 
 def test_host_sampled_rows_equal_the_cpu_backend(llama_run):
     """Rows the device sampler cannot serve (logprobs, seeds, penalties, prompt logprobs) take float32 logits from
-    the same program and core's host sampler: same tokens and same top-logprob ids as the cpu backend."""
+    the same program and core's host sampler: same tokens and same top-logprob ids as the cpu backend. Random rows
+    that need nothing from the host sample on the device, compiling nothing new."""
     r = llama_run["host_rows"]
     assert r["tpu"] == r["cpu"]
     assert r["serving_compiles"] == 0
+    # Device-sampled random rows: the right length, valid ids, and not the greedy continuation.
+    assert all(len(t) == 8 and all(0 <= x < 512 for x in t) for t in r["device_random"])
+    assert r["device_random"] != r["device_greedy"]
 
 
 @pytest.mark.slow
@@ -208,7 +212,14 @@ def _host_rows(path: str, tpu_llm) -> dict:
 
     tpu, serving = outputs("tpu")
     cpu, _ = outputs("cpu")
-    return {"tpu": tpu, "cpu": cpu, "serving_compiles": serving}
+    # Random rows with no host-side need sample on the device, in the same programs (lax.cond picks the branch).
+    c0 = compiles.compiles()
+    rand = tpu_llm.generate(prompts, SamplingParams(temperature=1.0, top_k=50, max_tokens=8, ignore_eos=True),
+                            use_tqdm=False)
+    greedy = tpu_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return {"tpu": tpu, "cpu": cpu, "serving_compiles": serving + compiles.compiles() - c0,
+            "device_random": [o.outputs[0].token_ids for o in rand],
+            "device_greedy": [o.outputs[0].token_ids for o in greedy]}
 
 
 def _warmup(path: str) -> dict:

@@ -2,7 +2,7 @@
 
 A line-for-line twin of core's ``pagedllm.device_sampler.sample``: vLLM's order temperature -> top-k -> top-p ->
 min-p, every row computing both the greedy and the random token and ``where`` picking (no data-dependent branch, a
-fixed shape per sequence bucket). The random draw is an exponential race (``probs / Exp(1)``, argmax), keyed by
+fixed shape per sequence bucket; a step with no random row skips the sort through ``lax.cond``). The random draw is an exponential race (``probs / Exp(1)``, argmax), keyed by
 ``fold_in(key, step)`` so a new step needs a new scalar, never a new program. tpu-inference samples inside its jitted
 step the same way (``tpu_inference/layers/jax/sample/sampling.py``).
 """
@@ -18,6 +18,16 @@ def sample(logits: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any, ke
     import jax.numpy as jnp
 
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # An all-greedy step (the common serving case) skips the vocabulary sort: lax.cond compiles both branches into
+    # the one program and runs one, so the shape stays static and nothing recompiles.
+    return jax.lax.cond(jnp.any(temperature > 0),
+                        lambda: _random(logits, greedy, temperature, top_k, top_p, min_p, key), lambda: greedy)
+
+
+def _random(logits: Any, greedy: Any, temperature: Any, top_k: Any, top_p: Any, min_p: Any, key: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
     vocab = logits.shape[-1]
     x = logits / jnp.maximum(temperature, 1e-5)[:, None]
     order = jnp.argsort(-x, axis=-1)
