@@ -22,7 +22,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from server_utils import ServerProcess, cmdline, descendants, tiny_chat_model, wait_idle
+from server_utils import ServerProcess, cmdline, descendants, gone, tiny_chat_model, wait_idle
 
 MAX_EXAMPLES = 40  # per operation and generation mode (valid and invalid data)
 SLOWEST_S = 15.0
@@ -99,3 +99,12 @@ def test_request_chat_template_refused_by_default(schema_server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
     assert "--trust-request-chat-template" in r.json()["error"]["message"]
     assert r.elapsed.total_seconds() < 1.0
+
+
+def test_sigterm_leaves_no_process(schema_server):
+    """Runs last: a graceful stop exits 0 and takes every process along (engine, forkserver, render workers)."""
+    procs = descendants(schema_server.proc.pid)
+    assert len(procs) >= 5, [cmdline(p) for p in procs]  # engine, resource tracker, forkserver, 2 render workers
+    schema_server.terminate()
+    assert schema_server.wait(60) == 0
+    assert all(gone(p, 15) for p in procs), [cmdline(p) for p in procs if not gone(p, 0)]
