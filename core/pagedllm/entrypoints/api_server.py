@@ -245,6 +245,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
         raise
     if cpus:
         front = pin_front_end(cpus)
+        if renderer is not None:
+            renderer.pin(front)
         logger.info("HTTP process on CPUs %s%s", ",".join(map(str, sorted(front))),
                     " (shared with the engine: none left)" if front & cpus else "")
     if not served_model_names:

@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing
+import os
 import pickle
 import time
 from multiprocessing.connection import Connection
@@ -53,13 +54,15 @@ def warm_up_forkserver() -> None:
 
 
 class _Worker:
-    def __init__(self, ctx, blob: bytes, mem_limit: Optional[int]):
+    def __init__(self, ctx, blob: bytes, mem_limit: Optional[int], cpus: Optional[frozenset[int]] = None):
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=render_worker.main, args=(child, blob, mem_limit), name="pagedllm-render",
                                 daemon=True)
         self.proc.start()
         child.close()
         self.ready = False
+        if cpus:
+            set_affinity(self.proc.pid, cpus)
 
     def _wait_ready(self, timeout: float) -> None:
         if not self.ready:
@@ -89,6 +92,14 @@ class _Worker:
         self.conn.close()
 
 
+def set_affinity(pid: int, cpus: frozenset[int]) -> None:
+    """Keep a worker on the HTTP process's CPUs (``--engine-cpus``): renders never take the engine's cores."""
+    try:
+        os.sched_setaffinity(pid, cpus)
+    except (AttributeError, OSError):  # no affinity API here, or the worker already exited
+        pass
+
+
 class RenderPool:
     """``num_workers`` render processes sharing one queue of idle workers."""
 
@@ -106,6 +117,13 @@ class RenderPool:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._closed = False
         self.restarts = 0
+        self.cpus: Optional[frozenset[int]] = None
+
+    def pin(self, cpus: frozenset[int]) -> None:
+        """Run the workers (and every later respawn) on ``cpus`` only."""
+        self.cpus = frozenset(cpus)
+        for w in self._workers:
+            set_affinity(w.proc.pid, self.cpus)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
@@ -151,7 +169,7 @@ class RenderPool:
 
     def _replace(self, w: _Worker) -> _Worker:
         w.kill()
-        nw = _Worker(self._ctx, self._blob, self._mem)
+        nw = _Worker(self._ctx, self._blob, self._mem, self.cpus)
         nw._wait_ready(60.0)
         self._workers = [nw if x is w else x for x in self._workers]
         return nw
@@ -170,7 +188,7 @@ class RenderPool:
         respawn.add_done_callback(self._respawned)
 
     def _spawn_fresh(self) -> _Worker:
-        nw = _Worker(self._ctx, self._blob, self._mem)
+        nw = _Worker(self._ctx, self._blob, self._mem, self.cpus)
         nw._wait_ready(60.0)
         self._workers.append(nw)
         return nw
