@@ -16,8 +16,6 @@ import sys
 
 import pytest
 
-pytest.importorskip("jax")
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 #: Buckets of these engines: tokens (16, 32, 64) x sequences (8,) x one 8-page table -> 3 programs.

@@ -13,11 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("jax")
-
-from pagedllm import ref_ops  # noqa: E402
-from pagedllm.attention import AttentionMetadata  # noqa: E402
-from pagedllm.hookspec import KVCacheSpec  # noqa: E402
+from pagedllm import ref_ops
+from pagedllm.attention import AttentionMetadata
+from pagedllm.hookspec import KVCacheSpec
 
 PAGE = 16
 

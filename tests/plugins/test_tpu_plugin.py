@@ -17,8 +17,6 @@ import pytest
 from pagedllm.batch_policy import BatchShape
 from pagedllm.hookspec import ModelInfo
 
-pytest.importorskip("jax")
-
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_TPU_")}
 
 
