@@ -6,7 +6,8 @@ import torch
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.conformance.checks_kernels import NUM_KV_HEADS, allocate
-from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested
+from pagedllm.conformance.engine_context import pad_step, runner_context
+from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested, cache_locator, token_locator
 from pagedllm.conformance.tiny_model import TinyDecoder
 from pagedllm.hookspec import KVCacheSpec, MemoryInfo
 
@@ -57,42 +58,66 @@ def check_allocator(ctx: CaseContext) -> None:
                           f"{nb * spec.bytes_per_block} (core sizes the pool from bytes_per_block)")
 
 
-def _decode_meta(seq_lens: list[int], tables: list[list[int]], bs: int, device) -> AttentionMetadata:
-    return AttentionMetadata.build([1] * len(seq_lens), seq_lens, tables, bs, device=device)
+def _snapshot(cache) -> list[torch.Tensor]:
+    return [t.clone() for t in _tensors(cache)]
+
+
+def _restore(cache, snap: list[torch.Tensor]) -> None:
+    for t, saved in zip(_tensors(cache), snap):
+        t.copy_(saved)
 
 
 def check_graph_replay(ctx: CaseContext) -> None:
-    """Eager vs the backend's graph runner on decode steps of 3, 2, 3 and 1 sequences (bucket padding, repeated
-    replays), plus a prefill that must take the eager path; outputs and cache writes must agree."""
+    """Eager vs the backend's graph runner (called as the Worker calls it, with a RunnerContext and the backend's
+    batch policy) on a prefill and decode steps of 3, 2, 3 and 1 sequences that span several blocks of the largest
+    block size and cross a block boundary while decoding; steps are padded to the policy's buckets as the model
+    runner pads them. Outputs and the cache (every block but the padding sink) must agree."""
     hs, bs = ctx.params["head_size"], ctx.params["block_size"]
-    (cache,) = allocate(ctx, 12, bs, hs)
-    if not isinstance(cache, torch.Tensor):
-        raise Untested("cache is not a tensor: cannot snapshot it between eager and replayed runs")
-    model = TinyDecoder(ctx.backend, cache, vocab=32, num_heads=2 * NUM_KV_HEADS, num_kv_heads=NUM_KV_HEADS,
-                        head_size=hs, dtype=ctx.dtype, device=ctx.device, gen=ctx.gen)
-    runner = ctx.backend.graph_runner(model, 4, ctx.device)
-    tables = [[5, 2, 9], [0, 7, 11], [3, 8, 1]]
-    lens = [5, bs + 2, 3]
+    heads = 2 * NUM_KV_HEADS
+    lens = [5, 2 * bs + 3, 3 * bs - 1]
+    blocks_per_seq = 4  # 3 * bs - 1 + 4 decode steps needs 4 blocks
+    nb = 3 * blocks_per_seq + 2
+    sink = nb - 1  # never in a table: static backends pad into it
+    perm = ctx.randperm(nb - 1)
+    tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(3)]
+    max_len = blocks_per_seq * bs
+    (cache,) = allocate(ctx, nb, bs, hs)
+    if not _tensors(cache):
+        raise Untested(f"cache is not made of torch tensors ({type(cache).__name__}): cannot snapshot it between "
+                       f"eager and replayed runs")
+    rctx = runner_context(ctx.backend, num_heads=heads, num_kv_heads=NUM_KV_HEADS, head_size=hs, vocab=32,
+                          block_size=bs, max_model_len=max_len, max_num_seqs=4,
+                          max_num_batched_tokens=sum(lens) + 8, dtype=ctx.dtype, device=ctx.device, sink_block=sink)
+    model = TinyDecoder(ctx.backend, cache, vocab=32, num_heads=heads, num_kv_heads=NUM_KV_HEADS, head_size=hs,
+                        dtype=ctx.dtype, device=ctx.device, gen=ctx.gen, max_pos=max_len)
+    model.max_model_len = max_len
+    runner = ctx.backend.graph_runner(model, 4, ctx.device, rctx)
+    run = runner.run if runner is not None else model
+    keep = torch.tensor([b for b in range(nb) if b != sink], device=ctx.device)
 
-    def step(ids: list[int], positions: list[int], meta: AttentionMetadata, what: str) -> None:
+    def step(ids: list[int], positions: list[int], qlens: list[int], slens: list[int], tbls: list[list[int]],
+             what: str) -> None:
+        meta = AttentionMetadata.build(qlens, slens, tbls, bs, device=ctx.device)
         ids_t = torch.tensor(ids, device=ctx.device)
         pos_t = torch.tensor(positions, device=ctx.device)
-        before = cache.clone()
+        before = _snapshot(cache)
         eager = model(ids_t, pos_t, meta).clone()
-        after_eager = cache.clone()
-        cache.copy_(before)
-        replayed = runner.run(ids_t, pos_t, meta).clone()
+        after_eager = ctx.backend.gather_kv_blocks(cache, keep).clone()
+        _restore(cache, before)
+        p_ids, p_pos, p_meta = pad_step(rctx, ids, positions, qlens, slens, tbls)
+        replayed = run(p_ids, p_pos, p_meta)[: len(ids)].clone()
         ctx.backend.synchronize(ctx.device)
-        ctx.compare(replayed, eager, f"{what}: hidden states")
-        ctx.compare(cache, after_eager, f"{what}: KV cache after the step")
+        ctx.compare(replayed, eager, f"{what}: hidden states", where=token_locator(meta, hs))
+        ctx.compare(ctx.backend.gather_kv_blocks(cache, keep), after_eager, f"{what}: KV cache after the step",
+                    where=lambda idx: cache_locator(idx) + " (index into the non-sink blocks)")
 
     prompt = [int(x) for x in ctx.randint(32, sum(lens)).tolist()]
-    prefill = AttentionMetadata.build(lens, lens, tables, bs, device=ctx.device)
-    step(prompt, [p for n in lens for p in range(n)], prefill, "prefill (eager path)")
-    for active in ([0, 1, 2], [0, 2], [0, 1, 2], [1]):
+    step(prompt, [p for n in lens for p in range(n)], lens, lens, tables, "prefill")
+    for active in ([0, 1, 2], [0, 2], [0, 1, 2], [1], [2]):
         for i in active:
             lens[i] += 1
-        meta = _decode_meta([lens[i] for i in active], [tables[i] for i in active], bs, ctx.device)
         ids = [int(x) for x in ctx.randint(32, len(active)).tolist()]
-        step(ids, [lens[i] - 1 for i in active], meta, f"decode of {len(active)}")
-    ctx.notes.append(f"runner level {runner.level!r}, stats {runner.stats}")
+        step(ids, [lens[i] - 1 for i in active], [1] * len(active), [lens[i] for i in active],
+             [tables[i] for i in active], f"decode of {len(active)} (lengths {[lens[i] for i in active]})")
+    ctx.notes.append(f"runner level {getattr(runner, 'level', 'none')!r}, policy {type(rctx.policy).__name__}, "
+                     f"stats { {k: v for k, v in getattr(runner, 'stats', {}).items() if k != 'shapes_seen'} }")

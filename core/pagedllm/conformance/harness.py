@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -47,8 +47,11 @@ class CaseContext:
     def randperm(self, n: int) -> list[int]:
         return torch.randperm(n, generator=self.gen).tolist()
 
-    def compare(self, out: Any, ref: torch.Tensor, what: str, exact: bool = False) -> None:
-        """Raise :class:`CheckFailed` unless ``out`` matches ``ref`` (NaN where ref is NaN, nowhere else)."""
+    def compare(self, out: Any, ref: torch.Tensor, what: str, exact: bool = False,
+                where: Optional[Callable[[tuple], str]] = None) -> None:
+        """Raise :class:`CheckFailed` unless ``out`` matches ``ref`` (NaN where ref is NaN, nowhere else).
+
+        ``where`` turns the index of the first bad element into words (sequence, position, block, head)."""
         if not isinstance(out, torch.Tensor):
             raise CheckFailed(f"{what}: expected a tensor, got {type(out).__name__}")
         if tuple(out.shape) != tuple(ref.shape):
@@ -59,9 +62,11 @@ class CaseContext:
         o_nan, r_nan = o.isnan(), r.isnan()
         if not torch.equal(o_nan, r_nan):
             extra, missing = int((o_nan & ~r_nan).sum()), int((r_nan & ~o_nan).sum())
+            first = tuple(int(i) for i in (o_nan != r_nan).nonzero()[0])
             raise CheckFailed(f"{what}: {extra} NaN element(s) where the reference has values (read of a poisoned "
                               f"slot or an unwritten output?), {missing} value(s) where the reference is NaN "
-                              f"(write outside the expected slots?)")
+                              f"(write outside the expected slots?); first at {first}"
+                              + (f" ({where(first)})" if where else ""))
         diff = (o - r).abs().nan_to_num(0.0)
         err = float(diff.max()) if diff.numel() else 0.0
         self.max_abs_err = max(self.max_abs_err, err)
@@ -70,8 +75,9 @@ class CaseContext:
         if bool(bad.any()):
             idx = tuple(int(i) for i in bad.nonzero()[0])
             raise CheckFailed(f"{what}: {int(bad.sum())}/{bad.numel()} element(s) outside atol={atol} rtol={rtol}; "
-                              f"max abs err {err:.3g}; first at {idx}: got {float(o[idx]):.6g}, "
-                              f"want {float(r[idx]):.6g}")
+                              f"max abs err {err:.3g}; first at {idx}"
+                              + (f" ({where(idx)})" if where else "")
+                              + f": got {float(o[idx]):.6g}, want {float(r[idx]):.6g}")
 
 
 def case_seed(seed: int, case_id: str) -> int:
@@ -124,3 +130,33 @@ def canonical_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_si
                     device: torch.device) -> torch.Tensor:
     """A NaN-poisoned cache in the canonical layout, for the reference side."""
     return torch.full((2, num_blocks, block_size, num_kv_heads, head_size), float("nan"), dtype=dtype, device=device)
+
+
+def token_locator(meta: AttentionMetadata, head_size: int) -> Callable[[tuple], str]:
+    """For outputs with one row per query token (``[T, heads, head_size]`` or ``[T, heads * head_size]``): the
+    sequence, position, logical block (and physical block) and head of an element index."""
+    qsl = [int(x) for x in meta.query_start_loc.cpu().tolist()]
+    seq_lens = [int(x) for x in meta.seq_lens.cpu().tolist()]
+    tables = meta.block_tables.cpu()
+    bs = meta.block_size
+
+    def where(idx: tuple) -> str:
+        t = idx[0]
+        head = idx[1] if len(idx) >= 3 else (idx[1] // head_size if len(idx) == 2 else 0)
+        for i in range(len(seq_lens)):
+            if qsl[i] <= t < qsl[i + 1]:
+                pos = seq_lens[i] - (qsl[i + 1] - qsl[i]) + (t - qsl[i])
+                blk = pos // bs
+                phys = int(tables[i, blk]) if blk < tables.shape[1] else -1
+                return f"sequence {i}, position {pos}, block {blk} (physical {phys}), offset {pos % bs}, head {head}"
+        return f"padding token {t}, head {head}"
+
+    return where
+
+
+def cache_locator(idx: tuple) -> str:
+    """For canonical caches ``[2, num_blocks, block_size, heads, head_size]``."""
+    if len(idx) != 5:
+        return f"index {idx}"
+    kv, blk, off, head, _ = idx
+    return f"{'value' if kv else 'key'} cache, physical block {blk}, offset {off}, head {head}"

@@ -1,12 +1,15 @@
-"""pytest plugin behind ``pytest --pyargs pagedllm.conformance --device NAME``: one test per conformance case.
+"""pytest plugin behind ``pytest --pyargs pagedllm.conformance --conformance-device NAME``: one test per case.
 
 pytest reads command-line options only from plugins and from conftest files next to *path* arguments, never from a
 ``--pyargs`` package, so this module is registered as a plugin: through the ``pytest11`` entry point of the pagedllm
 distribution, or explicitly with ``-p pagedllm.conformance.pytest_plugin``. It only adds options and acts on tests
-asking for the ``conformance_case`` fixture, so it is inert in other test suites.
+asking for the ``conformance_case`` fixture, so it is inert in other test suites; every option it adds is named
+``--conformance-*`` so it never claims a generic name (``--device``) in someone else's pytest run.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -15,7 +18,8 @@ _results: list = []
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("pagedllm-conformance")
-    group.addoption("--device", default=None, help="pagedllm backend to check (a name from `pagedllm backends`)")
+    group.addoption("--conformance-device", default=None, metavar="NAME",
+                    help="pagedllm backend to check (a name from `pagedllm backends`)")
     group.addoption("--conformance-allow", action="append", default=[], metavar="PATTERN",
                     help="run only matching cases (case id kernel[model|dtype], kernel or feature; * and ?)")
     group.addoption("--conformance-exclude", action="append", default=[], metavar="PATTERN",
@@ -27,9 +31,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def _backend(config: pytest.Config):
     from pagedllm.backends import get_backend
 
-    name = config.getoption("--device")
+    name = config.getoption("--conformance-device")
     if not name:
-        raise pytest.UsageError("pagedllm.conformance needs --device NAME (see `pagedllm backends`)")
+        raise pytest.UsageError("pagedllm.conformance needs --conformance-device NAME (see `pagedllm backends`)")
     return get_backend(name)
 
 
@@ -62,4 +66,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         from pagedllm.conformance.report import Report
 
         backend = _backend(session.config)
-        Report(backend.name, str(backend.device()), list(_results)).write(report_dir)
+        from pagedllm.conformance.runner import SIMULATED_ENV, SIMULATION
+
+        report = Report(backend.name, str(backend.device()), list(_results))
+        if os.environ.get(SIMULATED_ENV):
+            report.verification, report.simulated = SIMULATION, os.environ[SIMULATED_ENV]
+        report.write(report_dir)

@@ -10,6 +10,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 STATUSES = ("passing", "failing", "untested")
+#: A whole run: FAIL (a case failed), PARTIAL (nothing failed, but a case the backend declares was not run), PASS.
+PASS, PARTIAL, FAIL = "PASS", "PARTIAL", "FAIL"
+#: How a passing feature was verified (``Report.verification``); a feature not run or failing is not verified.
+HARDWARE, SIMULATION, NOT_VERIFIED = "verified-on-hardware", "verified-on-CPU-simulation", "not-verified"
 
 
 @dataclass
@@ -25,6 +29,8 @@ class CaseResult:
     detail: str = ""  # informational notes
     max_abs_err: Optional[float] = None
     seconds: float = 0.0
+    #: untested because the backend's capabilities rule the case out (not a gap in testing: it never runs there)
+    not_applicable: bool = False
 
     @property
     def id(self) -> str:
@@ -42,11 +48,33 @@ class Report:
     device: str
     results: list[CaseResult] = field(default_factory=list)
     environment: dict = field(default_factory=dict)
+    #: HARDWARE when run on the backend's real device, SIMULATION under a simulated device layer
+    verification: str = HARDWARE
+    simulated: str = ""  # what simulated the device, when verification is SIMULATION
 
     @property
     def passed(self) -> bool:
-        """No case failed (untested cases do not fail a run; the matrix shows them)."""
+        """No case failed (untested cases do not fail a run, but make it :data:`PARTIAL`, see :attr:`status`)."""
         return not self.failing
+
+    @property
+    def status(self) -> str:
+        """FAIL if a case failed; PARTIAL if a case that applies to the backend was not run; else PASS."""
+        if self.failing:
+            return FAIL
+        if any(r.status == "untested" and not r.not_applicable for r in self.results):
+            return PARTIAL
+        return PASS
+
+    def features(self) -> dict[str, str]:
+        """``{feature: verification level}``: the report's level where every applicable case of the feature ran and
+        passed, else :data:`NOT_VERIFIED` (never claimed for a case that was not run)."""
+        out: dict[str, str] = {}
+        for feature in dict.fromkeys(r.feature for r in self.results):
+            rows = [r for r in self.results if r.feature == feature and not r.not_applicable]
+            ok = bool(rows) and all(r.status == "passing" for r in rows)
+            out[feature] = self.verification if ok else NOT_VERIFIED
+        return out
 
     @property
     def failing(self) -> list[CaseResult]:
@@ -57,8 +85,18 @@ class Report:
 
     # ---- renderings ------------------------------------------------------------------------------------------
     def to_json(self) -> str:
-        return json.dumps({"backend": self.backend, "device": self.device, "environment": self.environment,
+        return json.dumps({"backend": self.backend, "device": self.device, "status": self.status,
+                           "verification": self.verification, "simulated": self.simulated,
+                           "features": self.features(), "environment": self.environment,
                            "counts": self.counts(), "results": [asdict(r) for r in self.results]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Report":
+        d = json.loads(text)
+        known = set(CaseResult.__dataclass_fields__)
+        return cls(d["backend"], d["device"], [CaseResult(**{k: v for k, v in r.items() if k in known})
+                                              for r in d["results"]],
+                   d.get("environment", {}), d.get("verification", HARDWARE), d.get("simulated", ""))
 
     def to_csv(self) -> str:
         buf = io.StringIO()
@@ -81,9 +119,11 @@ class Report:
 
     def to_markdown(self) -> str:
         c = self.counts()
+        na = sum(r.not_applicable for r in self.results)
         lines = [f"# Conformance: backend `{self.backend}` ({self.device})", "",
-                 f"**{'PASS' if self.passed else 'FAIL'}**: {c['passing']} passing, {c['failing']} failing, "
-                 f"{c['untested']} untested.", ""]
+                 f"**{self.status}**: {c['passing']} passing, {c['failing']} failing, "
+                 f"{c['untested']} untested ({na} not applicable: capabilities rule them out).", "",
+                 f"Verification: {self.verification}" + (f" ({self.simulated})" if self.simulated else ""), ""]
         if self.environment:
             lines += [", ".join(f"{k}: {v}" for k, v in self.environment.items()), ""]
         dtypes, cells = self.matrix()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import traceback
@@ -12,9 +13,12 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 
 from pagedllm.backends import Backend, BackendError, get_backend
-from pagedllm.conformance import checks_e2e, checks_kernels as K, checks_runtime as R
+from pagedllm.conformance import checks_e2e, checks_kernels as K, checks_layout, checks_runtime as R, checks_static
 from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested, case_seed
-from pagedllm.conformance.report import CaseResult, Report, case_id
+from pagedllm.conformance.report import SIMULATION, CaseResult, Report, case_id
+
+#: Set by tests that run a backend on a simulated device layer: a description of that layer (e.g. "tests/sim/xpu").
+SIMULATED_ENV = "PAGEDLLM_CONFORMANCE_SIMULATED"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 #: Default (atol, rtol) per dtype; data-movement hooks (write_kv, gather/copy/swap) are compared exactly.
@@ -79,16 +83,31 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                 cases.append(Case("fused_ops", "rotary", f"hs{hs}-rot{rot}", dt, K.check_rotary,
                                   dict(head_size=hs, rot_dim=rot)))
     dt0 = "float32" if "float32" in caps.dtypes else caps.dtypes[0]
-    cases.append(Case("graph", "graph_runner.replay_vs_eager", f"tiny-decoder-hs{hs0}-bs{bs0}", dt0,
-                      R.check_graph_replay, dict(head_size=hs0, block_size=bs0)))
+    bs_max = max(caps.block_sizes)  # e2e and replay sequences span several blocks of the largest size
+    cases.append(Case("kv_cache", "layout_ownership", f"hs{hs0}-bs{bs0}", dt0, checks_layout.check_layout_ownership,
+                      dict(head_size=hs0, block_size=bs0)))
+    cases.append(Case("graph", "graph_runner.replay_vs_eager", f"tiny-decoder-hs{hs0}-bs{bs_max}", dt0,
+                      R.check_graph_replay, dict(head_size=hs0, block_size=bs_max)))
     hs_e2e = 64 if 64 in head_sizes else hs0
-    cases.append(Case("e2e", "greedy_parity_vs_hf", f"tiny-llama-hs{hs_e2e}", "float32",
-                      checks_e2e.check_greedy_parity, dict(head_size=hs_e2e, block_size=bs0),
-                      untested="" if "float32" in caps.dtypes else "greedy parity needs float32, not declared"))
+    no_f32 = "" if "float32" in caps.dtypes else "needs float32, not declared"
+    cases.append(Case("e2e", "greedy_parity_vs_hf", f"tiny-llama-hs{hs_e2e}-bs{bs_max}", "float32",
+                      checks_e2e.check_greedy_parity, dict(head_size=hs_e2e, block_size=bs_max),
+                      untested=no_f32 and f"greedy parity {no_f32}"))
+    if _static(backend, bs_max):
+        cases.append(Case("static_shapes", "buckets_only_and_equal_to_dynamic", f"tiny-llama-hs{hs_e2e}-bs{bs_max}",
+                          "float32", checks_static.check_static_shapes, dict(head_size=hs_e2e, block_size=bs_max),
+                          untested=no_f32 and f"static-shape parity {no_f32}"))
     for c in cases:
         if c.dtype not in DTYPES and c.dtype != "-" and not c.untested:
             c.untested = f"dtype {c.dtype!r} is not known to the conformance suite"
     return cases
+
+
+def _static(backend: Backend, block_size: int) -> bool:
+    try:
+        return checks_static.is_static(backend, block_size)
+    except Exception:  # a policy hook that raises here fails in the static case itself, never silently
+        return True
 
 
 def _match(pattern: str, case: Case) -> bool:
@@ -143,12 +162,16 @@ def run_case(backend: Backend, case: Case, tolerances: Optional[dict] = None, se
 def run_conformance(backend: Union[str, Backend], report_dir: Optional[str] = None,
                     allow: Optional[Iterable[str]] = None, exclude: Optional[Iterable[str]] = None,
                     tolerances: Optional[dict] = None, *, seed: int = 0, gqa_ratios: Iterable[int] = GQA_RATIOS,
-                    progress: Optional[Callable[[CaseResult], None]] = None) -> Report:
+                    progress: Optional[Callable[[CaseResult], None]] = None,
+                    simulated: Optional[str] = None) -> Report:
     """Check every contract hook of ``backend`` (a name or a :class:`Backend`) against core's reference ops.
 
     ``allow``/``exclude``: patterns (``*``, ``?``) on case ids ``kernel[model|dtype]``, kernels or features; cases
-    not selected are reported untested. ``tolerances``: ``{dtype or pattern: (atol, rtol)}`` overrides. Writes
-    ``conformance-<name>.{md,json,csv}`` to ``report_dir`` when given.
+    not selected are reported untested (the run is then PARTIAL). ``tolerances``: ``{dtype or pattern: (atol,
+    rtol)}`` overrides. ``simulated``: a description of the simulated device layer the backend runs on (default:
+    the ``PAGEDLLM_CONFORMANCE_SIMULATED`` environment variable); the report is then
+    ``verified-on-CPU-simulation``, else ``verified-on-hardware``. Writes ``conformance-<name>.{md,json,csv}`` to
+    ``report_dir`` when given. ``report.status`` is PASS, PARTIAL or FAIL.
     """
     be = get_backend(backend) if isinstance(backend, str) else backend
     if not be.probe.usable:
@@ -159,10 +182,14 @@ def run_conformance(backend: Union[str, Backend], report_dir: Optional[str] = No
     report = Report(be.name, str(be.device()), environment={
         "pagedllm": getattr(pagedllm, "__version__", "?"), "torch": torch.__version__,
         "device_name": be.probe.device_name, "graph_capture": caps.graph_capture, "seed": seed})
+    simulated = simulated if simulated is not None else os.environ.get(SIMULATED_ENV, "")
+    if simulated:
+        report.verification, report.simulated = SIMULATION, simulated
     for case in enumerate_cases(be, tuple(gqa_ratios)):
         reason = selection_reason(case, allow, exclude)
         if reason:
-            result = CaseResult(case.feature, case.kernel, case.model, case.dtype, "untested", reason)
+            result = CaseResult(case.feature, case.kernel, case.model, case.dtype, "untested", reason,
+                                not_applicable=bool(case.untested))
         else:
             result = run_case(be, case, tolerances, seed)
         report.results.append(result)

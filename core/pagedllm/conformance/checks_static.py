@@ -1,0 +1,93 @@
+"""Static shapes: a backend with a bucketed batch policy must only ever show its model shapes from the declared
+bucket set (the warm-up set), and its outputs must equal the dynamic path: the same backend's kernels with the
+identity policy, run eagerly. Shapes are recorded at the model, as ``tests/test_static_buckets.py`` does."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+from pagedllm.backends import Backend
+from pagedllm.conformance.checks_e2e import MAX_TOKENS, e2e_max_len, e2e_prompts, selected_by_name, tiny_llama
+from pagedllm.conformance.engine_context import runner_context
+from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested
+from pagedllm.hookspec import hookimpl
+
+#: Hooks the dynamic twin does not take from the backend: its shape discipline and its runners.
+STATIC_HOOKS = ("pagedllm_batch_policy", "pagedllm_graph_runner", "pagedllm_model_runner", "pagedllm_backend_info")
+
+
+def is_static(backend: Backend, block_size: int) -> bool:
+    """Whether the backend's batch policy (asked as the Worker asks it) is bucketed."""
+    import torch
+
+    ctx = runner_context(backend, num_heads=4, num_kv_heads=2, head_size=16, vocab=128, block_size=block_size,
+                         max_model_len=4 * block_size, max_num_seqs=4, max_num_batched_tokens=8 * block_size,
+                         dtype=torch.float32, device=backend.device())
+    return bool(ctx.policy.static)
+
+
+def dynamic_twin(backend: Backend) -> Backend:
+    """The backend's own kernels, allocator and memory hooks with core's identity policy and no runners."""
+    hooks = {n: getattr(backend.plugin, n) for n in dir(backend.plugin)
+             if n.startswith("pagedllm_") and n not in STATIC_HOOKS}
+    info = backend.info
+
+    @hookimpl
+    def pagedllm_backend_info():
+        return replace(info, name=f"{info.name}+dynamic", priority=-100)
+
+    return Backend(SimpleNamespace(**hooks, pagedllm_backend_info=pagedllm_backend_info), f"{info.name}+dynamic")
+
+
+def _generate(backend: Backend, path: str, prompts: list, bs: int, record: bool, eager: bool):
+    from pagedllm import LLM, SamplingParams
+
+    with selected_by_name(backend):
+        llm = LLM(model=path, device=backend.name, dtype="float32", block_size=bs, skip_tokenizer_init=True,
+                  max_model_len=e2e_max_len(bs), max_num_seqs=4, max_num_batched_tokens=2 * bs + 8,
+                  enforce_eager=eager)
+    seen: list = []
+    if record:
+        llm.llm_engine.model.register_forward_pre_hook(
+            lambda mod, args: seen.append((int(args[0].shape[0]), int(args[2].seq_lens.shape[0]),
+                                           int(args[2].block_tables.shape[1]))))
+    # Rows without logprobs sample inside the backend's region where it samples on the device; rows with logprobs
+    # take the forward-only program and the host sampler: both paths are compared.
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2 if i % 2 else None, ignore_eos=True)
+              for i in range(len(prompts))]
+    with selected_by_name(backend):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, seen, [(list(o.outputs[0].token_ids), o.outputs[0].logprobs or []) for o in outs]
+
+
+def check_static_shapes(ctx: CaseContext) -> None:
+    bs = ctx.params["block_size"]
+    path = tiny_llama(ctx.params["head_size"], max_positions=e2e_max_len(bs))
+    prompts = e2e_prompts(ctx, bs)
+    prompts.append(prompts[2][: 2 * bs - 1])  # four sequences, a token budget below the longest: chunked prefill
+    llm, seen, static_out = _generate(ctx.backend, path, prompts, bs, record=True, eager=False)
+    worker = llm.llm_engine.worker
+    declared = set(worker.policy.warmup_shapes())
+    if not seen:
+        raise Untested("the model was never called through its forward (the backend's own model runner bypasses "
+                       "it): shapes cannot be recorded")
+    outside = sorted(set(seen) - declared)
+    if outside:
+        raise CheckFailed(f"the model saw {len(outside)} shape(s) (tokens, seqs, block-table width) outside the "
+                          f"{len(declared)} declared bucket shapes, first {outside[:3]}")
+    _, _, dynamic_out = _generate(dynamic_twin(ctx.backend), path, prompts, bs, record=False, eager=True)
+    for i, ((got, got_lp), (want, want_lp)) in enumerate(zip(static_out, dynamic_out)):
+        if got != want:
+            k = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+            pos = len(prompts[i]) + k
+            raise CheckFailed(f"sequence {i}: static path generated {got}, dynamic path {want}; first bad at "
+                              f"position {pos}, block {pos // bs} offset {pos % bs}")
+        for k, (a, b) in enumerate(zip(got_lp, want_lp)):
+            if sorted(a) != sorted(b) or any(abs(a[t].logprob - b[t].logprob) > 1e-4 for t in a):
+                pos = len(prompts[i]) + k
+                raise CheckFailed(f"sequence {i}, position {pos} (block {pos // bs}): static logprobs "
+                                  f"{ {t: round(v.logprob, 6) for t, v in a.items()} } != dynamic "
+                                  f"{ {t: round(v.logprob, 6) for t, v in b.items()} }")
+    ctx.notes.append(f"{len(set(seen))} distinct shapes seen of {len(declared)} declared; "
+                     f"{len(seen)} forwards; block size {bs}")
