@@ -110,13 +110,17 @@ def check_copy(ctx: CaseContext) -> None:
 
 
 def check_swap(ctx: CaseContext) -> None:
-    """Device -> host -> other device blocks round trip; every other block must be left alone."""
+    """Device -> host -> other device blocks round trip through host caches the backend allocates (its layout, any
+    shape: one tensor or a tuple per layer); every other block must be left alone."""
     hs, bs, nb = ctx.params["head_size"], ctx.params["block_size"], 6
     caches, refs = _filled(ctx, 2, nb, bs, hs)
-    if not all(isinstance(c, torch.Tensor) for c in caches):
-        raise Untested("the cache is not a tensor: host copies cannot be allocated generically")
+    if not all(_torch_tensors(c) for c in caches):
+        raise Untested("the cache is not made of torch tensors: host copies cannot be checked")
     pin = ctx.device.type != "cpu" and ctx.backend.memory_info(ctx.device).pinned_host
-    host = [torch.full(c.shape, float("nan"), dtype=c.dtype, pin_memory=pin) for c in caches]
+    spec = KVCacheSpec(2, nb, bs, NUM_KV_HEADS, hs, ctx.dtype, torch.device("cpu"))
+    host = ctx.backend.allocate_host_kv_cache(spec, pin)
+    for h in host:
+        poison(h)
     ref_host = [torch.full(r.shape, float("nan"), dtype=r.dtype) for r in refs]
     out_src, out_dst = torch.tensor([1, 5]), torch.tensor([3, 0])
     in_src, in_dst = torch.tensor([3, 0]), torch.tensor([2, 4])
@@ -126,6 +130,12 @@ def check_swap(ctx: CaseContext) -> None:
     ref_ops.swap_kv_blocks(ref_host, refs, in_src, in_dst)
     for i, (c, r) in enumerate(zip(caches, refs)):
         ctx.compare(gather_all(ctx, c, nb), r, f"layer {i} after swap out and back in", exact=True)
+
+
+def _torch_tensors(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    return isinstance(obj, (list, tuple)) and len(obj) > 0 and all(_torch_tensors(x) for x in obj)
 
 
 # ---- fused ops --------------------------------------------------------------------------------------------------

@@ -1,0 +1,230 @@
+"""Conformance v2 on purpose-built backends: reference ops on a backend's own layout fail, checks that cannot run make
+a run PARTIAL, an off-by-one block offset at block size 64 is caught end to end and located, a static policy that
+lets unbucketed shapes through fails, and reports carry their verification level into the support matrix."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from pagedllm import ref_ops
+from pagedllm.backends import Backend
+from pagedllm.batch_policy import BatchShape, BucketPolicy, pow2_buckets
+from pagedllm.conformance import run_conformance
+from pagedllm.conformance import cli as conformance_cli
+from pagedllm.conformance.report import PARTIAL, SIMULATION, Report
+from pagedllm.conformance.runner import enumerate_cases, run_case
+from pagedllm.hookspec import Capabilities
+from plugin_factory import make_plugin
+from test_conformance import off_by_one_attention
+
+
+# ---- a blocks-first layout [num_blocks, 2, block_size, heads, head_size] --------------------------------------
+def bf_allocate(spec):
+    return [torch.full((spec.num_blocks, 2, spec.block_size, spec.num_kv_heads, spec.head_size), float("nan"),
+                       dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
+
+
+def bf_write(key, value, kv_cache, slot_mapping):
+    keep = slot_mapping >= 0
+    s = slot_mapping[keep]
+    b, o = s // kv_cache.shape[2], s % kv_cache.shape[2]
+    kv_cache[b, 0, o] = key[keep]
+    kv_cache[b, 1, o] = value[keep]
+
+
+def bf_gather(kv_cache, block_ids):
+    return kv_cache[block_ids].transpose(0, 1).contiguous()
+
+
+def bf_attention(query, kv_cache, meta, scale, sliding_window, soft_cap):
+    return ref_ops.paged_attention(query, kv_cache.transpose(0, 1).contiguous(), meta, scale, sliding_window,
+                                   soft_cap)
+
+
+def bf_copy(kv_caches, src, dst):
+    for c in kv_caches:
+        c[dst] = c[src]
+
+
+def bf_swap(src_caches, dst_caches, src, dst):
+    for s, d in zip(src_caches, dst_caches):
+        d[dst.to(d.device)] = s[src.to(s.device)].to(d.device)
+
+
+def bf_host(spec, pin_memory):
+    return bf_allocate(spec)
+
+
+BLOCKS_FIRST = dict(allocate_kv_cache=bf_allocate, write_kv=bf_write, gather_kv_blocks=bf_gather,
+                    paged_attention=bf_attention)
+
+
+def test_reference_op_on_a_backends_own_layout_fails():
+    half = Backend(make_plugin("half-own", **BLOCKS_FIRST), "half-own")
+    report = run_conformance(half, allow=["layout_ownership", "copy_kv_blocks", "write_kv"])
+    (own,) = [r for r in report.results if r.kernel == "layout_ownership"]
+    assert own.status == "failing" and report.status == "FAIL"
+    for hook in ("pagedllm_copy_kv_blocks", "pagedllm_swap_kv_blocks", "pagedllm_allocate_host_kv_cache"):
+        assert hook in own.error
+    assert "resolve(s) to core's reference op" in own.error and "[2, num_blocks" in own.error
+    assert all(r.status == "failing" for r in report.results if r.kernel == "copy_kv_blocks")
+    assert all(r.status == "passing" for r in report.results if r.kernel == "write_kv")
+
+    whole = Backend(make_plugin("all-own", **BLOCKS_FIRST, copy_kv_blocks=bf_copy, swap_kv_blocks=bf_swap,
+                                allocate_host_kv_cache=bf_host), "all-own")
+    report = run_conformance(whole, allow=["kv_cache"])
+    assert report.passed, [(r.id, r.error) for r in report.failing]
+    kernels = {r.kernel for r in report.results if r.status == "passing"}
+    assert {"layout_ownership", "copy_kv_blocks", "swap_kv_blocks", "gather_kv_blocks"} <= kernels
+
+
+class Box:
+    """A cache object holding a canonical tensor the checks cannot see through: snapshots and host copies of it
+    cannot be made generically, so those checks report untested."""
+
+    def __init__(self, t):
+        self.t = t.fill_(float("nan"))  # the suite cannot poison what it cannot see: poison here
+
+
+BOXED = dict(allocate_kv_cache=lambda spec: [Box(c) for c in ref_ops.allocate_kv_cache(
+                 spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype,
+                 spec.device)],
+             allocate_host_kv_cache=lambda spec, pin_memory: [Box(c) for c in ref_ops.allocate_kv_cache(
+                 spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype,
+                 spec.device)],
+             write_kv=lambda key, value, kv_cache, slot_mapping: ref_ops.write_kv(key, value, kv_cache.t,
+                                                                                 slot_mapping),
+             paged_attention=lambda query, kv_cache, meta, scale, sliding_window, soft_cap: ref_ops.paged_attention(
+                 query, kv_cache.t, meta, scale, sliding_window, soft_cap),
+             gather_kv_blocks=lambda kv_cache, block_ids: ref_ops.gather_kv_blocks(kv_cache.t, block_ids),
+             copy_kv_blocks=lambda kv_caches, src, dst: ref_ops.copy_kv_blocks([c.t for c in kv_caches], src, dst),
+             swap_kv_blocks=lambda src_caches, dst_caches, src, dst: ref_ops.swap_kv_blocks(
+                 [c.t for c in src_caches], [c.t for c in dst_caches], src, dst))
+
+
+def test_untested_checks_make_the_run_partial_never_pass():
+    be = Backend(make_plugin("boxed", **BOXED), "boxed")
+    cases = [c for c in enumerate_cases(be) if c.kernel in ("layout_ownership", "swap_kv_blocks",
+                                                            "graph_runner.replay_vs_eager", "copy_kv_blocks")]
+    report = Report(be.name, "cpu", [run_case(be, c) for c in cases])
+    by_kernel = {r.kernel: r.status for r in report.results}
+    assert by_kernel == {"layout_ownership": "passing", "copy_kv_blocks": "passing", "swap_kv_blocks": "untested",
+                         "graph_runner.replay_vs_eager": "untested"}
+    assert report.passed and report.status == PARTIAL
+    text = report.to_markdown()
+    assert "**PARTIAL**" in text and "**PASS**" not in text
+    assert report.features()["graph"] == "not-verified"
+    # a capability the backend does not declare is not a testing gap: that alone keeps PASS
+    nocap = Backend(make_plugin("nocap", caps=Capabilities(sliding_window=False)), "nocap")
+    ref = run_conformance(nocap, allow=["rms_norm", "*sliding_window*"])
+    assert ref.status == PARTIAL  # the allowlist left declared cases unrun
+    sw = [r for r in ref.results if r.kernel == "paged_attention.sliding_window"]
+    assert sw and all(r.not_applicable and r.status == "untested" for r in sw)
+    ran = [r for r in ref.results if r.status == "passing" or r.not_applicable]
+    assert Report("nocap", "cpu", ran).status == "PASS"
+    assert Report("nocap", "cpu", ran).features()["attention"] == "not-verified"  # nothing applicable ran
+
+
+def test_off_by_one_block_offset_at_block_size_64_is_caught_and_located():
+    caps = Capabilities(block_sizes=(16, 64), head_sizes=(64,))
+    bad = Backend(make_plugin("obo64", caps=caps, paged_attention=off_by_one_attention), "obo64")
+    report = run_conformance(bad, allow=["greedy_parity_vs_hf", "graph_runner.*"])
+    rows = {r.kernel: r for r in report.results if r.status != "untested"}
+    assert set(rows) == {"greedy_parity_vs_hf", "graph_runner.replay_vs_eager"}
+    assert all("bs64" in r.model for r in rows.values())  # the largest declared block size
+    e2e = rows["greedy_parity_vs_hf"]
+    assert e2e.status == "failing" and "sequence" in e2e.error and "position" in e2e.error and "block" in e2e.error
+    # replay vs eager runs the same broken kernel on both sides, so it agrees; the kernel check catches it
+    assert rows["graph_runner.replay_vs_eager"].status == "passing"
+    kern = run_conformance(bad, allow=["paged_attention.prefill"], gqa_ratios=(1,))
+    assert [r.status for r in kern.results if r.kernel == "paged_attention.prefill"] == ["failing", "failing"]
+
+
+def test_graph_replay_mismatch_names_sequence_position_block_and_head():
+    """A runner that shifts positions from the third block of 64 on: the replay check says where it starts."""
+    from pagedllm.hookspec import GraphRunner
+
+    def graph_runner(model, max_num_seqs, device, ctx):
+        return GraphRunner(run=lambda ids, pos, meta: model(ids, pos + (pos >= 2 * ctx.block_size), meta),
+                           level="decode")
+
+    caps = Capabilities(block_sizes=(16, 64), head_sizes=(64,))
+    be = Backend(make_plugin("shifty", caps=caps, graph_runner=graph_runner), "shifty")
+    (row,) = [r for r in run_conformance(be, allow=["graph_runner.*"]).results if r.status != "untested"]
+    assert row.status == "failing"
+    assert "prefill: hidden states" in row.error
+    assert "sequence 1, position 128, block 2 (physical" in row.error and "head " in row.error, row.error
+
+
+class LeakyBuckets(BucketPolicy):
+    """Claims static buckets but passes every step through unpadded."""
+
+    def pad(self, shape: BatchShape) -> BatchShape:
+        return shape
+
+
+def leaky_policy(ctx):
+    return LeakyBuckets(pow2_buckets(ctx.max_num_batched_tokens, 8), pow2_buckets(ctx.max_num_seqs),
+                        pow2_buckets(-(-ctx.max_model_len // ctx.block_size)), ctx.block_size)
+
+
+def test_static_policy_that_leaks_unbucketed_shapes_fails():
+    leaky = Backend(make_plugin("leaky", batch_policy=leaky_policy), "leaky")
+    report = run_conformance(leaky, allow=["static_shapes"])
+    (row,) = [r for r in report.results if r.feature == "static_shapes"]
+    assert row.status == "failing" and "outside the" in row.error and "declared bucket shapes" in row.error
+    # dynamic backends get no static-shape case at all
+    assert not [c for c in enumerate_cases(Backend(make_plugin("dyn"), "dyn")) if c.feature == "static_shapes"]
+
+
+def test_graph_runner_gets_a_runner_context():
+    seen = []
+
+    def graph_runner(model, max_num_seqs, device, ctx):
+        from pagedllm.hookspec import GraphRunner
+
+        seen.append(ctx)
+        return GraphRunner(run=model)
+
+    be = Backend(make_plugin("ctxgr", graph_runner=graph_runner), "ctxgr")
+    report = run_conformance(be, allow=["graph_runner.*"])
+    assert report.results and not report.failing
+    (ctx,) = seen
+    assert ctx.block_size == 16 and ctx.max_model_len == 4 * 16 and ctx.config.block_size == 16
+    assert ctx.max_num_seqs == 4 and ctx.pad_slot == -1 and not ctx.policy.static
+
+
+def test_verification_level_json_and_support_matrix(tmp_path, monkeypatch, capsys):
+    be = Backend(make_plugin("simmed"), "simmed")
+    report = run_conformance(be, allow=["fused_ops"], simulated="tests/fake layer", report_dir=str(tmp_path))
+    assert report.verification == SIMULATION and report.simulated == "tests/fake layer"
+    data = json.loads((tmp_path / "conformance-simmed.json").read_text())
+    assert data["status"] == "PARTIAL" and data["verification"] == "verified-on-CPU-simulation"
+    assert data["features"]["fused_ops"] == "verified-on-CPU-simulation"
+    assert data["features"]["attention"] == "not-verified"
+    back = Report.from_json((tmp_path / "conformance-simmed.json").read_text())
+    assert back.status == report.status and back.features() == report.features()
+
+    monkeypatch.setenv("PAGEDLLM_CONFORMANCE_SIMULATED", "env layer")
+    assert run_conformance(be, allow=["rms_norm"]).simulated == "env layer"
+    monkeypatch.delenv("PAGEDLLM_CONFORMANCE_SIMULATED")
+    hw = run_conformance(Backend(make_plugin("hw"), "hw"), allow=["fused_ops"], report_dir=str(tmp_path))
+    assert hw.verification == "verified-on-hardware"
+
+    out = tmp_path / "support-matrix.md"
+    parser = argparse.ArgumentParser()
+    conformance_cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["conformance", "--support-matrix", str(out), "--from-reports",
+                              str(tmp_path / "conformance-simmed.json"), str(tmp_path / "conformance-hw.json"),
+                              "--backends", "simmed", "hw", "nothere"])
+    assert args.func(args) == 0
+    text = out.read_text()
+    rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "verified on CPU simulation (" in rows["simmed"] and "PARTIAL (tests/fake layer)" in rows["simmed"]
+    assert "verified on hardware (" in rows["hw"] and "verified on CPU simulation" not in rows["hw"]
+    assert "not verified (" in rows["simmed"]  # attention: declared, not run
+    assert rows["nothere"].count("not verified") == 7 and "no report" in rows["nothere"]
+    assert "✅" not in text
