@@ -112,6 +112,13 @@ def check_graph_replay(ctx: CaseContext) -> None:
                     where=lambda idx: cache_locator(idx) + " (index into the non-sink blocks)")
 
     prompt = [int(x) for x in ctx.randint(32, sum(lens)).tolist()]
+    with torch.inference_mode():  # as the Worker runs every step
+        _steps(step, prompt, lens, tables, ctx)
+    ctx.notes.append(f"runner level {getattr(runner, 'level', 'none')!r}, policy {type(rctx.policy).__name__}, "
+                     f"stats { {k: v for k, v in getattr(runner, 'stats', {}).items() if k != 'shapes_seen'} }")
+
+
+def _steps(step, prompt: list[int], lens: list[int], tables: list[list[int]], ctx: CaseContext) -> None:
     step(prompt, [p for n in lens for p in range(n)], lens, lens, tables, "prefill")
     for active in ([0, 1, 2], [0, 2], [0, 1, 2], [1], [2]):
         for i in active:
@@ -119,5 +126,3 @@ def check_graph_replay(ctx: CaseContext) -> None:
         ids = [int(x) for x in ctx.randint(32, len(active)).tolist()]
         step(ids, [lens[i] - 1 for i in active], [1] * len(active), [lens[i] for i in active],
              [tables[i] for i in active], f"decode of {len(active)} (lengths {[lens[i] for i in active]})")
-    ctx.notes.append(f"runner level {getattr(runner, 'level', 'none')!r}, policy {type(rctx.policy).__name__}, "
-                     f"stats { {k: v for k, v in getattr(runner, 'stats', {}).items() if k != 'shapes_seen'} }")

@@ -9,11 +9,13 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.backends import Backend
 
 
-class TinyDecoder:
-    """``model(input_ids, positions, meta) -> hidden_states``; weights from ``gen``, KV in a persistent cache."""
+class TinyDecoder(torch.nn.Module):
+    """``model(input_ids, positions, meta) -> hidden_states``; weights from ``gen``, KV in a persistent cache. An
+    ``nn.Module`` like the engine's models, so graph runners may hook or walk it."""
 
     def __init__(self, backend: Backend, kv_cache, *, vocab: int, num_heads: int, num_kv_heads: int, head_size: int,
                  dtype: torch.dtype, device: torch.device, gen: torch.Generator, max_pos: int = 256):
+        super().__init__()
         self.be, self.kv_cache = backend, kv_cache
         self.h, self.hkv, self.d = num_heads, num_kv_heads, head_size
         hidden, inter = num_heads * head_size, 2 * num_heads * head_size
@@ -31,7 +33,7 @@ class TinyDecoder:
         self.cos_sin = torch.cat((f.cos(), f.sin()), dim=-1).to(device=device, dtype=dtype)
         self.max_model_len = max_pos
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         be, t = self.be, input_ids.shape[0]
         h = self.embed[input_ids]
         x = be.rms_norm(h, self.n1, 1e-6)
