@@ -51,11 +51,14 @@ class FlatMetadata:
     block_mapping: torch.Tensor  # float32 [N, T]
     block_masked: torch.Tensor  # bool [N, block_size]: True = key hidden from the row
     num_rows: int
+    block_pad: torch.Tensor  # bool [N]: entry of a padding row (its key and value read as 0)
 
 
 def flat_metadata(meta: AttentionMetadata, num_tokens: int, sliding_window: Optional[int] = None) -> FlatMetadata:
     """One row per query token; entry ``(t, j)`` is block ``j`` of token ``t``'s sequence. Padding rows (past
-    ``query_start_loc[-1]``) see one key of their block 0, so every row has a finite softmax."""
+    ``query_start_loc[-1]``) see one key of their block 0, so every row has a finite softmax, and that key and its
+    value read as 0 (``block_pad``): block 0 may never have been written, and one NaN there would reach every row
+    through the one-hot ``block2batch`` matmul (0 * NaN = NaN)."""
     dev = meta.block_tables.device
     bs = meta.block_size
     num_seqs, width = meta.block_tables.shape
@@ -74,7 +77,8 @@ def flat_metadata(meta: AttentionMetadata, num_tokens: int, sliding_window: Opti
         masked |= (pos[:, None, None] - key_pos[None]) >= sliding_window
     groups = t.repeat_interleave(width)
     mapping = torch.nn.functional.one_hot(groups, num_classes=num_tokens).to(torch.float32)
-    return FlatMetadata(block_list, groups, mapping, masked.reshape(num_tokens * width, bs), num_tokens)
+    block_pad = (~real).repeat_interleave(width)
+    return FlatMetadata(block_list, groups, mapping, masked.reshape(num_tokens * width, bs), num_tokens, block_pad)
 
 
 def batch2block(x: torch.Tensor, block_mapping: torch.Tensor) -> torch.Tensor:
@@ -108,12 +112,13 @@ def flat_pa(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     hide = fm.block_masked[:, None, None, :]
-    scores = torch.where(hide, float("-inf"), scores)
+    pad = fm.block_pad[:, None, None, None]
+    scores = torch.where(hide, float("-inf"), torch.where(pad, 0.0, scores))
     block_max = scores.amax(dim=-1, keepdim=True)  # -inf for an entry with no visible key
     safe_max = torch.where(block_max == float("-inf"), 0.0, block_max)
     attn = torch.exp(scores - safe_max)
     block_sums = attn.sum(dim=-1, keepdim=True)
-    values = torch.where(fm.block_masked[:, :, None, None], 0.0, values.float()).permute(0, 2, 1, 3)  # [N,Hkv,bs,D]
+    values = torch.where(fm.block_masked[:, :, None, None] | pad, 0.0, values.float()).permute(0, 2, 1, 3)  # [N,Hkv,bs,D]
     attn = torch.matmul(attn, values)  # [N, Hkv, G, D]
     # pipelined_pa's merge: rescale each entry by exp(entry max - row max) / row sum.
     block_max = block_max.squeeze(-1)
