@@ -9,6 +9,13 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import tiny_models`
 
+import torch  # noqa: E402
+
+# Triton reads TRITON_INTERPRET when it is first imported, and plugin discovery in any earlier test may import it
+# (the xpu plugin loads core's Triton kernels): without an accelerator, every in-process Triton use is interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import tiny_models  # noqa: E402
 from pagedllm.hookspec import BackendInfo, MemoryInfo, ProbeResult, hookimpl  # noqa: E402
 
