@@ -14,7 +14,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import API_KEY, ServerProcess, children, cmdline, metrics, tiny_chat_model, wait_idle
+from server_utils import API_KEY, ServerProcess, children, cmdline, gone, metrics, tiny_chat_model, wait_idle
 
 from pagedllm import SamplingParams
 
@@ -374,23 +374,9 @@ def test_sigterm_drains_inflight_request(model_path):
         t.join(60)
         assert srv.wait(60) == 0
         assert result.get("finish") == "length" and result.get("tokens") == 300, result
-        assert all(_gone(c, 10) for c in kids)  # the engine process stopped with the server
+        assert all(gone(c, 10) for c in kids)  # the engine process stopped with the server
     finally:
         srv.stop()
-
-
-def _gone(pid: int, timeout: float) -> bool:
-    """The process exited (a zombie awaiting a reaper counts as exited)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_killed_server_takes_its_engine_process_along(model_path):
@@ -404,7 +390,7 @@ def test_killed_server_takes_its_engine_process_along(model_path):
         assert any("spawn_main" in cmdline(c) for c in kids)
         os.kill(srv.proc.pid, signal.SIGKILL)
         srv.wait(30)
-        assert all(_gone(c, 15) for c in kids)
+        assert all(gone(c, 15) for c in kids)
     finally:
         srv.stop()
 

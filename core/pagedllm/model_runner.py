@@ -9,7 +9,7 @@ to the bucket width, ``query_start_loc`` repeats its last value. Kernels therefo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -22,6 +22,21 @@ from pagedllm.request import Request
 from pagedllm.sampler import SamplerOutput
 from pagedllm.scheduler import ScheduledRequest
 
+
+
+def prompt_logit_spans(batch: list, query_start_loc_cpu: list) -> Iterator[tuple[Any, int, int, int]]:
+    """``(request, first prompt position, start row, stop row)`` of this step's hidden rows whose logits a request's
+    prompt logprobs still need. Position p's logits predict token p + 1: prompt tokens 1..P-1 need positions
+    0..P-2, once each (across chunked prefill and preemption). Shared by every model runner."""
+    for i, s in enumerate(batch):
+        r = s.request
+        if r.prompt_logprobs is None:
+            continue
+        lo = max(s.num_computed_tokens, len(r.prompt_logprobs) - 1)
+        hi = min(s.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens - 1)
+        if lo < hi:
+            base = query_start_loc_cpu[i] - s.num_computed_tokens
+            yield r, lo, base + lo, base + hi
 
 class ModelRunner:
     def __init__(self, model: Any, run: Any, kv: KVCacheManager, device: torch.device,
@@ -111,16 +126,8 @@ class ModelRunner:
                                 device=hidden.device)
             out.requests = [batch[i].request for i in rows]
             out.logits = self.model.compute_logits(hidden.index_select(0, last)).float()
-        for i, s in enumerate(batch):
-            r = s.request
-            if r.prompt_logprobs is None:
-                continue
-            # Position p's logits predict token p + 1: prompt tokens 1..P-1 need positions 0..P-2, once each.
-            lo = max(s.num_computed_tokens, len(r.prompt_logprobs) - 1)
-            hi = min(s.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens - 1)
-            if lo < hi:
-                base = meta.query_start_loc_cpu[i] - s.num_computed_tokens
-                out.prompt_logits.append((r, lo, self.model.compute_logits(hidden[base + lo:base + hi]).float()))
+        for r, lo, start, stop in prompt_logit_spans(batch, meta.query_start_loc_cpu):
+            out.prompt_logits.append((r, lo, self.model.compute_logits(hidden[start:stop]).float()))
         return out
 
 

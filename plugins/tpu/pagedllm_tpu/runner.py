@@ -29,7 +29,7 @@ import torch
 from pagedllm.batch_policy import BatchShape
 from pagedllm.device_sampler import SamplingTensors, on_device_eligible
 from pagedllm.hookspec import RunnerContext
-from pagedllm.model_runner import ModelRunner, StepOutput
+from pagedllm.model_runner import ModelRunner, StepOutput, prompt_logit_spans
 from pagedllm.sampler import SamplerOutput
 from pagedllm.scheduler import ScheduledRequest
 from pagedllm.worker import dummy_metadata
@@ -180,13 +180,6 @@ class TPUModelRunner:
         """Prompt logprobs: the program's hidden states projected on the host by the torch model's head (a rare
         path; projecting on the device would need one more program per bucket)."""
         h = torch.from_numpy(np.asarray(hidden).astype(np.float32)).to(self.model.dtype)
-        for i, s in enumerate(batch):
-            r = s.request
-            if r.prompt_logprobs is None:
-                continue
-            lo = max(s.num_computed_tokens, len(r.prompt_logprobs) - 1)
-            hi = min(s.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens - 1)
-            if lo < hi:
-                base = meta.query_start_loc_cpu[i] - s.num_computed_tokens
-                with torch.inference_mode():
-                    out.prompt_logits.append((r, lo, self.model.compute_logits(h[base + lo:base + hi]).float()))
+        with torch.inference_mode():
+            for r, lo, start, stop in prompt_logit_spans(batch, meta.query_start_loc_cpu):
+                out.prompt_logits.append((r, lo, self.model.compute_logits(h[start:stop]).float()))
