@@ -12,11 +12,12 @@ import pluggy
 import torch
 
 from pagedllm import hookspec, reference_plugin
+from pagedllm.errors import UserError
 from pagedllm.hookspec import (API_VERSION, ENTRY_POINT_GROUP, HOOK_NAMES, PROJECT, REQUIRED_HOOKS, BackendInfo,
                                Capabilities, GraphRunner, KVCacheSpec, MemoryInfo, ProbeResult, RunnerContext)
 
 
-class BackendError(RuntimeError):
+class BackendError(RuntimeError, UserError):
     """A backend is unknown, failed to load, breaks the contract, or is not usable here."""
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from pagedllm.errors import UserError
 
-class ParamError(ValueError):
+
+class ParamError(ValueError, UserError):
     """Invalid request parameter; ``field`` names it (the server maps this to HTTP 400 with ``param``)."""
 
     def __init__(self, field_name: str, message: str):

@@ -21,6 +21,8 @@ from typing import Optional
 
 import numpy as np
 
+from pagedllm.sampling_params import ParamError
+
 
 @dataclass
 class RequestResult:
@@ -63,6 +65,9 @@ class ServeBenchResult:
     mean_e2el_ms: float = 0.0
     median_e2el_ms: float = 0.0
     p99_e2el_ms: float = 0.0
+    # per-request samples (``keep_samples``: bench sweep's latency CDF); empty otherwise
+    ttft_samples_ms: list[float] = field(default_factory=list)
+    e2el_samples_ms: list[float] = field(default_factory=list)
 
 
 def make_prompts(num: int, input_len: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -128,7 +133,7 @@ def _stats(values: list[float]) -> tuple[float, float, float]:
 async def run_async(base_url: str, num_prompts: int, request_rate: float, input_len: int, output_len: int,
                     model: Optional[str] = None, api_key: Optional[str] = None, max_concurrency: Optional[int] = None,
                     seed: int = 0, token_id_range: tuple[int, int] = (100, 1000),
-                    warmup: bool = True) -> ServeBenchResult:
+                    warmup: bool = True, keep_samples: bool = False) -> ServeBenchResult:
     import aiohttp
 
     base = base_url.rstrip("/")
@@ -139,9 +144,12 @@ async def run_async(base_url: str, num_prompts: int, request_rate: float, input_
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
                                      read_bufsize=1 << 20) as client:
         if model is None:
-            async with client.get(f"{base}/v1/models", headers=headers) as r:
-                r.raise_for_status()
-                model = (await r.json())["data"][0]["id"]
+            try:
+                async with client.get(f"{base}/v1/models", headers=headers) as r:
+                    r.raise_for_status()
+                    model = (await r.json())["data"][0]["id"]
+            except aiohttp.ClientConnectorError:
+                raise ParamError("base_url", f"cannot connect to {base_url}; is the server running?") from None
         url = f"{base}/v1/completions"
         prompts = make_prompts(num_prompts, input_len, *token_id_range, seed)
         if warmup:
@@ -179,6 +187,9 @@ async def run_async(base_url: str, num_prompts: int, request_rate: float, input_
         [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1])
     out.mean_itl_ms, out.median_itl_ms, out.p99_itl_ms = _stats([x for r in ok for x in r.itl])
     out.mean_e2el_ms, out.median_e2el_ms, out.p99_e2el_ms = _stats([r.latency for r in ok])
+    if keep_samples:
+        out.ttft_samples_ms = [r.ttft * 1000.0 for r in ok]
+        out.e2el_samples_ms = [r.latency * 1000.0 for r in ok]
     return out
 
 

@@ -1,10 +1,10 @@
-"""``pagedllm bench throughput|serve ...``."""
+"""``pagedllm bench throughput|serve|sweep ...``."""
 
 from __future__ import annotations
 
 import importlib
 
-BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve")
+BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep")
 
 
 def add_parser(sub) -> None:

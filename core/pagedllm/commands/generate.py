@@ -1,8 +1,9 @@
-"""``pagedllm generate [--model M] [--device D] PROMPT...``: offline generation, text to stdout."""
+"""``pagedllm generate [--model M] [--device D] [--stream] PROMPT...``: offline generation, text to stdout."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config
 
@@ -16,6 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message with the chat template")
+    p.add_argument("--stream", action="store_true",
+                   help="print tokens as they are generated (prompts run one after another)")
     p.set_defaults(func=run)
 
 
@@ -23,10 +26,12 @@ def run(args: argparse.Namespace) -> int:
     from pagedllm.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
-    cfg = engine_config(args)
-    llm = LLM(**vars(cfg))
+    # bad sampling values fail before the model loads
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                         top_k=args.top_k, seed=args.seed)
+    llm = LLM(**vars(engine_config(args)))
+    if args.stream:
+        return _run_streamed(llm, sp, args)
     if args.chat:
         outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], sp, use_tqdm=False)
     else:
@@ -35,4 +40,23 @@ def run(args: argparse.Namespace) -> int:
         if len(args.prompts) > 1:
             print(f"### {prompt}")
         print(prompt + out.outputs[0].text if not args.chat else out.outputs[0].text)
+    return 0
+
+
+def _run_streamed(llm, sp, args: argparse.Namespace) -> int:
+    from pagedllm.commands.stream_clients import LocalStreams
+
+    streams = LocalStreams(llm, sp)
+    for prompt in args.prompts:
+        if len(args.prompts) > 1:
+            print(f"### {prompt}", flush=True)
+        if args.chat:
+            pieces = streams.chat([{"role": "user", "content": prompt}])
+        else:
+            print(prompt, end="", flush=True)
+            pieces = streams.complete(prompt)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        print(flush=True)
     return 0

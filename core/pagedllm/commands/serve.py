@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config
 from pagedllm.entrypoints.limits import (
@@ -91,6 +92,25 @@ def _check(args: argparse.Namespace) -> None:
         raise ParamError("max_request_body_bytes", f"must be >= 1024, got {args.max_request_body_bytes}")
     if args.render_workers < 1:
         raise ParamError("render_workers", f"must be >= 1, got {args.render_workers}")
+    _check_port(args.host, args.port)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail before the model loads (seconds to minutes) when the address cannot be bound."""
+    if not 0 <= port <= 65535:
+        raise ParamError("port", f"must be in [0, 65535], got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ParamError("host", f"cannot resolve {host!r}: {e.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is not "in use"
+        try:
+            s.bind(addr)
+        except OSError as e:
+            raise ParamError("port", f"cannot listen on {host}:{port} ({e.strerror}); is another server running "
+                                     "there? choose another --port") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from pagedllm.errors import UnsupportedModelError
+
 
 @dataclass(frozen=True)
 class ArchSpec:
@@ -45,7 +47,7 @@ def architecture_of(config: Any) -> tuple[str, ArchSpec]:
         if name in ARCHITECTURES:
             return name, ARCHITECTURES[name]
     shown = archs or [f"model_type={getattr(config, 'model_type', None)!r}"]
-    raise ValueError(f"unsupported model architecture {', '.join(shown)}; "
+    raise UnsupportedModelError(f"unsupported model architecture {', '.join(shown)}; "
                      f"pagedllm supports {', '.join(ARCHITECTURES)}")
 
 

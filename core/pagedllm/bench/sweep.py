@@ -1,0 +1,168 @@
+"""``pagedllm bench sweep``: ``bench serve`` over request rates (and ``--max-num-seqs`` values), as vLLM's sweep.
+
+Against ``--base-url`` it sweeps request rates only; with ``--model`` it starts one ``pagedllm serve`` per
+``--max-num-seqs`` value on a free loopback port (extra server flags in ``--serve-args``), sweeps the rates against
+it and stops it. Every point is one ``bench serve`` run; results go to ``sweep.json`` and ``sweep.csv`` in
+``--output-dir``, and ``--plot DIR`` draws them (bench/plots.py).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict
+from typing import Optional
+
+from pagedllm.sampling_params import ParamError
+
+CSV_FIELDS = ("max_num_seqs", "request_rate", "completed", "failed", "duration_s", "request_throughput",
+              "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+              "median_itl_ms", "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("sweep", help="bench serve over request rates / max_num_seqs, JSON + CSV, optional PNG charts")
+    target = p.add_mutually_exclusive_group()
+    target.add_argument("--base-url", default=None, help="a running server (sweeps request rates only)")
+    target.add_argument("--model", default=None, help="start `pagedllm serve MODEL` per --max-num-seqs value "
+                                                      "(default: the embedded SmolLM2)")
+    p.add_argument("--serve-args", default="", help="extra `pagedllm serve` flags, one string (e.g. '--device cpu')")
+    p.add_argument("--request-rates", type=_rate, nargs="+", default=[1.0, 4.0, float("inf")], metavar="RATE",
+                   help="requests/s (Poisson); inf = all at once (default: 1 4 inf)")
+    p.add_argument("--max-num-seqs", type=int, nargs="+", default=None, metavar="N",
+                   help="server batch sizes to sweep (needs a started server: not with --base-url)")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", default=".", help="where sweep.json, sweep.csv (and server logs) go")
+    p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts here (needs matplotlib)")
+    p.set_defaults(func=main)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """``pagedllm serve`` in a subprocess, its output in a log file; ready when /health answers."""
+
+    def __init__(self, model: Optional[str], max_num_seqs: int, serve_args: list[str], log_path: str,
+                 timeout: float = 600.0):
+        port = _free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "pagedllm.cli", "serve", *([model] if model else []), "--port", str(port),
+               "--max-num-seqs", str(max_num_seqs), "--uvicorn-log-level", "warning", *serve_args]
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                with open(log_path, errors="replace") as f:
+                    tail = f.read()[-2000:]
+                raise RuntimeError(f"`pagedllm serve` did not come up (log {log_path}):\n{tail}")
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _point(base_url: str, rate: float, args) -> dict:
+    from pagedllm.bench.serve import _event_loop_runner, run_async
+
+    res = _event_loop_runner()(run_async(base_url, args.num_prompts, rate, args.input_len, args.output_len,
+                                         seed=args.seed, keep_samples=True))
+    return asdict(res)
+
+
+def _summary(row: dict) -> str:
+    return (f"max_num_seqs={row['max_num_seqs']} rate={row['request_rate']}: {row['completed']} ok, "
+            f"{row['failed']} failed, {row['output_throughput']:.1f} out tok/s, TTFT p50/p99 "
+            f"{row['median_ttft_ms']:.0f}/{row['p99_ttft_ms']:.0f} ms, TPOT p50/p99 "
+            f"{row['median_tpot_ms']:.1f}/{row['p99_tpot_ms']:.1f} ms")
+
+
+def write_results(rows: list[dict], out_dir: str) -> tuple[str, str]:
+    """sweep.json (every field, per-request latencies included) and sweep.csv (the summary columns)."""
+    os.makedirs(out_dir, exist_ok=True)
+    json_path, csv_path = os.path.join(out_dir, "sweep.json"), os.path.join(out_dir, "sweep.csv")
+    strict = [{k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in r.items()} for r in rows]
+    with open(json_path, "w") as f:
+        json.dump(strict, f, indent=1)
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(strict)
+    return json_path, csv_path
+
+
+def main(args) -> int:
+    if args.base_url and args.max_num_seqs:
+        raise ParamError("max_num_seqs", "sweeping --max-num-seqs starts its own servers: give --model, "
+                                         "not --base-url")
+    if args.num_prompts < 1:
+        raise ParamError("num_prompts", f"must be >= 1, got {args.num_prompts}")
+    if args.plot:
+        from pagedllm.bench import plots  # fail on a missing matplotlib before the sweep, not after it
+
+        plots.require_matplotlib()
+    rows: list[dict] = []
+    failed = 0
+    for mns in ([None] if args.base_url else (args.max_num_seqs or [256])):
+        server = None
+        if args.base_url is None:
+            log = os.path.join(args.output_dir, f"serve-max-num-seqs-{mns}.log")
+            os.makedirs(args.output_dir, exist_ok=True)
+            print(f"starting pagedllm serve (max_num_seqs={mns}, log {log}) ...", flush=True)
+            server = _Server(args.model, mns, shlex.split(args.serve_args), log)
+        try:
+            for rate in args.request_rates:
+                row = {"max_num_seqs": mns, **_point(args.base_url or server.base_url, rate, args)}
+                failed += row["failed"]
+                rows.append(row)
+                print(_summary(row), flush=True)
+        finally:
+            if server is not None:
+                server.stop()
+    json_path, csv_path = write_results(rows, args.output_dir)
+    print(f"wrote {json_path} and {csv_path}")
+    if args.plot:
+        from pagedllm.bench import plots
+
+        for path in plots.plot_sweep(rows, args.plot):
+            print(f"wrote {path}")
+    return 0 if failed == 0 else 1

@@ -1,0 +1,40 @@
+"""``pagedllm bench sweep``: one real server per max_num_seqs value, bench serve per request rate, JSON + CSV, and
+``--plot`` PNG charts that are real images of the documented size."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+from PIL import Image
+
+from server_utils import tiny_chat_model
+
+CHARTS = ("throughput.png", "ttft.png", "tpot.png", "latency_cdf.png")
+
+
+def test_sweep_writes_results_and_charts(tmp_path):
+    out, plots = tmp_path / "out", tmp_path / "plots"
+    p = subprocess.run(
+        [sys.executable, "-m", "pagedllm.cli", "bench", "sweep", "--model", tiny_chat_model(), "--serve-args",
+         "--device cpu", "--request-rates", "16", "inf", "--max-num-seqs", "2", "8", "--num-prompts", "6",
+         "--input-len", "16", "--output-len", "6", "--output-dir", str(out), "--plot", str(plots)],
+        capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    rows = json.loads((out / "sweep.json").read_text())
+    assert [(r["max_num_seqs"], r["request_rate"]) for r in rows] == [(2, 16.0), (2, "inf"), (8, 16.0), (8, "inf")]
+    for r in rows:
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert r["total_output_tokens"] == 6 * 6 and r["output_throughput"] > 0
+        assert len(r["e2el_samples_ms"]) == 6 and r["median_ttft_ms"] <= r["p99_ttft_ms"]
+    with open(out / "sweep.csv") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 4 and float(table[0]["output_throughput"]) == rows[0]["output_throughput"]
+    for name in CHARTS:
+        with Image.open(plots / name) as im:
+            im.verify()  # a whole, valid PNG
+        with Image.open(plots / name) as im:
+            assert im.format == "PNG" and im.size == (800, 500), (name, im.format, im.size)
+            assert len(im.convert("L").getcolors(maxcolors=1 << 16) or ()) > 20, f"{name} looks blank"
