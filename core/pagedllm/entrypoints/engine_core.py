@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import pickle
 import signal
+import sys
 from multiprocessing.connection import Connection
 from typing import Optional
 
@@ -40,7 +42,25 @@ def _portable(e: BaseException) -> BaseException:
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
                     log_level: int = logging.INFO, cpus: Optional[frozenset[int]] = None) -> None:
-    """Process entry point (spawned by :class:`~pagedllm.entrypoints.async_engine.AsyncEngine`)."""
+    """Process entry point (spawned by :class:`~pagedllm.entrypoints.async_engine.AsyncEngine`).
+
+    Ends with ``os._exit``: the process holds nothing that needs interpreter finalization (its pipes close with
+    it), and finalization makes nanobind-based extensions that transformers' imports load (Triton) print hundreds
+    of "leaked" lines into the server's log on every shutdown.
+    """
+    code = 1
+    try:
+        _run(config, commands, outputs, log_level, cpus)
+        code = 0
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int,
+         cpus: Optional[frozenset[int]]) -> None:
     # The server process owns shutdown (it drains, then sends "stop"); a terminal's Ctrl-C or a service manager's
     # SIGTERM to the whole process group must not kill requests mid-flight. If the server dies, the pipe closes
     # and this loop exits.
