@@ -10,6 +10,7 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "LLM": "pagedllm.llm",
     "SamplingParams": "pagedllm.sampling_params",
+    "StructuredOutputsParams": "pagedllm.sampling_params",
     "BeamSearchParams": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",

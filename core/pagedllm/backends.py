@@ -113,6 +113,7 @@ class Backend:
         rms_norm: Callable[..., torch.Tensor]
         rotary: Callable[..., tuple]
         silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+        apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @dataclass

@@ -33,6 +33,7 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"  # auto: the model dtype (the only one core implements today)
+    structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance (structured_output/manager.py)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -52,6 +53,9 @@ class EngineConfig:
             raise ParamError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ParamError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
+            raise ParamError("structured_outputs_backend", "must be 'auto', 'xgrammar' or 'guidance', got "
+                                                           f"{self.structured_outputs_backend!r}")
         if self.swap_space < 0:
             raise ParamError("swap_space", f"must be >= 0 GiB, got {self.swap_space!r}")
 

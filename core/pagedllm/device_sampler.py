@@ -2,8 +2,8 @@
 
 Static-shape devices (``Capabilities.on_device_sampling``) sample in the same region as the forward, as
 compiled-graph engines do, so a step costs one launch and no logits leave the device. Only what needs no per-request host
-state runs here — greedy, temperature, top-k, top-p, min-p; rows that ask for logprobs, penalties, seeds, min_tokens
-or several samples per prompt go through the host sampler (``sampler.py``), whose semantics this mirrors: greedy is
+state runs here — greedy, temperature, top-k, top-p, min-p; rows that ask for logprobs, penalties, seeds, min_tokens,
+logit bias, allowed/bad words, a grammar or several samples per prompt go through the host sampler (``sampler.py``), whose semantics this mirrors: greedy is
 the same argmax, and random rows sample from the same filtered distribution (an exponential race instead of an
 inverse CDF, so the draws differ).
 """
@@ -23,7 +23,8 @@ def on_device_eligible(s: ScheduledRequest) -> bool:
     r, p = s.request, s.request.params
     return (p.logprobs is None and p.seed is None and p.best_of == p.n and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and len(r.output_token_ids) >= p.min_tokens)
+            and len(r.output_token_ids) >= p.min_tokens and r.structured is None and p.logit_bias is None
+            and p.allowed_token_ids is None and not r.bad_words_token_ids)
 
 
 @dataclass

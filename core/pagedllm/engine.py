@@ -20,6 +20,7 @@ from pagedllm.output_processor import OutputProcessor, ParentRequest
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import ParamError, SamplingParams
 from pagedllm.scheduler import Scheduler
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, w.max_num_seqs, w.max_num_batched_tokens, self.max_model_len,
                                    config.scheduling_policy, swap=swap_pool)
         w.start(self.kv)
+        self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size, self.model.eos_token_ids,
+                                                  config.structured_outputs_backend)
+        w.structured = self.structured
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
         self.requests: dict[str, tuple[ParentRequest, Request]] = {}
@@ -129,6 +133,10 @@ class LLMEngine:
         if request_id in self.parents:
             raise ParamError("request_id", f"{request_id!r} is already in use")
         text, ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            ids = ids[-params.truncate_prompt_tokens:]
+        bad_words = self._check_token_params(params)
+        grammar = self.structured.new_request(params.structured_outputs) if params.structured_outputs else None
         parent = ParentRequest(request_id, text, ids, params)
         eos = self.model.eos_token_ids[0] if self.model.eos_token_ids else None
         max_tokens = self.max_model_len - len(ids)
@@ -141,6 +149,9 @@ class LLMEngine:
             req = Request(child_id, ids, child_params, eos_token_id=eos, prompt=text, arrival_time=arrival,
                           max_tokens=max_tokens, index=i)
             req.eos_token_ids = set(self.model.eos_token_ids)
+            req.bad_words_token_ids = bad_words
+            if grammar is not None:  # each sample follows the grammar with its own matcher (shared compile)
+                req.structured = grammar if i == 0 else type(grammar)(grammar.future, grammar.backend)
             parent.children.append(req)
             parent.detoks[child_id] = (IncrementalDetokenizer(self.tokenizer, ids, child_params)
                                        if self.tokenizer is not None and params.detokenize else None)
@@ -150,6 +161,26 @@ class LLMEngine:
             self.scheduler.add_request(req)
             self.stats.prompt_tokens += len(ids)
         return request_id
+
+    def _check_token_params(self, params: SamplingParams) -> list[list[int]]:
+        """Token ids must be in the model's vocab; returns ``bad_words`` as token id sequences (each word as
+        written and with a leading space, as vLLM tokenizes them)."""
+        vocab = self.model.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ParamError(name, f"token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise ParamError("bad_words", "needs a tokenizer (the engine was started without one)")
+        out: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def abort_request(self, request_ids: Union[str, list[str]]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
@@ -169,8 +200,17 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration; returns a (cumulative) RequestOutput for every request that advanced or finished."""
+        failed = self._drop_failed_grammars()
         sched = self.scheduler.schedule()
-        if not sched:
+        if failed or not sched:
+            outputs = [p.output() for p in failed]
+            for p in failed:
+                self._retire(p)
+            if outputs:
+                return outputs
+            pending = [r.structured for r in self.scheduler.waiting if r.structured is not None]
+            if pending:  # nothing runnable until a grammar compiles: sleep on it instead of spinning
+                self.structured.wait(pending, timeout=0.05)
             return []
         for s in sched.scheduled:
             r = s.request
@@ -194,8 +234,16 @@ class LLMEngine:
             now = time.time()
             for i, req in enumerate(step.requests):
                 parent = self.requests[req.request_id][0]
-                status = self.output_processor.process_token(parent, req, sampled.token_ids[i], sampled.logprobs[i],
-                                                             sampled.sampled_logprob[i], now)
+                token = sampled.token_ids[i]
+                done = False
+                if req.structured is not None and req.structured.matcher is not None:
+                    m = req.structured.matcher
+                    ok = m.accept(token)
+                    if not ok:  # cannot happen with the mask applied; never continue off-grammar
+                        logger.error("request %s: token %d rejected by its grammar; stopping", req.request_id, token)
+                    done = not ok or m.is_terminated()
+                status = self.output_processor.process_token(parent, req, token, sampled.logprobs[i],
+                                                             sampled.sampled_logprob[i], now, grammar_done=done)
                 if status is not None:
                     self.scheduler.finish(req, status)
                 touched[parent.request_id] = parent
@@ -205,10 +253,25 @@ class LLMEngine:
             if parent.finished or parent.params.output_kind != "final_only":
                 outputs.append(parent.output())
             if parent.finished:
-                self.parents.pop(parent.request_id, None)
-                for c in parent.children:
-                    self.requests.pop(c.request_id, None)
+                self._retire(parent)
         return outputs
+
+    def _retire(self, parent: ParentRequest) -> None:
+        self.parents.pop(parent.request_id, None)
+        for c in parent.children:
+            self.requests.pop(c.request_id, None)
+
+    def _drop_failed_grammars(self) -> list[ParentRequest]:
+        """A grammar whose compile failed after it parsed: finish its request as aborted (logged) rather than run
+        it unconstrained; returns the parents that finished."""
+        done: dict[str, ParentRequest] = {}
+        for req in [r for r in self.scheduler.waiting if r.structured is not None and r.structured.error is not None]:
+            logger.error("request %s: grammar compile failed: %s", req.request_id, req.structured.error)
+            parent = self.requests[req.request_id][0]
+            self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            if parent.finished:
+                done[parent.request_id] = parent
+        return list(done.values())
 
     def _sample_slot_usage(self, sched) -> None:
         """Accumulate, over steps, token slots holding K/V after the step vs slots allocated (KV utilisation)."""

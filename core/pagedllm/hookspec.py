@@ -312,6 +312,13 @@ class BackendSpec:
     def pagedllm_silu_and_mul(self, x: "torch.Tensor") -> "torch.Tensor":
         """``silu(x[..., :d]) * x[..., d:]`` for the gated MLP."""
 
+    @hookspec(firstresult=True)
+    def pagedllm_apply_token_bitmask(self, logits: "torch.Tensor", bitmask: "torch.Tensor") -> None:
+        """Structured outputs: in place, set ``logits[i, t]`` to -inf where bit ``t % 32`` of ``bitmask[i, t // 32]``
+        is 0. ``logits`` ``[R, V]`` float32; ``bitmask`` int32 ``[R, ceil(W / 32)]`` on the logits' device, where
+        ``W`` (the tokenizer's vocab padded to the model's) may differ from ``V``: tokens past the mask are
+        disallowed, mask bits past ``V`` ignored. xgrammar's layout, so its kernels drop in."""
+
 
 #: Hooks every backend must implement itself (no reference fallback).
 REQUIRED_HOOKS = ("pagedllm_backend_info", "pagedllm_probe", "pagedllm_memory_info")

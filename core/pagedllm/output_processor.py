@@ -86,8 +86,10 @@ class OutputProcessor:
             req.prompt_logprobs.append(d)
 
     def process_token(self, parent: ParentRequest, req: Request, token: int,
-                      logprobs: Optional[dict[int, Logprob]], logprob: float, now: float) -> Optional[RequestStatus]:
-        """Append one sampled token; returns the finish status when this token ends the request."""
+                      logprobs: Optional[dict[int, Logprob]], logprob: float, now: float,
+                      grammar_done: bool = False) -> Optional[RequestStatus]:
+        """Append one sampled token; returns the finish status when this token ends the request (``grammar_done``:
+        the request's grammar accepts nothing more, so it stops even without EOS)."""
         req.append_token(token)
         if req.first_token_time is None:
             req.first_token_time = now
@@ -102,12 +104,16 @@ class OutputProcessor:
             status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
         elif not params.ignore_eos and token in req.eos_token_ids:
             status = RequestStatus.FINISHED_STOPPED
+        elif grammar_done:
+            status = RequestStatus.FINISHED_STOPPED
         elif req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             status = RequestStatus.FINISHED_LENGTH
         detok = parent.detoks.get(req.request_id)
         if detok is not None:
             # EOS / stop-token text is not part of the output (as in vLLM); skip_special_tokens hides it anyway.
-            _, stop_str = detok.update([token], stop_terminated=status == RequestStatus.FINISHED_STOPPED)
+            by_token = status == RequestStatus.FINISHED_STOPPED and not (grammar_done and req.stop_reason is None
+                                                                         and token not in req.eos_token_ids)
+            _, stop_str = detok.update([token], stop_terminated=by_token)
             if stop_str is not None and req.num_output_tokens >= params.min_tokens:
                 status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
             elif status is not None:

@@ -112,3 +112,13 @@ def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """See ``hookspec.pagedllm_apply_token_bitmask``: unpack the int32 words to a bool mask, fill -inf."""
+    vocab = logits.shape[-1]
+    bits = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits.masked_fill_(~allowed, float("-inf"))

@@ -106,3 +106,8 @@ def pagedllm_rotary(positions, query, key, cos_sin_cache):
 @hookimpl(trylast=True)
 def pagedllm_silu_and_mul(x):
     return ref_ops.silu_and_mul(x)
+
+
+@hookimpl(trylast=True)
+def pagedllm_apply_token_bitmask(logits, bitmask) -> None:
+    ref_ops.apply_token_bitmask(logits, bitmask)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -67,6 +67,8 @@ class Request:
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
         self.generator: Optional[torch.Generator] = None
+        self.structured: Any = None  # structured_output.StructuredRequest when the output follows a grammar
+        self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized by the engine
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

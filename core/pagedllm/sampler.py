@@ -1,6 +1,6 @@
 """Next-token sampling for a batch of requests, with vLLM's semantics and order of operations.
 
-penalties -> min_tokens bans -> (greedy argmax | temperature -> top_k -> top_p -> min_p -> sample).
+allowed_token_ids -> bad_words -> logit_bias -> penalties -> min_tokens bans -> (greedy argmax | temperature -> top_k -> top_p -> min_p -> sample).
 Everything is vectorized across the batch; only rows that ask for top-k/top-p pay for a (partial) sort, an all-greedy
 batch without penalties is a single argmax, and sampling is inverse-CDF with one uniform per row. Seeded rows draw
 that uniform from their own ``torch.Generator``, so their tokens do not depend on the rest of the batch.
@@ -126,7 +126,11 @@ class Sampler:
         pen = [i for i, p in enumerate(params)
                if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
         bans = self._min_tokens_bans(reqs, vocab)
-        x = raw.clone() if (pen or bans) else raw  # raw stays untouched: logprobs are raw, and it may be the caller's
+        procs = [i for i, r in enumerate(reqs) if r.params.logit_bias or r.params.allowed_token_ids is not None
+                 or r.bad_words_token_ids]
+        x = raw.clone() if (pen or bans or procs) else raw  # raw stays untouched: logprobs are raw, it may be the caller's
+        for i in procs:
+            self._restrict(x[i], reqs[i])
         if pen:
             _update_rows(x, pen, lambda sub: apply_penalties(sub, [reqs[i] for i in pen]))
         if bans:
@@ -142,6 +146,23 @@ class Sampler:
             rand = [i for i, p in enumerate(params) if not p.greedy]
             tokens[_rows(rand, dev)] = self._sample(_take_rows(x, rand), [reqs[i] for i in rand])
         return self._outputs(raw, tokens, reqs)
+
+    @staticmethod
+    def _restrict(row: torch.Tensor, r: Request) -> None:
+        """vLLM's per-request logits processors, in its order: allowed_token_ids, bad_words, logit_bias."""
+        p, vocab = r.params, row.shape[0]
+        if p.allowed_token_ids is not None:
+            keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long, device=row.device)
+            kept = row[keep].clone()
+            row.fill_(_NEG_INF)
+            row[keep] = kept
+        for word in r.bad_words_token_ids:  # ban a word's last token when the output already ends with the rest
+            prefix = word[:-1]
+            if not prefix or r.all_token_ids[-len(prefix):] == prefix:
+                row[word[-1]] = _NEG_INF
+        if p.logit_bias:
+            ids = torch.tensor([t for t in p.logit_bias if t < vocab], dtype=torch.long, device=row.device)
+            row[ids] += torch.tensor([float(p.logit_bias[t]) for t in p.logit_bias if t < vocab], device=row.device)
 
     @staticmethod
     def _min_tokens_bans(reqs: Sequence[Request], vocab: int) -> list[tuple[int, int]]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from pagedllm.errors import UserError
 
@@ -18,6 +19,49 @@ class ParamError(ValueError, UserError):
 
     def __reduce__(self):  # pickles across the server/engine process boundary
         return ParamError, (self.field, self.message)
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, a regex, one of ``choice``, an EBNF/Lark ``grammar`` or any JSON
+    object (vLLM's names). Exactly one may be set; the engine compiles it before the request is scheduled."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        if len(set_) != 1:
+            raise ParamError("structured_outputs", "exactly one of json, regex, choice, grammar or json_object must be "
+                                                   f"set, got {set_ or 'none'}")
+        if isinstance(self.json, str):
+            try:
+                self.json = _json.loads(self.json)
+            except ValueError as e:
+                raise ParamError("structured_outputs.json", f"not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise ParamError("structured_outputs.json", "must be a JSON schema (an object)")
+        if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
+            raise ParamError("structured_outputs.regex", "must be a non-empty string")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
+            raise ParamError("structured_outputs.grammar", "must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ParamError("structured_outputs.choice", "must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Cache key: the kind and a canonical text of the spec."""
+        v: Any = getattr(self, self.kind)
+        return self.kind, v if isinstance(v, str) else _json.dumps(v, sort_keys=True)
 
 
 @dataclass
@@ -47,6 +91,11 @@ class SamplingParams:
     # "cumulative": every step, everything so far; "delta": every step, only what is new (the prompt fields only in
     # the first); "final_only": once, when finished (vLLM's RequestOutputKind)
     output_kind: str = "cumulative"
+    structured_outputs: Optional[StructuredOutputsParams] = None
+    logit_bias: Optional[dict[int, float]] = None  # token id -> added to its logit, in [-100, 100] (OpenAI)
+    allowed_token_ids: Optional[list[int]] = None  # only these tokens may be sampled
+    bad_words: Optional[list[str]] = None  # word sequences that may never be generated (vLLM)
+    truncate_prompt_tokens: Optional[int] = None  # keep only the last k prompt tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +150,26 @@ class SamplingParams:
             bad("output_kind", f"must be 'cumulative', 'delta' or 'final_only', got {self.output_kind!r}")
         if not isinstance(self.priority, int):
             bad("priority", f"must be an integer, got {self.priority!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                bad("logit_bias", "must map token ids to biases")
+            for k, v in self.logit_bias.items():
+                if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                    bad("logit_bias", f"keys must be token ids (non-negative integers), got {k!r}")
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                    bad("logit_bias", f"values must be numbers in [-100, 100], got {v!r} for token {k}")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", "must be a non-empty list of token ids (non-negative integers)")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)):
+            bad("bad_words", "must be a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < 1):
+            bad("truncate_prompt_tokens", f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
 
     @property
     def greedy(self) -> bool:

@@ -147,7 +147,9 @@ class Scheduler:
         if out.preempted:  # admitting new work now would only thrash
             return out
         while self.waiting and budget > 0:
-            req = self.waiting[0]
+            req = next((r for r in self.waiting if r.structured is None or r.structured.ready), None)
+            if req is None:
+                break  # every waiting request still waits for its grammar to compile
             if req.swapped_blocks is not None and out.swap_out:
                 break  # its host blocks may be reused by this step's swap-out: resume it next step
             n = self._admit(req, out, budget) if len(self.running) < self.max_num_seqs else 0

@@ -62,6 +62,7 @@ class Worker:
                                                               backend.memory_info(self.device).pinned_host)
         self.ctx = self._context(self.policy)
         self.sampler = Sampler()
+        self.structured: Any = None  # the engine's StructuredOutputManager (token bitmasks for grammar rows)
         self.runner: Any = None
         self.graph_level = "none"
         self.graph_stats: dict = {}
@@ -190,6 +191,10 @@ class Worker:
         if step.sampled is not None:
             sampled = step.sampled
         elif step.requests:
+            mask = self.structured.bitmask(step.requests) if self.structured is not None else None
+            if mask is not None:
+                with torch.inference_mode():  # the logits are an inference tensor
+                    self.backend.apply_token_bitmask(step.logits, mask.to(step.logits.device))
             sampled = self.sampler(step.logits, step.requests)
         return step, sampled
 

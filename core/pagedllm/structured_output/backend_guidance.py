@@ -1,0 +1,81 @@
+"""llguidance (``--structured-outputs-backend guidance``): Earley-based, no grammar compile step to speak of."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from pagedllm.sampling_params import ParamError, StructuredOutputsParams
+
+
+class GuidanceBackend:
+    name = "guidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self.llg = llguidance
+        self.fill_fn = llguidance.torch.fill_next_token_bitmask
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids[0]
+                                                      if stop_token_ids else None)
+        self.vocab_size = vocab_size
+
+    def parse(self, spec: StructuredOutputsParams) -> str:
+        M = self.llg.LLMatcher
+        kind = spec.kind
+        try:
+            if kind == "json":
+                grammar = M.grammar_from_json_schema(json.dumps(spec.json if isinstance(spec.json, dict) else {}),
+                                                     defaults={"whitespace_flexible": False})
+            elif kind == "json_object":
+                grammar = M.grammar_from_json_schema('{"type": "object"}', defaults={"whitespace_flexible": False})
+            elif kind == "regex":
+                grammar = M.grammar_from_regex(spec.regex)
+            elif kind == "choice":
+                grammar = M.grammar_from_regex("|".join(_escape(c) for c in spec.choice))
+            else:
+                text = spec.grammar
+                if "::=" in text:
+                    from llguidance.gbnf_to_lark import any_to_lark
+
+                    text = any_to_lark(text)
+                grammar = M.grammar_from_lark(text)
+            err = M.validate_grammar(grammar, self.tokenizer)
+        except (ValueError, RuntimeError, TypeError) as e:
+            err = str(e)
+        if err:
+            raise ParamError(f"structured_outputs.{kind}", f"cannot be compiled: {err.strip()}")
+        return grammar
+
+    def compile(self, grammar: str) -> str:
+        return grammar  # llguidance builds its parser lazily per matcher
+
+    def matcher(self, grammar: str) -> "GuidanceMatcher":
+        return GuidanceMatcher(self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), self.fill_fn)
+
+    def bitmask_words(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+
+class GuidanceMatcher:
+    def __init__(self, m: Any, fill_fn: Any):
+        self.m, self.fill_fn = m, fill_fn
+
+    def accept(self, token: int) -> bool:
+        return self.m.consume_token(token)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.fill_fn(self.m, bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.m.is_stopped()
+
+
+def _escape(s: str) -> str:
+    import re
+
+    return re.escape(s)

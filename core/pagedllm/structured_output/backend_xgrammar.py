@@ -1,0 +1,73 @@
+"""xgrammar (the default backend): grammars parsed at request time, compiled against the tokenizer in a thread."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from pagedllm.sampling_params import ParamError, StructuredOutputsParams
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+class XgrammarBackend:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_limit_bytes=256 << 20)
+
+    def parse(self, spec: StructuredOutputsParams) -> Any:
+        """The grammar of ``spec`` (fast: no tokenizer work); a bad spec raises ParamError naming the problem."""
+        G = self.xgr.Grammar
+        kind = spec.kind
+        try:
+            if kind == "json":
+                schema = spec.json if isinstance(spec.json, dict) else {}
+                return G.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+            if kind == "json_object":
+                return G.builtin_json_grammar()
+            if kind == "regex":
+                return G.from_regex(spec.regex)
+            if kind == "choice":
+                return G.from_ebnf(choice_ebnf(spec.choice))
+            text = spec.grammar
+            return G.from_ebnf(text) if "::=" in text else G.from_lark(text)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ParamError(f"structured_outputs.{kind}", f"cannot be compiled: {_first_line(e)}") from None
+
+    def compile(self, grammar: Any) -> Any:
+        return self.compiler.compile_grammar(grammar)
+
+    def matcher(self, compiled: Any) -> "XgrammarMatcher":
+        return XgrammarMatcher(self.xgr.GrammarMatcher(compiled))
+
+    def bitmask_words(self) -> int:
+        return (self.info.vocab_size + 31) // 32
+
+
+class XgrammarMatcher:
+    def __init__(self, m: Any):
+        self.m = m
+
+    def accept(self, token: int) -> bool:
+        return self.m.accept_token(token)
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self.m.is_terminated()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    msg = text[-1] if text else type(e).__name__
+    return msg.split("] ", 1)[-1] if msg.startswith("[") else msg

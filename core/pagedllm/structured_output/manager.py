@@ -1,0 +1,116 @@
+"""StructuredOutputManager: compiles each request's grammar off the hot loop and builds the per-step token bitmask.
+
+As in vLLM v1: ``add_request`` parses the spec at once (a bad schema, regex or grammar is a ParamError naming it,
+before the request is queued), the tokenizer-dependent compile runs in a worker thread (cached by spec, so a
+repeated schema costs nothing), and the scheduler does not schedule a request until its grammar is ready. Each
+request (each of ``n`` samples) gets its own matcher, advanced by every sampled token; the matcher's state follows
+``output_token_ids``, which recompute preemption keeps, so preempted requests resume where they were.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+from collections import OrderedDict
+from typing import Any, Optional, Sequence
+
+import torch
+
+from pagedllm.sampling_params import ParamError, StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "xgrammar", "guidance")
+_CACHE_SIZE = 512  # compiled grammars kept (xgrammar's compiler also caches by bytes)
+
+
+class StructuredRequest:
+    """One request's grammar: a compile future, then its own matcher."""
+
+    def __init__(self, future: cf.Future, backend: Any):
+        self.future = future
+        self.backend = backend
+        self.matcher: Any = None
+
+    @property
+    def ready(self) -> bool:
+        if self.matcher is not None:
+            return True
+        if not self.future.done() or self.future.exception() is not None:
+            return False
+        self.matcher = self.backend.matcher(self.future.result())
+        return True
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        return self.future.exception() if self.future.done() else None
+
+
+class StructuredOutputManager:
+    """``backend``: ``auto`` (xgrammar, then llguidance for what xgrammar refuses), ``xgrammar`` or ``guidance``.
+    Backends are built on first use: an engine that never sees a grammar never loads one."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ParamError("structured_outputs_backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.backend_name = backend
+        self._backends: dict[str, Any] = {}
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
+        self._cache: OrderedDict[tuple, cf.Future] = OrderedDict()
+
+    def _backend(self, name: str) -> Any:
+        be = self._backends.get(name)
+        if be is None:
+            if name == "xgrammar":
+                from pagedllm.structured_output.backend_xgrammar import XgrammarBackend as cls
+            else:
+                from pagedllm.structured_output.backend_guidance import GuidanceBackend as cls
+            be = self._backends[name] = cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
+        return be
+
+    def new_request(self, spec: StructuredOutputsParams) -> StructuredRequest:
+        """Parse ``spec`` now (ParamError if it cannot compile) and start (or reuse) its compile."""
+        if self.tokenizer is None:
+            raise ParamError("structured_outputs", "needs a tokenizer (the engine was started without one)")
+        names = ["xgrammar", "guidance"] if self.backend_name == "auto" else [self.backend_name]
+        for i, name in enumerate(names):
+            key = (name,) + spec.key
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return StructuredRequest(fut, self._backend(name))
+            be = self._backend(name)
+            try:
+                grammar = be.parse(spec)
+            except ParamError:
+                if i + 1 < len(names):
+                    continue  # auto: let llguidance try what xgrammar refuses
+                raise
+            fut = self._pool.submit(be.compile, grammar)
+            self._cache[key] = fut
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return StructuredRequest(fut, be)
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def wait(reqs: Sequence[StructuredRequest], timeout: float) -> None:
+        """Block until one of ``reqs``' grammars finished compiling (or ``timeout``): an engine with nothing else
+        to do sleeps here instead of spinning."""
+        cf.wait([r.future for r in reqs], timeout=timeout, return_when=cf.FIRST_COMPLETED)
+
+    def bitmask(self, reqs: Sequence[Any]) -> Optional[torch.Tensor]:
+        """int32 ``[len(reqs), ceil(vocab / 32)]`` bitmask (bit set = allowed) for this step's sampling rows, or None
+        when no row is constrained; unconstrained rows allow everything."""
+        rows = [(i, r.structured) for i, r in enumerate(reqs) if r.structured is not None]
+        if not rows:
+            return None
+        words = (self.vocab_size + 31) // 32
+        mask = torch.full((len(reqs), words), -1, dtype=torch.int32)
+        for i, s in rows:
+            if s.matcher is not None and not s.matcher.is_terminated():
+                s.matcher.fill(mask, i)
+        return mask
