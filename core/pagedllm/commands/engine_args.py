@@ -26,6 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (auto: the model dtype)")
+    p.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar", "guidance"],
+                   help="grammar backend for structured outputs (auto: xgrammar, llguidance for what it refuses)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -35,4 +37,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, scheduling_policy=args.scheduling_policy, seed=args.seed,
-        enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
+        enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
+        structured_outputs_backend=args.structured_outputs_backend)

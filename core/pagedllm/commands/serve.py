@@ -78,6 +78,10 @@ def add_parser(sub) -> None:
     p.add_argument("--engine-cpus", default=None, metavar="LIST",
                    help="CPUs for the engine process (taskset syntax, e.g. 0-6), one torch thread each; the HTTP "
                         "process runs on the other CPUs (default: both on every CPU)")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="parse tool calls out of the model's text for tool_choice=auto (Hermes/Qwen or Llama 3 JSON)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="allow tool_choice=auto (needs --tool-call-parser)")
     p.set_defaults(func=run)
 
 
@@ -90,6 +94,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ParamError("max_num_queued_reqs", f"must be >= 0, got {args.max_num_queued_reqs}")
     if args.max_request_body_bytes < 1024:
         raise ParamError("max_request_body_bytes", f"must be >= 1024, got {args.max_request_body_bytes}")
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ParamError("enable_auto_tool_choice", "needs --tool-call-parser")
     if args.render_workers < 1:
         raise ParamError("render_workers", f"must be >= 1, got {args.render_workers}")
     _check_port(args.host, args.port)
@@ -139,4 +145,5 @@ def run(args: argparse.Namespace) -> int:
                  served_model_names=args.served_model_name, chat_template=args.chat_template,
                  uvicorn_log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                  stream_interval=args.stream_interval, engine_cpus=args.engine_cpus, limits=limits,
-                 render_workers=args.render_workers, exit_on_engine_failure=args.exit_on_engine_failure, cors=cors)
+                 render_workers=args.render_workers, exit_on_engine_failure=args.exit_on_engine_failure, cors=cors,
+                 tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)

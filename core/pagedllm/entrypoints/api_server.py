@@ -84,7 +84,8 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
 
 def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: Optional[Any] = None,
               chat_template: Optional[str] = None, limits: Optional[ServerLimits] = None,
-              renderer: Optional[RenderPool] = None, cors: Optional[dict[str, Any]] = None) -> FastAPI:
+              renderer: Optional[RenderPool] = None, cors: Optional[dict[str, Any]] = None,
+              tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False) -> FastAPI:
     """The OpenAI-compatible app around an AsyncEngine; its lifespan binds the event loop and stops the engine.
 
     ``api_key``: one key or a list of keys (any of them is accepted). ``renderer``: the render worker pool that
@@ -97,6 +98,7 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
     admission = Admission(limits.max_num_queued_reqs, limits.retry_after_s, on_reject=metrics.rejected.inc)
     completions = CompletionServing(engine, names, metrics, chat_template, limits, admission, renderer)
     chat = ChatServing(engine, names, metrics, chat_template, limits, admission, renderer)
+    chat.tool_parser, chat.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
     created = int(time.time())
 
     @asynccontextmanager
@@ -223,7 +225,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
           uvicorn_log_level: str = "info", timeout_graceful_shutdown: Optional[float] = None,
           stream_interval: int = 1, engine_cpus: Optional[str] = None, limits: Optional[ServerLimits] = None,
           render_workers: int = 2, exit_on_engine_failure: bool = True,
-          cors: Optional[dict[str, Any]] = None) -> int:
+          cors: Optional[dict[str, Any]] = None, tool_call_parser: Optional[str] = None,
+          enable_auto_tool_choice: bool = False) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code.
 
     ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
@@ -252,7 +255,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     if not served_model_names:
         served_model_names = [config.model if config.model else
                               os.path.basename(engine.model_path).split(".")[0]]
-    app = build_app(engine, served_model_names, api_key, template, limits, renderer, cors)
+    app = build_app(engine, served_model_names, api_key, template, limits, renderer, cors, tool_call_parser,
+                    enable_auto_tool_choice)
     ucfg = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                           timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
     server = uvicorn.Server(ucfg)

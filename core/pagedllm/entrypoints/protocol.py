@@ -2,7 +2,8 @@
 
 Types, simple ranges and size bounds (stop strings, messages, request templates) are checked here so a wrong or
 oversized field is a 400 naming it before any work; cross-field rules live in ``SamplingParams`` (its ParamError
-names the field too). Unknown fields are ignored, as vLLM and OpenAI do.
+names the field too). Fields a model does not declare are kept (``model_extra``) so the serving layer can refuse
+the OpenAI fields pagedllm does not implement (400 naming them) and log the rest (``extra_fields.py``).
 
 Responses are built as plain dicts in the serving modules (streaming sends one JSON object per token, and pydantic
 models per chunk would cost more than the tiny models' decode step); the response models below declare those shapes
@@ -16,13 +17,16 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
 
 from pagedllm.entrypoints.limits import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS,
     MAX_MESSAGES,
     MAX_REQUEST_TEMPLATE_CHARS,
     MAX_STOP_STR_LEN,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
 )
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import ParamError, SamplingParams, StructuredOutputsParams
 
 StopStr = Annotated[StrictStr, StringConstraints(max_length=MAX_STOP_STR_LEN)]
 
@@ -33,12 +37,38 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")  # see extra_fields.py: refused or logged, never silently dropped
+
+
+class JSONSchemaFormat(_Base):
+    name: Annotated[StrictStr, StringConstraints(max_length=64)] = "response"
+    description: Optional[StrictStr] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(_Base):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+
+class StructuredOutputsRequest(_Base):
+    """vLLM's ``structured_outputs`` request field (one of these)."""
+
+    json_: Optional[Union[dict[str, Any], StrictStr]] = Field(None, alias="json")
+    regex: Optional[StrictStr] = None
+    choice: Optional[list[StrictStr]] = None
+    grammar: Optional[StrictStr] = None
+    json_object: Optional[StrictBool] = None
+
+
 class StreamOptions(_Base):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
 
-class _Sampling(_Base):
+class _Sampling(_Request):
     """Fields shared by completions and chat; names are OpenAI's, extras are vLLM's."""
 
     model: Optional[StrictStr] = None
@@ -62,13 +92,65 @@ class _Sampling(_Base):
     user: Optional[StrictStr] = None
     priority: StrictInt = 0
     return_token_ids: StrictBool = False  # vLLM extension: choices carry their (delta) token ids
+    spaces_between_special_tokens: StrictBool = True
+    logit_bias: Optional[Annotated[dict[StrictStr, Num], Field(max_length=MAX_LOGIT_BIAS)]] = None
+    allowed_token_ids: Optional[Annotated[list[StrictInt], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]] = None
+    bad_words: Optional[Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)]] = None
+    truncate_prompt_tokens: Optional[StrictInt] = Field(None, ge=1)
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Optional[Union[dict[str, Any], StrictStr]] = None  # vLLM's older names
+    guided_regex: Optional[StrictStr] = None
+    guided_choice: Optional[list[StrictStr]] = None
+    guided_grammar: Optional[StrictStr] = None
+
+    def structured(self) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
+        """The request's constraint and the field that set it (None, None when unconstrained)."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", dict(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ParamError("response_format", "type json_schema needs json_schema.schema")
+            found.append(("response_format", dict(json=rf.json_schema.schema_)))
+        so = self.structured_outputs
+        if so is not None:
+            found.append(("structured_outputs", dict(json=so.json_, regex=so.regex, choice=so.choice,
+                                                     grammar=so.grammar, json_object=so.json_object)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        if not found:
+            return None, None
+        if len(found) > 1:
+            raise ParamError(found[1][0], f"only one of response_format, structured_outputs and guided_* may "
+                                          f"constrain a request; got {', '.join(f for f, _ in found)}")
+        name, kw = found[0]
+        try:
+            return StructuredOutputsParams(**kw), name
+        except ParamError as e:
+            raise ParamError(name, e.message) from None
 
     def sampling_kwargs(self) -> dict[str, Any]:
+        bias = None
+        if self.logit_bias is not None:
+            bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    bias[int(k)] = v
+                except ValueError:
+                    raise ParamError("logit_bias", f"keys must be token ids (integers as strings), got {k!r}") from None
         kw: dict[str, Any] = dict(n=self.n if self.n is not None else 1, seed=self.seed, stop=self.stop,
                                   stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
                                   min_tokens=self.min_tokens,
                                   include_stop_str_in_output=self.include_stop_str_in_output,
-                                  skip_special_tokens=self.skip_special_tokens, priority=self.priority)
+                                  skip_special_tokens=self.skip_special_tokens, priority=self.priority,
+                                  spaces_between_special_tokens=self.spaces_between_special_tokens,
+                                  logit_bias=bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                                  truncate_prompt_tokens=self.truncate_prompt_tokens,
+                                  structured_outputs=self.structured()[0])
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)
@@ -95,11 +177,23 @@ class ContentPart(_Base):
     text: Optional[StrictStr] = None
 
 
+class FunctionCall(_Base):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(_Base):
+    id: Optional[StrictStr] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Base):
     role: Literal["system", "user", "assistant", "tool", "developer", "function"]
     content: Optional[Union[StrictStr, list[ContentPart]]] = None
     name: Optional[StrictStr] = None
     tool_call_id: Optional[StrictStr] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
     def to_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -110,7 +204,40 @@ class ChatMessage(_Base):
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:  # HF templates take the arguments as a dict
+            d["tool_calls"] = [{"id": t.id, "type": "function", "function": {
+                "name": t.function.name, "arguments": _json_or_text(t.function.arguments)}} for t in self.tool_calls]
         return d
+
+
+def _json_or_text(s: str) -> Any:
+    import json
+
+    try:
+        return json.loads(s)
+    except ValueError:
+        return s
+
+
+class FunctionDefinition(_Base):
+    name: Annotated[StrictStr, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class ChatTool(_Base):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Base):
+    name: StrictStr
+
+
+class NamedToolChoice(_Base):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -123,6 +250,9 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: StrictBool = False
     chat_template: Optional[Annotated[StrictStr, StringConstraints(max_length=MAX_REQUEST_TEMPLATE_CHARS)]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
     @property
     def max_new_tokens(self) -> Optional[int]:
@@ -213,6 +343,7 @@ class ChatLogprobs(_Out):
 class ChatResponseMessage(_Out):
     role: str
     content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
 
 class ChatCompletionChoice(_Out):

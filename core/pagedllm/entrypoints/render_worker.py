@@ -42,12 +42,26 @@ def _vm_bytes() -> int:
 
 
 def render_chat_ids(tok: Any, messages: list[dict], template: Optional[str], add_generation_prompt: bool,
-                    continue_final_message: bool, kwargs: Optional[dict], max_chars: int) -> list[int]:
+                    continue_final_message: bool, kwargs: Optional[dict], max_chars: int,
+                    tools: Optional[list] = None, tools_prompt: Optional[str] = None) -> list[int]:
     """``apply_chat_template(..., tokenize=True)`` in two steps (render, then ``encode`` without special tokens,
-    which is what transformers does) so an oversized rendering is refused before it is tokenised."""
-    text = tok.apply_chat_template(messages, chat_template=template, tokenize=False,
-                                   add_generation_prompt=add_generation_prompt and not continue_final_message,
-                                   continue_final_message=continue_final_message, **(kwargs or {}))
+    which is what transformers does) so an oversized rendering is refused before it is tokenised.
+
+    ``tools`` go to the template; a template that ignores them (renders the same text without them) gets
+    ``tools_prompt`` as a system message instead, so the model always sees its tools."""
+    def render(msgs: list[dict], with_tools: Optional[list]) -> Any:
+        return tok.apply_chat_template(msgs, chat_template=template, tokenize=False, tools=with_tools,
+                                       add_generation_prompt=add_generation_prompt and not continue_final_message,
+                                       continue_final_message=continue_final_message, **(kwargs or {}))
+
+    text = render(messages, tools)
+    if tools and tools_prompt and text == render(messages, None):
+        if messages and messages[0].get("role") == "system":
+            first = dict(messages[0], content=f"{messages[0].get('content') or ''}\n\n{tools_prompt}".lstrip())
+            messages = [first] + list(messages[1:])
+        else:
+            messages = [{"role": "system", "content": tools_prompt}] + list(messages)
+        text = render(messages, None)
     if not isinstance(text, str):
         raise RenderError(f"the chat template produced {type(text).__name__}, not text")
     if len(text) > max_chars:

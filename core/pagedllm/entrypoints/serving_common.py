@@ -39,6 +39,12 @@ _APPLY_CHAT_TEMPLATE_ARGS = frozenset({
     "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs"})
 
 
+# A structured-output ParamError from the engine names ``structured_outputs.<kind>``; the request's own field is
+# reported instead (``structured_rename``). Before that is known, the top-level name stands.
+STRUCTURED_RENAME = {f"structured_outputs.{k}": "structured_outputs"
+                     for k in ("json", "regex", "choice", "grammar", "json_object")}
+
+
 def timeout_error(limit: Optional[float]) -> APIError:
     return APIError(408, f"the request ran past its deadline of {limit:g} s (--request-timeout) and was aborted",
                     code="request_timeout")
@@ -87,6 +93,9 @@ class ChoiceState:
     num_tokens: int = 0
     started: bool = False
     finished: bool = False
+    held: str = ""  # tool calling: text held back while a call may be in it
+    holding: bool = False
+    called: bool = False
 
     def delta(self, c: CompletionOutput, params: SamplingParams) -> tuple[str, int, int]:
         """(new text, first new token index, end token index) since the last call."""
@@ -191,7 +200,8 @@ class Serving:
 
     async def render_chat(self, messages: list[dict], template: Optional[str], add_generation_prompt: bool,
                           continue_final_message: bool, kwargs: Optional[dict], start: float,
-                          request_template: bool = False) -> list[int]:
+                          request_template: bool = False, tools: Optional[list] = None,
+                          tools_prompt: Optional[str] = None) -> list[int]:
         """Token ids of ``messages`` under the chat template; problems are 400s naming ``messages`` (or
         ``chat_template`` / ``chat_template_kwargs`` when those are the request's own)."""
         if self.tokenizer is None:
@@ -205,8 +215,17 @@ class Serving:
                 raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set here",
                                param="chat_template_kwargs")
         job = ("chat", messages, template, add_generation_prompt, continue_final_message, kwargs,
-               self.limits.max_rendered_chars(self.engine.max_model_len))
+               self.limits.max_rendered_chars(self.engine.max_model_len), tools, tools_prompt)
         return await self.render(job, "chat_template" if request_template else "messages", start)
+
+    @staticmethod
+    def structured_rename(req: Any) -> dict[str, str]:
+        """Engine field names of a grammar error -> the request field that carried the grammar."""
+        try:
+            _, source = req.structured()
+        except ParamError:
+            return {}
+        return {k: source for k in STRUCTURED_RENAME} if source else {}
 
     @staticmethod
     def make_params(build, rename: Optional[dict[str, str]] = None) -> SamplingParams:

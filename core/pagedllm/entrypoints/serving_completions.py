@@ -16,9 +16,11 @@ from starlette.responses import JSONResponse
 
 from pagedllm.entrypoints.async_engine import EngineDeadError, RequestTimeoutError
 from pagedllm.entrypoints.errors import APIError, error_body
+from pagedllm.entrypoints.extra_fields import check_extra_fields
 from pagedllm.entrypoints.protocol import CompletionRequest
 from pagedllm.entrypoints.serving_common import (
     SSE_DONE,
+    STRUCTURED_RENAME,
     ChoiceState,
     Serving,
     Usage,
@@ -41,9 +43,10 @@ class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request):
         arrival, start = time.time(), time.monotonic()
         self.check_model(req.model)
+        check_extra_fields(req, "/v1/completions")
         if req.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix")
-        params = self.make_params(req.to_sampling_params)
+        params = self.make_params(req.to_sampling_params, STRUCTURED_RENAME)
         if req.echo and req.logprobs is not None:  # the echoed prompt carries its own logprobs (lm-eval scoring)
             params = params.clone(prompt_logprobs=req.logprobs)
         if req.stream and params.best_of > params.n:
@@ -61,7 +64,8 @@ class CompletionServing(Serving):
                     for p, t in zip(todo, texts):
                         p["prompt"] = t
             rid = random_id("cmpl")
-            streams = await self.submit_all(rid, prompts, params, arrival, _RENAME, start)
+            streams = await self.submit_all(rid, prompts, params, arrival, {**_RENAME, **self.structured_rename(req)},
+                                            start)
             if req.stream:
                 resp = stream_response(self._stream(rid, req, params, prompts, streams), streams, self.metrics,
                                        ticket)
