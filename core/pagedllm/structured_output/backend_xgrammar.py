@@ -32,15 +32,15 @@ class XgrammarBackend:
             if kind == "json":
                 schema = spec.json if isinstance(spec.json, dict) else {}
                 return G.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-            if kind == "json_object":
-                return G.builtin_json_grammar()
+            if kind == "json_object":  # any object (OpenAI's json_object), compact like the schemas
+                return G.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
             if kind == "regex":
                 return G.from_regex(spec.regex)
             if kind == "choice":
                 return G.from_ebnf(choice_ebnf(spec.choice))
             text = spec.grammar
             return G.from_ebnf(text) if "::=" in text else G.from_lark(text)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except Exception as e:  # noqa: BLE001 - the libraries raise plain Exception for bad grammars
             raise ParamError(f"structured_outputs.{kind}", f"cannot be compiled: {_first_line(e)}") from None
 
     def compile(self, grammar: Any) -> Any:
