@@ -151,7 +151,8 @@ class LLMEngine:
             req.eos_token_ids = set(self.model.eos_token_ids)
             req.bad_words_token_ids = bad_words
             if grammar is not None:  # each sample follows the grammar with its own matcher (shared compile)
-                req.structured = grammar if i == 0 else type(grammar)(grammar.future, grammar.backend)
+                req.structured = grammar if i == 0 else type(grammar)(grammar.future, grammar.backend,
+                                                                            grammar.json_output)
             parent.children.append(req)
             parent.detoks[child_id] = (IncrementalDetokenizer(self.tokenizer, ids, child_params)
                                        if self.tokenizer is not None and params.detokenize else None)

@@ -29,7 +29,8 @@ class GuidanceBackend:
         kind = spec.kind
         try:
             if kind == "json":
-                grammar = M.grammar_from_json_schema(json.dumps(spec.json if isinstance(spec.json, dict) else {}),
+                schema = _closed(spec.json) if isinstance(spec.json, dict) else {}
+                grammar = M.grammar_from_json_schema(json.dumps(schema),
                                                      defaults={"whitespace_flexible": False})
             elif kind == "json_object":
                 grammar = M.grammar_from_json_schema('{"type": "object"}', defaults={"whitespace_flexible": False})
@@ -54,7 +55,7 @@ class GuidanceBackend:
     def compile(self, grammar: str) -> str:
         return grammar  # llguidance builds its parser lazily per matcher
 
-    def matcher(self, grammar: str) -> "GuidanceMatcher":
+    def matcher(self, grammar: str, json_output: bool = False) -> "GuidanceMatcher":
         return GuidanceMatcher(self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), self.fill_fn)
 
     def bitmask_words(self) -> int:
@@ -79,3 +80,16 @@ def _escape(s: str) -> str:
     import re
 
     return re.escape(s)
+
+
+def _closed(schema: Any) -> Any:
+    """``additionalProperties: false`` wherever a schema leaves it unset, as xgrammar's strict mode does (and vLLM
+    does for llguidance), so both backends produce the same objects."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out

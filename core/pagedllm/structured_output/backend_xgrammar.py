@@ -23,6 +23,7 @@ class XgrammarBackend:
         self.xgr = xgr
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_limit_bytes=256 << 20)
+        self._no_control: Any = None
 
     def parse(self, spec: StructuredOutputsParams) -> Any:
         """The grammar of ``spec`` (fast: no tokenizer work); a bad spec raises ParamError naming the problem."""
@@ -46,22 +47,42 @@ class XgrammarBackend:
     def compile(self, grammar: Any) -> Any:
         return self.compiler.compile_grammar(grammar)
 
-    def matcher(self, compiled: Any) -> "XgrammarMatcher":
-        return XgrammarMatcher(self.xgr.GrammarMatcher(compiled))
+    def matcher(self, compiled: Any, json_output: bool = False) -> "XgrammarMatcher":
+        return XgrammarMatcher(self.xgr.GrammarMatcher(compiled), self.no_control_mask() if json_output else None)
+
+    def no_control_mask(self) -> torch.Tensor:
+        """Bitmask row allowing every token except those holding a raw control byte (0x00-0x1f).
+
+        xgrammar 0.2.9's rule for length-bounded JSON strings (``maxLength``) admits raw control characters, which
+        strict JSON forbids; our JSON grammars are compact (no whitespace between tokens), so no valid output holds
+        one and AND-ing this row into the mask is exact."""
+        if self._no_control is None:
+            words = self.bitmask_words()
+            allowed = torch.ones(words * 32, dtype=torch.bool)
+            for i, tok in enumerate(self.info.decoded_vocab):
+                if any(b < 0x20 for b in tok):
+                    allowed[i] = False
+            bits = allowed.view(words, 32).to(torch.int64) << torch.arange(32, dtype=torch.int64)
+            packed = bits.sum(dim=1)
+            self._no_control = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+        return self._no_control
 
     def bitmask_words(self) -> int:
         return (self.info.vocab_size + 31) // 32
 
 
 class XgrammarMatcher:
-    def __init__(self, m: Any):
+    def __init__(self, m: Any, and_mask: Any = None):
         self.m = m
+        self.and_mask = and_mask
 
     def accept(self, token: int) -> bool:
         return self.m.accept_token(token)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
+        if self.and_mask is not None:
+            bitmask[row] &= self.and_mask
 
     def is_terminated(self) -> bool:
         return self.m.is_terminated()

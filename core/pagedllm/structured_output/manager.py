@@ -27,9 +27,10 @@ _CACHE_SIZE = 512  # compiled grammars kept (xgrammar's compiler also caches by 
 class StructuredRequest:
     """One request's grammar: a compile future, then its own matcher."""
 
-    def __init__(self, future: cf.Future, backend: Any):
+    def __init__(self, future: cf.Future, backend: Any, json_output: bool = False):
         self.future = future
         self.backend = backend
+        self.json_output = json_output  # the output is JSON (json / json_object)
         self.matcher: Any = None
 
     @property
@@ -38,7 +39,7 @@ class StructuredRequest:
             return True
         if not self.future.done() or self.future.exception() is not None:
             return False
-        self.matcher = self.backend.matcher(self.future.result())
+        self.matcher = self.backend.matcher(self.future.result(), self.json_output)
         return True
 
     @property
@@ -81,7 +82,7 @@ class StructuredOutputManager:
             fut = self._cache.get(key)
             if fut is not None:
                 self._cache.move_to_end(key)
-                return StructuredRequest(fut, self._backend(name))
+                return StructuredRequest(fut, self._backend(name), spec.kind in ("json", "json_object"))
             be = self._backend(name)
             try:
                 grammar = be.parse(spec)
@@ -93,7 +94,7 @@ class StructuredOutputManager:
             self._cache[key] = fut
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return StructuredRequest(fut, be)
+            return StructuredRequest(fut, be, spec.kind in ("json", "json_object"))
         raise AssertionError("unreachable")
 
     @staticmethod
