@@ -27,3 +27,25 @@ SCHEMAS = [
             "required": ["email", "roles"]},
         "active": {"type": "boolean"}}, "required": ["user", "active"]},
 ]
+
+# The same features, with short values: SmolLM2 on a CPU test machine generates ~50 tokens per record.
+SMALL_SCHEMAS = [
+    {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "address": {"type": "object", "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                    "required": ["zip"]}},
+     "required": ["name", "address"]},
+    {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 2},
+        "status": {"enum": ["ok", "error"]}}, "required": ["tags", "status"]},
+    {"type": "object", "properties": {
+        "id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{2}$"},
+        "items": {"type": "array", "maxItems": 2, "items": {"type": "object", "properties": {
+            "qty": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["qty"]}}},
+     "required": ["id", "items"]},
+    {"type": "object", "properties": {
+        "user": {"type": "object", "properties": {
+            "email": {"type": "string", "pattern": "^[a-z]{1,5}@[a-z]{1,5}\\.com$"},
+            "admin": {"type": "boolean"}}, "required": ["email", "admin"]}},
+     "required": ["user"]},
+]

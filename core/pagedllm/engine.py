@@ -78,6 +78,7 @@ class LLMEngine:
         self.requests: dict[str, tuple[ParentRequest, Request]] = {}
         self.stats = EngineStats(num_blocks=self.num_blocks)
         self._ids = itertools.count()
+        self._warned_spaces = False
         self.init_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.2fs: backend=%s dtype=%s block_size=%d blocks=%d max_model_len=%d graph=%s",
                     self.init_seconds, self.backend.name, config.dtype, config.block_size, self.num_blocks,
@@ -171,6 +172,9 @@ class LLMEngine:
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ParamError(name, f"token id {bad[0]} is out of the vocabulary [0, {vocab})")
+        if not params.spaces_between_special_tokens and not self._warned_spaces:
+            self._warned_spaces = True
+            logger.warning("spaces_between_special_tokens=False has no effect with a fast tokenizer (as in vLLM)")
         if not params.bad_words:
             return []
         if self.tokenizer is None:

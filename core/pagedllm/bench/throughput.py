@@ -3,6 +3,10 @@
 Greedy with ignore_eos so every run generates exactly N x O tokens. The prefix cache is reset before each repeat so
 repeats measure the same work (a shared prefix still hits *within* a repeat, which is the point of
 ``--shared-prefix-len``).
+
+``--json-schema FILE``: every repeat also runs the same batch with that schema on every request (structured outputs),
+right after the unconstrained run (alternated), and reports both rates on the tokens actually generated (a
+constrained request stops when its JSON is complete).
 """
 
 from __future__ import annotations
@@ -38,6 +42,11 @@ class ThroughputResult:
     hf_output_tok_s: Optional[float] = None
     speedup_vs_hf: Optional[float] = None
     threads: int = 0
+    json_schema: Optional[str] = None
+    json_elapsed_s: list[float] = field(default_factory=list)
+    json_output_tok_s: Optional[float] = None  # generated tokens / median elapsed, schema on every request
+    unconstrained_output_tok_s: Optional[float] = None  # the same rate for the alternated unconstrained runs
+    json_vs_unconstrained: Optional[float] = None
 
 
 def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
@@ -93,7 +102,15 @@ def run(args) -> ThroughputResult:
                            args.num_prompts, args.input_len, args.output_len, args.shared_prefix_len,
                            cfg.enable_prefix_caching, args.repeats, cold, engine.init_seconds,
                            engine.worker.warmup_seconds, threads=torch.get_num_threads())
-    prefill = []
+    schema_sp = None
+    if args.json_schema:
+        from pagedllm.sampling_params import StructuredOutputsParams
+
+        with open(args.json_schema) as f:
+            schema_sp = sp.clone(structured_outputs=StructuredOutputsParams(json=json.load(f)))
+        res.json_schema = args.json_schema
+        llm.generate(batch[:1], schema_sp.clone(max_tokens=2), use_tqdm=False)  # compile once, outside timing
+    prefill, plain_tok, json_tok = [], [], []
     for _ in range(args.repeats):
         engine.kv.reset_prefix_cache()
         t = time.perf_counter()
@@ -105,10 +122,21 @@ def run(args) -> ThroughputResult:
         outs = llm.generate(batch, sp, use_tqdm=False)
         res.elapsed_s.append(time.perf_counter() - t)
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+        plain_tok.append(sum(len(o.outputs[0].token_ids) for o in outs) / res.elapsed_s[-1])
+        if schema_sp is not None:
+            engine.kv.reset_prefix_cache()
+            t = time.perf_counter()
+            outs = llm.generate(batch, schema_sp, use_tqdm=False)
+            res.json_elapsed_s.append(time.perf_counter() - t)
+            json_tok.append(sum(len(o.outputs[0].token_ids) for o in outs) / res.json_elapsed_s[-1])
     med = statistics.median(res.elapsed_s)
     res.output_tok_s = args.num_prompts * args.output_len / med
     res.total_tok_s = args.num_prompts * (args.input_len + args.output_len) / med
     res.prefill_tok_s = args.num_prompts * args.input_len / statistics.median(prefill)
+    if schema_sp is not None:
+        res.json_output_tok_s = statistics.median(json_tok)
+        res.unconstrained_output_tok_s = statistics.median(plain_tok)
+        res.json_vs_unconstrained = res.json_output_tok_s / res.unconstrained_output_tok_s
     if args.compare_hf:
         res.hf_elapsed_s = run_hf(engine.model_path, prompts, args.output_len, args.repeats)
         res.hf_output_tok_s = args.num_prompts * args.output_len / statistics.median(res.hf_elapsed_s)
@@ -128,6 +156,9 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate, same prompts")
     p.add_argument("--json", default=None, help="write the result as JSON here")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="also run every repeat with this JSON schema on every request (alternated with the "
+                        "unconstrained run) and report both rates")
     p.set_defaults(func=main)
 
 
@@ -141,6 +172,11 @@ def main(args) -> int:
     print(f"pagedllm: {res.output_tok_s:.1f} output tok/s, {res.total_tok_s:.1f} total tok/s, "
           f"prefill {res.prefill_tok_s:.1f} tok/s  (median of {res.repeats}: "
           f"{', '.join(f'{t:.2f}s' for t in res.elapsed_s)})")
+    if res.json_output_tok_s:
+        print(f"json schema on every request: {res.json_output_tok_s:.1f} output tok/s vs unconstrained "
+              f"{res.unconstrained_output_tok_s:.1f} (alternated, median of {res.repeats}): ratio "
+              f"{res.json_vs_unconstrained:.3f}  (constrained runs: "
+              f"{', '.join(f'{t:.2f}s' for t in res.json_elapsed_s)})")
     if res.hf_output_tok_s:
         print(f"HF transformers generate: {res.hf_output_tok_s:.1f} output tok/s (median of {res.repeats}: "
               f"{', '.join(f'{t:.2f}s' for t in res.hf_elapsed_s)})")

@@ -105,5 +105,10 @@ def pagedllm_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @hookimpl
+def pagedllm_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    ops.apply_token_bitmask(logits, bitmask)
+
+
+@hookimpl
 def pagedllm_graph_runner(model: Any, max_num_seqs: int, device: torch.device) -> GraphRunner:
     return graph.make_runner(model, max_num_seqs, device)

@@ -19,7 +19,8 @@ from pagedllm.batch_policy import BucketPolicy, pow2_buckets
 from pagedllm.hookspec import BackendInfo, Capabilities, GraphRunner, RunnerContext, hookimpl
 from pagedllm.static_runner import make_static_runner
 from pagedllm_cpu import plugin as _cpu
-from pagedllm_cpu.plugin import (pagedllm_allocate_kv_cache, pagedllm_distributed_backend,  # noqa: F401
+from pagedllm_cpu.plugin import (pagedllm_allocate_kv_cache, pagedllm_apply_token_bitmask,  # noqa: F401
+                                 pagedllm_distributed_backend,
                                  pagedllm_memory_info, pagedllm_paged_attention, pagedllm_probe, pagedllm_rms_norm,
                                  pagedllm_rotary, pagedllm_silu_and_mul, pagedllm_update_config, pagedllm_write_kv)
 
