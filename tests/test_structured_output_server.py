@@ -24,8 +24,8 @@ WEATHER = {"type": "function", "function": {
                                                     "unit": {"enum": ["c", "f"]}},
                    "required": ["city", "unit"]}}}
 TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"tz": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-                                       "required": ["tz"]}}}
+    "name": "get_time", "parameters": {"type": "object", "required": ["tz"],
+                                       "properties": {"tz": {"type": "string", "pattern": "^[A-Z]{3}$"}}}}}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +138,9 @@ def test_logit_bias_forces_and_bans_served(client, server):
     banned = client.completions.create(model="test-model", prompt="Hello", max_tokens=4, temperature=0,
                                        logit_bias={str(ids[0]): -100}, extra_body={"return_token_ids": True})
     assert ids[0] not in banned.choices[0].model_extra["token_ids"]
+    allowed = client.completions.create(model="test-model", prompt="Hello", max_tokens=6, temperature=1.0, seed=0,
+                                        extra_body={"return_token_ids": True, "allowed_token_ids": [42, 43, 44]})
+    assert set(allowed.choices[0].model_extra["token_ids"]) <= {42, 43, 44}
 
 
 def _calls(msg) -> list[tuple[str, dict]]:

@@ -168,7 +168,8 @@ class LLMEngine:
         """Token ids must be in the model's vocab; returns ``bad_words`` as token id sequences (each word as
         written and with a leading space, as vLLM tokenizes them)."""
         vocab = self.model.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise ParamError(name, f"token id {bad[0]} is out of the vocabulary [0, {vocab})")

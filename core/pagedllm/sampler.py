@@ -1,6 +1,7 @@
 """Next-token sampling for a batch of requests, with vLLM's semantics and order of operations.
 
-allowed_token_ids -> bad_words -> logit_bias -> penalties -> min_tokens bans -> (greedy argmax | temperature -> top_k -> top_p -> min_p -> sample).
+(grammar mask, applied before) -> allowed_token_ids -> bad_words -> logit_bias -> penalties -> min_tokens bans ->
+(greedy argmax | temperature -> top_k -> top_p -> min_p -> sample).
 Everything is vectorized across the batch; only rows that ask for top-k/top-p pay for a (partial) sort, an all-greedy
 batch without penalties is a single argmax, and sampling is inverse-CDF with one uniform per row. Seeded rows draw
 that uniform from their own ``torch.Generator``, so their tokens do not depend on the rest of the batch.
@@ -128,7 +129,8 @@ class Sampler:
         bans = self._min_tokens_bans(reqs, vocab)
         procs = [i for i, r in enumerate(reqs) if r.params.logit_bias or r.params.allowed_token_ids is not None
                  or r.bad_words_token_ids]
-        x = raw.clone() if (pen or bans or procs) else raw  # raw stays untouched: logprobs are raw, it may be the caller's
+        # raw stays untouched: logprobs are raw, and it may be the caller's
+        x = raw.clone() if (pen or bans or procs) else raw
         for i in procs:
             self._restrict(x[i], reqs[i])
         if pen:

@@ -94,7 +94,8 @@ class _Sampling(_Request):
     return_token_ids: StrictBool = False  # vLLM extension: choices carry their (delta) token ids
     spaces_between_special_tokens: StrictBool = True
     logit_bias: Optional[Annotated[dict[StrictStr, Num], Field(max_length=MAX_LOGIT_BIAS)]] = None
-    allowed_token_ids: Optional[Annotated[list[StrictInt], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]] = None
+    allowed_token_ids: Optional[Annotated[list[StrictInt],
+                                          Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]] = None
     bad_words: Optional[Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)]] = None
     truncate_prompt_tokens: Optional[StrictInt] = Field(None, ge=1)
     response_format: Optional[ResponseFormat] = None

@@ -55,7 +55,7 @@ def render_chat_ids(tok: Any, messages: list[dict], template: Optional[str], add
                                        continue_final_message=continue_final_message, **(kwargs or {}))
 
     text = render(messages, tools)
-    if tools and tools_prompt and text == render(messages, None):
+    if tools and tools_prompt and _ignores_tools(lambda: render(messages, None), text):
         if messages and messages[0].get("role") == "system":
             first = dict(messages[0], content=f"{messages[0].get('content') or ''}\n\n{tools_prompt}".lstrip())
             messages = [first] + list(messages[1:])
@@ -67,6 +67,13 @@ def render_chat_ids(tok: Any, messages: list[dict], template: Optional[str], add
     if len(text) > max_chars:
         raise RenderError(f"the rendered chat prompt has {len(text)} characters, more than the limit of {max_chars}")
     return [int(t) for t in tok.encode(text, add_special_tokens=False)]
+
+
+def _ignores_tools(render_without: Any, with_tools: str) -> bool:
+    try:
+        return render_without() == with_tools
+    except Exception:  # noqa: BLE001 - a template that fails without tools clearly uses them
+        return False
 
 
 def handle(tok: Any, job: tuple) -> Any:

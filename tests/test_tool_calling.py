@@ -1,0 +1,90 @@
+"""Tool-call parsing (hermes, llama3_json), forced-choice grammars and the chat-template fallback for tools.
+
+End-to-end tool calls through the server (required, named, auto; streamed vs whole) are in
+test_structured_output_server.py."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from transformers import AutoTokenizer
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints import tool_calling as tc
+from pagedllm.entrypoints.protocol import ChatTool, NamedToolChoice
+from pagedllm.entrypoints.render_worker import render_chat_ids
+from pagedllm.sampling_params import ParamError
+from server_utils import tiny_chat_model
+
+ADD = ChatTool(type="function", function={"name": "add", "description": "Add two integers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                     "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["a", "b"]}})
+ECHO = ChatTool(type="function", function={"name": "echo", "parameters": {
+    "type": "object", "properties": {"text": {"enum": ["hi", "bye"]}}, "required": ["text"]}})
+
+
+def test_hermes_parser():
+    p = tc.get_parser("hermes")
+    text = ('Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+            '<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>')
+    content, calls = p.parse(text)
+    assert content == "Let me check."
+    assert [(n, json.loads(a)) for n, a in calls] == [("add", {"a": 1, "b": 2}), ("echo", {"text": "hi"})]
+    assert p.parse("no call here") == ("no call here", [])
+    assert p.holds("text <tool") == len("text ") and p.holds("plain") == 5 and p.started("x<tool_call>{")
+
+
+def test_llama3_json_parser():
+    p = tc.get_parser("llama3_json")
+    content, calls = p.parse('<|python_tag|>{"name": "add", "parameters": {"a": 3, "b": 4}}; '
+                             '{"name": "echo", "parameters": {"text": "bye"}}')
+    assert content is None
+    assert [(n, json.loads(a)) for n, a in calls] == [("add", {"a": 3, "b": 4}), ("echo", {"text": "bye"})]
+    assert p.parse("The answer is 7.") == ("The answer is 7.", [])
+    assert p.parse('{"not": "a call"}') == ('{"not": "a call"}', [])
+
+
+def test_check_request_errors_name_the_field():
+    named = NamedToolChoice(type="function", function={"name": "missing"})
+    for tools, choice, field in (([], "required", "tool_choice"), ([ADD], named, "tool_choice"),
+                                 ([ADD], "auto", "tool_choice")):
+        with pytest.raises(ParamError) as e:
+            tc.check_request(tools, choice, False, None, False)
+        assert e.value.field == field
+    assert tc.check_request([ADD], None, True, "hermes", False) == "auto"
+    assert tc.check_request(None, None, False, None, False) == "none"
+
+
+def test_forced_grammars_give_valid_calls_offline():
+    """The grammars of ``required`` and a named choice, run on the random model: calls parse and validate."""
+    llm = LLM(tiny_chat_model(), device="cpu", max_model_len=256, kv_cache_memory=32 << 20)
+    schemas = {"add": ADD.function.parameters, "echo": ECHO.function.parameters}
+    for choice in ("required", NamedToolChoice(type="function", function={"name": "echo"})):
+        grammar = tc.forced_grammar([ADD, ECHO], choice, parallel=False)
+        outs = llm.generate(["call:"], SamplingParams(temperature=1.0, n=4, seed=1, max_tokens=100,
+                                                      structured_outputs=grammar), use_tqdm=False)[0].outputs
+        for o in outs:
+            calls = tc.forced_calls(o.text, choice)
+            assert len(calls) == 1, o.text
+            name, args = calls[0]
+            jsonschema.validate(json.loads(args), schemas[name])
+            if choice != "required":
+                assert name == "echo"
+
+
+def test_template_without_tools_gets_a_system_prompt():
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model())  # SmolLM2's template ignores `tools`
+    tools = tc.tools_for_template([ADD])
+    msgs = [{"role": "user", "content": "1+2?"}]
+    prompt = tc.tools_system_prompt(tools, "hermes")
+    ids = render_chat_ids(tok, msgs, None, True, False, None, 1 << 20, tools, prompt)
+    text = tok.decode(ids)
+    assert '"name": "add"' in text and "<tool_call>" in text and text.index("add") < text.index("1+2?")
+    # a template that renders tools itself is used as is
+    own = ("{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}"
+           "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    text = tok.decode(render_chat_ids(tok, msgs, own, True, False, None, 1 << 20, tools, prompt))
+    assert text.startswith("TOOL add\n") and "<tool_call>" not in text
