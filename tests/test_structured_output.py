@@ -203,3 +203,13 @@ def test_spec_validation():
     with pytest.raises(ParamError) as e:
         StructuredOutputsParams(choice=[])
     assert e.value.field == "structured_outputs.choice"
+
+
+def test_mixed_batch_masks_only_constrained_rows(llm):
+    plain = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(["Hello there"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    schema = SCHEMAS[0]
+    outs = llm.generate(["Hello there", "rec:", "Hello there"], [plain, _json_params(schema, temperature=0), plain],
+                        use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone == outs[2].outputs[0].token_ids
+    _validate_all(outs[1:2], schema)

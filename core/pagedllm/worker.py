@@ -191,12 +191,23 @@ class Worker:
         if step.sampled is not None:
             sampled = step.sampled
         elif step.requests:
-            mask = self.structured.bitmask(step.requests) if self.structured is not None else None
-            if mask is not None:
-                with torch.inference_mode():  # the logits are an inference tensor
-                    self.backend.apply_token_bitmask(step.logits, mask.to(step.logits.device))
+            masked = self.structured.bitmask(step.requests) if self.structured is not None else None
+            if masked is not None:
+                self._apply_bitmask(step.logits, *masked)
             sampled = self.sampler(step.logits, step.requests)
         return step, sampled
+
+    @torch.inference_mode()  # the logits are an inference tensor
+    def _apply_bitmask(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
+        """Mask the constrained rows in place (only those rows pay for it)."""
+        mask = mask.to(logits.device)
+        if len(rows) == logits.shape[0]:
+            self.backend.apply_token_bitmask(logits, mask)
+            return
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        sub = logits.index_select(0, idx)
+        self.backend.apply_token_bitmask(sub, mask)
+        logits.index_copy_(0, idx, sub)
 
     def swap(self, src_to_dst: list[tuple[int, int]], out: bool) -> None:
         """Copy blocks device -> host (``out``) or host -> device, through the backend (its layout, its copy)."""

@@ -103,15 +103,15 @@ class StructuredOutputManager:
         to do sleeps here instead of spinning."""
         cf.wait([r.future for r in reqs], timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
-    def bitmask(self, reqs: Sequence[Any]) -> Optional[torch.Tensor]:
-        """int32 ``[len(reqs), ceil(vocab / 32)]`` bitmask (bit set = allowed) for this step's sampling rows, or None
-        when no row is constrained; unconstrained rows allow everything."""
+    def bitmask(self, reqs: Sequence[Any]) -> Optional[tuple[list[int], torch.Tensor]]:
+        """(rows, int32 ``[len(rows), ceil(vocab / 32)]`` bitmask, bit set = allowed) for the constrained rows among
+        this step's sampling requests, or None when no row is constrained."""
         rows = [(i, r.structured) for i, r in enumerate(reqs) if r.structured is not None]
         if not rows:
             return None
         words = (self.vocab_size + 31) // 32
-        mask = torch.full((len(reqs), words), -1, dtype=torch.int32)
-        for i, s in rows:
+        mask = torch.full((len(rows), words), -1, dtype=torch.int32)
+        for j, (_, s) in enumerate(rows):
             if s.matcher is not None and not s.matcher.is_terminated():
-                s.matcher.fill(mask, i)
-        return mask
+                s.matcher.fill(mask, j)
+        return [i for i, _ in rows], mask
