@@ -18,6 +18,7 @@ _EXPORTS = {
     "EngineConfig": "pagedllm.config",
     "LLMEngine": "pagedllm.engine",
     "ParamError": "pagedllm.sampling_params",
+    "LoRARequest": "pagedllm.lora.request",
     "BeamSearchOutput": "pagedllm.beam_search",
     "BeamSearchSequence": "pagedllm.beam_search",
 }

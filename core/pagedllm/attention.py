@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # backend-private per-step precomputation
+    lora_mapping: Any = None  # pagedllm.lora.ops.LoRAMapping when the step runs LoRA adapters, else None
 
     @property
     def num_seqs(self) -> int:

@@ -114,6 +114,7 @@ class Backend:
         rotary: Callable[..., tuple]
         silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
         apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None]
+        add_lora: Callable[..., None]
 
 
 @dataclass

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
 
 from pagedllm.sampling_params import ParamError
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -34,6 +37,10 @@ class EngineConfig:
     enforce_eager: bool = False
     kv_cache_dtype: str = "auto"  # auto: the model dtype (the only one core implements today)
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance (structured_output/manager.py)
+    enable_lora: bool = False  # serve LoRA adapters (docs/lora.md)
+    max_loras: int = 1  # adapters one step may use (device slots)
+    max_lora_rank: int = 16  # largest adapter rank; slots are padded to it
+    max_cpu_loras: Optional[int] = None  # host copies kept (LRU); default max_loras
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -58,6 +65,14 @@ class EngineConfig:
                                                            f"{self.structured_outputs_backend!r}")
         if self.swap_space < 0:
             raise ParamError("swap_space", f"must be >= 0 GiB, got {self.swap_space!r}")
+        if not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ParamError("max_loras", f"must be an integer >= 1, got {self.max_loras!r}")
+        if not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1:
+            raise ParamError("max_lora_rank", f"must be an integer >= 1, got {self.max_lora_rank!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                               or self.max_cpu_loras < self.max_loras):
+            raise ParamError("max_cpu_loras", f"must be an integer >= max_loras ({self.max_loras}), "
+                                              f"got {self.max_cpu_loras!r}")
 
 
 #: Fields a backend's ``pagedllm_update_config`` may set.
@@ -106,6 +121,11 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
     if info.soft_cap is not None and not caps.soft_cap:
         raise ParamError("model", f"{info.architecture} uses attention logit soft-capping ({info.soft_cap}), "
                                   f"which backend {name!r} does not support")
+    if config.enable_lora and caps.graph_capture != "none" and not config.enforce_eager:
+        # The per-step LoRA mapping is host-built Python state that captured graphs cannot replay.
+        logger.warning("--enable-lora: backend %r captures graphs (%s); LoRA runs eager, so enforce_eager is set",
+                       name, caps.graph_capture)
+        config.enforce_eager = True
     if config.max_model_len is None:
         config.max_model_len = info.max_model_len
     elif config.max_model_len > info.max_model_len:

@@ -13,6 +13,7 @@ from pagedllm.backends import get_backend
 from pagedllm.config import EngineConfig, resolve_config
 from pagedllm.detokenizer import IncrementalDetokenizer
 from pagedllm.kv_manager import BlockPool, KVCacheManager
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models import load_config, load_tokenizer, resolve_model_path
 from pagedllm.models.info import read_model_info
 from pagedllm.outputs import RequestOutput
@@ -51,6 +52,10 @@ class EngineStats:
     slot_steps_allocated: int = 0
     slot_steps_seqs: int = 0  # running sequences summed over steps (what contiguous preallocation would reserve)
     num_steps: int = 0  # model steps run
+    lora_disk_loads: int = 0  # LoRA adapter folders read from disk
+    lora_cpu_evictions: int = 0  # host copies dropped by the max_cpu_loras LRU
+    lora_slot_loads: int = 0  # adapters copied into a device slot
+    lora_slot_evictions: int = 0  # adapters swapped out of a device slot for another
 
 
 class LLMEngine:
@@ -68,7 +73,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         swap_pool = BlockPool(w.num_host_blocks, enable_caching=False) if w.host_caches is not None else None
         self.scheduler = Scheduler(self.kv, w.max_num_seqs, w.max_num_batched_tokens, self.max_model_len,
-                                   config.scheduling_policy, swap=swap_pool)
+                                   config.scheduling_policy, swap=swap_pool,
+                                   max_loras=config.max_loras if config.enable_lora else 0)
         w.start(self.kv)
         self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size, self.model.eos_token_ids,
                                                   config.structured_outputs_backend)
@@ -123,10 +129,34 @@ class LLMEngine:
                                        f"{self.max_model_len} (prompt plus at least one generated token must fit)")
         return text, list(ids)
 
+    # ---- LoRA adapters ---------------------------------------------------------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (read and checked now, so a bad folder fails here naming its problem)."""
+        if self.worker.lora is None:
+            raise ParamError("lora_request", "this engine was started without enable_lora (--enable-lora)")
+        if not isinstance(lora_request, LoRARequest):
+            raise ParamError("lora_request", f"must be a LoRARequest, got {type(lora_request).__name__}")
+        self.worker.lora.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; refused while a request still uses it."""
+        if self.worker.lora is None:
+            return False
+        if any(req.lora_int_id == lora_int_id for _, req in self.requests.values()):
+            raise ParamError("lora_int_id", f"adapter {lora_int_id} is in use by a running request")
+        return self.worker.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.worker.lora.known.values()) if self.worker.lora is not None else []
+
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None, priority: Optional[int] = None) -> str:
+                    arrival_time: Optional[float] = None, priority: Optional[int] = None,
+                    lora_request: Optional[LoRARequest] = None) -> str:
         """Validate and queue a request (``n`` child samples). Raises ParamError naming the bad field."""
         params = params if params is not None else SamplingParams()
+        if lora_request is not None:
+            self.add_lora(lora_request)
         if priority is not None and priority != params.priority:
             params = params.clone(priority=priority)
         if request_id is None:
@@ -148,7 +178,7 @@ class LLMEngine:
             child_id = request_id if params.best_of == 1 else f"{i}_{request_id}"
             child_params = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
             req = Request(child_id, ids, child_params, eos_token_id=eos, prompt=text, arrival_time=arrival,
-                          max_tokens=max_tokens, index=i)
+                          max_tokens=max_tokens, index=i, lora_request=lora_request)
             req.eos_token_ids = set(self.model.eos_token_ids)
             req.bad_words_token_ids = bad_words
             if grammar is not None:  # each sample follows the grammar with its own matcher (shared compile)
@@ -299,6 +329,10 @@ class LLMEngine:
         s.prefix_queries, s.prefix_hits = kv.stats.queries, kv.stats.hits
         s.num_preemptions = self.scheduler.num_preemptions
         s.num_swaps = self.scheduler.num_swaps
+        if self.worker.lora is not None:
+            ls = self.worker.lora.stats
+            s.lora_disk_loads, s.lora_cpu_evictions = ls.disk_loads, ls.cpu_evictions
+            s.lora_slot_loads, s.lora_slot_evictions = ls.slot_loads, ls.slot_evictions
         s.live_token_slots = sum(r.num_computed_tokens for r in self.scheduler.running)
         s.allocated_token_slots = sum(len(kv.req_blocks.get(r.request_id, ())) for r in self.scheduler.running
                                       ) * kv.block_size

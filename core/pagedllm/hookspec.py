@@ -319,6 +319,15 @@ class BackendSpec:
         ``W`` (the tokenizer's vocab padded to the model's) may differ from ``V``: tokens past the mask are
         disallowed, mask bits past ``V`` ignored. xgrammar's layout, so its kernels drop in."""
 
+    @hookspec(firstresult=True)
+    def pagedllm_add_lora(self, y: "torch.Tensor", x: "torch.Tensor", lora_a: "torch.Tensor",
+                          lora_b: "torch.Tensor", mapping: Any) -> None:
+        """Multi-LoRA shrink + expand, in place: ``y[t] += lora_b[s] @ (lora_a[s] @ x[t])`` for each token t whose
+        slot ``s = mapping.token_indices[t]`` is >= 0 (-1: base model, untouched). ``y`` ``[T, out]``, ``x``
+        ``[T, in]``, ``lora_a`` ``[max_loras, R, in]``, ``lora_b`` ``[max_loras, out, R]`` with the scaling folded
+        in. ``mapping`` (``pagedllm.lora.ops.LoRAMapping``) also carries per-slot row groups built on the host.
+        Reference: ``pagedllm.lora.ops.add_lora`` (vLLM's sgmv/bgmv shrink + expand)."""
+
 
 #: Hooks every backend must implement itself (no reference fallback).
 REQUIRED_HOOKS = ("pagedllm_backend_info", "pagedllm_probe", "pagedllm_memory_info")

@@ -147,7 +147,9 @@ class KVCacheManager:
         bs = self.block_size
         while (len(hashes) + 1) * bs <= upto:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs:(i + 1) * bs]))
+            # The adapter changes every block's K/V: keyed into the first hash, it chains into all later ones.
+            extra = (getattr(req, "lora_int_id", 0) or None) if i == 0 else None
+            hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs:(i + 1) * bs], extra))
         return hashes
 
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:

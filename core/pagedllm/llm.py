@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine, PromptType
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -27,8 +28,11 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs come back in prompt order."""
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs come back in prompt order.
+        ``lora_request``: one adapter for every prompt, or one (or None for the base model) per prompt."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -38,6 +42,10 @@ class LLM:
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         final = {id(p): p.clone(output_kind="final_only") for p in params}  # generate() only reads final outputs
         params = [final[id(p)] for p in params]
         engine = self.llm_engine
@@ -46,7 +54,8 @@ class LLM:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = f"gen-{self._counter}"
                 self._counter += 1
-                engine.add_request(rid, p, sp, priority=priority[i] if priority is not None else None)
+                engine.add_request(rid, p, sp, priority=priority[i] if priority is not None else None,
+                                   lora_request=loras[i])
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)  # all-or-nothing: nothing half-queued stays behind

@@ -18,6 +18,7 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.batch_policy import BatchPolicy, BatchShape
 from pagedllm.device_sampler import SamplingTensors, on_device_eligible
 from pagedllm.kv_manager import KVCacheManager
+from pagedllm.lora.ops import LoRAMapping
 from pagedllm.request import Request
 from pagedllm.sampler import SamplerOutput
 from pagedllm.scheduler import ScheduledRequest
@@ -40,7 +41,7 @@ def prompt_logit_spans(batch: list, query_start_loc_cpu: list) -> Iterator[tuple
 
 class ModelRunner:
     def __init__(self, model: Any, run: Any, kv: KVCacheManager, device: torch.device,
-                 policy: BatchPolicy = BatchPolicy(), pad_slot: int = -1, sample: Any = None):
+                 policy: BatchPolicy = BatchPolicy(), pad_slot: int = -1, sample: Any = None, lora: Any = None):
         self.model = model
         self.run = run  # the backend's graph runner callable: run(input_ids, positions, meta) -> hidden
         self.kv = kv
@@ -49,6 +50,7 @@ class ModelRunner:
         self.policy = policy
         self.pad_slot = pad_slot
         self.sample = sample  # GraphRunner.sample: forward + logits + sampling in the backend's region
+        self.lora = lora  # pagedllm.lora.slots.LoRAManager when LoRA is enabled
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -84,6 +86,7 @@ class ModelRunner:
             qsl = np.concatenate([qsl, np.full(pad_s, qsl[-1], dtype=np.int64)])
             seq_lens = np.concatenate([seq_lens, np.zeros(pad_s, dtype=np.int64)])
         dev = self.device
+        lora_mapping = self._lora_mapping(batch, row, shape.num_tokens) if self.lora is not None else None
         meta = AttentionMetadata(
             query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
@@ -95,10 +98,22 @@ class ModelRunner:
             block_size=bs,
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            lora_mapping=lora_mapping,
         )
         input_ids = torch.tensor(tokens, dtype=torch.long).to(dev)
         positions = torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64)).to(dev)
         return input_ids, positions, meta
+
+    def _lora_mapping(self, batch: list[ScheduledRequest], row: np.ndarray, num_tokens: int) -> Optional[LoRAMapping]:
+        """Token -> device slot of its request's adapter (-1: base model, and padding); None if no token has one."""
+        ids = [s.request.lora_int_id for s in batch]
+        if not any(ids):
+            return None
+        slot_of = self.lora.activate(i for i in ids if i)
+        req_slot = np.array([slot_of[i] if i else -1 for i in ids], dtype=np.int64)
+        per_token = np.full(num_tokens, -1, dtype=np.int64)
+        per_token[: len(row)] = req_slot[row]
+        return LoRAMapping.build(per_token.tolist(), self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepOutput:

@@ -7,6 +7,7 @@ import torch
 from typing import Any, Optional
 
 from pagedllm import ref_ops
+from pagedllm.lora import ops as lora_ops
 from pagedllm.batch_policy import BatchPolicy
 from pagedllm.hookspec import Capabilities, GraphRunner, KVCacheSpec, ModelInfo, RunnerContext, hookimpl
 
@@ -111,3 +112,8 @@ def pagedllm_silu_and_mul(x):
 @hookimpl(trylast=True)
 def pagedllm_apply_token_bitmask(logits, bitmask) -> None:
     ref_ops.apply_token_bitmask(logits, bitmask)
+
+
+@hookimpl(trylast=True)
+def pagedllm_add_lora(y, x, lora_a, lora_b, mapping) -> None:
+    lora_ops.add_lora(y, x, lora_a, lora_b, mapping)

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import SampleLogprobs
 from pagedllm.sampling_params import SamplingParams
 
@@ -41,7 +42,8 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: Optional[int] = None, prompt: Optional[str] = None,
-                 arrival_time: Optional[float] = None, max_tokens: Optional[int] = None, index: int = 0):
+                 arrival_time: Optional[float] = None, max_tokens: Optional[int] = None, index: int = 0,
+                 lora_request: Optional[LoRARequest] = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -51,6 +53,8 @@ class Request:
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
         self.max_tokens = max_tokens if max_tokens is not None else params.max_tokens
         self.index = index  # position among a parent's n samples
+        self.lora_request = lora_request
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0  # 0: the base model
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0

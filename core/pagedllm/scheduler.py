@@ -46,7 +46,7 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 policy: str = "fcfs", swap: Optional[BlockPool] = None):
+                 policy: str = "fcfs", swap: Optional[BlockPool] = None, max_loras: int = 0):
         self.kv = kv
         self.swap = swap  # host block pool for swapped-out requests (None: recompute only)
         self.num_swaps = 0
@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.max_loras = max_loras  # distinct adapters running at once (0: LoRA off)
 
     # ---- queue -----------------------------------------------------------------------------------
     def _rank(self, req: Request) -> tuple:
@@ -146,12 +147,17 @@ class Scheduler:
             i += 1
         if out.preempted:  # admitting new work now would only thrash
             return out
+        skipped: list[Request] = []  # waiting requests whose adapter has no free slot this step (vLLM's rule)
+        loras = {r.lora_int_id for r in self.running} - {0}
         while self.waiting and budget > 0:
             req = next((r for r in self.waiting if r.structured is None or r.structured.ready), None)
             if req is None:
                 break  # every waiting request still waits for its grammar to compile
             if req.swapped_blocks is not None and out.swap_out:
                 break  # its host blocks may be reused by this step's swap-out: resume it next step
+            if req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             n = self._admit(req, out, budget) if len(self.running) < self.max_num_seqs else 0
             if n == 0 and self.policy == "priority" and self.running:
                 # A more urgent request preempts the least urgent running one (recompute: no swap ordering issue).
@@ -168,6 +174,9 @@ class Scheduler:
                 break
             self.waiting.remove(req)
             budget -= n
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def update(self, out: SchedulerOutput) -> None:

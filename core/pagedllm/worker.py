@@ -22,6 +22,7 @@ from pagedllm.config import DTYPES, EngineConfig
 from pagedllm.device_sampler import SamplingTensors
 from pagedllm.hookspec import KVCacheSpec, ModelInfo, RunnerContext
 from pagedllm.kv_manager import KVCacheManager
+from pagedllm.lora.slots import LoRAManager
 from pagedllm.model_runner import ModelRunner, StepOutput
 from pagedllm.models import load_model
 from pagedllm.sampler import Sampler, SamplerOutput
@@ -61,6 +62,10 @@ class Worker:
             self.host_caches = backend.allocate_host_kv_cache(host_spec,
                                                               backend.memory_info(self.device).pinned_host)
         self.ctx = self._context(self.policy)
+        self.lora: Optional[LoRAManager] = None
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras)
         self.sampler = Sampler()
         self.structured: Any = None  # the engine's StructuredOutputManager (token bitmasks for grammar rows)
         self.runner: Any = None
@@ -151,6 +156,10 @@ class Worker:
     def start(self, kv: KVCacheManager) -> None:
         """Build the model runner (the backend's own, or core's with the backend's graph runner) and warm up."""
         own = self.backend.model_runner(self.ctx, self.model, kv)
+        if self.lora is not None and (own is not None or self.policy.static):
+            raise ParamError("enable_lora", f"backend {self.backend.name!r} runs "
+                                            f"{'its own model runner' if own is not None else 'static batch shapes'}"
+                                            ", which does not apply LoRA adapters; serve LoRA on a dynamic backend")
         if own is not None:  # the backend owns the step, warm-up included
             self.runner, self.graph_level = own, getattr(own, "level", "custom")
             return
@@ -159,7 +168,8 @@ class Worker:
         if graph is not None:
             self.graph_level, self.graph_stats = graph.level, graph.stats
         self.runner = ModelRunner(self.model, graph.run if graph is not None else self.model, kv, self.device,
-                                  self.policy, self.pad_slot, sample=graph.sample if graph is not None else None)
+                                  self.policy, self.pad_slot, sample=graph.sample if graph is not None else None,
+                                  lora=self.lora)
         self.warmup()
 
     def warmup(self) -> None:

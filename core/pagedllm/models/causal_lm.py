@@ -48,11 +48,18 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.soft_cap = getattr(config, "attn_logit_softcapping", None)
         self.rotary, self.write_kv, self.paged_attention = backend.rotary, backend.write_kv, backend.paged_attention
+        self.add_lora = getattr(backend, "add_lora", None)
+        self.lora_qkv: Optional[tuple] = None  # (A, B) slot stacks, set by the LoRA manager
+        self.lora_o: Optional[tuple] = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        lora = getattr(meta, "lora_mapping", None)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            self.add_lora(qkv, x, *self.lora_qkv, lora)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_size)
         k = k.view(t, self.num_kv_heads, self.head_size)
         v = v.view(t, self.num_kv_heads, self.head_size)
@@ -61,7 +68,11 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k, cos_sin_cache)
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_size))
+        out = out.reshape(t, self.num_heads * self.head_size)
+        y = self.o_proj(out)
+        if lora is not None:
+            self.add_lora(y, out, *self.lora_o, lora)
+        return y
 
 
 class GatedMLP(nn.Module):
@@ -73,9 +84,19 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.silu_and_mul = backend.silu_and_mul
+        self.add_lora = getattr(backend, "add_lora", None)
+        self.lora_gate_up: Optional[tuple] = None
+        self.lora_down: Optional[tuple] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        if lora is None:
+            return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
+        gu = self.gate_up_proj(x)
+        self.add_lora(gu, x, *self.lora_gate_up, lora)
+        h = self.silu_and_mul(gu)
+        y = self.down_proj(h)
+        self.add_lora(y, h, *self.lora_down, lora)
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -89,7 +110,7 @@ class DecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, cos_sin_cache).add_(h)
-        return self.mlp(self.post_attention_layernorm(h)).add_(h)
+        return self.mlp(self.post_attention_layernorm(h), getattr(meta, "lora_mapping", None)).add_(h)
 
 
 class CausalLM(nn.Module):
@@ -137,6 +158,26 @@ class CausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def lora_site_split(self, layer: int, site: str) -> tuple[int, list[int]]:
+        """(in features, out features of each fused sub-projection) of a LoRA site of ``layer``."""
+        attn, mlp = self.layers[layer].self_attn, self.layers[layer].mlp
+        if site == "qkv_proj":
+            return self.hidden_size, list(attn.split_sizes)
+        if site == "o_proj":
+            return attn.o_proj.in_features, [self.hidden_size]
+        if site == "gate_up_proj":
+            half = mlp.gate_up_proj.out_features // 2
+            return self.hidden_size, [half, half]
+        if site == "down_proj":
+            return mlp.down_proj.in_features, [self.hidden_size]
+        raise ValueError(f"unknown LoRA site {site!r}")
+
+    def set_lora_buffers(self, buffers: list[dict]) -> None:
+        """Point every layer's LoRA sites at the manager's per-layer ``{site: (A, B)}`` slot stacks."""
+        for layer, bufs in zip(self.layers, buffers, strict=True):
+            layer.self_attn.lora_qkv, layer.self_attn.lora_o = bufs["qkv_proj"], bufs["o_proj"]
+            layer.mlp.lora_gate_up, layer.mlp.lora_down = bufs["gate_up_proj"], bufs["down_proj"]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids``/``positions`` ``[T]`` -> final-normed hidden states ``[T, hidden_size]``."""
