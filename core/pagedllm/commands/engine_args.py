@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Optional
 
 from pagedllm.config import EngineConfig
+from pagedllm.lora.request import LoRARequest
+from pagedllm.sampling_params import ParamError
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -28,6 +32,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (auto: the model dtype)")
     p.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar", "guidance"],
                    help="grammar backend for structured outputs (auto: xgrammar, llguidance for what it refuses)")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (docs/lora.md)")
+    p.add_argument("--max-loras", type=int, default=1, help="adapters one batch may use (device slots); default 1")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted; default 16")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (LRU); default --max-loras")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -38,4 +47,29 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, scheduling_policy=args.scheduling_policy, seed=args.seed,
         enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
-        structured_outputs_backend=args.structured_outputs_backend)
+        structured_outputs_backend=args.structured_outputs_backend, enable_lora=args.enable_lora,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+
+
+
+def lora_modules(values: Optional[list[str]], enable_lora: bool) -> list[LoRARequest]:
+    """``--lora-modules name=path ...`` (or vLLM's JSON form ``{"name": .., "path": ..}``) as LoRARequests with ids
+    1, 2, ..."""
+    out: list[LoRARequest] = []
+    for i, v in enumerate(values or []):
+        v = v.strip()
+        if v.startswith("{"):
+            d = json.loads(v)
+            name, path = d.get("name"), d.get("path")
+        else:
+            name, sep, path = v.partition("=")
+            if not sep:
+                raise ParamError("lora_modules", f"expected name=path, got {v!r}")
+        if not name or not path:
+            raise ParamError("lora_modules", f"expected name=path, got {v!r}")
+        if any(r.lora_name == name for r in out):
+            raise ParamError("lora_modules", f"adapter name {name!r} given twice")
+        out.append(LoRARequest(name, i + 1, path))
+    if out and not enable_lora:
+        raise ParamError("lora_modules", "--lora-modules needs --enable-lora")
+    return out

@@ -12,7 +12,7 @@ import json
 import logging
 import socket
 
-from pagedllm.commands.engine_args import add_engine_args, engine_config
+from pagedllm.commands.engine_args import add_engine_args, engine_config, lora_modules
 from pagedllm.entrypoints.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_NUM_QUEUED_REQS,
@@ -50,6 +50,12 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use; the first is reported in responses (default: MODEL)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served under their names (needs --enable-lora); clients select one with "
+                        "model=NAME")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="enable /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING); default off: anyone who can reach the API could load files")
     p.add_argument("--chat-template", default=None, help="Jinja chat template, or a file holding one")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template in requests (default: refused with 400; a template is code)")
@@ -129,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
                          "pip install 'pagedllm[serve]'") from None
 
     _check(args)
+    loras = lora_modules(args.lora_modules, args.enable_lora)
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        raise ParamError("allow_runtime_lora_updating", "needs --enable-lora")
     try:
         keys = load_api_keys(args.api_key, args.api_key_file)
     except (OSError, ValueError) as e:
@@ -146,4 +155,5 @@ def run(args: argparse.Namespace) -> int:
                  uvicorn_log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                  stream_interval=args.stream_interval, engine_cpus=args.engine_cpus, limits=limits,
                  render_workers=args.render_workers, exit_on_engine_failure=args.exit_on_engine_failure, cors=cors,
-                 tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice)
+                 tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                 lora_modules=loras, allow_runtime_lora_updating=args.allow_runtime_lora_updating)

@@ -24,14 +24,14 @@ from contextlib import asynccontextmanager
 from typing import Any, Optional, Sequence
 
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 import pagedllm
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.async_engine import AsyncEngine
+from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.auth import APIKeyMiddleware, add_cors
 from pagedllm.entrypoints.cpu_split import parse_cpu_list, pin_front_end
-from pagedllm.entrypoints.errors import APIError, error_body, install_handlers
+from pagedllm.entrypoints.errors import APIError, error_body, from_param_error, install_handlers
 from pagedllm.entrypoints.limits import Admission, RequestBodyMiddleware, ServerLimits
 from pagedllm.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.protocol import (
@@ -42,15 +42,19 @@ from pagedllm.entrypoints.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from pagedllm.entrypoints.render_pool import RenderPool, warm_up_forkserver
 from pagedllm.entrypoints.serving_chat import ChatServing
 from pagedllm.entrypoints.serving_completions import CompletionServing
+from pagedllm.lora.request import LoRARequest
+from pagedllm.sampling_params import ParamError
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +89,14 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
 def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: Optional[Any] = None,
               chat_template: Optional[str] = None, limits: Optional[ServerLimits] = None,
               renderer: Optional[RenderPool] = None, cors: Optional[dict[str, Any]] = None,
-              tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False) -> FastAPI:
+              tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The OpenAI-compatible app around an AsyncEngine; its lifespan binds the event loop and stops the engine.
 
     ``api_key``: one key or a list of keys (any of them is accepted). ``renderer``: the render worker pool that
     renders templates and (de)tokenises requests (required when the model has a tokenizer). ``cors``: keyword
-    arguments of :func:`~pagedllm.entrypoints.auth.add_cors`.
+    arguments of :func:`~pagedllm.entrypoints.auth.add_cors`. ``allow_runtime_lora_updating``: serve
+    ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (else they answer 404 saying how to enable them).
     """
     names = list(served_model_names)
     limits = limits or ServerLimits()
@@ -137,14 +143,52 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
         return {"id": name, "object": "model", "created": created, "owned_by": "pagedllm", "root": engine.model_path,
                 "parent": None, "max_model_len": engine.max_model_len}
 
+    def lora_card(lora: LoRARequest) -> dict:
+        return {"id": lora.lora_name, "object": "model", "created": created, "owned_by": "pagedllm",
+                "root": lora.lora_path, "parent": names[0], "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401))
     async def models() -> dict:
-        return {"object": "list", "data": [card(n) for n in names]}
+        return {"object": "list", "data": [card(n) for n in names]
+                + [lora_card(r) for r in getattr(engine, "loras", {}).values()]}
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_errors(401, 404))
     async def model(model_id: str) -> dict:
-        completions.check_model(model_id)
-        return card(model_id)
+        lora = completions.check_model(model_id)
+        return lora_card(lora) if lora is not None else card(model_id)
+
+    def check_runtime_lora() -> None:
+        if not allow_runtime_lora_updating:
+            raise APIError(404, "runtime LoRA updating is disabled; start the server with "
+                                "--allow-runtime-lora-updating (and --enable-lora) to use this endpoint",
+                           code="runtime_lora_updating_disabled")
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401, 404, 503))
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        check_runtime_lora()
+        if body.lora_name in names:
+            raise APIError(400, f"lora_name: {body.lora_name!r} is the base model's name", param="lora_name")
+        try:
+            await engine.add_lora(LoRARequest(body.lora_name, engine.next_lora_id(), body.lora_path))
+        except ParamError as e:
+            raise from_param_error(e) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401, 404, 503))
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        check_runtime_lora()
+        if body.lora_name not in engine.loras:
+            raise APIError(404, f"lora_name: no adapter named {body.lora_name!r} is loaded", param="lora_name",
+                           code="model_not_found")
+        try:
+            await engine.remove_lora(body.lora_name)
+        except ParamError as e:
+            raise from_param_error(e) from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions", response_model=None, response_class=JSONResponse,
               responses=_generation(CompletionResponse))
@@ -226,7 +270,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
           stream_interval: int = 1, engine_cpus: Optional[str] = None, limits: Optional[ServerLimits] = None,
           render_workers: int = 2, exit_on_engine_failure: bool = True,
           cors: Optional[dict[str, Any]] = None, tool_call_parser: Optional[str] = None,
-          enable_auto_tool_choice: bool = False) -> int:
+          enable_auto_tool_choice: bool = False, lora_modules: Sequence[LoRARequest] = (),
+          allow_runtime_lora_updating: bool = False) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code.
 
     ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
@@ -237,7 +282,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     template = load_chat_template(chat_template)
     cpus = parse_cpu_list(engine_cpus) if engine_cpus is not None else None
     warm_up_forkserver()  # imports transformers in the background while the engine loads the model
-    engine = AsyncEngine(config, stream_interval, cpus)  # starts the engine process, waits until the model is loaded
+    engine = AsyncEngine(config, stream_interval, cpus, lora_modules)  # starts the engine process, waits until the model is loaded
     renderer = None
     try:
         if engine.tokenizer is not None:
@@ -256,7 +301,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
         served_model_names = [config.model if config.model else
                               os.path.basename(engine.model_path).split(".")[0]]
     app = build_app(engine, served_model_names, api_key, template, limits, renderer, cors, tool_call_parser,
-                    enable_auto_tool_choice)
+                    enable_auto_tool_choice, allow_runtime_lora_updating)
     ucfg = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                           timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
     server = uvicorn.Server(ucfg)

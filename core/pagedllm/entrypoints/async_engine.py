@@ -10,16 +10,18 @@ through a non-blocking transport, so the event loop never waits on a full pipe w
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import os
 import pickle
 import struct
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine import EngineStats, PromptType
 from pagedllm.entrypoints.engine_core import ACCEPTED, run_engine_core
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import ParamError, SamplingParams
 
@@ -86,7 +88,7 @@ class AsyncEngine:
     """
 
     def __init__(self, config: EngineConfig, stream_interval: int = 1,
-                 engine_cpus: Optional[frozenset[int]] = None):
+                 engine_cpus: Optional[frozenset[int]] = None, lora_modules: Sequence[LoRARequest] = ()):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ParamError("stream_interval", f"must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
@@ -97,7 +99,7 @@ class AsyncEngine:
         child_in, self._cmd_conn = ctx.Pipe(duplex=False)  # server -> engine
         self._proc = ctx.Process(target=run_engine_core, name="pagedllm-engine", daemon=True,
                                  args=(config, child_in, child_out, logging.getLogger().getEffectiveLevel(),
-                                       engine_cpus))
+                                       engine_cpus, list(lora_modules)))
         self._proc.start()
         child_in.close()
         child_out.close()
@@ -130,6 +132,10 @@ class AsyncEngine:
         self.model_path: str = info["model_path"]
         self.vocab_size: int = info["vocab_size"]
         self._stats: EngineStats = info["stats"]
+        #: Adapters clients may select by ``model=`` name (``--lora-modules`` and runtime loads).
+        self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in lora_modules}
+        self._control_ids = itertools.count()
+        self._lora_ids = itertools.count(max((r.lora_int_id for r in lora_modules), default=0) + 1)
 
     @property
     def pid(self) -> Optional[int]:
@@ -175,7 +181,8 @@ class AsyncEngine:
     # ---- requests (event-loop side) --------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: Optional[float] = None, priority: Optional[int] = None,
-                          timeout: Optional[float] = None) -> RequestStream:
+                          timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None
+                          ) -> RequestStream:
         """Queue a request; raises the engine's ParamError (or EngineDeadError) before any output exists.
 
         ``timeout`` (seconds from now): past it the request is aborted in the engine (its blocks freed) and its
@@ -192,7 +199,7 @@ class AsyncEngine:
         accepted = self._loop.create_future()
         self._pending[request_id] = accepted
         self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, params, arrival_time, priority))
+        self._send(("add", request_id, prompt, params, arrival_time, priority, lora_request))
         if timeout is not None:
             stream.timer = self._loop.call_later(max(timeout, 0.0), self._expire, request_id, timeout)
         try:
@@ -206,6 +213,34 @@ class AsyncEngine:
                 stream.timer.cancel()
             raise
         return stream
+
+    async def _control(self, kind: str, arg: Any) -> None:
+        """Run one engine command answered like an add (accepted, or the engine's exception re-raised here)."""
+        if not self.is_running:
+            raise EngineDeadError(f"engine is not running: {self.error!r}" if self.error else "engine is not running")
+        rid = f"__{kind}-{next(self._control_ids)}"
+        done = self._loop.create_future()
+        self._pending[rid] = done
+        self._send((kind, rid, arg))
+        await done
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter in the engine (checked there: a bad folder raises its ParamError) and serve its name."""
+        if lora_request.lora_name in self.loras:
+            raise ParamError("lora_name", f"an adapter named {lora_request.lora_name!r} is already loaded")
+        await self._control("add_lora", lora_request)
+        self.loras[lora_request.lora_name] = lora_request
+
+    async def remove_lora(self, lora_name: str) -> None:
+        lora = self.loras.get(lora_name)
+        if lora is None:
+            raise ParamError("lora_name", f"no adapter named {lora_name!r} is loaded")
+        await self._control("remove_lora", lora.lora_int_id)
+        del self.loras[lora_name]
+
+    def next_lora_id(self) -> int:
+        """A fresh adapter id (never reused, so no prefix-cache block of an unloaded adapter can match)."""
+        return next(self._lora_ids)
 
     def abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)

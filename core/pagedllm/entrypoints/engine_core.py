@@ -5,7 +5,8 @@ server's (HTTP, JSON, SSE) run in parallel instead of taking turns on one GIL, a
 answers 503 instead of a dead one, and every torch op runs on this process's main thread (one OpenMP team).
 
 Protocol: one pipe each way, pickled tuples in ``multiprocessing.Connection`` framing. Server -> engine:
-``("add", rid, prompt, params, arrival, priority)``, ``("abort", rid)``, ``("stop",)``. Engine -> server:
+``("add", rid, prompt, params, arrival, priority, lora_request)``, ``("abort", rid)``, ``("add_lora", rid,
+lora_request)``, ``("remove_lora", rid, lora_int_id)`` (answered like an add), ``("stop",)``. Engine -> server:
 ``("ready", info)`` or ``("error", exc)`` once, then ``("out", items, stats)`` after every loop turn that did
 something, where ``items`` are ``(rid, x)`` with ``x`` :data:`ACCEPTED`, an exception (the add was rejected) or a
 RequestOutput (deltas: the server asks for ``output_kind="delta"`` and accumulates); and ``("dead", message)`` if the
@@ -21,7 +22,7 @@ import pickle
 import signal
 import sys
 from multiprocessing.connection import Connection
-from typing import Optional
+from typing import Optional, Sequence
 
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cpu_split import pin_engine
@@ -41,7 +42,8 @@ def _portable(e: BaseException) -> BaseException:
 
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
-                    log_level: int = logging.INFO, cpus: Optional[frozenset[int]] = None) -> None:
+                    log_level: int = logging.INFO, cpus: Optional[frozenset[int]] = None,
+                    lora_modules: Sequence = ()) -> None:
     """Process entry point (spawned by :class:`~pagedllm.entrypoints.async_engine.AsyncEngine`).
 
     Ends with ``os._exit``: the process holds nothing that needs interpreter finalization (its pipes close with
@@ -50,7 +52,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
     """
     code = 1
     try:
-        _run(config, commands, outputs, log_level, cpus)
+        _run(config, commands, outputs, log_level, cpus, lora_modules)
         code = 0
     finally:
         logging.shutdown()
@@ -60,7 +62,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
 
 
 def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int,
-         cpus: Optional[frozenset[int]]) -> None:
+         cpus: Optional[frozenset[int]], lora_modules: Sequence) -> None:
     # The server process owns shutdown (it drains, then sends "stop"); a terminal's Ctrl-C or a service manager's
     # SIGTERM to the whole process group must not kill requests mid-flight. If the server dies, the pipe closes
     # and this loop exits.
@@ -74,6 +76,8 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
             threads = pin_engine(cpus)
             logger.info("engine process on CPUs %s, %d torch threads", ",".join(map(str, sorted(cpus))), threads)
         engine = LLMEngine(config)
+        for lora in lora_modules:  # --lora-modules: a bad folder fails the start, naming it
+            engine.add_lora(lora)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which re-raises it
         outputs.send(("error", _portable(e)))
         return
@@ -102,10 +106,17 @@ def _loop(engine, commands: Connection, outputs: Connection) -> None:
         while commands.poll():
             cmd = commands.recv()
             kind = cmd[0]
-            if kind == "add":
-                _, rid, prompt, params, arrival, priority = cmd
+            if kind in ("add", "add_lora", "remove_lora"):
+                rid = cmd[1]
                 try:
-                    engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority)
+                    if kind == "add":
+                        _, rid, prompt, params, arrival, priority, lora = cmd
+                        engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority,
+                                           lora_request=lora)
+                    elif kind == "add_lora":
+                        engine.add_lora(cmd[2])
+                    else:
+                        engine.remove_lora(cmd[2])
                 except Exception as e:  # ParamError and friends go back to that request only
                     items.append((rid, _portable(e)))
                     continue

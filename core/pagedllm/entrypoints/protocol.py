@@ -393,3 +393,17 @@ class DetokenizeResponse(_Out):
 
 class VersionResponse(_Out):
     version: str
+
+
+class LoadLoRAAdapterRequest(_Base):
+    """``POST /v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: StrictStr
+    lora_path: StrictStr
+
+
+class UnloadLoRAAdapterRequest(_Base):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
+
+    lora_name: StrictStr
+    lora_int_id: Optional[StrictInt] = None

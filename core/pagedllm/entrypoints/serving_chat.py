@@ -62,7 +62,7 @@ class ChatServing(Serving):
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         arrival, start = time.time(), time.monotonic()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         check_extra_fields(req, "/v1/chat/completions")
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
@@ -89,7 +89,8 @@ class ChatServing(Serving):
             field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             self.check_lengths(len(ids), req.max_new_tokens, field, prompt_field="messages")
             rid = random_id("chatcmpl")
-            streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, rename, start)
+            streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, rename, start,
+                                            lora)
             if req.stream:
                 resp = stream_response(self._stream(rid, req, params, streams, choice), streams, self.metrics,
                                        ticket)

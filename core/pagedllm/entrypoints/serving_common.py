@@ -27,6 +27,7 @@ from pagedllm.entrypoints.limits import Admission, ServerLimits, Ticket
 from pagedllm.entrypoints.metrics import ServerMetrics
 from pagedllm.entrypoints.render_pool import RenderPool, RenderTimeout
 from pagedllm.entrypoints.render_worker import RenderError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import ParamError, SamplingParams
 
@@ -137,10 +138,17 @@ class Serving:
         self._token_text: dict[int, str] = {}
 
     # ---- validation -------------------------------------------------------------------------------------------
-    def check_model(self, model: Optional[str]) -> None:
+    def check_model(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """None for the base model's names; the adapter a LoRA name selects; else 404 in OpenAI's shape."""
+        loras = getattr(self.engine, "loras", {})
+        lora = loras.get(model) if model is not None else None
+        if lora is not None:
+            return lora
         if model is not None and model not in self.served_model_names:
-            raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(self.served_model_names)}",
+            served = self.served_model_names + list(loras)
+            raise APIError(404, f"The model `{model}` does not exist. Served: {', '.join(served)}",
                            param="model", code="model_not_found")
+        return None
 
     def need_tokenizer(self) -> Any:
         if self.tokenizer is None:
@@ -236,10 +244,11 @@ class Serving:
 
     # ---- submission -------------------------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt: dict, params: SamplingParams, arrival: float,
-                     rename: Optional[dict[str, str]] = None, start: Optional[float] = None) -> RequestStream:
+                     rename: Optional[dict[str, str]] = None, start: Optional[float] = None,
+                     lora: Optional[LoRARequest] = None) -> RequestStream:
         try:
             return await self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
-                                                 priority=params.priority,
+                                                 priority=params.priority, lora_request=lora,
                                                  timeout=self.remaining(start) if start is not None else None)
         except ParamError as e:
             raise from_param_error(e, rename) from None
@@ -249,14 +258,14 @@ class Serving:
             raise timeout_error(self.limits.request_timeout) from None
 
     async def submit_all(self, base_id: str, prompts: list[dict], params: SamplingParams, arrival: float,
-                         rename: Optional[dict[str, str]] = None, start: Optional[float] = None
-                         ) -> list[RequestStream]:
+                         rename: Optional[dict[str, str]] = None, start: Optional[float] = None,
+                         lora: Optional[LoRARequest] = None) -> list[RequestStream]:
         """All-or-nothing: if one prompt is rejected, the ones already queued are aborted."""
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.submit(rid, p, params, arrival, rename, start))
+                streams.append(await self.submit(rid, p, params, arrival, rename, start, lora))
         except BaseException:
             for s in streams:
                 s.abort()

@@ -42,7 +42,7 @@ _RENAME = {"prompt_token_ids": "prompt"}
 class CompletionServing(Serving):
     async def create(self, req: CompletionRequest, raw: Request):
         arrival, start = time.time(), time.monotonic()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         check_extra_fields(req, "/v1/completions")
         if req.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix")
@@ -65,7 +65,7 @@ class CompletionServing(Serving):
                         p["prompt"] = t
             rid = random_id("cmpl")
             streams = await self.submit_all(rid, prompts, params, arrival, {**_RENAME, **self.structured_rename(req)},
-                                            start)
+                                            start, lora)
             if req.stream:
                 resp = stream_response(self._stream(rid, req, params, prompts, streams), streams, self.metrics,
                                        ticket)
