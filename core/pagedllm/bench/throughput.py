@@ -47,6 +47,9 @@ class ThroughputResult:
     json_output_tok_s: Optional[float] = None  # generated tokens / median elapsed, schema on every request
     unconstrained_output_tok_s: Optional[float] = None  # the same rate for the alternated unconstrained runs
     json_vs_unconstrained: Optional[float] = None
+    num_loras: int = 0  # >0: every repeat also runs the same batch spread round-robin over this many adapters
+    lora_elapsed_s: list[float] = field(default_factory=list)  # alternated with elapsed_s (base model) per repeat
+    lora_over_base: Optional[float] = None  # median of per-repeat ratios lora time / base time
 
 
 def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
@@ -102,6 +105,10 @@ def run(args) -> ThroughputResult:
                            args.num_prompts, args.input_len, args.output_len, args.shared_prefix_len,
                            cfg.enable_prefix_caching, args.repeats, cold, engine.init_seconds,
                            engine.worker.warmup_seconds, threads=torch.get_num_threads())
+    loras = _lora_requests(args)
+    res.num_loras = len(set(loras)) if loras else 0
+    if loras:
+        llm.generate(batch[: len(loras)], sp.clone(max_tokens=2), use_tqdm=False, lora_request=loras[: len(batch)])
     schema_sp = None
     if args.json_schema:
         from pagedllm.sampling_params import StructuredOutputsParams
@@ -129,6 +136,15 @@ def run(args) -> ThroughputResult:
             outs = llm.generate(batch, schema_sp, use_tqdm=False)
             res.json_elapsed_s.append(time.perf_counter() - t)
             json_tok.append(sum(len(o.outputs[0].token_ids) for o in outs) / res.json_elapsed_s[-1])
+        if loras:  # the same batch, request i on adapter i % num_loras, right after the base run (alternated)
+            engine.kv.reset_prefix_cache()
+            t = time.perf_counter()
+            outs = llm.generate(batch, sp, use_tqdm=False,
+                                lora_request=[loras[i % len(loras)] for i in range(len(batch))])
+            res.lora_elapsed_s.append(time.perf_counter() - t)
+            assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+    if loras:
+        res.lora_over_base = statistics.median(a / b for a, b in zip(res.lora_elapsed_s, res.elapsed_s))
     med = statistics.median(res.elapsed_s)
     res.output_tok_s = args.num_prompts * args.output_len / med
     res.total_tok_s = args.num_prompts * (args.input_len + args.output_len) / med
@@ -144,6 +160,19 @@ def run(args) -> ThroughputResult:
     return res
 
 
+def _lora_requests(args) -> list:
+    """``--num-loras`` adapters from ``--lora-modules`` (cycled when fewer folders are given, each use its own id)."""
+    from pagedllm.commands.engine_args import lora_modules
+    from pagedllm.lora.request import LoRARequest
+
+    mods = lora_modules(args.lora_modules, args.enable_lora)
+    n = args.num_loras if args.num_loras is not None else len(mods)
+    if n and not mods:
+        raise SystemExit("--num-loras needs --enable-lora --lora-modules NAME=PATH ...")
+    return [LoRARequest(f"{mods[i % len(mods)].lora_name}-{i}", i + 1, mods[i % len(mods)].lora_path)
+            for i in range(n)]
+
+
 def add_parser(sub) -> None:
     from pagedllm.commands.engine_args import add_engine_args
 
@@ -155,6 +184,10 @@ def add_parser(sub) -> None:
     p.add_argument("--shared-prefix-len", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate, same prompts")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (with --enable-lora): each repeat also times the batch spread over them")
+    p.add_argument("--num-loras", type=int, default=None,
+                   help="spread the LoRA run over this many adapters (default: one per --lora-modules entry)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run every repeat with this JSON schema on every request (alternated with the "
@@ -177,6 +210,11 @@ def main(args) -> int:
               f"{res.unconstrained_output_tok_s:.1f} (alternated, median of {res.repeats}): ratio "
               f"{res.json_vs_unconstrained:.3f}  (constrained runs: "
               f"{', '.join(f'{t:.2f}s' for t in res.json_elapsed_s)})")
+    if res.lora_over_base is not None:
+        print(f"LoRA: {res.num_prompts} prompts over {res.num_loras} adapters: "
+              f"{', '.join(f'{t:.2f}s' for t in res.lora_elapsed_s)} vs base "
+              f"{', '.join(f'{t:.2f}s' for t in res.elapsed_s)} (alternated); lora/base time "
+              f"{res.lora_over_base:.3f}x (median of per-repeat ratios)")
     if res.hf_output_tok_s:
         print(f"HF transformers generate: {res.hf_output_tok_s:.1f} output tok/s (median of {res.repeats}: "
               f"{', '.join(f'{t:.2f}s' for t in res.hf_elapsed_s)})")
