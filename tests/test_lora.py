@@ -174,3 +174,26 @@ def test_bad_adapters_name_the_problem(tiny_llama, adapters, tmp_path):
     # The engine still serves after every refusal.
     out = llm.generate([5, 6, 7], greedy(), use_tqdm=False, lora_request=LoRARequest("qv8", 1, adapters["qv8"]))
     assert out[0].outputs[0].token_ids == oracle(tiny_llama, adapters, "qv8", [5, 6, 7])
+
+
+def test_qwen2_qkv_bias_adapters_match_peft(tiny_model_dirs, tmp_path):
+    """Qwen2 (q/k/v biases; the delta adds on top of the biased fused qkv) with two adapters and the base, mixed."""
+    base = tiny_model_dirs["qwen2"]
+    ads = {"a": write_adapter(base, tmp_path / "a", seed=7, r=4, lora_alpha=16, target_modules="all-linear"),
+           "b": write_adapter(base, tmp_path / "b", seed=8, r=8, lora_alpha=8, use_rslora=True,
+                              target_modules=["q_proj", "k_proj", "v_proj", "up_proj"])}
+    llm = LLM(base, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,
+              enable_lora=True, max_loras=2, max_lora_rank=8)
+    reqs = {"a": LoRARequest("a", 1, ads["a"]), "b": LoRARequest("b", 2, ads["b"])}
+    names = ["a", None, "b", "a"]
+    ps = prompts(len(names), seed=9)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], greedy(), use_tqdm=False,
+                        lora_request=[reqs.get(n) for n in names])
+    for name, p, out in zip(names, ps, outs):
+        assert out.outputs[0].token_ids == oracle(base, ads, name, p), name
+
+
+def test_static_backend_refuses_enable_lora(tiny_llama):
+    with pytest.raises(ParamError, match="enable_lora"):
+        LLM(tiny_llama, device="cpu-static", dtype="float32", max_model_len=128, max_num_seqs=8,
+            max_num_batched_tokens=64, enable_lora=True)
