@@ -63,7 +63,7 @@ def test_mixed_batch_logits_match_peft(tiny_llama, adapters):
     assert len(sched.scheduled) == len(names)
     runner = engine.worker.runner
     input_ids, positions, meta = runner.prepare(sched.scheduled)
-    assert meta.lora_mapping is not None and len(meta.lora_mapping.groups) == 5
+    assert meta.lora_mapping is not None and meta.lora_mapping.num_slots_used == 5
     with torch.inference_mode():
         logits = engine.model.compute_logits(engine.model(input_ids, positions, meta)).float()
     qsl = meta.query_start_loc_cpu

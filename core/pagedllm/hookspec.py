@@ -325,7 +325,7 @@ class BackendSpec:
         """Multi-LoRA shrink + expand, in place: ``y[t] += lora_b[s] @ (lora_a[s] @ x[t])`` for each token t whose
         slot ``s = mapping.token_indices[t]`` is >= 0 (-1: base model, untouched). ``y`` ``[T, out]``, ``x``
         ``[T, in]``, ``lora_a`` ``[max_loras, R, in]``, ``lora_b`` ``[max_loras, out, R]`` with the scaling folded
-        in. ``mapping`` (``pagedllm.lora.ops.LoRAMapping``) also carries per-slot row groups built on the host.
+        in. ``mapping`` (``pagedllm.lora.ops.LoRAMapping``) also carries the rows sorted by slot, built on the host.
         Reference: ``pagedllm.lora.ops.add_lora`` (vLLM's sgmv/bgmv shrink + expand)."""
 
 
