@@ -65,6 +65,10 @@ def _errors(*codes: int) -> dict[int, dict[str, Any]]:
     return {c: {"model": ErrorResponse} for c in codes}
 
 
+# vLLM answers the LoRA endpoints with plain text; their errors stay JSON (so the route keeps the JSON class)
+_PLAIN_OK = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+
 def _generation(model) -> dict[int, dict[str, Any]]:
     ok = {"model": model, "description": "The completion; with \"stream\": true, server-sent events (one JSON "
                                          "chunk per \"data:\" line, then \"data: [DONE]\")",
@@ -163,7 +167,7 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
                                 "--allow-runtime-lora-updating (and --enable-lora) to use this endpoint",
                            code="runtime_lora_updating_disabled")
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401, 404, 503))
+    @app.post("/v1/load_lora_adapter", responses={**_PLAIN_OK, **_errors(400, 401, 404, 503)})
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         check_runtime_lora()
         if body.lora_name in names:
@@ -176,7 +180,7 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
             raise APIError(503, str(e), code="engine_unavailable") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401, 404, 503))
+    @app.post("/v1/unload_lora_adapter", responses={**_PLAIN_OK, **_errors(400, 401, 404, 503)})
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
         check_runtime_lora()
         if body.lora_name not in engine.loras:
