@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config
 from pagedllm.sampling_params import ParamError, SamplingParams
@@ -92,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "complete":
         def handle(text: str) -> None:
             _print_stream(streams.complete(text))
-        first: Optional[str] = args.quick
     else:
         messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
 
@@ -104,9 +103,8 @@ def run(args: argparse.Namespace) -> int:
                 messages.pop()  # a failed turn is not history
                 raise
             messages.append({"role": "assistant", "content": reply})
-        first = args.quick
-    if first is not None:
-        handle(first)
+    if args.quick is not None:
+        handle(args.quick)
         return 0
     print(f"pagedllm {args.command}: {streams.model_name} in {where}. /exit or Ctrl-D to leave.", flush=True)
     return _loop("> ", handle)
