@@ -67,7 +67,8 @@ def test_reference_backend_passes_everything(ref_backend, tmp_path):
     assert {"write_kv", "paged_attention.decode", "paged_attention.prefill", "paged_attention.mixed",
             "paged_attention.sliding_window", "paged_attention.soft_cap", "gather_kv_blocks", "copy_kv_blocks",
             "swap_kv_blocks", "allocate_kv_cache", "memory_info", "rms_norm", "rotary", "silu_and_mul",
-            "graph_runner.replay_vs_eager", "greedy_parity_vs_hf", "layout_ownership"} <= kernels
+            "graph_runner.replay_vs_eager", "greedy_parity_vs_hf", "layout_ownership", "add_lora",
+            "apply_token_bitmask"} <= kernels
     models = {r.model for r in report.results if r.kernel == "paged_attention.mixed"}
     assert models == {f"hs{hs}-bs16-gqa{g}" for hs in (64, 128) for g in (1, 3, 4)}  # from default Capabilities
     data = json.loads((tmp_path / "conformance-ref.json").read_text())
@@ -91,6 +92,29 @@ def test_wrong_kernels_are_caught_and_reported():
     assert all(r.status == "untested" and r.error == "not in the allowlist" for r in others)
     md_text = report.to_markdown()
     assert "**FAIL**" in md_text and "| attention | paged_attention.decode | FAIL 6/6 |" in md_text
+
+
+def lora_first_run_slot_everywhere(y, x, lora_a, lora_b, mapping):
+    """Batches the step's runs as if they all used the first run's adapter (a slot-indexing bug)."""
+    s0 = mapping.runs[0][0]
+    for _, lo, hi in mapping.runs:
+        y[lo:hi] += (x[lo:hi] @ lora_a[s0].t()) @ lora_b[s0].t()
+
+
+def bitmask_ignoring_width(logits, bitmask):
+    """Unpacks the mask but lets tokens past the mask's width through (tokenizer vocab < model vocab)."""
+    bits = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    logits[:, :allowed.shape[1]].masked_fill_(~allowed, float("-inf"))
+
+
+def test_wrong_lora_and_bitmask_kernels_are_caught():
+    bad = Backend(make_plugin("buggy2", add_lora=lora_first_run_slot_everywhere,
+                              apply_token_bitmask=bitmask_ignoring_width), "buggy2")
+    report = run_conformance(bad, allow=["add_lora", "apply_token_bitmask"])
+    status = {r.id: r.status for r in report.results if r.kernel in ("add_lora", "apply_token_bitmask")}
+    assert status == {"add_lora[uniform|float32]": "failing", "add_lora[uneven|float32]": "failing",
+                      "apply_token_bitmask[w96|float32]": "failing", "apply_token_bitmask[w128|float32]": "passing"}
 
 
 def test_tolerance_overrides_and_exclusions():

@@ -95,6 +95,30 @@ def test_mixed_batch_greedy_matches_peft(tiny_llama, adapters):
     assert llm.llm_engine.kv.num_used_blocks == 0
 
 
+def test_equal_runs_take_the_batched_path_and_match_peft(tiny_llama, adapters):
+    """Four adapters x two equal-length prompts, submitted interleaved: the runner groups them by adapter, so the
+    prefill and every decode step form adjacent equal runs (the grid a backend may batch in one bmm)."""
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,
+              enable_lora=True, max_loras=4, max_lora_rank=16)
+    reqs = requests(adapters)
+    names = [n for _ in range(2) for n in list(reqs)[:4]]
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(3, 500, (11,), generator=g).tolist() for _ in names]
+    engine = llm.llm_engine
+    for i, (name, p) in enumerate(zip(names, ps)):
+        engine.add_request(f"u{i}", {"prompt_token_ids": p}, greedy(), lora_request=reqs[name])
+    sched = engine.scheduler.schedule()
+    batch = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens != 1, s.request.lora_int_id))
+    mapping = engine.worker.runner.prepare(batch)[2].lora_mapping
+    assert mapping.uniform is not None and mapping.uniform[1] == 22 and len(mapping.runs) == 4
+    engine.abort_request([f"u{i}" for i in range(len(names))])
+    engine.scheduler.update(sched)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], greedy(), use_tqdm=False,
+                        lora_request=[reqs[n] for n in names])
+    for name, p, out in zip(names, ps, outs):
+        assert out.outputs[0].token_ids == oracle(tiny_llama, adapters, name, p), name
+
+
 def test_more_adapters_than_slots(tiny_llama, adapters):
     """max_loras=2, max_cpu_loras=3, 5 adapters: all complete and match peft; swaps and host re-reads counted."""
     llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,

@@ -43,7 +43,7 @@ def server(model_path, adapters):
 def greedy_ids(client: openai.OpenAI, model: str, n: int = 6) -> list[int]:
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=n, temperature=0,
                                   extra_body={"return_token_ids": True, "ignore_eos": True})
-    assert r.model  # answered
+    assert r.model == model  # an adapter's responses name the adapter, as vLLM's do
     return r.choices[0].model_extra["token_ids"]
 
 
@@ -65,7 +65,10 @@ def test_adapters_selected_by_name(server, adapters, model_path):
     assert got["sql"] != got["chat"]
     chat = client.chat.completions.create(model="chat", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
                                           temperature=0)
-    assert chat.choices[0].finish_reason in ("length", "stop")
+    assert chat.choices[0].finish_reason in ("length", "stop") and chat.model == "chat"
+    chunks = list(client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, temperature=0, stream=True))
+    assert chunks and {c.model for c in chunks} == {"sql"}
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-adapter", prompt=PROMPT, max_tokens=2)
     body = e.value.response.json()["error"]

@@ -325,7 +325,8 @@ class BackendSpec:
         """Multi-LoRA shrink + expand, in place: ``y[t] += lora_b[s] @ (lora_a[s] @ x[t])`` for each token t whose
         slot ``s = mapping.token_indices[t]`` is >= 0 (-1: base model, untouched). ``y`` ``[T, out]``, ``x``
         ``[T, in]``, ``lora_a`` ``[max_loras, R, in]``, ``lora_b`` ``[max_loras, out, R]`` with the scaling folded
-        in. ``mapping`` (``pagedllm.lora.ops.LoRAMapping``) also carries the rows sorted by slot, built on the host.
+        in. ``mapping`` (``pagedllm.lora.ops.LoRAMapping``) also gives the contiguous runs of tokens per slot and,
+        when they are adjacent and equally long, a grid view for batched kernels, built on the host once per step.
         Reference: ``pagedllm.lora.ops.add_lora`` (vLLM's sgmv/bgmv shrink + expand)."""
 
 

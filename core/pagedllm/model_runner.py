@@ -118,7 +118,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepOutput:
         """Run one step: float32 logits for the requests that sample, plus prompt-position logits where asked."""
-        batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # decodes first (stable)
+        # Decodes first (stable); within each, grouped by LoRA adapter so an adapter's tokens are contiguous runs.
+        batch = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, s.request.lora_int_id))
         input_ids, positions, meta = self.prepare(batch)
         out = StepOutput()
         rows = [i for i, s in enumerate(batch) if s.samples]

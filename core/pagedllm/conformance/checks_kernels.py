@@ -165,3 +165,37 @@ def check_rotary(ctx: CaseContext) -> None:
     ref_q, ref_k = ref_ops.rotary(positions, q0, k0, cos_sin)
     ctx.compare(out_q, ref_q, "rotated query")
     ctx.compare(out_k, ref_k, "rotated key")
+
+
+def check_apply_token_bitmask(ctx: CaseContext) -> None:
+    """Structured-output mask: the mask's width (tokenizer vocab) below and above the logits' width."""
+    vocab, width = 100, ctx.params["mask_width"]
+    logits = ctx.randn(5, vocab, dtype=torch.float32)
+    words = torch.randint(-(2 ** 31), 2 ** 31 - 1, (5, (width + 31) // 32), generator=ctx.gen, dtype=torch.int64)
+    bitmask = words.to(torch.int32).to(ctx.device)
+    bitmask[0] = -1  # everything allowed (up to the mask's width)
+    want = logits.clone()
+    ref_ops.apply_token_bitmask(want, bitmask)
+    ctx.backend.apply_token_bitmask(logits, bitmask)
+    ctx.compare(logits, want, "masked logits", exact=True)
+
+
+def check_add_lora(ctx: CaseContext) -> None:
+    """Multi-LoRA against a per-token gather (punica's bgmv) computed here, on a step mixing 3 slots and base
+    tokens, laid out as adjacent equal runs (the batched grid) or as uneven, interleaved runs."""
+    from pagedllm.lora.ops import LoRAMapping
+
+    slots = ([-1, -1, 0, 0, 0, 2, 2, 2, 1, 1, 1, -1] if ctx.params["layout"] == "uniform"
+             else [-1, 1, 1, 0, -1, 2, 2, 2, 2, 0, -1, 1])
+    t, d_in, d_out, r = len(slots), 48, 80, 8
+    x, y = ctx.randn(t, d_in), ctx.randn(t, d_out)
+    a, b = ctx.randn(4, r, d_in, scale=0.3), ctx.randn(4, d_out, r, scale=0.3)
+    mapping = LoRAMapping.build(slots, ctx.device)
+    if (mapping.uniform is not None) != (ctx.params["layout"] == "uniform"):
+        raise AssertionError(f"mapping for {slots} has uniform={mapping.uniform}")
+    want = y.float().clone()
+    for i, s in enumerate(slots):
+        if s >= 0:
+            want[i] += b[s].float() @ (a[s].float() @ x[i].float())
+    ctx.backend.add_lora(y, x, a, b, mapping)
+    ctx.compare(y, want.to(y.dtype), f"output after add_lora ({ctx.params['layout']} runs)")

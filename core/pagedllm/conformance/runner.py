@@ -79,12 +79,17 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                               untested="" if caps.soft_cap else "capabilities do not declare soft_cap"))
         cases.append(Case("fused_ops", "rms_norm", "hidden576", dt, K.check_rms_norm, dict(hidden=576)))
         cases.append(Case("fused_ops", "silu_and_mul", "d320", dt, K.check_silu_and_mul, dict(hidden=320)))
+        for layout in ("uniform", "uneven"):
+            cases.append(Case("fused_ops", "add_lora", layout, dt, K.check_add_lora, dict(layout=layout)))
         for hs in head_sizes:
             for rot in (hs, hs // 2):
                 cases.append(Case("fused_ops", "rotary", f"hs{hs}-rot{rot}", dt, K.check_rotary,
                                   dict(head_size=hs, rot_dim=rot)))
     dt0 = "float32" if "float32" in caps.dtypes else caps.dtypes[0]
     bs_max = max(caps.block_sizes)  # e2e and replay sequences span several blocks of the largest size
+    for width in (96, 128):  # the mask narrower / wider than the logits
+        cases.append(Case("fused_ops", "apply_token_bitmask", f"w{width}", "float32", K.check_apply_token_bitmask,
+                          dict(mask_width=width)))
     cases.append(Case("kv_cache", "layout_ownership", f"hs{hs0}-bs{bs0}", dt0, checks_layout.check_layout_ownership,
                       dict(head_size=hs0, block_size=bs0)))
     cases.append(Case("graph", "graph_runner.replay_vs_eager", f"tiny-decoder-hs{hs0}-bs{bs_max}", dt0,

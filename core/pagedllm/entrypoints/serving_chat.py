@@ -182,7 +182,8 @@ class ChatServing(Serving):
                             "stop_reason": c.stop_reason,
                             **({"token_ids": list(c.token_ids)} if req.return_token_ids else {})})
         choices.sort(key=lambda ch: ch["index"])
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(),
+                             "model": self.response_model(req),
                              "choices": choices, "usage": usage.as_dict()})
 
     async def _stream(self, rid: str, req: ChatCompletionRequest, params: SamplingParams,
@@ -195,7 +196,7 @@ class ChatServing(Serving):
 
         def chunk(index: int, delta: dict, logprobs: Optional[dict] = None, finish: Optional[str] = None,
                   stop_reason=None, token_ids: Optional[list[int]] = None) -> str:
-            return sse_choice_chunk(rid, "chat.completion.chunk", created, self.model_name,
+            return sse_choice_chunk(rid, "chat.completion.chunk", created, self.response_model(req),
                                     {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish},
                                     stop_reason, token_ids, usage.as_dict() if continuous else None)
 
@@ -235,7 +236,7 @@ class ChatServing(Serving):
                     self.finished(out)
             if include_usage:
                 yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                           "model": self.model_name, "choices": [], "usage": usage.as_dict()})
+                           "model": self.response_model(req), "choices": [], "usage": usage.as_dict()})
         except EngineDeadError as e:
             yield sse(error_body(503, str(e), code="engine_unavailable"))
         except RequestTimeoutError:

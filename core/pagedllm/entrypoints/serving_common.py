@@ -150,6 +150,11 @@ class Serving:
                            param="model", code="model_not_found")
         return None
 
+    def response_model(self, req: Any) -> str:
+        """The ``model`` a response reports: the adapter's name for a LoRA request (as vLLM does), else the first
+        served name."""
+        return req.model if req.model in getattr(self.engine, "loras", {}) else self.model_name
+
     def need_tokenizer(self) -> Any:
         if self.tokenizer is None:
             raise APIError(400, "this model was loaded without a tokenizer; send token ids", param="prompt")

@@ -148,7 +148,8 @@ class CompletionServing(Serving):
                 usage.completion_tokens += len(c.token_ids)
                 choices.append(self._choice(req, params, i, c, prompts[i]))
         choices.sort(key=lambda ch: ch["index"])
-        return JSONResponse({"id": rid, "object": "text_completion", "created": now(), "model": self.model_name,
+        return JSONResponse({"id": rid, "object": "text_completion", "created": now(),
+                             "model": self.response_model(req),
                              "choices": choices, "usage": usage.as_dict()})
 
     async def _stream(self, rid: str, req: CompletionRequest, params: SamplingParams, prompts: list[dict],
@@ -161,7 +162,7 @@ class CompletionServing(Serving):
 
         def chunk(index: int, text: str, logprobs: Optional[dict], finish: Optional[str], stop_reason,
                   token_ids: Optional[list[int]]) -> str:
-            return sse_choice_chunk(rid, "text_completion", created, self.model_name,
+            return sse_choice_chunk(rid, "text_completion", created, self.response_model(req),
                                     {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish},
                                     stop_reason, token_ids, usage.as_dict() if continuous else None)
 
@@ -197,7 +198,8 @@ class CompletionServing(Serving):
                 if out.finished:
                     self.finished(out)
             if include_usage:
-                yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                yield sse({"id": rid, "object": "text_completion", "created": created,
+                           "model": self.response_model(req),
                            "choices": [], "usage": usage.as_dict()})
         except EngineDeadError as e:
             yield sse(error_body(503, str(e), code="engine_unavailable"))

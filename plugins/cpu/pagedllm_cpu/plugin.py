@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, hookimpl)
-from pagedllm_cpu import attention, graph, ops, platform
+from pagedllm_cpu import attention, graph, lora, ops, platform
 
 #: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
 _DEFAULT_KV_BYTES = 4 << 30
@@ -112,3 +112,9 @@ def pagedllm_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) ->
 @hookimpl
 def pagedllm_graph_runner(model: Any, max_num_seqs: int, device: torch.device) -> GraphRunner:
     return graph.make_runner(model, max_num_seqs, device)
+
+
+@hookimpl
+def pagedllm_add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                      mapping: Any) -> None:
+    lora.add_lora(y, x, lora_a, lora_b, mapping)
