@@ -6,6 +6,7 @@ give arbitrary text, so every valid output here is the grammar's doing, not the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -15,7 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from server_utils import ServerProcess, tiny_chat_model
-from structured_schemas import SCHEMAS
+from structured_schemas import SCHEMAS, SMALL_SCHEMAS
 
 CHAT = [{"role": "user", "content": "Give me a record."}]
 WEATHER = {"type": "function", "function": {
@@ -46,15 +47,53 @@ def _post(server, path: str, body: dict) -> httpx.Response:
                       timeout=120)
 
 
-def test_json_schema_served_all_validate(client):
-    for i, schema in enumerate(SCHEMAS):
-        r = client.chat.completions.create(
-            model="test-model", messages=CHAT, max_tokens=200, temperature=1.0, n=2, seed=i,
-            response_format={"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema,
-                                                                    "strict": True}})
-        for ch in r.choices:
-            assert ch.finish_reason == "stop", ch.message.content
-            jsonschema.validate(json.loads(ch.message.content), schema)
+def served_schema_generations(server, schemas: list[dict], per_schema: int, max_tokens: int) -> int:
+    """``per_schema`` samples of each schema as concurrent chat requests (n=2, temperature 1) through the
+    official async client, half of them streamed: the count of outputs that finished, parsed and validated."""
+    async def one(client, i: int, schema: dict, k: int) -> list[str]:
+        kw = dict(model=server.served_name, messages=CHAT, max_tokens=max_tokens, temperature=1.0, n=2,
+                  seed=1000 * i + k, response_format={"type": "json_schema", "json_schema": {
+                      "name": f"s{i}", "schema": schema, "strict": True}})
+        if k % 2 == 0:
+            r = await client.chat.completions.create(**kw)
+            assert all(c.finish_reason == "stop" for c in r.choices), r.choices
+            return [c.message.content for c in r.choices]
+        texts, finish = ["", ""], [None, None]
+        async for chunk in await client.chat.completions.create(**kw, stream=True):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                finish[c.index] = c.finish_reason or finish[c.index]
+        assert finish == ["stop", "stop"], (finish, texts)
+        return texts
+
+    async def run() -> int:
+        client = openai.AsyncOpenAI(base_url=server.url_v1, api_key=server.api_key, max_retries=0, timeout=600)
+        which = [i for i in range(len(schemas)) for _ in range(per_schema // 2)]
+        results = await asyncio.gather(*(one(client, i, schemas[i], k) for k, i in enumerate(which)))
+        n = 0
+        for i, texts in zip(which, results):
+            for text in texts:
+                jsonschema.validate(json.loads(text), schemas[i])
+                n += 1
+        await client.close()
+        return n
+
+    return asyncio.run(run())
+
+
+def test_200_json_schema_generations_served(server):
+    """4 schemas x 50 samples, all in flight at once (100 requests, half streamed): all parse and validate."""
+    assert served_schema_generations(server, SCHEMAS, 50, 200) == 200
+
+
+@pytest.mark.slow
+def test_200_json_schema_generations_served_smollm2():
+    """The real model (the embedded SmolLM2) behind pagedllm serve: 200 samples, all parse and validate."""
+    srv = ServerProcess(None, "--max-model-len", "512", "--max-num-seqs", "200", startup_timeout=180)
+    try:
+        assert served_schema_generations(srv, SMALL_SCHEMAS, 50, 120) == 200
+    finally:
+        srv.stop()
 
 
 def test_json_object_and_completions_regex_choice(client):

@@ -23,6 +23,7 @@ class GuidanceBackend:
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids[0]
                                                       if stop_token_ids else None)
         self.vocab_size = vocab_size
+        self.stop_token_ids = frozenset(stop_token_ids)
 
     def parse(self, spec: StructuredOutputsParams) -> str:
         M = self.llg.LLMatcher
@@ -56,24 +57,35 @@ class GuidanceBackend:
         return grammar  # llguidance builds its parser lazily per matcher
 
     def matcher(self, grammar: str, json_output: bool = False) -> "GuidanceMatcher":
-        return GuidanceMatcher(self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), self.fill_fn)
+        return GuidanceMatcher(self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), self.fill_fn,
+                               self.stop_token_ids)
 
     def bitmask_words(self) -> int:
         return (self.vocab_size + 31) // 32
 
 
 class GuidanceMatcher:
-    def __init__(self, m: Any, fill_fn: Any):
-        self.m, self.fill_fn = m, fill_fn
+    """As vLLM's guidance backend: the request ends when a stop token is accepted, like xgrammar's matcher. Once the
+    grammar is complete llguidance reports ``is_stopped`` and its mask allows only the stop token, so the output
+    still ends with EOS instead of stopping one token early."""
+
+    def __init__(self, m: Any, fill_fn: Any, stop_token_ids: frozenset):
+        self.m, self.fill_fn, self.stop_token_ids = m, fill_fn, stop_token_ids
+        self.terminated = False
 
     def accept(self, token: int) -> bool:
-        return self.m.consume_token(token)
+        if self.m.is_stopped():
+            ok = token in self.stop_token_ids
+        else:
+            ok = self.m.consume_token(token)
+        self.terminated = ok and (token in self.stop_token_ids or self.terminated)
+        return ok
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.fill_fn(self.m, bitmask, row)
 
     def is_terminated(self) -> bool:
-        return self.m.is_stopped()
+        return self.terminated
 
 
 def _escape(s: str) -> str:
