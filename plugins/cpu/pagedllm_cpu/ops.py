@@ -43,14 +43,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]).mul_(x[..., d:])
 
 
+#: Byte -> the 8 tokens it covers as additive logits (0.0 allowed, -inf not): bit j of byte b is token 8*b + j
+#: (the int32 words are little-endian, so their bytes are in token order).
+_BYTE_TO_BIAS = torch.where(((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Structured-output token mask through xgrammar's CPU kernel (about 3x core's torch reference on a 49k vocab,
-    64 rows), when xgrammar is installed; else the reference."""
-    try:
-        import xgrammar
-    except ImportError:
-        return ref_ops.apply_token_bitmask(logits, bitmask)
-    vocab, width = logits.shape[-1], bitmask.shape[-1] * 32
-    xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=min(vocab, width))
-    if width < vocab:  # tokens past the tokenizer's vocab are never allowed
-        logits[:, width:] = float("-inf")
+    """Structured-output mask as an additive bias looked up per mask byte: one ``index_select`` and one ``add_``,
+    no per-bit work. 64 rows x 49k vocab: ~1.7 ms against ~9 ms for xgrammar's CPU kernel and ~10 ms for the
+    reference (whose bool ``masked_fill_`` alone costs ~7 ms on a random mask). ``x + 0.0`` leaves every allowed
+    logit as it was; logits are finite (or -inf), so no +inf meets -inf."""
+    rows, vocab = logits.shape
+    nbytes = bitmask.shape[-1] * 4
+    bias = _BYTE_TO_BIAS.to(logits.dtype).index_select(0, bitmask.contiguous().view(torch.uint8).flatten().long())
+    bias = bias.view(rows, nbytes * 8)
+    if nbytes * 8 >= vocab:
+        logits.add_(bias[:, :vocab])
+    else:  # tokens past the tokenizer's vocab are never allowed
+        logits[:, :nbytes * 8].add_(bias)
+        logits[:, nbytes * 8:] = float("-inf")
