@@ -153,3 +153,39 @@ def test_beam_width_limit(engines):
     with pytest.raises(ParamError) as e:
         beam_search(llm, [{"prompt_token_ids": [5, 6, 7]}], BeamSearchParams(beam_width=11, max_tokens=2))
     assert e.value.field == "beam_width"
+
+
+def test_beam_search_follows_structured_outputs():
+    """Every beam of a JSON-schema and a regex beam search stays on the grammar: a finished beam's text validates,
+    an unfinished one is a prefix the grammar accepts; masked tokens never become candidates."""
+    import json
+
+    import jsonschema
+    import xgrammar as xgr
+
+    from pagedllm import StructuredOutputsParams
+    from server_utils import tiny_chat_model
+    from structured_schemas import SCHEMAS
+
+    llm = LLM(tiny_chat_model(), device="cpu", max_model_len=256, kv_cache_memory=32 << 20)
+    tok = llm.get_tokenizer()
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=llm.llm_engine.model.vocab_size)
+    compiler = xgr.GrammarCompiler(info)
+    schema = SCHEMAS[1]
+    cases = [(StructuredOutputsParams(json=schema), compiler.compile_json_schema(json.dumps(schema)),
+              lambda text: jsonschema.validate(json.loads(text), schema)),
+             (StructuredOutputsParams(regex=r"[A-Z]{2}-[0-9]{3}"), compiler.compile_regex(r"[A-Z]{2}-[0-9]{3}"),
+              lambda text: __import__("re").fullmatch(r"[A-Z]{2}-[0-9]{3}", text) or pytest.fail(text))]
+    for spec, compiled, check in cases:
+        outs = llm.beam_search(["Record:", "Another one:"], BeamSearchParams(beam_width=3, max_tokens=60,
+                                                                            structured_outputs=spec))
+        for out in outs:
+            assert len(out.sequences) == 3
+            for s in out.sequences:
+                prompt_len = len(s.tokens) - len(s.logprobs)
+                matcher = xgr.GrammarMatcher(compiled)
+                assert all(matcher.accept_token(t) for t in s.tokens[prompt_len:]), s.tokens
+                if s.finish_reason == "stop":  # ended on EOS; text (as vLLM's) includes the prompt
+                    check(tok.decode(s.tokens[prompt_len:-1]))
+            assert any(s.finish_reason == "stop" for s in out.sequences)
+    assert llm.llm_engine.kv.num_used_blocks == 0

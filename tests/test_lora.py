@@ -221,3 +221,23 @@ def test_static_backend_refuses_enable_lora(tiny_llama):
     with pytest.raises(ParamError, match="enable_lora"):
         LLM(tiny_llama, device="cpu-static", dtype="float32", max_model_len=128, max_num_seqs=8,
             max_num_batched_tokens=64, enable_lora=True)
+
+
+def test_beam_search_with_adapter_matches_peft(tiny_llama, adapters):
+    """``LLM.beam_search(..., lora_request=...)`` equals HF beam search on the peft model (EOS off on both sides,
+    so the algorithms coincide; see test_beam_search.py)."""
+    from pagedllm import BeamSearchParams
+
+    llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,
+              enable_lora=True, max_loras=2, max_lora_rank=16)
+    reqs = requests(adapters)
+    name = list(reqs)[0]
+    p = prompts(1, seed=9)[0]
+    out = llm.beam_search([{"prompt_token_ids": p}], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True),
+                          lora_request=reqs[name])[0]
+    model = peft_model(tiny_llama, adapters[name])
+    with torch.inference_mode():
+        hf = model.generate(torch.tensor([p]), num_beams=3, do_sample=False, num_return_sequences=3,
+                            max_new_tokens=6, eos_token_id=None, early_stopping=True)
+    assert [s.tokens[len(p):] for s in out.sequences] == hf[:, len(p):].tolist()
+    assert llm.llm_engine.kv.num_used_blocks == 0

@@ -10,6 +10,11 @@ cached, so the next step's forks hit them.
 Candidates are kept per prompt by cumulative log-probability (raw log-softmax of the model's logits); an EOS
 candidate becomes a completed hypothesis (unless ``ignore_eos``); at the end completed and live beams are ranked by
 ``get_beam_search_score`` and the best ``beam_width`` are returned.
+
+With ``structured_outputs`` every beam follows the grammar: each step's request carries the spec and names the
+beam's generated tokens as its grammar prefix, so the mask (and hence every candidate) is the grammar's; tokens the
+mask removed have log-probability -inf and never become candidates. With ``lora_request`` every beam of a prompt
+runs on that adapter.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pagedllm.sampling_params import BeamSearchParams, ParamError, SamplingParam
 if TYPE_CHECKING:
     from pagedllm.engine import PromptType
     from pagedllm.llm import LLM
+    from pagedllm.lora.request import LoRARequest
 
 _MAX_LOGPROBS = 20  # SamplingParams' limit on logprobs, so beam_width <= 10
 
@@ -59,8 +65,10 @@ def get_beam_search_score(tokens: Sequence[int], cumulative_logprob: float,
 
 
 def beam_search(llm: "LLM", prompts: Union["PromptType", Sequence["PromptType"]], params: BeamSearchParams,
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:
-    """Beam search for each prompt (a string or ``{"prompt_token_ids": [...]}``); outputs in prompt order."""
+                use_tqdm: bool = False, lora_request: Union["LoRARequest", Sequence, None] = None
+                ) -> list[BeamSearchOutput]:
+    """Beam search for each prompt (a string or ``{"prompt_token_ids": [...]}``); outputs in prompt order.
+    ``lora_request``: one adapter for every prompt, or one per prompt (None = base model)."""
     if 2 * params.beam_width > _MAX_LOGPROBS:
         raise ParamError("beam_width", f"must be <= {_MAX_LOGPROBS // 2} (each step asks for 2*beam_width logprobs), "
                                        f"got {params.beam_width}")
@@ -69,6 +77,9 @@ def beam_search(llm: "LLM", prompts: Union["PromptType", Sequence["PromptType"]]
         prompts = [prompts]
     # Tokenize and validate everything first, so a bad prompt fails before any step runs.
     prompt_ids = [engine.tokenize(p)[1] for p in prompts]
+    loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+    if len(loras) != len(prompts):
+        raise ParamError("lora_request", f"got {len(loras)} for {len(prompts)} prompts")
     eos = set() if params.ignore_eos else set(engine.model.eos_token_ids)
     width, max_len = params.beam_width, engine.max_model_len
 
@@ -76,22 +87,25 @@ def beam_search(llm: "LLM", prompts: Union["PromptType", Sequence["PromptType"]]
         return get_beam_search_score(b.tokens, b.cum_logprob, eos, params.length_penalty)
 
     step_params = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=2 * width,
-                                 detokenize=False)
+                                 detokenize=False, structured_outputs=params.structured_outputs,
+                                 output_kind="final_only")
     live: list[list[BeamSearchSequence]] = [[BeamSearchSequence(list(ids))] for ids in prompt_ids]
     completed: list[list[BeamSearchSequence]] = [[] for _ in prompt_ids]
     for _ in tqdm(range(params.max_tokens), desc="Beam search", disable=not use_tqdm, dynamic_ncols=True):
         for beams, done in zip(live, completed):  # beams at max_model_len cannot grow: they end here
             done.extend(b for b in beams if len(b.tokens) >= max_len)
             beams[:] = [b for b in beams if len(b.tokens) < max_len]
-        flat = [b for beams in live for b in beams]
+        flat = [(i, b) for i, beams in enumerate(live) for b in beams]
         if not flat:
             break
-        outs = iter(llm.generate([{"prompt_token_ids": b.tokens} for b in flat], step_params, use_tqdm=False))
+        outs = iter(_step(llm, [(b.tokens, len(prompt_ids[i]), loras[i]) for i, b in flat], step_params))
         for i, beams in enumerate(live):
             candidates = []
             for beam in beams:
                 step_lps = next(outs).outputs[0].logprobs[0]
                 for tok, lp in step_lps.items():
+                    if lp.logprob == float("-inf"):  # masked by the grammar (fewer valid tokens than 2*width)
+                        continue
                     new = BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [step_lps],
                                              beam.cum_logprob + lp.logprob)
                     (completed[i] if tok in eos else candidates).append(new)
@@ -109,3 +123,17 @@ def beam_search(llm: "LLM", prompts: Union["PromptType", Sequence["PromptType"]]
                 b.text = tokenizer.decode(keep)
         results.append(BeamSearchOutput(best))
     return results
+
+
+def _step(llm: "LLM", beams: list[tuple[list[int], int, Optional["LoRARequest"]]], params: SamplingParams) -> list:
+    """One request per beam (tokens, prompt length, adapter), run to completion; outputs in order."""
+    engine = llm.llm_engine
+    ids = []
+    try:
+        for tokens, prompt_len, lora in beams:
+            ids.append(engine.add_request(None, {"prompt_token_ids": tokens}, params, lora_request=lora,
+                                          structured_prefix=tokens[prompt_len:]))
+    except Exception:
+        engine.abort_request(ids)
+        raise
+    return llm._run(ids, use_tqdm=False)

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 
 from pagedllm.backends import get_backend
@@ -152,8 +152,11 @@ class LLMEngine:
 
     def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None, priority: Optional[int] = None,
-                    lora_request: Optional[LoRARequest] = None) -> str:
-        """Validate and queue a request (``n`` child samples). Raises ParamError naming the bad field."""
+                    lora_request: Optional[LoRARequest] = None, structured_prefix: Sequence[int] = ()) -> str:
+        """Validate and queue a request (``n`` child samples). Raises ParamError naming the bad field.
+
+        ``structured_prefix``: the prompt's last tokens were generated under ``params.structured_outputs`` (beam
+        search continuing a beam); the grammar starts after them."""
         params = params if params is not None else SamplingParams()
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -167,7 +170,8 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]
         bad_words = self._check_token_params(params)
-        grammar = self.structured.new_request(params.structured_outputs) if params.structured_outputs else None
+        grammar = (self.structured.new_request(params.structured_outputs, structured_prefix)
+                   if params.structured_outputs else None)
         parent = ParentRequest(request_id, text, ids, params)
         eos = self.model.eos_token_ids[0] if self.model.eos_token_ids else None
         max_tokens = self.max_model_len - len(ids)
@@ -182,8 +186,7 @@ class LLMEngine:
             req.eos_token_ids = set(self.model.eos_token_ids)
             req.bad_words_token_ids = bad_words
             if grammar is not None:  # each sample follows the grammar with its own matcher (shared compile)
-                req.structured = grammar if i == 0 else type(grammar)(grammar.future, grammar.backend,
-                                                                            grammar.json_output)
+                req.structured = grammar if i == 0 else grammar.sibling()
             parent.children.append(req)
             parent.detoks[child_id] = (IncrementalDetokenizer(self.tokenizer, ids, child_params)
                                        if self.tokenizer is not None and params.detokenize else None)
@@ -302,7 +305,7 @@ class LLMEngine:
         it unconstrained; returns the parents that finished."""
         done: dict[str, ParentRequest] = {}
         for req in [r for r in self.scheduler.waiting if r.structured is not None and r.structured.error is not None]:
-            logger.error("request %s: grammar compile failed: %s", req.request_id, req.structured.error)
+            logger.error("request %s: grammar failed: %s", req.request_id, req.structured.error)
             parent = self.requests[req.request_id][0]
             self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
             if parent.finished:

@@ -100,8 +100,9 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
                     use_tqdm: bool = False) -> list:
         """vLLM's ``LLM.beam_search``: beams share their common prefix's blocks through the prefix cache."""
         from pagedllm.beam_search import beam_search
 
-        return beam_search(self, prompts, params, use_tqdm)
+        return beam_search(self, prompts, params, use_tqdm, lora_request)

@@ -191,8 +191,11 @@ class BeamSearchParams:
     temperature: float = 0.0
     length_penalty: float = 1.0
     include_stop_str_in_output: bool = False
+    structured_outputs: Optional[StructuredOutputsParams] = None  # every beam follows the grammar
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ParamError("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
             raise ParamError("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

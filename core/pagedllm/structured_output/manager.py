@@ -25,25 +25,40 @@ _CACHE_SIZE = 512  # compiled grammars kept (xgrammar's compiler also caches by 
 
 
 class StructuredRequest:
-    """One request's grammar: a compile future, then its own matcher."""
+    """One request's grammar: a compile future, then its own matcher, advanced first over ``prefix`` (tokens already
+    generated under this grammar: beam search continues a beam as a new request)."""
 
-    def __init__(self, future: cf.Future, backend: Any, json_output: bool = False):
+    def __init__(self, future: cf.Future, backend: Any, json_output: bool = False, prefix: Sequence[int] = ()):
         self.future = future
         self.backend = backend
         self.json_output = json_output  # the output is JSON (json / json_object)
+        self.prefix = list(prefix)
         self.matcher: Any = None
+        self._error: Optional[BaseException] = None
+
+    def sibling(self) -> "StructuredRequest":
+        """The same grammar for another sample of the request (shared compile, own matcher)."""
+        return StructuredRequest(self.future, self.backend, self.json_output, self.prefix)
 
     @property
     def ready(self) -> bool:
         if self.matcher is not None:
             return True
-        if not self.future.done() or self.future.exception() is not None:
+        if not self.future.done() or self.error is not None:
             return False
-        self.matcher = self.backend.matcher(self.future.result(), self.json_output)
+        matcher = self.backend.matcher(self.future.result(), self.json_output)
+        for i, tok in enumerate(self.prefix):
+            if not matcher.accept(tok):
+                self._error = ParamError("structured_outputs", f"token {tok} at output position {i} does not "
+                                                               "follow the grammar")
+                return False
+        self.matcher = matcher
         return True
 
     @property
     def error(self) -> Optional[BaseException]:
+        if self._error is not None:
+            return self._error
         return self.future.exception() if self.future.done() else None
 
 
@@ -72,7 +87,7 @@ class StructuredOutputManager:
             be = self._backends[name] = cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return be
 
-    def new_request(self, spec: StructuredOutputsParams) -> StructuredRequest:
+    def new_request(self, spec: StructuredOutputsParams, prefix: Sequence[int] = ()) -> StructuredRequest:
         """Parse ``spec`` now (ParamError if it cannot compile) and start (or reuse) its compile."""
         if self.tokenizer is None:
             raise ParamError("structured_outputs", "needs a tokenizer (the engine was started without one)")
@@ -82,7 +97,7 @@ class StructuredOutputManager:
             fut = self._cache.get(key)
             if fut is not None:
                 self._cache.move_to_end(key)
-                return StructuredRequest(fut, self._backend(name), spec.kind in ("json", "json_object"))
+                return StructuredRequest(fut, self._backend(name), spec.kind in ("json", "json_object"), prefix)
             be = self._backend(name)
             try:
                 grammar = be.parse(spec)
@@ -94,7 +109,7 @@ class StructuredOutputManager:
             self._cache[key] = fut
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
-            return StructuredRequest(fut, be, spec.kind in ("json", "json_object"))
+            return StructuredRequest(fut, be, spec.kind in ("json", "json_object"), prefix)
         raise AssertionError("unreachable")
 
     @staticmethod
