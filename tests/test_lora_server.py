@@ -92,6 +92,14 @@ def test_runtime_load_and_unload(server, adapters, model_path, tmp_path):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="late", prompt=PROMPT, max_tokens=2)
     assert greedy_ids(client, "sql") == want(model_path, adapters["sql"])
+    # Three adapters went through 2 slots: the swaps are in /metrics, with vLLM's lora_requests_info gauge.
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    metrics = {line.split(" ")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pagedllm:lora")}
+    info = [k for k in metrics if k.startswith("pagedllm:lora_requests_info{")]
+    assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0], info
+    slot_loads = next(v for k, v in metrics.items() if k.startswith("pagedllm:lora_slot_loads_total"))
+    assert slot_loads >= 3
 
 
 def test_runtime_updating_refused_without_flag(model_path, adapters):

@@ -56,6 +56,9 @@ class EngineStats:
     lora_cpu_evictions: int = 0  # host copies dropped by the max_cpu_loras LRU
     lora_slot_loads: int = 0  # adapters copied into a device slot
     lora_slot_evictions: int = 0  # adapters swapped out of a device slot for another
+    max_loras: int = 0  # 0: LoRA disabled
+    running_loras: tuple = ()  # names of the adapters running requests use (vLLM's lora_requests_info)
+    waiting_loras: tuple = ()
 
 
 class LLMEngine:
@@ -336,6 +339,11 @@ class LLMEngine:
             ls = self.worker.lora.stats
             s.lora_disk_loads, s.lora_cpu_evictions = ls.disk_loads, ls.cpu_evictions
             s.lora_slot_loads, s.lora_slot_evictions = ls.slot_loads, ls.slot_evictions
+            s.max_loras = self.worker.lora.max_loras
+            s.running_loras = tuple(sorted({r.lora_request.lora_name for r in self.scheduler.running
+                                            if r.lora_request is not None}))
+            s.waiting_loras = tuple(sorted({r.lora_request.lora_name for r in self.scheduler.waiting
+                                            if r.lora_request is not None}))
         s.live_token_slots = sum(r.num_computed_tokens for r in self.scheduler.running)
         s.allocated_token_slots = sum(len(kv.req_blocks.get(r.request_id, ())) for r in self.scheduler.running
                                       ) * kv.block_size

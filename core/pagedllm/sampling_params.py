@@ -33,7 +33,8 @@ class StructuredOutputsParams:
     json_object: Optional[bool] = None
 
     def __post_init__(self) -> None:
-        set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) not in (None, False)]
+        set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise ParamError("structured_outputs", "exactly one of json, regex, choice, grammar or json_object must be "
                                                    f"set, got {set_ or 'none'}")

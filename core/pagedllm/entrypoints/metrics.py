@@ -60,6 +60,17 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
         yield counter("prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
         yield counter("generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+        if s.max_loras:
+            info = GaugeMetricFamily("pagedllm:lora_requests_info", "Running stats on LoRA requests (vLLM's).",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([",".join(s.running_loras), ",".join(s.waiting_loras), str(s.max_loras)], 1.0)
+            yield info
+            yield counter("lora_disk_loads", "LoRA adapter folders read from disk.", s.lora_disk_loads)
+            yield counter("lora_slot_loads", "LoRA adapters copied into a device slot.", s.lora_slot_loads)
+            yield counter("lora_slot_evictions", "LoRA adapters swapped out of a device slot for another.",
+                          s.lora_slot_evictions)
+            yield counter("lora_cpu_evictions", "LoRA host copies dropped by the max_cpu_loras LRU.",
+                          s.lora_cpu_evictions)
 
 
 class ServerMetrics:
