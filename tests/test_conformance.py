@@ -114,6 +114,7 @@ def test_wrong_lora_and_bitmask_kernels_are_caught():
     report = run_conformance(bad, allow=["add_lora", "apply_token_bitmask"])
     status = {r.id: r.status for r in report.results if r.kernel in ("add_lora", "apply_token_bitmask")}
     assert status == {"add_lora[uniform|float32]": "failing", "add_lora[uneven|float32]": "failing",
+                      "add_lora[uniform_consecutive|float32]": "failing",
                       "apply_token_bitmask[w96|float32]": "failing", "apply_token_bitmask[w128|float32]": "passing"}
 
 

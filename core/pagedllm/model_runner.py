@@ -118,8 +118,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepOutput:
         """Run one step: float32 logits for the requests that sample, plus prompt-position logits where asked."""
-        # Decodes first (stable); within each, grouped by LoRA adapter so an adapter's tokens are contiguous runs.
-        batch = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, s.request.lora_int_id))
+        # Decodes first (stable); with LoRA, then by adapter slot, so an adapter's tokens are contiguous runs in
+        # slot order (the LoRA op can then slice its slot stacks instead of gathering them).
+        if self.lora is not None:
+            slot_of = self.lora.activate(s.request.lora_int_id for s in scheduled if s.request.lora_int_id)
+            batch = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, slot_of.get(s.request.lora_int_id, -1)))
+        else:
+            batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(batch)
         out = StepOutput()
         rows = [i for i, s in enumerate(batch) if s.samples]

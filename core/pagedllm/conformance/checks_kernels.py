@@ -182,16 +182,18 @@ def check_apply_token_bitmask(ctx: CaseContext) -> None:
 
 def check_add_lora(ctx: CaseContext) -> None:
     """Multi-LoRA against a per-token gather (punica's bgmv) computed here, on a step mixing 3 slots and base
-    tokens, laid out as adjacent equal runs (the batched grid) or as uneven, interleaved runs."""
+    tokens, laid out as adjacent equal runs (the batched grid) in slot order or not, or as uneven, interleaved
+    runs."""
     from pagedllm.lora.ops import LoRAMapping
 
-    slots = ([-1, -1, 0, 0, 0, 2, 2, 2, 1, 1, 1, -1] if ctx.params["layout"] == "uniform"
-             else [-1, 1, 1, 0, -1, 2, 2, 2, 2, 0, -1, 1])
+    slots = {"uniform": [-1, -1, 0, 0, 0, 2, 2, 2, 1, 1, 1, -1],
+             "uniform_consecutive": [-1, 1, 1, 1, 2, 2, 2, 3, 3, 3, -1, -1],
+             "uneven": [-1, 1, 1, 0, -1, 2, 2, 2, 2, 0, -1, 1]}[ctx.params["layout"]]
     t, d_in, d_out, r = len(slots), 48, 80, 8
     x, y = ctx.randn(t, d_in), ctx.randn(t, d_out)
     a, b = ctx.randn(4, r, d_in, scale=0.3), ctx.randn(4, d_out, r, scale=0.3)
     mapping = LoRAMapping.build(slots, ctx.device)
-    if (mapping.uniform is not None) != (ctx.params["layout"] == "uniform"):
+    if (mapping.uniform is not None) != ctx.params["layout"].startswith("uniform"):
         raise AssertionError(f"mapping for {slots} has uniform={mapping.uniform}")
     want = y.float().clone()
     for i, s in enumerate(slots):

@@ -79,7 +79,7 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                               untested="" if caps.soft_cap else "capabilities do not declare soft_cap"))
         cases.append(Case("fused_ops", "rms_norm", "hidden576", dt, K.check_rms_norm, dict(hidden=576)))
         cases.append(Case("fused_ops", "silu_and_mul", "d320", dt, K.check_silu_and_mul, dict(hidden=320)))
-        for layout in ("uniform", "uneven"):
+        for layout in ("uniform", "uniform_consecutive", "uneven"):
             cases.append(Case("fused_ops", "add_lora", layout, dt, K.check_add_lora, dict(layout=layout)))
         for hs in head_sizes:
             for rot in (hs, hs // 2):

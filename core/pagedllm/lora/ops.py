@@ -23,11 +23,12 @@ class LoRAMapping:
     consecutive tokens sharing a slot >= 0 as ``(slot, start, end)``. ``uniform`` is set when the runs are adjacent
     and equally long (the common case: every adapter has as many decodes, or as many equal prompts, as the others),
     so a backend can view them as one ``[len(runs), run_len]`` grid and batch all adapters in one ``bmm`` each way:
-    ``(start, run_len, slots)`` with ``slots`` an int64 tensor of the runs' slots."""
+    ``(start, run_len, slots)`` with ``slots`` the runs' slots, a ``slice`` when they are consecutive (the runner
+    orders requests by slot, so usually: the slot stacks are then sliced, not gathered), else an int64 tensor."""
 
     token_indices: torch.Tensor  # int64 [T]
     runs: list[tuple[int, int, int]] = field(default_factory=list)
-    uniform: Optional[tuple[int, int, torch.Tensor]] = None
+    uniform: Optional[tuple[int, int, "slice | torch.Tensor"]] = None
 
     @property
     def num_slots_used(self) -> int:
@@ -42,7 +43,10 @@ class LoRAMapping:
         uniform = None
         lens = {e - s for _, s, e in runs}
         if len(runs) > 1 and len(lens) == 1 and all(runs[i][2] == runs[i + 1][1] for i in range(len(runs) - 1)):
-            uniform = (runs[0][1], lens.pop(), torch.tensor([r[0] for r in runs], device=device))
+            slots = [r[0] for r in runs]
+            consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+            uniform = (runs[0][1], lens.pop(), slice(slots[0], slots[0] + len(slots)) if consecutive
+                       else torch.tensor(slots, device=device))
         return cls(torch.from_numpy(idx).to(device), runs, uniform)
 
 

@@ -18,8 +18,11 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
         ref.add_lora(y, x, lora_a, lora_b, mapping)
         return
     lo, n, slots = mapping.uniform
-    s = slots.shape[0]
-    a, b = lora_a.index_select(0, slots), lora_b.index_select(0, slots)
+    if isinstance(slots, slice):  # consecutive slots: views of the stacks, no copy of B (3 MB for gate_up)
+        a, b = lora_a[slots], lora_b[slots]
+    else:
+        a, b = lora_a.index_select(0, slots), lora_b.index_select(0, slots)
+    s = a.shape[0]
     h = torch.bmm(x[lo:lo + s * n].reshape(s, n, x.shape[1]), a.transpose(1, 2))
     out = y[lo:lo + s * n].view(s, n, y.shape[1])
     out.baddbmm_(h, b.transpose(1, 2))
