@@ -48,6 +48,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 _BYTE_TO_BIAS = torch.where(((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
 
+_scratch_buf: dict = {}
+
+
+def _scratch(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A reused buffer for the bias: a fresh 12 MB tensor per step (64 x 49k) is mmap-ed and page-faulted every
+    time, which cost more than the lookup itself."""
+    buf = _scratch_buf.get(dtype)
+    if buf is None or buf.numel() < numel:
+        buf = _scratch_buf[dtype] = torch.empty(numel, dtype=dtype)
+    return buf[:numel].view(numel // 8, 8)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Structured-output mask as an additive bias looked up per mask byte: one ``index_select`` and one ``add_``,
     no per-bit work. 64 rows x 49k vocab: ~1.7 ms against ~9 ms for xgrammar's CPU kernel and ~10 ms for the
@@ -55,7 +67,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     logit as it was; logits are finite (or -inf), so no +inf meets -inf."""
     rows, vocab = logits.shape
     nbytes = bitmask.shape[-1] * 4
-    bias = _BYTE_TO_BIAS.to(logits.dtype).index_select(0, bitmask.contiguous().view(torch.uint8).flatten().long())
+    idx = bitmask.contiguous().view(torch.uint8).flatten().long()
+    bias = torch.index_select(_BYTE_TO_BIAS.to(logits.dtype), 0, idx, out=_scratch(idx.numel() * 8, logits.dtype))
     bias = bias.view(rows, nbytes * 8)
     if nbytes * 8 >= vocab:
         logits.add_(bias[:, :vocab])
