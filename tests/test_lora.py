@@ -150,16 +150,19 @@ def test_prefix_cache_keys_blocks_by_adapter(tiny_llama, adapters):
     assert out.outputs[0].token_ids == oracle(tiny_llama, adapters, "qv8", p)
 
 
-def test_preemption_and_n_with_adapters(tiny_llama, adapters):
-    """A pool too small for the batch forces preemption (recompute); n=2 samples share the adapter."""
+@pytest.mark.parametrize("swap_space", [0.0, 0.01], ids=["recompute", "swap"])
+def test_preemption_and_n_with_adapters(tiny_llama, adapters, swap_space):
+    """A pool too small for the batch forces preemption (recompute, or swap to host); n=2 samples share the
+    adapter."""
     llm = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=12,
-              block_size=16, enable_lora=True, max_loras=3, max_lora_rank=16)
+              block_size=16, enable_lora=True, max_loras=3, max_lora_rank=16, swap_space=swap_space)
     reqs = requests(adapters)
     names = ["qv8", "all4", "rs16", None, "qv8", "all4"]
     ps = [p + list(range(3, 40)) for p in prompts(len(names), seed=6)]
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], greedy(n=24), use_tqdm=False,
                         lora_request=[reqs.get(n) for n in names])
-    assert llm.llm_engine.get_stats().num_preemptions > 0
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions > 0 and (stats.num_swaps > 0) == (swap_space > 0)
     for name, p, out in zip(names, ps, outs):
         assert out.outputs[0].token_ids == oracle(tiny_llama, adapters, name, p, 24), name
     two = llm.generate({"prompt_token_ids": ps[0]}, greedy(n=2), use_tqdm=False, lora_request=reqs["rs16"])
