@@ -47,30 +47,40 @@ class _EngineCollector(Collector):
             c.add_metric(values, value)
             return c
 
-        yield gauge("num_requests_running", "Number of requests in model execution batches.", s.num_running)
-        yield gauge("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
-        yield gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage)
-        yield gauge("kv_cache_used_blocks", "KV-cache blocks held by requests.", s.num_used_blocks)
-        yield gauge("kv_cache_total_blocks", "KV-cache blocks in the pool.", s.num_blocks)
-        yield gauge("kv_cache_cached_blocks", "Free KV-cache blocks still holding reusable prefix-cache content.",
-                    s.num_cached_blocks)
-        yield counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      s.prefix_queries)
-        yield counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", s.prefix_hits)
-        yield counter("num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
-        yield counter("prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
-        yield counter("generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+        for kind, name, doc, attr in _ENGINE_METRICS:
+            yield (gauge if kind == "gauge" else counter)(name, doc, getattr(s, attr))
         if s.max_loras:
             info = GaugeMetricFamily("pagedllm:lora_requests_info", "Running stats on LoRA requests (vLLM's).",
                                      labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
             info.add_metric([",".join(s.running_loras), ",".join(s.waiting_loras), str(s.max_loras)], 1.0)
             yield info
-            yield counter("lora_disk_loads", "LoRA adapter folders read from disk.", s.lora_disk_loads)
-            yield counter("lora_slot_loads", "LoRA adapters copied into a device slot.", s.lora_slot_loads)
-            yield counter("lora_slot_evictions", "LoRA adapters swapped out of a device slot for another.",
-                          s.lora_slot_evictions)
-            yield counter("lora_cpu_evictions", "LoRA host copies dropped by the max_cpu_loras LRU.",
-                          s.lora_cpu_evictions)
+            for name, doc in _LORA_COUNTERS:
+                yield counter(name, doc, getattr(s, name))
+
+
+#: (kind, name after ``pagedllm:``, help, EngineStats field): vLLM's names where vLLM has the metric.
+_ENGINE_METRICS = (
+    ("gauge", "num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    ("gauge", "num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    ("gauge", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_usage"),
+    ("gauge", "kv_cache_used_blocks", "KV-cache blocks held by requests.", "num_used_blocks"),
+    ("gauge", "kv_cache_total_blocks", "KV-cache blocks in the pool.", "num_blocks"),
+    ("gauge", "kv_cache_cached_blocks", "Free KV-cache blocks still holding reusable prefix-cache content.",
+     "num_cached_blocks"),
+    ("counter", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+     "prefix_queries"),
+    ("counter", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_hits"),
+    ("counter", "num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+    ("counter", "prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+    ("counter", "generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+)
+#: LoRA counters (only when LoRA is enabled); the name is also the EngineStats field.
+_LORA_COUNTERS = (
+    ("lora_disk_loads", "LoRA adapter folders read from disk."),
+    ("lora_slot_loads", "LoRA adapters copied into a device slot."),
+    ("lora_slot_evictions", "LoRA adapters swapped out of a device slot for another."),
+    ("lora_cpu_evictions", "LoRA host copies dropped by the max_cpu_loras LRU."),
+)
 
 
 class ServerMetrics:
