@@ -69,10 +69,17 @@ def _errors(*codes: int) -> dict[int, dict[str, Any]]:
 _PLAIN_OK = {200: {"content": {"text/plain": {"schema": {"type": "string"}}}}}
 
 
+#: One server-sent event (before OpenAPI 3.2, a stream's ``schema`` describes each event): ``data`` is a JSON chunk,
+#: or ``[DONE]`` last.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer"}}}
+
+
 def _generation(model) -> dict[int, dict[str, Any]]:
     ok = {"model": model, "description": "The completion; with \"stream\": true, server-sent events (one JSON "
                                          "chunk per \"data:\" line, then \"data: [DONE]\")",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+          "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
     return {200: ok, **_errors(400, 401, 404, 408, 413, 429, 499, 500, 503)}
 
 
