@@ -40,6 +40,30 @@ TINY_MODEL_SPECS: dict[str, tuple[str, dict[str, Any]]] = {
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
 }
 
+# Families pagedllm has no native decoder for: they run through the transformers fallback. Odd shapes on purpose:
+# head size 48 (not a power of two), GQA 5:1, vocab 500 (not a multiple of 64), sliding window 8 (shorter than the
+# test prompts).
+_ODD = dict(vocab_size=500, hidden_size=240, intermediate_size=320, num_hidden_layers=2, num_attention_heads=10,
+            num_key_value_heads=2, head_dim=48, max_position_embeddings=512, initializer_range=0.15,
+            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+FALLBACK_CONFIGS: dict[str, dict[str, Any]] = {
+    # Phi-3: fused qkv_proj / gate_up_proj, sliding window on every layer, head_dim = hidden / heads (48).
+    "phi3": dict(_ODD, model_type="phi3", hidden_size=480, sliding_window=8, head_dim=None),
+    # Gemma 2: attention and final-logit soft-capping, alternating sliding/global layers, query_pre_attn_scalar,
+    # (1 + w) RMSNorm, GeGLU with tanh gelu, embedding scaling, pre/post feed-forward norms.
+    "gemma2": dict(_ODD, model_type="gemma2", sliding_window=8, query_pre_attn_scalar=40,
+                   attn_logit_softcapping=30.0, final_logit_softcapping=20.0, tie_word_embeddings=True),
+    # GLM: partial rotary (half the head), interleaved rotary pairs.
+    "glm": dict(_ODD, model_type="glm", partial_rotary_factor=0.5),
+}
+
+
+def make_fallback_model(name: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
+    """A tiny random model of a family without a native decoder (``FALLBACK_CONFIGS``); returns the path."""
+    kwargs = {k: v for k, v in {**FALLBACK_CONFIGS[name], **overrides}.items() if v is not None}
+    return save_random_model(kwargs, out_dir, seed)
+
+
 BENCH_LLAMA = dict(model_type="llama", vocab_size=32000, hidden_size=256, intermediate_size=1024,
                    num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
                    tie_word_embeddings=False, initializer_range=0.1, rms_norm_eps=1e-6, bos_token_id=1,

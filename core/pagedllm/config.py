@@ -41,6 +41,7 @@ class EngineConfig:
     max_loras: int = 1  # adapters one step may use (device slots)
     max_lora_rank: int = 16  # largest adapter rank; slots are padded to it
     max_cpu_loras: Optional[int] = None  # host copies kept (LRU); default max_loras
+    model_impl: str = "auto"  # auto | native | transformers (the transformers fallback: docs/models.md)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -63,6 +64,8 @@ class EngineConfig:
         if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
             raise ParamError("structured_outputs_backend", "must be 'auto', 'xgrammar' or 'guidance', got "
                                                            f"{self.structured_outputs_backend!r}")
+        if self.model_impl not in ("auto", "native", "transformers"):
+            raise ParamError("model_impl", f"must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
         if self.swap_space < 0:
             raise ParamError("swap_space", f"must be >= 0 GiB, got {self.swap_space!r}")
         if not isinstance(self.max_loras, int) or self.max_loras < 1:

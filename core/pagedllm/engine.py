@@ -67,7 +67,7 @@ class LLMEngine:
         self.backend = get_backend(config.device)
         self.model_path = resolve_model_path(config.model)
         hf_config = load_config(self.model_path)
-        info = read_model_info(self.model_path, hf_config)
+        info = read_model_info(self.model_path, hf_config, config.model_impl)
         self.config = config = resolve_config(config, self.backend, info)  # every field checked before loading
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path)
         self.worker = w = Worker(config, self.backend, self.model_path, hf_config, info)

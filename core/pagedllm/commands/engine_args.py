@@ -32,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (auto: the model dtype)")
     p.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar", "guidance"],
                    help="grammar backend for structured outputs (auto: xgrammar, llguidance for what it refuses)")
+    p.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
+                   help="native decoder, or transformers' module with pagedllm paged attention (auto: native when "
+                        "the architecture has one; docs/models.md)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (docs/lora.md)")
     p.add_argument("--max-loras", type=int, default=1, help="adapters one batch may use (device slots); default 1")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted; default 16")
@@ -48,7 +51,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         swap_space=args.swap_space, scheduling_policy=args.scheduling_policy, seed=args.seed,
         enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
         structured_outputs_backend=args.structured_outputs_backend, enable_lora=args.enable_lora,
-        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        model_impl=args.model_impl)
 
 
 

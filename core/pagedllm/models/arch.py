@@ -51,6 +51,31 @@ def architecture_of(config: Any) -> tuple[str, ArchSpec]:
                      f"pagedllm supports {', '.join(ARCHITECTURES)}")
 
 
+MODEL_IMPLS = ("auto", "native", "transformers")
+
+
+def resolve_model_impl(config: Any, model_impl: str = "auto") -> tuple[str, str]:
+    """``(architecture, "native" | "transformers")`` for ``--model-impl`` (vLLM's flag): ``auto`` prefers our native
+    decoder and falls back to transformers' module with our paged attention; an error names the architecture and
+    what is supported when neither can run it."""
+    from pagedllm.models.transformers_impl import transformers_architecture
+
+    if model_impl not in MODEL_IMPLS:
+        raise UnsupportedModelError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
+    if model_impl == "native":
+        return architecture_of(config)[0], "native"
+    if model_impl == "auto":
+        try:
+            return architecture_of(config)[0], "native"
+        except UnsupportedModelError as native_error:
+            try:
+                return transformers_architecture(config), "transformers"
+            except UnsupportedModelError as e:
+                raise UnsupportedModelError(f"{native_error}; the transformers fallback cannot run it either: {e}") \
+                    from None
+    return transformers_architecture(config), "transformers"
+
+
 def layer_sliding_windows(config: Any, spec: ArchSpec) -> list[Optional[int]]:
     """Per-layer sliding window (``None`` = full attention), exactly as HF's attention modules pick it."""
     n = config.num_hidden_layers

@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from pagedllm.hookspec import ModelInfo
-from pagedllm.models.arch import architecture_of, layer_sliding_windows
+from pagedllm.models.arch import architecture_of, layer_sliding_windows, resolve_model_impl
 from pagedllm.models.paths import is_gguf
+from pagedllm.models.transformers_impl import num_kv_heads_of
 
 
 def checkpoint_dtype(config: Any) -> str:
@@ -21,17 +22,22 @@ def checkpoint_dtype(config: Any) -> str:
     return str(dt).removeprefix("torch.") if isinstance(dt, torch.dtype) else "float32"
 
 
-def read_model_info(model_path: str, config: Any) -> ModelInfo:
-    """Shapes, dtype and attention features of the checkpoint at ``model_path`` (its HF ``config``)."""
-    name, spec = architecture_of(config)
-    windows = [w for w in layer_sliding_windows(config, spec) if w is not None]
+def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> ModelInfo:
+    """Shapes, dtype and attention features of the checkpoint at ``model_path`` (its HF ``config``), for the
+    implementation ``model_impl`` picks."""
+    name, impl = resolve_model_impl(config, model_impl)
+    if impl == "native":
+        windows = [w for w in layer_sliding_windows(config, architecture_of(config)[1]) if w is not None]
+    else:
+        window = getattr(config, "sliding_window", None)
+        windows = [window] if isinstance(window, int) else []
     heads = config.num_attention_heads
     return ModelInfo(
         architecture=name,
         dtype=checkpoint_dtype(config),
         num_layers=config.num_hidden_layers,
         num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        num_kv_heads=num_kv_heads_of(config),
         head_size=getattr(config, "head_dim", None) or config.hidden_size // heads,
         vocab_size=config.vocab_size,
         max_model_len=config.max_position_embeddings,

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import torch
 
-from pagedllm.models.arch import architecture_of
+from pagedllm.models.arch import architecture_of, resolve_model_impl
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.paths import is_gguf, resolve_model_path
 from pagedllm.models.rope import build_cos_sin_cache
+from pagedllm.models.transformers_impl import load_transformers_model
 from pagedllm.models.weights import SafetensorsWeights, fused_state_dict, gguf_weights
+
+logger = logging.getLogger(__name__)
 
 
 def load_config(model_path: str) -> Any:
@@ -37,13 +41,21 @@ def eos_token_ids(model_path: str, config: Any) -> list[int]:
 
 
 def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: torch.device,
-               config: Any = None) -> CausalLM:
-    """Build the native model for ``model_path`` (HF ``config`` if already read) with weights in ``dtype`` on
-    ``device``. Unsupported architectures fail (ValueError) before any weight is read.
+               config: Any = None, model_impl: str = "auto") -> Any:
+    """Build the model for ``model_path`` (HF ``config`` if already read) with weights in ``dtype`` on ``device``:
+    our native ``CausalLM``, or transformers' module with our paged attention (``model_impl``, vLLM's
+    ``--model-impl``). Unsupported architectures fail (UnsupportedModelError) before any weight is read.
     """
     path = resolve_model_path(model_path)
     device = torch.device(device)
     config = config if config is not None else load_config(path)
+    name, impl = resolve_model_impl(config, model_impl)
+    logger.info("model %s: %s implementation%s", name, impl,
+                " (transformers' module, pagedllm paged attention)" if impl == "transformers" else "")
+    if impl == "transformers":
+        model = load_transformers_model(path, config, backend=backend, dtype=dtype, device=device)
+        model.eos_token_ids = eos_token_ids(path, config)
+        return model
     _, spec = architecture_of(config)
     with torch.device("meta"):
         model = CausalLM(config, spec, backend)

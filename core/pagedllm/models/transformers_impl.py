@@ -1,0 +1,163 @@
+"""The Transformers fallback: any decoder-only ``*ForCausalLM`` transformers implements, with OUR paged attention.
+
+As vLLM's Transformers backend does, the HF module runs as-is (its embeddings, norms, rotary, MLPs), with
+``attn_implementation="pagedllm"``: a function registered in transformers' ``AttentionInterface`` that writes the new
+K/V into the paged cache and calls the backend's ``paged_attention``. The step's metadata reaches it explicitly, as a
+keyword argument the HF model forwards down to every attention call (no global state). HF builds no mask for an
+attention implementation it does not know, and runs with ``use_cache=False``: the paged cache is the only cache, so
+continuous batching, chunked prefill and prefix caching work as for native models.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.errors import UnsupportedModelError
+
+ATTN_IMPLEMENTATION = "pagedllm"
+
+
+@dataclass
+class PagedContext:
+    """What one forward's attention calls need: the step's metadata, the per-layer caches and the backend ops."""
+
+    meta: AttentionMetadata
+    kv_caches: list
+    write_kv: Any
+    paged_attention: Any
+
+
+def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: Optional[torch.Tensor], scaling: Optional[float] = None,
+                            dropout: float = 0.0, sliding_window: Optional[int] = None,
+                            softcap: Optional[float] = None, pagedllm: Optional[PagedContext] = None,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q ``[1, H, T, D]``, k/v ``[1, Hkv, T, D]`` -> ``[1, T, H, D]``."""
+    if pagedllm is None:
+        raise RuntimeError("pagedllm attention called without its PagedContext (run the model through "
+                           "TransformersCausalLM.forward)")
+    cache = pagedllm.kv_caches[module.layer_idx]
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    pagedllm.write_kv(k, v, cache, pagedllm.meta.slot_mapping)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = pagedllm.paged_attention(q.contiguous(), cache, pagedllm.meta, scale, sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+def register_attention() -> None:
+    """Register ``pagedllm`` in transformers' AttentionInterface (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def transformers_architecture(config: Any) -> str:
+    """The ``*ForCausalLM`` class transformers has for ``config``; UnsupportedModelError naming it otherwise."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    archs = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{', '.join(archs) or model_type} is an encoder-decoder model; pagedllm runs "
+                                    "decoder-only *ForCausalLM models only")
+    known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    for name in archs:
+        if name in known and name.endswith("ForCausalLM"):
+            return name
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if model_type else None
+    if name and name.endswith("ForCausalLM") and not archs:
+        return name
+    raise UnsupportedModelError(f"architecture {', '.join(archs) or repr(model_type)} has no decoder-only "
+                                "*ForCausalLM class in transformers (remote code never runs)")
+
+
+def _head_size(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def num_kv_heads_of(config: Any) -> int:
+    for name in ("num_key_value_heads", "num_kv_heads"):
+        n = getattr(config, name, None)
+        if n:
+            return int(n)
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return 1
+    return config.num_attention_heads
+
+
+class TransformersCausalLM(nn.Module):
+    """A transformers ``*ForCausalLM`` behind pagedllm's model interface (``forward(ids, positions, meta)``,
+    ``compute_logits``, ``kv_caches``, shapes). Build it with :func:`load_transformers_model`."""
+
+    def __init__(self, hf_model: nn.Module, backend: Any):
+        super().__init__()
+        config = hf_model.config
+        self.hf = hf_model
+        self.config = config
+        self.architecture = transformers_architecture(config)
+        self.num_layers: int = config.num_hidden_layers
+        self.num_heads: int = config.num_attention_heads
+        self.num_kv_heads: int = num_kv_heads_of(config)
+        self.head_size: int = _head_size(config)
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self.max_model_len: int = getattr(config, "max_position_embeddings", 2048)
+        self.sliding_window: Optional[int] = None  # no model-wide block freeing: layers may differ
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.final_logit_softcapping: Optional[float] = getattr(config, "final_logit_softcapping", None)
+        self.eos_token_ids: list[int] = []
+        self.kv_caches: list = []
+        self.write_kv, self.paged_attention = backend.write_kv, backend.paged_attention
+        self.decoder = hf_model.get_decoder()
+        self.lm_head = hf_model.get_output_embeddings()
+        for attr in ("logit_scale", "logits_scaling", "output_multiplier_scale"):
+            if getattr(config, attr, None) not in (None, 1, 1.0):
+                raise UnsupportedModelError(f"{self.architecture}: config.{attr} scales logits, which the "
+                                            "transformers fallback does not apply yet")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.hf.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.hf.parameters()).device
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` -> the decoder's final-normed hidden states ``[T, hidden_size]``."""
+        ctx = PagedContext(meta, self.kv_caches, self.write_kv, self.paged_attention)
+        out = self.decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                           pagedllm=ctx)
+        return out[0][0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> ``[N, vocab_size]``, with the model's final soft-capping (Gemma 2) if any."""
+        logits = self.lm_head(hidden)
+        if self.final_logit_softcapping is not None:
+            c = self.final_logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        return logits
+
+
+def load_transformers_model(path: str, config: Any, *, backend: Any, dtype: torch.dtype,
+                            device: torch.device) -> TransformersCausalLM:
+    """transformers' own loader (safetensors folders) with our attention registered; remote code never runs."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.models.paths import is_gguf
+
+    transformers_architecture(config)
+    register_attention()
+    where = dict(gguf_file=os.path.basename(path)) if is_gguf(path) else {}
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if where else path, config=config, dtype=dtype,
+                                              device_map=device, attn_implementation=ATTN_IMPLEMENTATION,
+                                              trust_remote_code=False, **where)
+    return TransformersCausalLM(hf.eval().requires_grad_(False), backend)
