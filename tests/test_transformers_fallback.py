@@ -1,0 +1,104 @@
+"""The transformers fallback (``--model-impl``): HF's module with pagedllm's paged attention, vs HF itself.
+
+Families with no native decoder (Phi-3, Gemma 2, GLM; odd shapes in ``tiny_models.FALLBACK_CONFIGS``): fp32 logits
+within 1e-4 of HF through the paged cache (full prefill, and chunks beside decodes), and greedy parity through the
+whole engine. Llama through ``--model-impl transformers`` matches the native path. Unrunnable models fail naming the
+architecture and what is supported.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from model_parity import assert_engine_parity, engine_outputs, mixed_batch
+from pagedllm import LLM
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.models import load_model
+from pagedllm.models.arch import resolve_model_impl
+from pagedllm.models.transformers_impl import TransformersCausalLM
+from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
+from tiny_models import FALLBACK_CONFIGS, make_fallback_model
+
+
+@pytest.fixture(scope="module")
+def fallback_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("fallback_models")
+    return {name: make_fallback_model(name, root / name) for name in FALLBACK_CONFIGS}
+
+
+def _hf(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name", list(FALLBACK_CONFIGS))
+def test_fallback_logits_match_hf(fallback_dirs, ref_backend, name, caplog):
+    path = fallback_dirs[name]
+    hf = _hf(path)
+    with caplog.at_level(logging.INFO, logger="pagedllm.models.loader"):
+        ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(ours, TransformersCausalLM)
+    assert [r.getMessage() for r in caplog.records if "implementation" in r.getMessage()] == [
+        f"model {hf.config.architectures[0]}: transformers implementation (transformers' module, pagedllm paged "
+        "attention)"]
+    assert ours.head_size == 48 and (ours.num_heads, ours.num_kv_heads) == (10, 2)
+    prompts = _prompts(hf.config.vocab_size)
+    with torch.inference_mode():
+        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
+        for schedule in (FULL_PREFILL, CHUNKED):
+            assert_logits_match(name, run_schedule(ours, ref_backend, prompts, schedule), expected)
+
+
+@pytest.mark.parametrize("name", ["phi3", "gemma2"])
+def test_fallback_greedy_parity_engine(fallback_dirs, name):
+    """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16 and window 8), chunked prefill, prefix hits."""
+    path = fallback_dirs[name]
+    llm = assert_engine_parity(path, _hf(path))
+    assert isinstance(llm.llm_engine.model, TransformersCausalLM)
+
+
+def test_llama_transformers_impl_matches_native(tiny_model_dirs):
+    path = tiny_model_dirs["llama"]
+    hf = _hf(path)
+    llm = assert_engine_parity(path, hf, model_impl="transformers")
+    assert isinstance(llm.llm_engine.model, TransformersCausalLM)
+    native = LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,
+                 max_num_batched_tokens=16, model_impl="native")
+    assert type(native.llm_engine.model).__name__ == "CausalLM"
+    first, _ = mixed_batch(hf.config.vocab_size)
+    assert engine_outputs(native, first) == engine_outputs(llm, first)
+
+
+def test_model_impl_resolution():
+    llama = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"])
+    phi3 = AutoConfig.for_model("phi3", architectures=["Phi3ForCausalLM"])
+    assert resolve_model_impl(llama) == ("LlamaForCausalLM", "native")
+    assert resolve_model_impl(llama, "transformers") == ("LlamaForCausalLM", "transformers")
+    assert resolve_model_impl(phi3) == ("Phi3ForCausalLM", "transformers")
+    with pytest.raises(UnsupportedModelError, match="Phi3ForCausalLM.*supports LlamaForCausalLM"):
+        resolve_model_impl(phi3, "native")
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(model_type="t5", architectures=["T5ForConditionalGeneration"]), "T5ForConditionalGeneration is an "
+                                                                           "encoder-decoder model"),
+    (dict(model_type="llama", architectures=["BaichuanForCausalLM"]), "BaichuanForCausalLM.*no decoder-only"),
+    (dict(model_type="bert", architectures=["BertModel"]), "BertModel.*no decoder-only"),
+])
+def test_unrunnable_models_name_the_architecture(config, message):
+    kwargs = dict(config)
+    cfg = AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    with pytest.raises(UnsupportedModelError, match=message) as e:
+        resolve_model_impl(cfg)
+    assert "pagedllm supports LlamaForCausalLM" in str(e.value)
+
+
+def test_model_impl_flag_is_validated():
+    from pagedllm.config import EngineConfig
+    from pagedllm.sampling_params import ParamError
+
+    with pytest.raises(ParamError, match="model_impl"):
+        EngineConfig(model_impl="vllm")
