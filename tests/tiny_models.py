@@ -58,9 +58,24 @@ FALLBACK_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Native MoE families, same odd shapes. Mixtral: every layer sparse, top-2 of 5 renormalised, sliding window 8.
+# Qwen2-MoE: layer 1 dense (mlp_only_layers), top-3 of 6 NOT renormalised (HF's default norm_topk_prob=False), a
+# sigmoid-gated shared expert, qkv bias; "qwen2_moe_norm" renormalises and makes only every 2nd layer sparse.
+MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(_ODD, model_type="mixtral", intermediate_size=96, num_local_experts=5, num_experts_per_tok=2,
+                    sliding_window=8),
+    "qwen2_moe": dict(_ODD, model_type="qwen2_moe", num_hidden_layers=3, intermediate_size=160, num_experts=6,
+                      num_experts_per_tok=3, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                      mlp_only_layers=[1], norm_topk_prob=False),
+    "qwen2_moe_norm": dict(_ODD, model_type="qwen2_moe", num_hidden_layers=3, intermediate_size=160, num_experts=6,
+                           num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                           decoder_sparse_step=2, norm_topk_prob=True, tie_word_embeddings=True),
+}
+
+
 def make_fallback_model(name: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
-    """A tiny random model of a family without a native decoder (``FALLBACK_CONFIGS``); returns the path."""
-    kwargs = {k: v for k, v in {**FALLBACK_CONFIGS[name], **overrides}.items() if v is not None}
+    """A tiny random model of ``FALLBACK_CONFIGS`` or ``MOE_CONFIGS`` by name; returns the path."""
+    kwargs = {k: v for k, v in {**{**FALLBACK_CONFIGS, **MOE_CONFIGS}[name], **overrides}.items() if v is not None}
     return save_random_model(kwargs, out_dir, seed)
 
 

@@ -330,6 +330,15 @@ class BackendSpec:
         Reference: ``pagedllm.lora.ops.add_lora`` (vLLM's sgmv/bgmv shrink + expand)."""
 
 
+    @hookspec(firstresult=True)
+    def pagedllm_fused_moe(self, hidden_states: "torch.Tensor", w13: "torch.Tensor", w2: "torch.Tensor",
+                           topk_weights: "torch.Tensor", topk_ids: "torch.Tensor") -> "torch.Tensor":
+        """Mixture-of-experts MLP after routing (vLLM's ``fused_experts``): for each token t and each of its k
+        chosen experts e = ``topk_ids[t, j]``, ``out[t] += topk_weights[t, j] * w2[e] @ (silu(g) * u)`` where
+        ``g, u = split(w13[e] @ hidden_states[t])``. ``hidden_states`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows
+        then up rows); ``w2`` ``[E, H, I]``; ``topk_weights`` float32 and ``topk_ids`` int64, both ``[T, k]``.
+        Returns ``[T, H]`` in the hidden states' dtype. Reference: ``pagedllm.ref_ops.fused_moe``."""
+
 #: Hooks every backend must implement itself (no reference fallback).
 REQUIRED_HOOKS = ("pagedllm_backend_info", "pagedllm_probe", "pagedllm_memory_info")
 #: Every hook of the contract, in spec order (core binds each once per backend: see ``backends.Backend``).

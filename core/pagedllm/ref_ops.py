@@ -122,3 +122,15 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if allowed.shape[1] < vocab:
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
     logits.masked_fill_(~allowed, float("-inf"))
+
+
+def fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """See ``hookspec.pagedllm_fused_moe``. One expert at a time over the tokens routed to it, as HF's experts do."""
+    out = torch.zeros_like(hidden_states)
+    for e in torch.unique(topk_ids).tolist():
+        token, slot = torch.where(topk_ids == e)
+        gu = F.linear(hidden_states[token], w13[e])
+        y = F.linear(silu_and_mul(gu), w2[e]) * topk_weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out

@@ -117,3 +117,8 @@ def pagedllm_apply_token_bitmask(logits, bitmask) -> None:
 @hookimpl(trylast=True)
 def pagedllm_add_lora(y, x, lora_a, lora_b, mapping) -> None:
     lora_ops.add_lora(y, x, lora_a, lora_b, mapping)
+
+
+@hookimpl(trylast=True)
+def pagedllm_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
+    return ref_ops.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)

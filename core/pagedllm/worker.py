@@ -45,9 +45,9 @@ class Worker:
         self.max_model_len = config.max_model_len
         self.model = load_model(model_path, backend=backend, dtype=self.dtype, device=self.device, config=hf_config,
                                 model_impl=config.model_impl)
-        if config.enable_lora and not hasattr(self.model, "lora_site_split"):
-            raise ParamError("enable_lora", f"LoRA runs on native models only; {info.architecture} runs through the "
-                                            "transformers fallback (--model-impl)")
+        if config.enable_lora and not getattr(self.model, "supports_lora", False):
+            raise ParamError("enable_lora", f"LoRA runs on native dense models only, not on {info.architecture} "
+                                            f"({type(self.model).__name__})")
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.pad_slot = -1
         self.policy: BatchPolicy = backend.batch_policy(self._context(BatchPolicy()))

@@ -201,3 +201,15 @@ def check_add_lora(ctx: CaseContext) -> None:
             want[i] += b[s].float() @ (a[s].float() @ x[i].float())
     ctx.backend.add_lora(y, x, a, b, mapping)
     ctx.compare(y, want.to(y.dtype), f"output after add_lora ({ctx.params['layout']} runs)")
+
+
+def check_fused_moe(ctx: CaseContext) -> None:
+    """Every expert hit by several tokens, some by none; routing weights not normalised; k experts per token."""
+    t, h, i, e, k = 11, ctx.params["hidden"], ctx.params["intermediate"], ctx.params["experts"], ctx.params["top_k"]
+    x = ctx.randn(t, h)
+    w13, w2 = ctx.randn(e, 2 * i, h, scale=h ** -0.5), ctx.randn(e, h, i, scale=i ** -0.5)
+    ids = torch.stack([torch.tensor(ctx.randperm(e - 1)[:k]) for _ in range(t)]).to(ctx.device)  # expert e-1 idle
+    weights = torch.rand(t, k, generator=ctx.gen).to(ctx.device)
+    poison_allocator(x.numel(), ctx.dtype, ctx.device)
+    ctx.compare(ctx.backend.fused_moe(x, w13, w2, weights, ids), ref_ops.fused_moe(x, w13, w2, weights, ids),
+                "fused_moe output")

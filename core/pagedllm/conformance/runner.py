@@ -81,6 +81,8 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
         cases.append(Case("fused_ops", "silu_and_mul", "d320", dt, K.check_silu_and_mul, dict(hidden=320)))
         for layout in ("uniform", "uniform_consecutive", "uneven"):
             cases.append(Case("fused_ops", "add_lora", layout, dt, K.check_add_lora, dict(layout=layout)))
+        cases.append(Case("fused_ops", "fused_moe", "h96-i80-e6-k2", dt, K.check_fused_moe,
+                          dict(hidden=96, intermediate=80, experts=6, top_k=2)))
         for hs in head_sizes:
             for rot in (hs, hs // 2):
                 cases.append(Case("fused_ops", "rotary", f"hs{hs}-rot{rot}", dt, K.check_rotary,

@@ -17,6 +17,7 @@ class ArchSpec:
     mlp_bias: Callable[[Any], bool] = lambda c: False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
     sliding: str = "none"  # none | all (Mistral: config.sliding_window everywhere) | layer_types (Qwen2/3)
+    moe: str = "none"  # none | experts (Mixtral: every layer sparse) | shared (Qwen2-MoE: + sigmoid-gated shared expert)
 
 
 def _attention_bias(c: Any) -> bool:
@@ -32,10 +33,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                  sliding="layer_types"),
     "Qwen3ForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True,
                                  sliding="layer_types"),
+    "MixtralForCausalLM": ArchSpec(lambda c: False, lambda c: False, sliding="all", moe="experts"),
+    "Qwen2MoeForCausalLM": ArchSpec(lambda c: bool(getattr(c, "qkv_bias", True)), lambda c: False,
+                                    sliding="layer_types", moe="shared"),
 }
 # GGUF configs carry a model_type but no `architectures`.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM"}
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

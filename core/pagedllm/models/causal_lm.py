@@ -1,4 +1,4 @@
-"""One native decoder for Llama, Mistral, Qwen2 and Qwen3, running attention through a pagedllm backend.
+"""One native decoder for Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen2-MoE, running attention through a pagedllm backend.
 
 Flat batch, no batch dimension: ``T`` tokens of many sequences, described by an ``AttentionMetadata``. q/k/v and
 gate/up are fused into one matmul each (as vLLM does); hot-path ops are the backend's resolved plain functions.
@@ -16,6 +16,7 @@ from torch import nn
 from pagedllm.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ArchSpec, layer_sliding_windows
+from pagedllm.models.moe import SparseMoeBlock, is_moe_layer
 
 
 class RMSNorm(nn.Module):
@@ -76,13 +77,14 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: Any, spec: ArchSpec, backend: Any):
+    def __init__(self, config: Any, spec: ArchSpec, backend: Any, intermediate_size: Optional[int] = None):
         super().__init__()
+        intermediate_size = intermediate_size or config.intermediate_size
         if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
             raise UnsupportedModelError(f"unsupported hidden_act {config.hidden_act!r}: pagedllm models implement silu only")
         bias = spec.mlp_bias(config)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=bias)
         self.silu_and_mul = backend.silu_and_mul
         self.add_lora = getattr(backend, "add_lora", None)
         self.lora_gate_up: Optional[tuple] = None
@@ -100,12 +102,16 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, spec: ArchSpec, backend: Any, sliding_window: Optional[int]):
+    def __init__(self, config: Any, spec: ArchSpec, backend: Any, sliding_window: Optional[int], index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm)
         self.self_attn = Attention(config, spec, backend, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm)
-        self.mlp = GatedMLP(config, spec, backend)
+        if spec.moe != "none" and is_moe_layer(config, index):
+            shared = (lambda size: GatedMLP(config, spec, backend, size)) if spec.moe == "shared" else None
+            self.mlp = SparseMoeBlock(config, backend, shared)
+        else:
+            self.mlp = GatedMLP(config, spec, backend)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -140,7 +146,9 @@ class CausalLM(nn.Module):
         self.kv_caches: list = []
 
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, spec, backend, w) for w in self.layer_sliding_windows)
+        self.layers = nn.ModuleList(DecoderLayer(config, spec, backend, w, i)
+                                    for i, w in enumerate(self.layer_sliding_windows))
+        self.supports_lora = spec.moe == "none"  # LoRA sites are the dense MLP's
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm)
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from pagedllm.errors import ModelNotFoundError
+from pagedllm.models.moe import expert_tensor
 
 
 class WeightSource(Protocol):
@@ -82,7 +83,8 @@ def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype,
 
     sd: dict[str, torch.Tensor] = {}
     for key in model.state_dict():
-        sd[key] = _fetch(key, prefix, load, cat)
+        moe = expert_tensor(key, prefix, weights.__contains__, load)  # MoE: stacked experts (models/moe.py)
+        sd[key] = moe if moe is not None else _fetch(key, prefix, load, cat)
     return sd
 
 
@@ -93,7 +95,7 @@ def _fetch(key: str, prefix: str, load, cat) -> torch.Tensor:
     if module.endswith("self_attn.qkv_proj"):
         base = prefix + module.removesuffix("qkv_proj")
         return cat([f"{base}{p}_proj.{leaf}" for p in "qkv"])
-    if module.endswith("mlp.gate_up_proj"):
+    if module.endswith(".gate_up_proj"):  # mlp.gate_up_proj, and the MoE shared_expert.gate_up_proj
         base = prefix + module.removesuffix("gate_up_proj")
         return cat([f"{base}gate_proj.{leaf}", f"{base}up_proj.{leaf}"])
     return load(prefix + key)

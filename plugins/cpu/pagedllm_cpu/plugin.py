@@ -12,7 +12,11 @@ import torch
 
 from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, hookimpl)
+<<<<<<< HEAD
 from pagedllm_cpu import attention, graph, lora, ops, platform
+=======
+from pagedllm_cpu import attention, graph, moe, ops, platform
+>>>>>>> a59d65f (MoE: Mixtral and Qwen2-MoE natively (stacked experts, HF router numerics, shared expert), pagedllm_fused_moe hook + reference + CPU grouped version + conformance case)
 
 #: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
 _DEFAULT_KV_BYTES = 4 << 30
@@ -107,6 +111,12 @@ def pagedllm_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @hookimpl
 def pagedllm_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     ops.apply_token_bitmask(logits, bitmask)
+
+
+@hookimpl
+def pagedllm_fused_moe(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor) -> torch.Tensor:
+    return moe.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
 
 
 @hookimpl
