@@ -1,8 +1,8 @@
 """The transformers fallback (``--model-impl``): HF's module with pagedllm's paged attention, vs HF itself.
 
-Families with no native decoder (Phi-3, Gemma 2, GLM; odd shapes in ``tiny_models.FALLBACK_CONFIGS``): fp32 logits
-within 1e-4 of HF through the paged cache (full prefill, and chunks beside decodes), and greedy parity through the
-whole engine. Llama through ``--model-impl transformers`` matches the native path. Unrunnable models fail naming the
+Odd shapes in ``tiny_models.FALLBACK_CONFIGS`` (Phi-3, Gemma 2, GLM, Starcoder2), forced through the fallback: fp32
+logits within 1e-4 of HF through the paged cache (full prefill, and chunks beside decodes). GLM and Starcoder2, which
+have no native decoder, take the fallback under ``auto`` and pass greedy parity through the whole engine. Llama through ``--model-impl transformers`` matches the native path. Unrunnable models fail naming the
 architecture and what is supported.
 """
 
@@ -39,12 +39,13 @@ def test_fallback_logits_match_hf(fallback_dirs, ref_backend, name, caplog):
     path = fallback_dirs[name]
     hf = _hf(path)
     with caplog.at_level(logging.INFO, logger="pagedllm.models.loader"):
-        ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+        ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"),
+                          model_impl="transformers")
     assert isinstance(ours, TransformersCausalLM)
     assert [r.getMessage() for r in caplog.records if "implementation" in r.getMessage()] == [
         f"model {hf.config.architectures[0]}: transformers implementation (transformers' module, pagedllm paged "
         "attention)"]
-    assert ours.head_size == 48 and (ours.num_heads, ours.num_kv_heads) == (10, 2)
+    assert (ours.num_heads, ours.num_kv_heads) == (10, 2) and ours.head_size == 48
     prompts = _prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
@@ -52,7 +53,7 @@ def test_fallback_logits_match_hf(fallback_dirs, ref_backend, name, caplog):
             assert_logits_match(name, run_schedule(ours, ref_backend, prompts, schedule), expected)
 
 
-@pytest.mark.parametrize("name", ["phi3", "gemma2"])
+@pytest.mark.parametrize("name", ["glm", "starcoder2"])
 def test_fallback_greedy_parity_engine(fallback_dirs, name):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16 and window 8), chunked prefill, prefix hits."""
     path = fallback_dirs[name]
@@ -74,12 +75,12 @@ def test_llama_transformers_impl_matches_native(tiny_model_dirs):
 
 def test_model_impl_resolution():
     llama = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"])
-    phi3 = AutoConfig.for_model("phi3", architectures=["Phi3ForCausalLM"])
+    glm = AutoConfig.for_model("glm", architectures=["GlmForCausalLM"])
     assert resolve_model_impl(llama) == ("LlamaForCausalLM", "native")
     assert resolve_model_impl(llama, "transformers") == ("LlamaForCausalLM", "transformers")
-    assert resolve_model_impl(phi3) == ("Phi3ForCausalLM", "transformers")
-    with pytest.raises(UnsupportedModelError, match="Phi3ForCausalLM.*supports LlamaForCausalLM"):
-        resolve_model_impl(phi3, "native")
+    assert resolve_model_impl(glm) == ("GlmForCausalLM", "transformers")
+    with pytest.raises(UnsupportedModelError, match="GlmForCausalLM.*supports LlamaForCausalLM"):
+        resolve_model_impl(glm, "native")
 
 
 @pytest.mark.parametrize("config, message", [
@@ -87,6 +88,7 @@ def test_model_impl_resolution():
                                                                            "encoder-decoder model"),
     (dict(model_type="llama", architectures=["BaichuanForCausalLM"]), "BaichuanForCausalLM.*no decoder-only"),
     (dict(model_type="bert", architectures=["BertModel"]), "BertModel.*no decoder-only"),
+    (dict(model_type="falcon", architectures=["FalconForCausalLM"]), "FalconForCausalLM does not route attention"),
 ])
 def test_unrunnable_models_name_the_architecture(config, message):
     kwargs = dict(config)

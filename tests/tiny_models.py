@@ -55,6 +55,9 @@ FALLBACK_CONFIGS: dict[str, dict[str, Any]] = {
                    attn_logit_softcapping=30.0, final_logit_softcapping=20.0, tie_word_embeddings=True),
     # GLM: partial rotary (half the head), interleaved rotary pairs.
     "glm": dict(_ODD, model_type="glm", partial_rotary_factor=0.5),
+    # Starcoder2: LayerNorm, biases everywhere, plain gelu MLP, sliding window 8.
+    "starcoder2": dict(_ODD, model_type="starcoder2", head_dim=None, hidden_size=480, sliding_window=8, use_bias=True,
+                       norm_epsilon=1e-5),
 }
 
 

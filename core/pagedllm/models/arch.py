@@ -17,7 +17,13 @@ class ArchSpec:
     mlp_bias: Callable[[Any], bool] = lambda c: False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
     sliding: str = "none"  # none | all (Mistral: config.sliding_window everywhere) | layer_types (Qwen2/3)
+    gemma: bool = False  # Gemma 2/3: (1 + w) RMSNorm, pre/post feed-forward norms, sqrt(hidden) embedding scale
     moe: str = "none"  # none | experts (Mixtral: every layer sparse) | shared (Qwen2-MoE: + sigmoid-gated shared expert)
+
+
+def hidden_act(config: Any) -> str:
+    """The MLP activation: ``hidden_activation`` (Gemma) or ``hidden_act``."""
+    return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
 
 
 def _attention_bias(c: Any) -> bool:
@@ -33,6 +39,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                  sliding="layer_types"),
     "Qwen3ForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True,
                                  sliding="layer_types"),
+    "Gemma2ForCausalLM": ArchSpec(_attention_bias, _attention_bias, sliding="layer_types", gemma=True),
     "MixtralForCausalLM": ArchSpec(lambda c: False, lambda c: False, sliding="all", moe="experts"),
     "Qwen2MoeForCausalLM": ArchSpec(lambda c: bool(getattr(c, "qkv_bias", True)), lambda c: False,
                                     sliding="layer_types", moe="shared"),
@@ -40,7 +47,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 # GGUF configs carry a model_type but no `architectures`.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen2_moe": "Qwen2MoeForCausalLM"}
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

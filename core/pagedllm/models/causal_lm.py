@@ -1,4 +1,4 @@
-"""One native decoder for Llama, Mistral, Qwen2, Qwen3, Mixtral and Qwen2-MoE, running attention through a pagedllm backend.
+"""One native decoder for Llama, Mistral, Qwen2, Qwen3, Gemma 2, Mixtral and Qwen2-MoE, running attention through a pagedllm backend.
 
 Flat batch, no batch dimension: ``T`` tokens of many sequences, described by an ``AttentionMetadata``. q/k/v and
 gate/up are fused into one matmul each (as vLLM does); hot-path ops are the backend's resolved plain functions.
@@ -15,19 +15,26 @@ from torch import nn
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.models.arch import ArchSpec, layer_sliding_windows
+from pagedllm.models.arch import ArchSpec, hidden_act, layer_sliding_windows
 from pagedllm.models.moe import SparseMoeBlock, is_moe_layer
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, op):
+    def __init__(self, dim: int, eps: float, op, offset: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
         self.op = op
+        self.offset = offset  # Gemma stores w and scales by (1 + w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.weight, self.eps)
+        return self.op(x, self.weight + 1 if self.offset else self.weight, self.eps)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU (Gemma): ``gelu_tanh(x[..., :d]) * x[..., d:]``."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
 class Attention(nn.Module):
@@ -45,7 +52,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, backend.rms_norm)
         else:
             self.q_norm = self.k_norm = None
-        self.scale = self.head_size ** -0.5
+        self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_size) ** -0.5
         self.sliding_window = sliding_window
         self.soft_cap = getattr(config, "attn_logit_softcapping", None)
         self.rotary, self.write_kv, self.paged_attention = backend.rotary, backend.write_kv, backend.paged_attention
@@ -80,12 +87,14 @@ class GatedMLP(nn.Module):
     def __init__(self, config: Any, spec: ArchSpec, backend: Any, intermediate_size: Optional[int] = None):
         super().__init__()
         intermediate_size = intermediate_size or config.intermediate_size
-        if getattr(config, "hidden_act", "silu") not in ("silu", "swish"):
-            raise UnsupportedModelError(f"unsupported hidden_act {config.hidden_act!r}: pagedllm models implement silu only")
+        act = hidden_act(config)
+        if act not in ("silu", "swish", "gelu_pytorch_tanh", "gelu_tanh"):
+            raise UnsupportedModelError(f"unsupported hidden_act {act!r}: pagedllm models implement silu and "
+                                        "gelu_pytorch_tanh")
         bias = spec.mlp_bias(config)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=bias)
-        self.silu_and_mul = backend.silu_and_mul
+        self.silu_and_mul = backend.silu_and_mul if act in ("silu", "swish") else gelu_tanh_and_mul
         self.add_lora = getattr(backend, "add_lora", None)
         self.lora_gate_up: Optional[tuple] = None
         self.lora_down: Optional[tuple] = None
@@ -104,9 +113,13 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, spec: ArchSpec, backend: Any, sliding_window: Optional[int], index: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm, spec.gemma)  # noqa: E731
+        self.input_layernorm = norm()
         self.self_attn = Attention(config, spec, backend, sliding_window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm)
+        self.post_attention_layernorm = norm()
+        # Gemma: post_attention_layernorm normalises the attention output; the MLP has its own pre/post norms.
+        self.pre_feedforward_layernorm = norm() if spec.gemma else None
+        self.post_feedforward_layernorm = norm() if spec.gemma else None
         if spec.moe != "none" and is_moe_layer(config, index):
             shared = (lambda size: GatedMLP(config, spec, backend, size)) if spec.moe == "shared" else None
             self.mlp = SparseMoeBlock(config, backend, shared)
@@ -115,6 +128,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
+        if self.pre_feedforward_layernorm is not None:
+            a = self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, cos_sin_cache)
+            h = self.post_attention_layernorm(a).add_(h)
+            m = self.mlp(self.pre_feedforward_layernorm(h), getattr(meta, "lora_mapping", None))
+            return self.post_feedforward_layernorm(m).add_(h)
         h = self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, cos_sin_cache).add_(h)
         return self.mlp(self.post_attention_layernorm(h), getattr(meta, "lora_mapping", None)).add_(h)
 
@@ -148,8 +166,10 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, spec, backend, w, i)
                                     for i, w in enumerate(self.layer_sliding_windows))
-        self.supports_lora = spec.moe == "none"  # LoRA sites are the dense MLP's
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm)
+        self.supports_lora = spec.moe == "none" and not spec.gemma  # LoRA parity is tested on the others
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm, spec.gemma)
+        self.embed_scale: Optional[float] = config.hidden_size ** 0.5 if spec.gemma else None
+        self.final_logit_softcapping: Optional[float] = getattr(config, "final_logit_softcapping", None)
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
@@ -190,11 +210,17 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """``input_ids``/``positions`` ``[T]`` -> final-normed hidden states ``[T, hidden_size]``."""
         h = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:  # HF casts the scale to the weights' dtype first
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
         cos_sin = self.cos_sin_cache
         for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
             h = layer(h, positions, kv_cache, meta, cos_sin)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden_size]`` -> ``[N, vocab_size]`` in the model's dtype."""
-        return F.linear(hidden, self.lm_head_weight)
+        """``[N, hidden_size]`` -> ``[N, vocab_size]`` in the model's dtype (Gemma 2: final soft-capping)."""
+        logits = F.linear(hidden, self.lm_head_weight)
+        if self.final_logit_softcapping is not None:
+            c = self.final_logit_softcapping
+            logits = torch.tanh(logits / c) * c
+        return logits

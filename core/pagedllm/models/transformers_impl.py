@@ -69,14 +69,20 @@ def transformers_architecture(config: Any) -> str:
         raise UnsupportedModelError(f"{', '.join(archs) or model_type} is an encoder-decoder model; pagedllm runs "
                                     "decoder-only *ForCausalLM models only")
     known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    for name in archs:
-        if name in known and name.endswith("ForCausalLM"):
-            return name
-    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) if model_type else None
-    if name and name.endswith("ForCausalLM") and not archs:
-        return name
-    raise UnsupportedModelError(f"architecture {', '.join(archs) or repr(model_type)} has no decoder-only "
-                                "*ForCausalLM class in transformers (remote code never runs)")
+    found = next((n for n in archs if n in known and n.endswith("ForCausalLM")), None)
+    if found is None and not archs and model_type:
+        found = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        found = found if found and found.endswith("ForCausalLM") else None
+    if found is None:
+        raise UnsupportedModelError(f"architecture {', '.join(archs) or repr(model_type)} has no decoder-only "
+                                    "*ForCausalLM class in transformers (remote code never runs)")
+    import transformers
+
+    if not getattr(getattr(transformers, found, None), "_supports_attention_backend", False):
+        raise UnsupportedModelError(f"transformers' {found} does not route attention through AttentionInterface "
+                                    "with the caller's arguments (_supports_attention_backend is False), so the "
+                                    "transformers fallback cannot run it")
+    return found
 
 
 def _head_size(config: Any) -> int:
