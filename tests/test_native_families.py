@@ -1,4 +1,4 @@
-"""Native decoders beyond Llama/Mistral/Qwen (Gemma 2 ...) vs HF on odd shapes (``tiny_models.FALLBACK_CONFIGS``):
+"""Native decoders beyond Llama/Mistral/Qwen (Phi-3 with fused checkpoint tensors and LongRoPE, Gemma 2) vs HF on odd shapes (``tiny_models.FALLBACK_CONFIGS``):
 fp32 logits within 1e-4 through the paged cache, greedy parity through the engine, and the transformers fallback of
 the same checkpoint agreeing with the native path."""
 
@@ -13,13 +13,13 @@ from pagedllm.models import CausalLM, load_model
 from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
 from tiny_models import make_fallback_model
 
-NATIVE = ["gemma2"]
+NATIVE = ["phi3", "gemma2"]
 
 
 @pytest.fixture(scope="module")
 def native_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("native_families")
-    return {name: make_fallback_model(name, root / name) for name in NATIVE}
+    return {name: make_fallback_model(name, root / name) for name in NATIVE + ["phi3_longrope"]}
 
 
 def _hf(path: str):
@@ -45,3 +45,21 @@ def test_native_greedy_parity_engine(native_dirs, name):
     path = native_dirs[name]
     llm = assert_engine_parity(path, _hf(path))
     assert isinstance(llm.llm_engine.model, CausalLM)
+
+
+def test_phi3_longrope_short_and_long_factors(native_dirs, ref_backend):
+    """Up to original_max_position_embeddings (64) the short factors, as HF; past it, the long ones for every
+    position, as HF uses for a sequence that runs past 64 in one forward."""
+    path = native_dirs["phi3_longrope"]
+    hf = _hf(path)
+    prompts = _prompts(hf.config.vocab_size)
+    long_prompt = [[(7 * i) % 400 + 3 for i in range(90)]]
+    with torch.inference_mode():
+        short = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"), max_model_len=64)
+        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
+        for schedule in (FULL_PREFILL, CHUNKED):
+            assert_logits_match("phi3 short", run_schedule(short, ref_backend, prompts, schedule), expected)
+        long = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+        assert not torch.equal(long.cos_sin_cache[:64], short.cos_sin_cache[:64])
+        got = run_schedule(long, ref_backend, long_prompt, [[(0, 90)]])
+        assert_logits_match("phi3 long", got, [hf(torch.tensor(long_prompt)).logits[0]])

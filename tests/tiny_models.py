@@ -61,6 +61,14 @@ FALLBACK_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Phi-3 with LongRoPE (short/long factors over a 0.75 partial rotary: 18 frequencies of head 48), original context
+# 64 tokens: the engine uses short factors up to max_model_len 64, long ones beyond.
+_FACTORS = [1.0 + 0.15 * i for i in range(18)]
+PHI3_LONGROPE = dict(FALLBACK_CONFIGS["phi3"], partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                     rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + 0.02 * i for i in range(18)],
+    "long_factor": _FACTORS, "original_max_position_embeddings": 64, "partial_rotary_factor": 0.75})
+
 # Native MoE families, same odd shapes. Mixtral: every layer sparse, top-2 of 5 renormalised, sliding window 8.
 # Qwen2-MoE: layer 1 dense (mlp_only_layers), top-3 of 6 NOT renormalised (HF's default norm_topk_prob=False), a
 # sigmoid-gated shared expert, qkv bias; "qwen2_moe_norm" renormalises and makes only every 2nd layer sparse.
@@ -78,7 +86,8 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
 
 def make_fallback_model(name: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
     """A tiny random model of ``FALLBACK_CONFIGS`` or ``MOE_CONFIGS`` by name; returns the path."""
-    kwargs = {k: v for k, v in {**{**FALLBACK_CONFIGS, **MOE_CONFIGS}[name], **overrides}.items() if v is not None}
+    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, "phi3_longrope": PHI3_LONGROPE}
+    kwargs = {k: v for k, v in {**configs[name], **overrides}.items() if v is not None}
     return save_random_model(kwargs, out_dir, seed)
 
 

@@ -41,10 +41,11 @@ def eos_token_ids(model_path: str, config: Any) -> list[int]:
 
 
 def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: torch.device,
-               config: Any = None, model_impl: str = "auto") -> Any:
+               config: Any = None, model_impl: str = "auto", max_model_len: int | None = None) -> Any:
     """Build the model for ``model_path`` (HF ``config`` if already read) with weights in ``dtype`` on ``device``:
     our native ``CausalLM``, or transformers' module with our paged attention (``model_impl``, vLLM's
-    ``--model-impl``). Unsupported architectures fail (UnsupportedModelError) before any weight is read.
+    ``--model-impl``). ``max_model_len`` (default: the config's) picks LongRoPE's factors. Unsupported
+    architectures fail (UnsupportedModelError) before any weight is read.
     """
     path = resolve_model_path(model_path)
     device = torch.device(device)
@@ -62,6 +63,6 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     weights = gguf_weights(path, config, dtype) if is_gguf(path) else SafetensorsWeights(path)
     model.load_state_dict(fused_state_dict(model, weights, dtype, device), strict=True, assign=True)
     del weights
-    model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device)
+    model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device, max_model_len)
     model.eos_token_ids = eos_token_ids(path, config)
     return model.requires_grad_(False).eval()

@@ -83,6 +83,9 @@ def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype,
 
     sd: dict[str, torch.Tensor] = {}
     for key in model.state_dict():
+        if prefix + key in weights:  # already fused in the checkpoint (Phi-3 qkv_proj / gate_up_proj), or plain
+            sd[key] = load(prefix + key)
+            continue
         moe = expert_tensor(key, prefix, weights.__contains__, load)  # MoE: stacked experts (models/moe.py)
         sd[key] = moe if moe is not None else _fetch(key, prefix, load, cat)
     return sd
