@@ -1,4 +1,5 @@
-"""Native decoders beyond Llama/Mistral/Qwen (Phi-3 with fused checkpoint tensors and LongRoPE, Gemma 2) vs HF on odd shapes (``tiny_models.FALLBACK_CONFIGS``):
+"""Native decoders beyond Llama/Mistral/Qwen (Phi-3 with fused checkpoint tensors and LongRoPE, Gemma 2, Gemma 3 text, and Yi -- a
+Llama checkpoint with Yi's shapes, which loads as Llama) vs HF on odd shapes (``tiny_models.FALLBACK_CONFIGS``):
 fp32 logits within 1e-4 through the paged cache, greedy parity through the engine, and the transformers fallback of
 the same checkpoint agreeing with the native path."""
 
@@ -13,7 +14,7 @@ from pagedllm.models import CausalLM, load_model
 from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
 from tiny_models import make_fallback_model
 
-NATIVE = ["phi3", "gemma2"]
+NATIVE = ["phi3", "gemma2", "gemma3", "yi"]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def test_native_logits_match_hf(native_dirs, ref_backend, name):
     hf = _hf(path)
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(ours, CausalLM)
+    assert ours.head_size == 48 and (ours.num_heads, ours.num_kv_heads) == (10, 2)
     prompts = _prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]

@@ -61,6 +61,16 @@ FALLBACK_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Gemma 3 text: q/k (1 + w) norms, sliding layers with their own rotary base (local 10000 vs global 1e6 with
+# linear scaling), 5 sliding : 1 global over 6 layers -- here pattern 2 over 3 layers.
+GEMMA3 = dict(_ODD, model_type="gemma3_text", num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=40,
+              sliding_window_pattern=2, tie_word_embeddings=True, rope_parameters={
+                  "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0},
+                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+# Yi: a Llama checkpoint (LlamaForCausalLM) with Yi's traits -- deep GQA (5:1 here), rope_theta 5e6, eps 1e-5.
+YI = dict(_ODD, model_type="llama", rope_theta=5000000.0, rms_norm_eps=1e-5)
+
 # Phi-3 with LongRoPE (short/long factors over a 0.75 partial rotary: 18 frequencies of head 48), original context
 # 64 tokens: the engine uses short factors up to max_model_len 64, long ones beyond.
 _FACTORS = [1.0 + 0.15 * i for i in range(18)]
@@ -86,7 +96,8 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
 
 def make_fallback_model(name: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
     """A tiny random model of ``FALLBACK_CONFIGS`` or ``MOE_CONFIGS`` by name; returns the path."""
-    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, "phi3_longrope": PHI3_LONGROPE}
+    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, "phi3_longrope": PHI3_LONGROPE, "gemma3": GEMMA3,
+               "yi": YI}
     kwargs = {k: v for k, v in {**configs[name], **overrides}.items() if v is not None}
     return save_random_model(kwargs, out_dir, seed)
 

@@ -41,6 +41,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                  sliding="layer_types"),
     "Phi3ForCausalLM": ArchSpec(lambda c: False, lambda c: False, sliding="all"),
     "Gemma2ForCausalLM": ArchSpec(_attention_bias, _attention_bias, sliding="layer_types", gemma=True),
+    "Gemma3ForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True, sliding="layer_types", gemma=True),
     "MixtralForCausalLM": ArchSpec(lambda c: False, lambda c: False, sliding="all", moe="experts"),
     "Qwen2MoeForCausalLM": ArchSpec(lambda c: bool(getattr(c, "qkv_bias", True)), lambda c: False,
                                     sliding="layer_types", moe="shared"),
@@ -49,7 +50,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                  "phi3": "Phi3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

@@ -1,4 +1,4 @@
-"""One native decoder for Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Mixtral and Qwen2-MoE, running attention through a pagedllm backend.
+"""One native decoder for Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, Mixtral and Qwen2-MoE, running attention through a pagedllm backend.
 
 Flat batch, no batch dimension: ``T`` tokens of many sequences, described by an ``AttentionMetadata``. q/k/v and
 gate/up are fused into one matmul each (as vLLM does); hot-path ops are the backend's resolved plain functions.
@@ -48,8 +48,8 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias(config))
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=spec.o_bias(config))
         if spec.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, backend.rms_norm)
-            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, backend.rms_norm)
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, backend.rms_norm, spec.gemma)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, backend.rms_norm, spec.gemma)
         else:
             self.q_norm = self.k_norm = None
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_size) ** -0.5
@@ -173,6 +173,10 @@ class CausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        # Gemma 3: per layer type rotary tables (set by the loader), else every layer reads cos_sin_cache.
+        self.rope_caches: dict[str, torch.Tensor] = {}
+        self.layer_types: list[str] = list(getattr(config, "layer_types", None)
+                                           or ["full_attention"] * self.num_layers)
         self.requires_grad_(False)
 
     @property
@@ -212,8 +216,8 @@ class CausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # HF casts the scale to the weights' dtype first
             h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        cos_sin = self.cos_sin_cache
-        for layer, kv_cache in zip(self.layers, self.kv_caches, strict=True):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
+            cos_sin = self.rope_caches[self.layer_types[i]] if self.rope_caches else self.cos_sin_cache
             h = layer(h, positions, kv_cache, meta, cos_sin)
         return self.norm(h)
 

@@ -11,7 +11,7 @@ import torch
 from pagedllm.models.arch import architecture_of, resolve_model_impl
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.paths import is_gguf, resolve_model_path
-from pagedllm.models.rope import build_cos_sin_cache
+from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
 from pagedllm.models.transformers_impl import load_transformers_model
 from pagedllm.models.weights import SafetensorsWeights, fused_state_dict, gguf_weights
 
@@ -64,5 +64,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     model.load_state_dict(fused_state_dict(model, weights, dtype, device), strict=True, assign=True)
     del weights
     model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device, max_model_len)
+    if per_layer_type(config):  # Gemma 3: each layer type has its own rotary base
+        model.rope_caches = {t: build_cos_sin_cache(config, model.max_model_len, device, max_model_len, t)
+                             for t in sorted(set(config.layer_types))}
     model.eos_token_ids = eos_token_ids(path, config)
     return model.requires_grad_(False).eval()
