@@ -104,3 +104,16 @@ def test_model_impl_flag_is_validated():
 
     with pytest.raises(ParamError, match="model_impl"):
         EngineConfig(model_impl="vllm")
+
+
+def test_remote_code_only_layout_is_refused_naming_it(tmp_path):
+    import json
+
+    from pagedllm.models import load_config
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["ChatGLMModel"], "model_type": "chatglm",
+        "auto_map": {"AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"}}))
+    with pytest.raises(UnsupportedModelError, match=r"ChatGLMModel \(model_type 'chatglm'\) \(remote code.*"
+                                                    r"supports LlamaForCausalLM"):
+        load_config(str(tmp_path))

@@ -18,6 +18,7 @@ COMMANDS = (
     "pagedllm.commands.generate",
     "pagedllm.commands.chat",
     "pagedllm.commands.backends",
+    "pagedllm.commands.models",
     "pagedllm.commands.bench",
     "pagedllm.commands.serve",
     "pagedllm.conformance.cli",

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
 
 import torch
 
-from pagedllm.models.arch import architecture_of, resolve_model_impl
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.paths import is_gguf, resolve_model_path
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
@@ -24,7 +26,20 @@ def load_config(model_path: str) -> Any:
 
     if is_gguf(model_path):
         return AutoConfig.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
-    return AutoConfig.from_pretrained(model_path, trust_remote_code=False)
+    try:
+        return AutoConfig.from_pretrained(model_path, trust_remote_code=False)
+    except (ValueError, KeyError) as e:  # a model_type transformers does not know: remote code only (ChatGLM...)
+        raw = os.path.join(model_path, "config.json")
+        if not os.path.isfile(raw):
+            raise
+        with open(raw) as f:
+            cfg = json.load(f)
+        archs = ", ".join(cfg.get("architectures") or []) or "?"
+        remote = " (remote code, which pagedllm never runs)" if "auto_map" in cfg else ""
+        raise UnsupportedModelError(
+            f"unsupported model architecture {archs} (model_type {cfg.get('model_type')!r}){remote}: transformers "
+            f"does not know it; pagedllm supports {', '.join(ARCHITECTURES)} natively, and through the transformers "
+            "fallback any decoder-only *ForCausalLM transformers implements (docs/models.md)") from e
 
 
 def eos_token_ids(model_path: str, config: Any) -> list[int]:

@@ -1,0 +1,103 @@
+"""The supported-model table of ``docs/models.md``, generated from the code (``pagedllm models --markdown``).
+
+Native rows come from ``ARCHITECTURES``; the GGUF column from transformers' GGUF converter (which ``gguf_weights``
+uses); the fallback rows from transformers' causal-LM registry filtered as ``transformers_architecture`` filters it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedllm.models.arch import ARCHITECTURES, _BY_MODEL_TYPE
+
+#: Families whose oracle tests (HF logits 1e-4 + engine greedy parity) run in this repository, and where.
+VERIFIED: dict[str, str] = {
+    "LlamaForCausalLM": "tests/test_models.py, test_engine_parity.py, test_smollm2.py (GGUF); Yi in "
+                        "test_native_families.py",
+    "MistralForCausalLM": "tests/test_models.py, test_engine_parity.py",
+    "Qwen2ForCausalLM": "tests/test_models.py, test_engine_parity.py",
+    "Qwen3ForCausalLM": "tests/test_models.py, test_engine_parity.py",
+    "Phi3ForCausalLM": "tests/test_native_families.py",
+    "Gemma2ForCausalLM": "tests/test_native_families.py",
+    "Gemma3ForCausalLM": "tests/test_native_families.py",
+    "MixtralForCausalLM": "tests/test_moe.py",
+    "Qwen2MoeForCausalLM": "tests/test_moe.py",
+    "GlmForCausalLM": "tests/test_transformers_fallback.py",
+    "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
+}
+_GGUF_TESTED = {"LlamaForCausalLM"}  # SmolLM2-135M Q4_1 (tests/test_smollm2.py)
+_GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
+
+
+def _features(name: str) -> str:
+    spec = ARCHITECTURES[name]
+    out = []
+    if spec.moe != "none":
+        out.append("MoE" + (" + shared expert" if spec.moe == "shared" else ""))
+    if spec.sliding != "none":
+        out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
+    if spec.qk_norm:
+        out.append("q/k norm")
+    if spec.gemma:
+        out.append("soft-capping, (1+w) norms, GeGLU")
+    return ", ".join(out) or "-"
+
+
+def _gguf(name: str, model_type: str) -> str:
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    if name in _GGUF_TESTED:
+        return "yes (tested)"
+    return "readable, untested" if _GGUF_ARCH.get(model_type, model_type) in GGUF_SUPPORTED_ARCHITECTURES else "no"
+
+
+def fallback_architectures() -> list[str]:
+    """Every transformers ``*ForCausalLM`` the fallback accepts (decoder-only, attention routed through
+    ``AttentionInterface`` with the caller's arguments)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set()
+    for name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        if isinstance(name, str) and name.endswith("ForCausalLM"):
+            try:
+                cls = getattr(transformers, name, None)
+            except Exception:  # an optional dependency of that model is missing
+                continue
+            if getattr(cls, "_supports_attention_backend", False):
+                names.add(name)
+    return sorted(names)
+
+
+def rows() -> list[dict[str, Any]]:
+    model_types = {v: k for k, v in _BY_MODEL_TYPE.items()}
+    fallback = set(fallback_architectures())
+    out = []
+    for name in ARCHITECTURES:
+        spec = ARCHITECTURES[name]
+        out.append({"architecture": name, "path": "native" + (" (transformers via --model-impl)"
+                                                             if name in fallback else ""),
+                    "features": _features(name), "gguf": _gguf(name, model_types.get(name, "")),
+                    "lora": "yes" if spec.moe == "none" and not spec.gemma else "no",
+                    "verified": VERIFIED.get(name, "-")})
+    for name in sorted(n for n in VERIFIED if n not in ARCHITECTURES):
+        model_type = name.removesuffix("ForCausalLM").lower()
+        out.append({"architecture": name, "path": "transformers fallback", "features": "-",
+                    "gguf": _gguf(name, model_type), "lora": "no", "verified": VERIFIED[name]})
+    return out
+
+
+def markdown_table() -> str:
+    import transformers
+
+    lines = ["| Architecture | Path | Native features | GGUF (dequantized at load) | LoRA | Oracle tests |",
+             "|---|---|---|---|---|---|"]
+    for r in rows():
+        lines.append(f"| `{r['architecture']}` | {r['path']} | {r['features']} | {r['gguf']} | {r['lora']} "
+                     f"| {r['verified']} |")
+    others = [n for n in fallback_architectures() if n not in ARCHITECTURES and n not in VERIFIED]
+    lines.append("")
+    lines.append(f"Through the transformers fallback, untested here: {len(others)} more decoder-only `*ForCausalLM` "
+                 f"classes of transformers {transformers.__version__} route attention through `AttentionInterface` "
+                 "(`pagedllm models --json` lists them).")
+    return "\n".join(lines) + "\n"
