@@ -117,3 +117,15 @@ def test_moe_refuses_lora(moe_dirs):
     with pytest.raises(ParamError, match="enable_lora.*MixtralForCausalLM"):
         LLM(moe_dirs["mixtral"], device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
             enable_lora=True)
+
+
+def test_bench_moe_command(capsys):
+    import json
+
+    from pagedllm.cli import main
+
+    assert main(["bench", "moe", "--tokens", "1,9", "--hidden", "32", "--intermediate", "24", "--experts", "4",
+                 "--repeats", "2", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in rows] == [1, 9]
+    assert all(r["reference_ms"] > 0 and r["cpu_ms"] > 0 and r["speedup"] > 0 for r in rows)

@@ -1,10 +1,10 @@
-"""``pagedllm bench throughput|serve|sweep ...``."""
+"""``pagedllm bench throughput|serve|sweep|moe ...``."""
 
 from __future__ import annotations
 
 import importlib
 
-BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep")
+BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep", "pagedllm.bench.moe")
 
 
 def add_parser(sub) -> None:
