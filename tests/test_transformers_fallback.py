@@ -99,11 +99,18 @@ def test_unrunnable_models_name_the_architecture(config, message):
 
 
 def test_model_impl_flag_is_validated():
+    from pagedllm.cli import build_parser
+    from pagedllm.commands.engine_args import engine_config
     from pagedllm.config import EngineConfig
     from pagedllm.sampling_params import ParamError
 
     with pytest.raises(ParamError, match="model_impl"):
         EngineConfig(model_impl="vllm")
+    args = build_parser().parse_args(["generate", "hi", "--model-impl", "transformers"])
+    assert engine_config(args).model_impl == "transformers"
+    assert engine_config(build_parser().parse_args(["generate", "hi"])).model_impl == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "hi", "--model-impl", "vllm"])
 
 
 def test_remote_code_only_layout_is_refused_naming_it(tmp_path):

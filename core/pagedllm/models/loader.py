@@ -13,6 +13,7 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.paths import is_gguf, resolve_model_path
+from pagedllm.models.remote_layouts import BaichuanWeights, check_covered, remote_code_config, wrap_weights
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
 from pagedllm.models.transformers_impl import load_transformers_model
 from pagedllm.models.weights import SafetensorsWeights, fused_state_dict, gguf_weights
@@ -34,6 +35,9 @@ def load_config(model_path: str) -> Any:
             raise
         with open(raw) as f:
             cfg = json.load(f)
+        mapped = remote_code_config(cfg)  # a remote-code layout we load by name mapping (Baichuan)
+        if mapped is not None:
+            return mapped
         archs = ", ".join(cfg.get("architectures") or []) or "?"
         remote = " (remote code, which pagedllm never runs)" if "auto_map" in cfg else ""
         raise UnsupportedModelError(
@@ -66,17 +70,23 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     device = torch.device(device)
     config = config if config is not None else load_config(path)
     name, impl = resolve_model_impl(config, model_impl)
-    logger.info("model %s: %s implementation%s", name, impl,
+    shown = f"{config.pagedllm_source_architecture} (as {name})" if hasattr(config, "pagedllm_layout") else name
+    logger.info("model %s: %s implementation%s", shown, impl,
                 " (transformers' module, pagedllm paged attention)" if impl == "transformers" else "")
     if impl == "transformers":
+        if hasattr(config, "pagedllm_layout"):
+            raise UnsupportedModelError(f"{shown} is a remote-code layout mapped onto the native decoder; the "
+                                        "transformers fallback cannot load it (use --model-impl auto or native)")
         model = load_transformers_model(path, config, backend=backend, dtype=dtype, device=device)
         model.eos_token_ids = eos_token_ids(path, config)
         return model
     _, spec = architecture_of(config)
     with torch.device("meta"):
         model = CausalLM(config, spec, backend)
-    weights = gguf_weights(path, config, dtype) if is_gguf(path) else SafetensorsWeights(path)
+    weights = gguf_weights(path, config, dtype) if is_gguf(path) else wrap_weights(SafetensorsWeights(path), config)
     model.load_state_dict(fused_state_dict(model, weights, dtype, device), strict=True, assign=True)
+    if isinstance(weights, BaichuanWeights):
+        check_covered(weights, weights.source.names())
     del weights
     model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device, max_model_len)
     if per_layer_type(config):  # Gemma 3: each layer type has its own rotary base

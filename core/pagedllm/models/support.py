@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.models.arch import ARCHITECTURES, _BY_MODEL_TYPE
+from pagedllm.models.remote_layouts import REMOTE_LAYOUTS
 
 #: Families whose oracle tests (HF logits 1e-4 + engine greedy parity) run in this repository, and where.
 VERIFIED: dict[str, str] = {
@@ -22,6 +23,7 @@ VERIFIED: dict[str, str] = {
     "Gemma3ForCausalLM": "tests/test_native_families.py",
     "MixtralForCausalLM": "tests/test_moe.py",
     "Qwen2MoeForCausalLM": "tests/test_moe.py",
+    "BaiChuanForCausalLM": "tests/test_remote_layouts.py (vs HF Llama on the same weights)",
     "GlmForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
 }
@@ -80,7 +82,11 @@ def rows() -> list[dict[str, Any]]:
                     "features": _features(name), "gguf": _gguf(name, model_types.get(name, "")),
                     "lora": "yes" if spec.moe == "none" and not spec.gemma else "no",
                     "verified": VERIFIED.get(name, "-")})
-    for name in sorted(n for n in VERIFIED if n not in ARCHITECTURES):
+    for name, what in REMOTE_LAYOUTS.items():
+        out.append({"architecture": name, "path": "native, remote-code layout mapped by name", "features": what,
+                    "gguf": "no", "lora": "yes", "verified": VERIFIED.get(name, "mapping shared with the row above; "
+                                                                              "NormHead unit-tested")})
+    for name in sorted(n for n in VERIFIED if n not in ARCHITECTURES and n not in REMOTE_LAYOUTS):
         model_type = name.removesuffix("ForCausalLM").lower()
         out.append({"architecture": name, "path": "transformers fallback", "features": "-",
                     "gguf": _gguf(name, model_type), "lora": "no", "verified": VERIFIED[name]})

@@ -43,6 +43,9 @@ class SafetensorsWeights:
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def names(self) -> set[str]:
+        return set(self._where)
+
     def take(self, name: str) -> torch.Tensor:
         return self._where[name].get_tensor(name)
 
