@@ -1,4 +1,5 @@
-"""One native decoder for Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2/3, Mixtral and Qwen2-MoE, running attention through a pagedllm backend.
+"""One native decoder (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE) running attention through a
+pagedllm backend.
 
 Flat batch, no batch dimension: ``T`` tokens of many sequences, described by an ``AttentionMetadata``. q/k/v and
 gate/up are fused into one matmul each (as vLLM does); hot-path ops are the backend's resolved plain functions.
