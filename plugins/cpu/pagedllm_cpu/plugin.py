@@ -12,11 +12,7 @@ import torch
 
 from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, hookimpl)
-<<<<<<< HEAD
-from pagedllm_cpu import attention, graph, lora, ops, platform
-=======
-from pagedllm_cpu import attention, graph, moe, ops, platform
->>>>>>> a59d65f (MoE: Mixtral and Qwen2-MoE natively (stacked experts, HF router numerics, shared expert), pagedllm_fused_moe hook + reference + CPU grouped version + conformance case)
+from pagedllm_cpu import attention, graph, lora, moe, ops, platform
 
 #: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
 _DEFAULT_KV_BYTES = 4 << 30
