@@ -99,7 +99,9 @@ def test_cpu_fused_moe_matches_reference(t, dtype):
     w2 = (torch.randn(e, h, i, generator=g) * i ** -0.5).to(dtype)
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     weights = torch.rand(t, k, generator=g)
-    got = get_backend("cpu").fused_moe(x, w13, w2, weights, ids)
+    cpu = get_backend("cpu")
+    assert cpu.implements("pagedllm_fused_moe"), "the CPU backend should bring its own fused_moe"
+    got = cpu.fused_moe(x, w13, w2, weights, ids)
     assert got.dtype == dtype and got.shape == (t, h)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, ref_ops.fused_moe(x, w13, w2, weights, ids), **tol)
