@@ -1,7 +1,6 @@
-"""Native decoders beyond Llama/Mistral/Qwen (Phi-3 with fused checkpoint tensors and LongRoPE, Gemma 2, Gemma 3 text, and Yi -- a
-Llama checkpoint with Yi's shapes, which loads as Llama) vs HF on odd shapes (``tiny_models.FALLBACK_CONFIGS``):
-fp32 logits within 1e-4 through the paged cache, greedy parity through the engine, and the transformers fallback of
-the same checkpoint agreeing with the native path."""
+"""Native decoders beyond Llama/Mistral/Qwen -- Phi-3 (fused checkpoint tensors, LongRoPE), Gemma 2, Gemma 3 text,
+and Yi (a Llama checkpoint with Yi's shapes, which loads as Llama) -- vs HF on odd shapes (``tiny_models``): fp32
+logits within 1e-4 through the paged cache, and greedy parity through the engine."""
 
 from __future__ import annotations
 

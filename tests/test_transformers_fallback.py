@@ -2,8 +2,9 @@
 
 Odd shapes in ``tiny_models.FALLBACK_CONFIGS`` (Phi-3, Gemma 2, GLM, Starcoder2), forced through the fallback: fp32
 logits within 1e-4 of HF through the paged cache (full prefill, and chunks beside decodes). GLM and Starcoder2, which
-have no native decoder, take the fallback under ``auto`` and pass greedy parity through the whole engine. Llama through ``--model-impl transformers`` matches the native path. Unrunnable models fail naming the
-architecture and what is supported.
+have no native decoder, take the fallback under ``auto`` and pass greedy parity through the whole engine. Llama
+through ``--model-impl transformers`` matches the native path. Unrunnable models fail naming the architecture and
+what is supported.
 """
 
 from __future__ import annotations

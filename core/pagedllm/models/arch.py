@@ -18,7 +18,8 @@ class ArchSpec:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
     sliding: str = "none"  # none | all (Mistral: config.sliding_window everywhere) | layer_types (Qwen2/3)
     gemma: bool = False  # Gemma 2/3: (1 + w) RMSNorm, pre/post feed-forward norms, sqrt(hidden) embedding scale
-    moe: str = "none"  # none | experts (Mixtral: every layer sparse) | shared (Qwen2-MoE: + sigmoid-gated shared expert)
+    # none | experts (Mixtral: every layer sparse) | shared (Qwen2-MoE: plus a sigmoid-gated shared expert)
+    moe: str = "none"
 
 
 def hidden_act(config: Any) -> str:

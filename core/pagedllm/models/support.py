@@ -84,8 +84,8 @@ def rows() -> list[dict[str, Any]]:
                     "verified": VERIFIED.get(name, "-")})
     for name, what in REMOTE_LAYOUTS.items():
         out.append({"architecture": name, "path": "native, remote-code layout mapped by name", "features": what,
-                    "gguf": "no", "lora": "untested", "verified": VERIFIED.get(name, "mapping shared with the row above; "
-                                                                              "NormHead unit-tested")})
+                    "gguf": "no", "lora": "untested",
+                    "verified": VERIFIED.get(name, "mapping shared with the row above; NormHead unit-tested")})
     for name in sorted(n for n in VERIFIED if n not in ARCHITECTURES and n not in REMOTE_LAYOUTS):
         model_type = name.removesuffix("ForCausalLM").lower()
         out.append({"architecture": name, "path": "transformers fallback", "features": "-",
