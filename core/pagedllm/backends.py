@@ -115,6 +115,7 @@ class Backend:
         silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
         apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None]
         add_lora: Callable[..., None]
+        quantized_linear: Callable[[str, str], Any]
 
 
 @dataclass

@@ -117,3 +117,8 @@ def pagedllm_apply_token_bitmask(logits, bitmask) -> None:
 @hookimpl(trylast=True)
 def pagedllm_add_lora(y, x, lora_a, lora_b, mapping) -> None:
     lora_ops.add_lora(y, x, lora_a, lora_b, mapping)
+
+
+@hookimpl(trylast=True)
+def pagedllm_quantized_linear(method: str, weight_type: str) -> None:
+    return None  # core's reference (pagedllm.quantization) serves every method and weight type

@@ -43,7 +43,8 @@ class Worker:
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.model = load_model(model_path, backend=backend, dtype=self.dtype, device=self.device, config=hf_config)
+        self.model = load_model(model_path, backend=backend, dtype=self.dtype, device=self.device, config=hf_config,
+                                quantization=config.quantization)
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.pad_slot = -1
         self.policy: BatchPolicy = backend.batch_policy(self._context(BatchPolicy()))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -11,7 +11,9 @@ from pagedllm.models.arch import architecture_of
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.paths import is_gguf, resolve_model_path
 from pagedllm.models.rope import build_cos_sin_cache
-from pagedllm.models.weights import SafetensorsWeights, fused_state_dict, gguf_weights
+from pagedllm.models.gguf_weights import GGUFWeights
+from pagedllm.models.quantized_linears import quantize_linears
+from pagedllm.models.weights import SafetensorsWeights, fused_state_dict
 
 
 def load_config(model_path: str) -> Any:
@@ -37,9 +39,11 @@ def eos_token_ids(model_path: str, config: Any) -> list[int]:
 
 
 def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: torch.device,
-               config: Any = None) -> CausalLM:
+               config: Any = None, quantization: Optional[str] = None) -> CausalLM:
     """Build the native model for ``model_path`` (HF ``config`` if already read) with weights in ``dtype`` on
-    ``device``. Unsupported architectures fail (ValueError) before any weight is read.
+    ``device``. Unsupported architectures fail (ValueError) before any weight is read. ``quantization`` (a method
+    name, resolved by ``pagedllm.quantization.resolve_quantization``) keeps packed linear weights packed and runs
+    them through the backend's kernel; ``None`` dequantizes everything to ``dtype``.
     """
     path = resolve_model_path(model_path)
     device = torch.device(device)
@@ -47,7 +51,9 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     _, spec = architecture_of(config)
     with torch.device("meta"):
         model = CausalLM(config, spec, backend)
-    weights = gguf_weights(path, config, dtype) if is_gguf(path) else SafetensorsWeights(path)
+    weights = GGUFWeights(path, config) if is_gguf(path) else SafetensorsWeights(path)
+    if quantization is not None:
+        quantize_linears(model, weights, backend, dtype, device)
     model.load_state_dict(fused_state_dict(model, weights, dtype, device), strict=True, assign=True)
     del weights
     model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device)
