@@ -61,7 +61,7 @@ class GGUFWeights:
         data = t.data if t.tensor_type.name in ("F32",) else dequantize(t.data, t.tensor_type)
         data = np.asarray(data, dtype=np.float32)
         rows = self._rows(t.name, data.shape[0])
-        return torch.from_numpy(np.ascontiguousarray(data if rows is None else data[rows]))
+        return torch.from_numpy(data.copy() if rows is None else data[rows])  # owned: the mmap is read-only
 
     def quantized(self, name: str) -> Optional[QuantizedWeight]:
         """The packed blocks of a 2-D block-quantized tensor, rows in HF order; None for dense tensors."""

@@ -35,3 +35,25 @@ class GGUFMethod(QuantizationMethod):
 
 
 GGUF = register_method(GGUFMethod())
+
+#: K-quant super-block layouts (``gguf.quants`` dequantizes them but cannot quantize): bytes per 256 weights, the
+#: byte offsets of their fp16 scales (d, then dmin where the type has one), and a d giving weights of std ~0.1.
+_K_LAYOUT = {"Q4_K": (144, (0, 2), 4e-4), "Q5_K": (176, (0, 2), 2e-4), "Q6_K": (210, (208,), 1e-4)}
+
+
+def random_blocks(weight_type: str, rows: int, cols: int, gen: np.random.Generator) -> np.ndarray:
+    """Valid packed bytes ``[rows, bytes_per_row]`` of ``weight_type`` for tests and conformance: llama.cpp's own
+    quantizer (``gguf.quants.quantize``) over normal weights, or for K-quants random nibbles, sub-scales and high
+    bits under fp16 scales of a sensible size. Either way ``dequantize`` of these bytes is the oracle."""
+    import gguf
+    from gguf.quants import quantize
+
+    if weight_type not in _K_LAYOUT:
+        dense = (0.1 * gen.standard_normal((rows, cols))).astype(np.float32)
+        return quantize(dense, gguf.GGMLQuantizationType[weight_type])
+    size, offsets, mag = _K_LAYOUT[weight_type]
+    raw = gen.integers(0, 256, size=(rows, cols // 256, size), dtype=np.uint8)
+    for off in offsets:
+        scale = (mag * gen.uniform(0.5, 1.5, (rows, cols // 256, 1))).astype(np.float16)
+        raw[..., off:off + 2] = scale.view(np.uint8)
+    return raw.reshape(rows, -1)
