@@ -116,3 +116,10 @@ def test_conformance_checks_cpu_quantized_kernels():
         [(r.model, r.dtype, r.status, r.error) for r in rows]
     assert all(r.status == "untested" and "reference serves it" in r.error for r in rows
                if r.model.split("-")[0] not in INT4_KERNEL)
+
+
+def test_backends_command_lists_methods():
+    from pagedllm.commands.backends import rows
+
+    cpu = next(r for r in rows() if r["name"] == "cpu")
+    assert cpu["quantization"] == ["gguf"]
