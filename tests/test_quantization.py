@@ -123,3 +123,38 @@ def test_backends_command_lists_methods():
 
     cpu = next(r for r in rows() if r["name"] == "cpu")
     assert cpu["quantization"] == ["gguf"]
+
+
+def zen_of_python() -> str:
+    """A fixed real English text available offline everywhere: PEP 20, from the standard library's ``this``."""
+    import codecs
+    import this  # noqa: F401  (prints the text once on import; the rot13 source is this.s)
+
+    return codecs.decode(this.s, "rot13")
+
+
+def perplexity(llm: LLM, ids: list[int]) -> float:
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    lps = [d[t].logprob for t, d in zip(ids[1:], out.prompt_logprobs[1:])]
+    return float(torch.tensor(lps).mean().neg().exp())
+
+
+@pytest.mark.slow
+def test_embedded_model_runs_q4_1_packed_by_default():
+    """The default model on cpu: every decoder linear on the int4 kernel, greedy text still sensible, and its
+    perplexity on PEP 20 within 2% of the same file dequantized to float32 (the only difference: bf16 rounding)."""
+    kw = dict(device="cpu", max_model_len=512, kv_cache_memory=32 << 20)
+    q4 = LLM(None, **kw)
+    assert q4.llm_engine.config.quantization == "gguf" and q4.llm_engine.config.dtype == "float32"
+    layers = [m for m in q4.llm_engine.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * 30 and {(m.weight_type, m.kernel_name) for m in layers} == {("Q4_1", "cpu-int4pack")}
+    out = q4.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+    ids = q4.get_tokenizer().encode(zen_of_python())
+    ppl_q4 = perplexity(q4, ids)
+    del q4
+    fp32 = LLM(None, **kw, quantization="none")
+    ppl_fp32 = perplexity(fp32, ids)
+    print(f"SmolLM2 perplexity on PEP 20 ({len(ids)} tokens): float32 {ppl_fp32:.3f}, Q4_1 packed {ppl_q4:.3f}")
+    assert abs(ppl_q4 / ppl_fp32 - 1) < 0.02
