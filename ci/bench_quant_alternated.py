@@ -24,10 +24,16 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--batch-tokens", type=int, default=16)
+    p.add_argument("--configs", default="fp32,bf16,q4_1")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time with the process's CPU time instead of wall time: on a machine other work is slowing, "
+                        "run with OMP_NUM_THREADS=1 and compare single-thread CPU cost")
     args = p.parse_args()
+    clock = time.process_time if args.cpu_time else time.perf_counter
     from pagedllm import LLM, SamplingParams
 
-    configs = {"fp32": dict(quantization="none"), "bf16": dict(dtype="bfloat16"), "q4_1": {}}
+    known = {"fp32": dict(quantization="none"), "bf16": dict(dtype="bfloat16"), "q4_1": {}}
+    configs = {n: known[n] for n in args.configs.split(",")}
     engines, added = {}, {}
     for name, kw in configs.items():
         before = rss_mb()
@@ -45,19 +51,20 @@ def main() -> None:
     for r in range(args.rounds):
         for name, llm in engines.items():
             llm.generate(prompt, sp1.clone(max_tokens=1), use_tqdm=False)
-            t = time.perf_counter()
+            t = clock()
             llm.generate(prompt, sp1, use_tqdm=False)
-            rates["b1"][name].append(args.decode_tokens / (time.perf_counter() - t))
-            t = time.perf_counter()
+            rates["b1"][name].append(args.decode_tokens / (clock() - t))
+            t = clock()
             llm.generate(batch, spb, use_tqdm=False)
-            rates["batch"][name].append(args.batch * args.batch_tokens / (time.perf_counter() - t))
+            rates["batch"][name].append(args.batch * args.batch_tokens / (clock() - t))
         print(f"round {r + 1}: " + ", ".join(f"{n} b1 {rates['b1'][n][-1]:.1f} / batch {rates['batch'][n][-1]:.0f}"
                                              for n in configs), flush=True)
     for kind, label in (("b1", "batch-1 decode tok/s (prompt 16 + prefill)"),
                         ("batch", f"batch-{args.batch} output tok/s ({args.batch} x 32 -> {args.batch_tokens})")):
         med = {n: statistics.median(v) for n, v in rates[kind].items()}
-        ratio = {n: statistics.median(a / b for a, b in zip(rates[kind][n], rates[kind]["fp32"])) for n in configs}
-        print(f"{label}: " + ", ".join(f"{n} {med[n]:.1f} ({ratio[n]:.2f}x fp32)" for n in configs))
+        base = next(iter(configs))
+        ratio = {n: statistics.median(a / b for a, b in zip(rates[kind][n], rates[kind][base])) for n in configs}
+        print(f"{label}: " + ", ".join(f"{n} {med[n]:.1f} ({ratio[n]:.2f}x {base})" for n in configs))
     print("RSS added per engine (weights + touched KV): " + ", ".join(f"{n} {added[n]:.0f} MB" for n in configs))
 
 
