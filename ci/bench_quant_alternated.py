@@ -32,7 +32,8 @@ def main() -> None:
     clock = time.process_time if args.cpu_time else time.perf_counter
     from pagedllm import LLM, SamplingParams
 
-    known = {"fp32": dict(quantization="none"), "bf16": dict(dtype="bfloat16"), "q4_1": {}}
+    known = {"fp32": dict(quantization="none"), "bf16": dict(dtype="bfloat16"), "q4_1": {},
+             "q4_1_bf16": dict(quantization="gguf", dtype="bfloat16")}  # packed weights, bf16 activations
     configs = {n: known[n] for n in args.configs.split(",")}
     engines, added = {}, {}
     for name, kw in configs.items():
