@@ -116,6 +116,7 @@ class Backend:
         apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None]
         add_lora: Callable[..., None]
         fused_moe: Callable[..., torch.Tensor]
+        quantized_linear: Callable[[str, str], Any]
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from pagedllm.quantization.config import resolve_quantization, validate_quantization
 from pagedllm.sampling_params import ParamError
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ class EngineConfig:
     max_lora_rank: int = 16  # largest adapter rank; slots are padded to it
     max_cpu_loras: Optional[int] = None  # host copies kept (LRU); default max_loras
     model_impl: str = "auto"  # auto | native | transformers (the transformers fallback: docs/models.md)
+    # vLLM method name, or none (dense). None: the checkpoint's own when the backend runs it and no dtype was given
+    # (pagedllm.quantization.resolve_quantization; docs/quantization.md)
+    quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -66,6 +70,7 @@ class EngineConfig:
                                                            f"{self.structured_outputs_backend!r}")
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ParamError("model_impl", f"must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
+        validate_quantization(self.quantization)
         if self.swap_space < 0:
             raise ParamError("swap_space", f"must be >= 0 GiB, got {self.swap_space!r}")
         if not isinstance(self.max_loras, int) or self.max_loras < 1:
@@ -92,6 +97,7 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
     unset from the checkpoint and the backend's capabilities; every capability checked here, before any weight is
     read, with a :class:`ParamError` naming the field. Returns a new config with dtype, block_size, max_model_len
     and max_num_batched_tokens filled in."""
+    user_dtype = config.dtype
     changes = backend.update_config(config, info) or {}
     refused = sorted(set(changes) - set(BACKEND_SETTABLE))
     if refused:
@@ -105,6 +111,8 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
     if dtype_name(config.dtype) not in supported:
         raise ParamError("dtype", f"backend {name!r} supports {caps.dtypes}, not {config.dtype!r}")
     config.dtype = dtype_name(config.dtype)
+    config.quantization = resolve_quantization(config.quantization, user_dtype, info.quantization, backend,
+                                               config.dtype)
     if config.block_size is None:
         config.block_size = caps.block_sizes[0]
     if config.block_size not in caps.block_sizes:

@@ -83,6 +83,8 @@ class Capabilities:
     graph_capture: str = "none"
     sliding_window: bool = True
     soft_cap: bool = True
+    # vLLM quantization method names this backend runs (``gguf``...); weight types without a kernel from
+    # ``pagedllm_quantized_linear`` run core's reference (dequantized at load). Others are refused.
     quantization: tuple[str, ...] = ()
     # The graph runner samples inside its captured region (compiled-graph devices): core hands it the sampling
     # parameters of rows that need no host-side work (``SamplingTensors``) and gets token ids back.
@@ -153,6 +155,31 @@ class RunnerContext:
     policy: "BatchPolicy"
     # A slot padding tokens may write to: inside a block the pool never hands out (static backends), else -1.
     pad_slot: int = -1
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear layer's weight kept in its checkpoint's quantized layout, built by core for a backend's kernel.
+
+    ``method`` is the vLLM quantization name (``gguf``); ``weight_type`` the scheme inside it (GGUF: ``Q4_1``...);
+    ``data`` the packed tensor (GGUF: the raw blocks, uint8 ``[out_features, bytes_per_row]``); ``shape`` is the
+    dense ``(out_features, in_features)``. ``core.quantization.dequantize`` is its exact meaning."""
+
+    method: str
+    weight_type: str
+    data: Any  # torch.Tensor
+    shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class QuantizedLinearKernel:
+    """Returned by ``pagedllm_quantized_linear``: ``prepare(weight, dtype, device)`` runs once at load (repack into
+    the kernel's layout) and returns an opaque state; ``apply(state, x, bias)`` computes ``x @ W.T + bias`` for
+    activations ``[T, in_features]`` in the model's ``dtype``, returning that dtype."""
+
+    prepare: Callable[[QuantizedWeight, Any, Any], Any]
+    apply: Callable[[Any, "torch.Tensor", Optional["torch.Tensor"]], "torch.Tensor"]
+    name: str = ""
 
 
 @dataclass
@@ -328,6 +355,14 @@ class BackendSpec:
         in. ``mapping`` (``pagedllm.lora.ops.LoRAMapping``) also gives the contiguous runs of tokens per slot and,
         when they are adjacent and equally long, a grid view for batched kernels, built on the host once per step.
         Reference: ``pagedllm.lora.ops.add_lora`` (vLLM's sgmv/bgmv shrink + expand)."""
+
+    # ---- quantization -------------------------------------------------------------------------------
+    @hookspec(firstresult=True)
+    def pagedllm_quantized_linear(self, method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
+        """The backend's kernel for linear layers quantized with ``method`` (a vLLM name declared in
+        ``Capabilities.quantization``) and ``weight_type`` (GGUF: ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q4_K``...), or
+        ``None``: core then runs its reference (dequantize, then matmul; ``pagedllm.quantization``), logs once that
+        this backend has no such kernel, and the conformance suite compares every kernel against that reference."""
 
 
     @hookspec(firstresult=True)

@@ -122,3 +122,8 @@ def pagedllm_add_lora(y, x, lora_a, lora_b, mapping) -> None:
 @hookimpl(trylast=True)
 def pagedllm_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
     return ref_ops.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+
+
+@hookimpl(trylast=True)
+def pagedllm_quantized_linear(method: str, weight_type: str) -> None:
+    return None  # core's reference (pagedllm.quantization) serves every method and weight type

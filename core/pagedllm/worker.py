@@ -44,7 +44,8 @@ class Worker:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.model = load_model(model_path, backend=backend, dtype=self.dtype, device=self.device, config=hf_config,
-                                model_impl=config.model_impl, max_model_len=self.max_model_len)
+                                model_impl=config.model_impl, max_model_len=self.max_model_len,
+                                quantization=config.quantization)
         if config.enable_lora and not getattr(self.model, "supports_lora", False):
             raise ParamError("enable_lora", f"LoRA runs on native dense models only, not on {info.architecture} "
                                             f"({type(self.model).__name__})")

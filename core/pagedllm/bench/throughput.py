@@ -50,6 +50,8 @@ class ThroughputResult:
     num_loras: int = 0  # >0: every repeat also runs the same batch spread round-robin over this many adapters
     lora_elapsed_s: list[float] = field(default_factory=list)  # alternated with elapsed_s (base model) per repeat
     lora_over_base: Optional[float] = None  # median of per-repeat ratios lora time / base time
+    quantization: Optional[str] = None  # the method the engine ran (None: dense weights in dtype)
+    peak_rss_mb: float = 0.0  # the process's peak resident memory (weights, KV pages touched, activations)
 
 
 def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
@@ -153,11 +155,21 @@ def run(args) -> ThroughputResult:
         res.json_output_tok_s = statistics.median(json_tok)
         res.unconstrained_output_tok_s = statistics.median(plain_tok)
         res.json_vs_unconstrained = res.json_output_tok_s / res.unconstrained_output_tok_s
+    res.quantization = engine.config.quantization
+    res.peak_rss_mb = _peak_rss_mb()
     if args.compare_hf:
         res.hf_elapsed_s = run_hf(engine.model_path, prompts, args.output_len, args.repeats)
         res.hf_output_tok_s = args.num_prompts * args.output_len / statistics.median(res.hf_elapsed_s)
         res.speedup_vs_hf = res.output_tok_s / res.hf_output_tok_s
     return res
+
+
+def _peak_rss_mb() -> float:
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
 
 
 def _lora_requests(args) -> list:
@@ -197,7 +209,8 @@ def add_parser(sub) -> None:
 
 def main(args) -> int:
     res = run(args)
-    print(f"model={res.model} device={res.device} dtype={res.dtype} threads={res.threads}")
+    print(f"model={res.model} device={res.device} dtype={res.dtype} quantization={res.quantization or 'none'} "
+          f"threads={res.threads} peak RSS {res.peak_rss_mb:.0f} MB")
     print(f"workload: {res.num_prompts} prompts x {res.input_len} -> {res.output_len} tokens"
           f" (shared prefix {res.shared_prefix_len}, prefix caching {'on' if res.prefix_caching else 'off'})")
     print(f"cold start (LLM() + first token): {res.cold_start_s:.2f} s  (engine init {res.init_s:.2f} s, "

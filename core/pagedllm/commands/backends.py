@@ -26,7 +26,8 @@ def rows() -> list[dict]:
         b, probe = d.backend, d.backend.probe
         out.append({"name": name, "distribution": d.distribution, "loaded": True, "usable": probe.usable,
                     "priority": b.info.priority, "device_type": b.info.device_type, "api_version": b.info.api_version,
-                    "device_name": probe.device_name, "reason": probe.reason})
+                    "device_name": probe.device_name, "reason": probe.reason,
+                    "quantization": list(b.capabilities.quantization)})
     installed = {d.backend.info.extra for d in found.values() if d.backend is not None} | set(found)
     for extra in known_extras():
         if extra not in installed:
@@ -40,11 +41,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print(f"{'backend':<10} {'usable':<7} {'prio':>4}  {'distribution':<16} detail")
+    print(f"{'backend':<10} {'usable':<7} {'prio':>4}  {'distribution':<16} {'quantization':<13} detail")
     for r in data:
         detail = r.get("device_name") or "" if r["usable"] else r["reason"]
         prio = "" if r["priority"] is None else r["priority"]
-        print(f"{r['name']:<10} {'yes' if r['usable'] else 'no':<7} {prio:>4}  {r['distribution']:<16} {detail}")
+        quant = ",".join(r.get("quantization") or []) or "-"
+        print(f"{r['name']:<10} {'yes' if r['usable'] else 'no':<7} {prio:>4}  {r['distribution']:<16} {quant:<13} "
+              f"{detail}")
     if not data:
         print("no backends installed: pip install pagedllm[cpu]")
     return 0

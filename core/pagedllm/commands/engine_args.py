@@ -29,6 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default=None,
+                   help="vLLM method name (gguf), or none for dense weights in --dtype; default: the checkpoint's "
+                        "when the backend runs it and no --dtype is given (docs/quantization.md)")
     p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (auto: the model dtype)")
     p.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar", "guidance"],
                    help="grammar backend for structured outputs (auto: xgrammar, llguidance for what it refuses)")
@@ -52,7 +55,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
         structured_outputs_backend=args.structured_outputs_backend, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        model_impl=args.model_impl)
+        model_impl=args.model_impl, quantization=args.quantization)
 
 
 

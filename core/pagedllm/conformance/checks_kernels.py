@@ -213,3 +213,39 @@ def check_fused_moe(ctx: CaseContext) -> None:
     poison_allocator(x.numel(), ctx.dtype, ctx.device)
     ctx.compare(ctx.backend.fused_moe(x, w13, w2, weights, ids), ref_ops.fused_moe(x, w13, w2, weights, ids),
                 "fused_moe output")
+
+
+# ---- quantized linear ------------------------------------------------------------------------------------------
+#: Relative error (Frobenius) allowed against the reference: kernels may round scales and activations to bf16.
+QUANT_REL_TOL = 1e-2
+
+
+def check_quantized_linear(ctx: CaseContext) -> None:
+    """The backend's kernel for one method / weight type against core's reference (dequantize, then matmul in
+    float32), at a decode-sized and a prefill-sized batch, with a bias."""
+    import numpy as np
+
+    from pagedllm.hookspec import QuantizedWeight
+    from pagedllm.quantization import dequantize
+    from pagedllm.quantization.gguf import random_blocks
+
+    method, wtype, n, k = (ctx.params[x] for x in ("method", "weight_type", "out_features", "in_features"))
+    kernel = ctx.backend.quantized_linear(method, wtype)
+    if kernel is None:
+        raise Untested(f"no {method} {wtype} kernel: core's reference serves it")
+    raw = random_blocks(wtype, n, k, np.random.default_rng(ctx.seed))
+    weight = QuantizedWeight(method, wtype, torch.from_numpy(raw), (n, k))
+    state = kernel.prepare(weight, ctx.dtype, ctx.device)
+    dense = dequantize(weight)
+    bias = ctx.randn(n, scale=0.1)
+    for t in (1, 37):
+        x = ctx.randn(t, k)
+        out = kernel.apply(state, x, bias)
+        ref = torch.nn.functional.linear(x.float().cpu(), dense, bias.float().cpu())
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (t, n) or out.dtype != ctx.dtype:
+            raise CheckFailed(f"{method} {wtype} output: expected {ctx.dtype} [{t}, {n}], got "
+                              f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")
+        rel = ((out.float().cpu() - ref).norm() / ref.norm()).item()
+        ctx.max_abs_err = max(ctx.max_abs_err, (out.float().cpu() - ref).abs().max().item())
+        if not rel <= QUANT_REL_TOL:
+            raise CheckFailed(f"{method} {wtype} with {t} tokens: relative error {rel:.2e} > {QUANT_REL_TOL}")

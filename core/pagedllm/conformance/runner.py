@@ -29,6 +29,8 @@ GQA_RATIOS = (1, 3, 4)
 #: Head sizes checked for a backend that takes any (``Capabilities.head_sizes = None``): tiny test models' 16,
 #: the common ones, and two that are not powers of two.
 ANY_HEAD_SIZES = (64, 16, 32, 80, 96, 128, 256)
+#: Weight types checked per declared quantization method (each against core's reference).
+CONFORMANCE_WEIGHT_TYPES = {"gguf": ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
 
 
 @dataclass
@@ -87,6 +89,13 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
             for rot in (hs, hs // 2):
                 cases.append(Case("fused_ops", "rotary", f"hs{hs}-rot{rot}", dt, K.check_rotary,
                                   dict(head_size=hs, rot_dim=rot)))
+        for method in caps.quantization:
+            for wtype in CONFORMANCE_WEIGHT_TYPES.get(method, ()):
+                own = backend.quantized_linear(method, wtype) is not None
+                cases.append(Case("quantization", f"quantized_linear.{method}", f"{wtype}-n96-k512", dt,
+                                  K.check_quantized_linear, dict(method=method, weight_type=wtype,
+                                                                 out_features=96, in_features=512),
+                                  untested="" if own else f"no {method} {wtype} kernel: core's reference serves it"))
     dt0 = "float32" if "float32" in caps.dtypes else caps.dtypes[0]
     bs_max = max(caps.block_sizes)  # e2e and replay sequences span several blocks of the largest size
     for width in (96, 128):  # the mask narrower / wider than the logits

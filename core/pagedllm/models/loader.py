@@ -5,18 +5,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
 from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.gguf_weights import GGUFWeights
 from pagedllm.models.paths import is_gguf, resolve_model_path
+from pagedllm.models.quantized_linears import quantize_linears
 from pagedllm.models.remote_layouts import BaichuanWeights, check_covered, remote_code_config, wrap_weights
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
 from pagedllm.models.transformers_impl import load_transformers_model
-from pagedllm.models.weights import SafetensorsWeights, fused_state_dict, gguf_weights
+from pagedllm.models.weights import SafetensorsWeights, fused_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +62,14 @@ def eos_token_ids(model_path: str, config: Any) -> list[int]:
 
 
 def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: torch.device,
-               config: Any = None, model_impl: str = "auto", max_model_len: int | None = None) -> Any:
+               config: Any = None, model_impl: str = "auto", max_model_len: int | None = None,
+               quantization: Optional[str] = None) -> Any:
     """Build the model for ``model_path`` (HF ``config`` if already read) with weights in ``dtype`` on ``device``:
     our native ``CausalLM``, or transformers' module with our paged attention (``model_impl``, vLLM's
-    ``--model-impl``). ``max_model_len`` (default: the config's) picks LongRoPE's factors. Unsupported
-    architectures fail (UnsupportedModelError) before any weight is read.
+    ``--model-impl``). ``max_model_len`` (default: the config's) picks LongRoPE's factors. ``quantization`` (a
+    method name, resolved by ``pagedllm.quantization.resolve_quantization``) keeps packed linear weights packed on
+    the native path and runs them through the backend's kernel; ``None`` dequantizes everything to ``dtype``.
+    Unsupported architectures fail (UnsupportedModelError) before any weight is read.
     """
     path = resolve_model_path(model_path)
     device = torch.device(device)
@@ -77,13 +82,19 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         if hasattr(config, "pagedllm_layout"):
             raise UnsupportedModelError(f"{shown} is a remote-code layout mapped onto the native decoder; the "
                                         "transformers fallback cannot load it (use --model-impl auto or native)")
+        if quantization is not None:
+            raise UnsupportedModelError(f"quantization={quantization!r} runs on the native decoder only; {shown} "
+                                        f"uses the transformers fallback (pass quantization='none' to dequantize "
+                                        f"to {dtype} at load)")
         model = load_transformers_model(path, config, backend=backend, dtype=dtype, device=device)
         model.eos_token_ids = eos_token_ids(path, config)
         return model
     _, spec = architecture_of(config)
     with torch.device("meta"):
         model = CausalLM(config, spec, backend)
-    weights = gguf_weights(path, config, dtype) if is_gguf(path) else wrap_weights(SafetensorsWeights(path), config)
+    weights = GGUFWeights(path, config) if is_gguf(path) else wrap_weights(SafetensorsWeights(path), config)
+    if quantization is not None:
+        quantize_linears(model, weights, backend, dtype, device)
     model.load_state_dict(fused_state_dict(model, weights, dtype, device), strict=True, assign=True)
     if isinstance(weights, BaichuanWeights):
         check_covered(weights, weights.source.names())

@@ -1,7 +1,8 @@
 """The supported-model table of ``docs/models.md``, generated from the code (``pagedllm models --markdown``).
 
-Native rows come from ``ARCHITECTURES``; the GGUF column from transformers' GGUF converter (which ``gguf_weights``
-uses); the fallback rows from transformers' causal-LM registry filtered as ``transformers_architecture`` filters it.
+Native rows come from ``ARCHITECTURES``; the GGUF column from transformers' GGUF support (it reads the config and
+tokenizer; ``GGUFWeights`` reads the tensors through gguf's name map); the fallback rows from transformers' causal-LM
+registry filtered as ``transformers_architecture`` filters it.
 """
 
 from __future__ import annotations

@@ -51,30 +51,16 @@ class SafetensorsWeights:
 
 
 class DictWeights(dict):
-    """Tensors already in memory (GGUF, dequantized by transformers' converter)."""
+    """Tensors already in memory."""
 
     def take(self, name: str) -> torch.Tensor:
         return self.pop(name)  # frees the dequantized copy as soon as its fused/cast copy exists
 
 
-def gguf_weights(gguf_path: str, config: Any, dtype: torch.dtype) -> DictWeights:
-    """Dequantized, HF-named tensors from transformers' own GGUF converter (which undoes llama.cpp's q/k permute).
-
-    The converter names tensors after a model's state dict, so it gets an HF model built on the meta device.
-    """
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    parsed = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=skeleton, torch_dtype=dtype)
-    return DictWeights(parsed["tensors"])
-
-
 def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype,
                      device: torch.device) -> dict[str, torch.Tensor]:
     """Our state dict from HF-named tensors: q/k/v and gate/up concatenated along the output dim."""
-    prefix = "model." if "model.embed_tokens.weight" in weights else ""
+    prefix = checkpoint_prefix(weights)
 
     def load(name: str) -> torch.Tensor:
         if name not in weights:
@@ -86,23 +72,34 @@ def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype,
 
     sd: dict[str, torch.Tensor] = {}
     for key in model.state_dict():
-        if prefix + key in weights:  # already fused in the checkpoint (Phi-3 qkv_proj / gate_up_proj), or plain
-            sd[key] = load(prefix + key)
-            continue
         moe = expert_tensor(key, prefix, weights.__contains__, load)  # MoE: stacked experts (models/moe.py)
-        sd[key] = moe if moe is not None else _fetch(key, prefix, load, cat)
+        if moe is not None:
+            sd[key] = moe
+            continue
+        names = source_names(key, prefix)
+        # Already fused in the checkpoint (Phi-3 qkv_proj / gate_up_proj) when the parts are not there. The parts
+        # win: a GGUF name map resolves several HF names to one tensor (Phi-3's gate_up_proj and Llama's up_proj
+        # are both ffn_up).
+        if len(names) > 1 and not all(n in weights for n in names) and prefix + key in weights:
+            names = [prefix + key]
+        sd[key] = load(names[0]) if len(names) == 1 else cat(names)
     return sd
 
 
-def _fetch(key: str, prefix: str, load, cat) -> torch.Tensor:
+def source_names(key: str, prefix: str) -> list[str]:
+    """The HF checkpoint names whose rows make up our parameter ``key`` (fused q/k/v and gate/up: several)."""
     module, _, leaf = key.rpartition(".")
     if key == "lm_head.weight":
-        return load("lm_head.weight")
+        return ["lm_head.weight"]
     if module.endswith("self_attn.qkv_proj"):
         base = prefix + module.removesuffix("qkv_proj")
-        return cat([f"{base}{p}_proj.{leaf}" for p in "qkv"])
+        return [f"{base}{p}_proj.{leaf}" for p in "qkv"]
     if module.endswith(".gate_up_proj"):  # mlp.gate_up_proj, and the MoE shared_expert.gate_up_proj
         base = prefix + module.removesuffix("gate_up_proj")
-        return cat([f"{base}gate_proj.{leaf}", f"{base}up_proj.{leaf}"])
-    return load(prefix + key)
+        return [f"{base}gate_proj.{leaf}", f"{base}up_proj.{leaf}"]
+    return [prefix + key]
+
+
+def checkpoint_prefix(weights: WeightSource) -> str:
+    return "model." if "model.embed_tokens.weight" in weights else ""
 

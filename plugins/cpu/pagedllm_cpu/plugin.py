@@ -11,8 +11,8 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
-                               ModelInfo, ProbeResult, hookimpl)
-from pagedllm_cpu import attention, graph, lora, moe, ops, platform
+                               ModelInfo, ProbeResult, QuantizedLinearKernel, hookimpl)
+from pagedllm_cpu import attention, graph, lora, moe, ops, platform, quant
 
 #: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
 _DEFAULT_KV_BYTES = 4 << 30
@@ -45,6 +45,7 @@ def pagedllm_capabilities() -> Capabilities:
         graph_capture=graph.CAPTURE_LEVEL,
         sliding_window=True,
         soft_cap=True,
+        quantization=("gguf",),  # Q4_0/Q4_1 on the int4 kernel; other GGUF types on core's reference
     )
 
 
@@ -124,3 +125,8 @@ def pagedllm_graph_runner(model: Any, max_num_seqs: int, device: torch.device) -
 def pagedllm_add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                       mapping: Any) -> None:
     lora.add_lora(y, x, lora_a, lora_b, mapping)
+
+
+@hookimpl
+def pagedllm_quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
+    return quant.quantized_linear(method, weight_type)

@@ -1,0 +1,75 @@
+"""GGUF checkpoints read through the ``gguf`` package directly: HF-named tensors, dense or still block-quantized.
+
+llama.cpp's converter permutes the rows of Llama q/k projections (its rotary layout); rows are undone here, on the
+packed blocks or the dense tensor alike (a row permutation never splits a block, blocks run along a row).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from pagedllm.hookspec import QuantizedWeight
+from pagedllm.quantization.gguf import DENSE_TYPES
+
+
+class GGUFWeights:
+    """A ``WeightSource`` over a ``.gguf`` file (memory-mapped by ``gguf.GGUFReader``)."""
+
+    def __init__(self, path: str, config: Any, reader: Any = None):
+        import gguf
+
+        self.reader = reader if reader is not None else gguf.GGUFReader(path)
+        field = self.reader.fields["general.architecture"]
+        self.arch = bytes(field.parts[field.data[0]]).decode()
+        arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
+        self._map = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+        self._tensors = {t.name: t for t in self.reader.tensors}
+        heads = config.num_attention_heads
+        self._heads = {"attn_q": heads, "attn_k": getattr(config, "num_key_value_heads", None) or heads}
+
+    def gguf_name(self, name: str) -> Optional[str]:
+        return self._map.get_name(name, try_suffixes=(".weight", ".bias"))
+
+    def __contains__(self, name: str) -> bool:
+        g = self.gguf_name(name)
+        return g is not None and g in self._tensors
+
+    def _tensor(self, name: str) -> Any:
+        if name not in self:
+            raise KeyError(f"checkpoint lacks tensor {name!r}")
+        return self._tensors[self.gguf_name(name)]
+
+    def _rows(self, gname: str, n: int) -> Optional[np.ndarray]:
+        """The row order undoing llama.cpp's q/k permute (None: rows are already in HF order)."""
+        kind = gname.split(".")[-2] if gname.startswith("blk.") else ""
+        if self.arch != "llama" or kind not in self._heads:
+            return None
+        h = self._heads[kind]
+        return np.arange(n).reshape(h, n // h // 2, 2).swapaxes(2, 1).reshape(n)
+
+    def weight_type(self, name: str) -> str:
+        return self._tensor(name).tensor_type.name
+
+    def take(self, name: str) -> torch.Tensor:
+        """Dense float32 (block types dequantized by ``gguf.quants``)."""
+        from gguf.quants import dequantize
+
+        t = self._tensor(name)
+        data = t.data if t.tensor_type.name in ("F32",) else dequantize(t.data, t.tensor_type)
+        data = np.asarray(data, dtype=np.float32)
+        rows = self._rows(t.name, data.shape[0])
+        return torch.from_numpy(data.copy() if rows is None else data[rows])  # owned: the mmap is read-only
+
+    def quantized(self, name: str) -> Optional[QuantizedWeight]:
+        """The packed blocks of a 2-D block-quantized tensor, rows in HF order; None for dense tensors."""
+        t = self._tensor(name)
+        if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2:
+            return None
+        raw = np.asarray(t.data)
+        rows = self._rows(t.name, raw.shape[0])
+        raw = raw.copy() if rows is None else raw[rows]  # owned rows: the mmap is read-only
+        in_features, out_features = (int(d) for d in t.shape)  # GGUF lists dims innermost first
+        return QuantizedWeight("gguf", t.tensor_type.name, torch.from_numpy(raw), (out_features, in_features))

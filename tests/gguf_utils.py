@@ -1,0 +1,67 @@
+"""Tiny GGUF checkpoints written with ``gguf.GGUFWriter`` from a tiny random HF model, linear weights block-quantized
+by ``gguf.quants.quantize`` (llama.cpp's reference quantizers), q/k rows permuted as llama.cpp's converter does."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from pagedllm.quantization.gguf import random_blocks
+from tiny_models import make_tiny_model
+
+#: hidden 256 and intermediate 512: multiples of 256, so every K-quant (super-blocks of 256) fits every layer.
+TINY_GGUF_LLAMA = dict(hidden_size=256, intermediate_size=512, vocab_size=512)
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf's q/k row permute (HF rotate_half layout -> GGML's interleaved one)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(out_dir: str | os.PathLike, qtype: str, seed: int = 0) -> str:
+    """A 2-layer tiny Llama as ``<out_dir>/tiny-<qtype>.gguf``: every linear weight (and the untied lm_head) in
+    ``qtype`` (K-quants, which gguf-py cannot quantize: random valid blocks), embeddings and norms in F32. Returns the
+    path."""
+    import gguf
+    from gguf.quants import quantize
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = make_tiny_model("llama", os.path.join(out_dir, "hf"), seed=seed, **TINY_GGUF_LLAMA)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    c = model.config
+    path = os.path.join(out_dir, f"tiny-{qtype}.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_name("tiny-llama")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
+    qt = gguf.GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(seed)
+    for hf_name, t in model.state_dict().items():
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        data = t.numpy().astype(np.float32)
+        if name.endswith("attn_q.weight"):
+            data = _permute(data, c.num_attention_heads)
+        elif name.endswith("attn_k.weight"):
+            data = _permute(data, c.num_key_value_heads)
+        if data.ndim == 2 and name != "token_embd.weight":
+            raw = random_blocks(qtype, *data.shape, rng) if qtype.endswith("_K") else quantize(data, qt)
+            w.add_tensor(name, raw, raw_dtype=qt)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
