@@ -49,7 +49,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None)
     p.add_argument("--cpu-time", action="store_true",
-                   help="rate from the process's CPU time (with --threads 1) instead of wall time: for a loaded machine")
+                   help="rate from the process's CPU time (with --threads 1) instead of wall time: for a "
+                        "loaded machine")
     args = p.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     from gpt4all import GPT4All

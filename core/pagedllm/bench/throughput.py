@@ -69,8 +69,8 @@ def run_hf(model_path: str, prompts: list[list[int]], output_len: int, repeats: 
     from transformers import AutoModelForCausalLM
 
     if model_path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
-                                                     dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path),
+                                                     gguf_file=os.path.basename(model_path), dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.eval()

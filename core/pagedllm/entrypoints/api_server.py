@@ -293,7 +293,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     template = load_chat_template(chat_template)
     cpus = parse_cpu_list(engine_cpus) if engine_cpus is not None else None
     warm_up_forkserver()  # imports transformers in the background while the engine loads the model
-    engine = AsyncEngine(config, stream_interval, cpus, lora_modules)  # starts the engine process, waits until the model is loaded
+    # Starts the engine process and waits until the model is loaded.
+    engine = AsyncEngine(config, stream_interval, cpus, lora_modules)
     renderer = None
     try:
         if engine.tokenizer is not None:

@@ -18,7 +18,8 @@ logger = logging.getLogger(__name__)
 def quantize_linears(model: nn.Module, weights: Any, backend: Any, dtype: torch.dtype, device: Any) -> int:
     """Replace every linear whose checkpoint parts are packed (one type for all fused parts) with a
     ``QuantizedLinear`` on the backend's kernel; returns how many. Mixed or dense parts stay ``nn.Linear``
-    (dequantized at load, logged), and so does ``lm_head``. Biases stay parameters, loaded with the rest of the state dict."""
+    (dequantized at load, logged), and so does ``lm_head``. Biases stay parameters, loaded with the rest of the
+    state dict."""
     prefix = checkpoint_prefix(weights)
     swapped = 0
     for name, module in list(model.named_modules()):
