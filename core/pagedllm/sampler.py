@@ -29,6 +29,8 @@ class SamplerOutput:
     logprobs: list[Optional[dict[int, Logprob]]]
     sampled_logprob: list[float]  # raw logprob of each sampled token (for cumulative_logprob); 0.0 when no row
     # of the batch reports logprobs or ranks samples by them
+    # Speculative steps: every token each request emits this step (accepted drafts + one), else None.
+    spec_token_ids: Optional[list[list[int]]] = None
 
 
 def _rows(idx: list[int], device: torch.device) -> torch.Tensor:
@@ -192,6 +194,24 @@ class Sampler:
         """
         n, vocab = x.shape
         dev = x.device
+        x = Sampler.processed_logits(x, reqs)
+        # float64 CDF so that tail tokens keep their mass (.double() first: cumsum(dtype=) is far slower on CPU)
+        cdf = x.softmax(dim=-1).double().cumsum(dim=-1)
+        seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
+        u = torch.rand(n, dtype=torch.float64, device=dev) if len(seeded) < n else \
+            torch.empty(n, dtype=torch.float64, device=dev)
+        for i in seeded:  # drawn on the generator's own device: same tokens whatever the batch or device
+            gen = reqs[i].generator
+            u[i] = torch.rand(1, dtype=torch.float64, device=gen.device, generator=gen).to(dev)
+        target = (1.0 - u) * cdf[:, -1]  # in (0, total]: never lands on a zero-probability token
+        return torch.searchsorted(cdf, target.unsqueeze(1)).squeeze(1).clamp_(max=vocab - 1)
+
+    @staticmethod
+    def processed_logits(x: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
+        """A copy of ``x`` after temperature and the top-k/top-p/min-p threshold: softmax of it is the distribution
+        a random row samples from (speculative verification needs it as probabilities)."""
+        n, vocab = x.shape
+        dev = x.device
         params = [r.params for r in reqs]
         x = x / torch.tensor([float(p.temperature) for p in params], device=dev).unsqueeze(1)  # a private copy
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
@@ -213,16 +233,7 @@ class Sampler:
             masked = [i for i, p in enumerate(params) if i in cut_set or p.min_p > 0.0]
             thresh = _take_rows(cutoff.unsqueeze(1), masked)
             _update_rows(x, masked, lambda sub: sub.masked_fill_(sub < thresh, _NEG_INF))
-        # float64 CDF so that tail tokens keep their mass (.double() first: cumsum(dtype=) is far slower on CPU)
-        cdf = x.softmax(dim=-1).double().cumsum(dim=-1)
-        seeded = [i for i, r in enumerate(reqs) if r.generator is not None]
-        u = torch.rand(n, dtype=torch.float64, device=dev) if len(seeded) < n else \
-            torch.empty(n, dtype=torch.float64, device=dev)
-        for i in seeded:  # drawn on the generator's own device: same tokens whatever the batch or device
-            gen = reqs[i].generator
-            u[i] = torch.rand(1, dtype=torch.float64, device=gen.device, generator=gen).to(dev)
-        target = (1.0 - u) * cdf[:, -1]  # in (0, total]: never lands on a zero-probability token
-        return torch.searchsorted(cdf, target.unsqueeze(1)).squeeze(1).clamp_(max=vocab - 1)
+        return x
 
     @staticmethod
     def _outputs(raw: torch.Tensor, tokens: torch.Tensor, reqs: Sequence[Request]) -> SamplerOutput:
