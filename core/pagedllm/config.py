@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.quantization.config import resolve_quantization, validate_quantization
 from pagedllm.sampling_params import ParamError
+from pagedllm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,10 @@ class EngineConfig:
     # vLLM method name, or none (dense). None: the checkpoint's own when the backend runs it and no dtype was given
     # (pagedllm.quantization.resolve_quantization; docs/quantization.md)
     quantization: Optional[str] = None
+    speculative_config: Any = None  # dict / JSON / SpeculativeConfig (docs/spec_decode.md); None: off
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ParamError("dtype", f"must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1
@@ -136,6 +139,11 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
         # The per-step LoRA mapping is host-built Python state that captured graphs cannot replay.
         logger.warning("--enable-lora: backend %r captures graphs (%s); LoRA runs eager, so enforce_eager is set",
                        name, caps.graph_capture)
+        config.enforce_eager = True
+    if config.speculative_config is not None and caps.graph_capture != "none" and not config.enforce_eager:
+        # Verification steps have per-request query lengths 1 + k that captured decode graphs do not cover.
+        logger.warning("speculative_config: backend %r captures graphs (%s); speculation runs eager, so "
+                       "enforce_eager is set", name, caps.graph_capture)
         config.enforce_eager = True
     if config.max_model_len is None:
         config.max_model_len = info.max_model_len

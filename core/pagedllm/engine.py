@@ -21,6 +21,7 @@ from pagedllm.output_processor import OutputProcessor, ParentRequest
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import ParamError, SamplingParams
 from pagedllm.scheduler import Scheduler
+from pagedllm.spec_decode.manager import build as build_spec_decoder
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker import Worker
 
@@ -59,6 +60,11 @@ class EngineStats:
     max_loras: int = 0  # 0: LoRA disabled
     running_loras: tuple = ()  # names of the adapters running requests use (vLLM's lora_requests_info)
     waiting_loras: tuple = ()
+    spec_decode_num_drafts: int = 0  # speculative verifications (requests x steps with proposals)
+    spec_decode_num_draft_tokens: int = 0  # tokens proposed
+    spec_decode_num_accepted_tokens: int = 0  # of which accepted
+    spec_decode_acceptance_rate: float = 0.0  # accepted / proposed
+    spec_decode_mean_accepted_length: float = 0.0  # tokens emitted per verification (1 + accepted / drafts)
 
 
 class LLMEngine:
@@ -79,6 +85,7 @@ class LLMEngine:
                                    config.scheduling_policy, swap=swap_pool,
                                    max_loras=config.max_loras if config.enable_lora else 0)
         w.start(self.kv)
+        self.spec = build_spec_decoder(config.speculative_config, self.max_model_len, w.draft_proposer)
         self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size, self.model.eos_token_ids,
                                                   config.structured_outputs_backend)
         w.structured = self.structured
@@ -243,7 +250,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration; returns a (cumulative) RequestOutput for every request that advanced or finished."""
         failed = self._drop_failed_grammars()
+        if self.spec is not None:
+            self.spec.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.propose(sched.scheduled)
         if failed or not sched:
             outputs = [p.output() for p in failed]
             for p in failed:
@@ -276,20 +287,29 @@ class LLMEngine:
             now = time.time()
             for i, req in enumerate(step.requests):
                 parent = self.requests[req.request_id][0]
-                token = sampled.token_ids[i]
-                done = False
-                if req.structured is not None and req.structured.matcher is not None:
-                    m = req.structured.matcher
-                    ok = m.accept(token)
-                    if not ok:  # cannot happen with the mask applied; never continue off-grammar
-                        logger.error("request %s: token %d rejected by its grammar; stopping", req.request_id, token)
-                    done = not ok or m.is_terminated()
-                status = self.output_processor.process_token(parent, req, token, sampled.logprobs[i],
-                                                             sampled.sampled_logprob[i], now, grammar_done=done)
-                if status is not None:
-                    self.scheduler.finish(req, status)
+                # A speculative row emits its accepted drafts plus one token; stop conditions apply per token.
+                tokens = sampled.spec_token_ids[i] if sampled.spec_token_ids is not None else [sampled.token_ids[i]]
+                proposed = len(step.spec_token_ids[i]) if step.spec_token_ids is not None else 0
+                if proposed:
+                    self.spec.accept(req, proposed, len(tokens) - 1)
+                for token in tokens:
+                    done = False
+                    if req.structured is not None and req.structured.matcher is not None:
+                        m = req.structured.matcher
+                        ok = m.accept(token)
+                        if not ok:  # cannot happen with the mask applied; never continue off-grammar
+                            logger.error("request %s: token %d rejected by its grammar; stopping", req.request_id,
+                                         token)
+                        done = not ok or m.is_terminated()
+                    status = self.output_processor.process_token(parent, req, token, sampled.logprobs[i],
+                                                                 sampled.sampled_logprob[i], now, grammar_done=done)
+                    self.stats.generation_tokens += 1
+                    if status is not None:
+                        self.scheduler.finish(req, status)
+                        break
+                if proposed and not req.is_finished:
+                    self.scheduler.rollback(req, proposed - (len(tokens) - 1))
                 touched[parent.request_id] = parent
-            self.stats.generation_tokens += len(step.requests)
         outputs = []
         for parent in touched.values():
             if parent.finished or parent.params.output_kind != "final_only":
@@ -344,6 +364,12 @@ class LLMEngine:
                                             if r.lora_request is not None}))
             s.waiting_loras = tuple(sorted({r.lora_request.lora_name for r in self.scheduler.waiting
                                             if r.lora_request is not None}))
+        if self.spec is not None:
+            sp = self.spec.stats
+            s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens = sp.num_drafts, sp.num_draft_tokens
+            s.spec_decode_num_accepted_tokens = sp.num_accepted_tokens
+            s.spec_decode_acceptance_rate, s.spec_decode_mean_accepted_length = (sp.acceptance_rate,
+                                                                                 sp.mean_accepted_length)
         s.live_token_slots = sum(r.num_computed_tokens for r in self.scheduler.running)
         s.allocated_token_slots = sum(len(kv.req_blocks.get(r.request_id, ())) for r in self.scheduler.running
                                       ) * kv.block_size

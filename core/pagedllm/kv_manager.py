@@ -200,6 +200,17 @@ class KVCacheManager:
                 self.req_registered[rid] = full
         return True
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Give back the request's trailing blocks beyond the first ``num_tokens`` tokens (rejected speculative
+        lookahead). Only unpublished blocks can be trailing: published ones hold accepted tokens."""
+        blocks = self.req_blocks.get(req.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        assert keep >= self.req_registered.get(req.request_id, 0), "trim would drop a published block"
+        self.pool.release(list(reversed(blocks[keep:])))
+        del blocks[keep:]
+
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
         self.pool.release(list(reversed(blocks)))

@@ -72,6 +72,8 @@ class ModelRunner:
             tokens = []
             for s in batch:
                 tokens.extend(s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens])
+                if s.spec_token_ids:  # speculative proposals follow the last real token
+                    tokens.extend(s.spec_token_ids)
             row = np.repeat(np.arange(len(batch)), qlens)
             pos = np.arange(int(qlens.sum())) - np.repeat(np.cumsum(qlens) - qlens, qlens) + starts[row]
         slots = bt[row, pos // bs].astype(np.int64) * bs + pos % bs
@@ -128,7 +130,8 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(batch)
         out = StepOutput()
         rows = [i for i, s in enumerate(batch) if s.samples]
-        if (self.sample is not None and rows and all(on_device_eligible(batch[i]) for i in rows)
+        spec = any(batch[i].spec_token_ids for i in rows)
+        if (self.sample is not None and rows and not spec and all(on_device_eligible(batch[i]) for i in rows)
                 and not any(s.request.prompt_logprobs is not None for s in batch)):
             # Forward, logits and sampling in the backend's region; the index and parameter rows are padded to
             # the sequence bucket like everything else.
@@ -143,8 +146,14 @@ class ModelRunner:
             return out
         hidden = self.run(input_ids, positions, meta)
         if rows:
-            last = torch.tensor([meta.query_start_loc_cpu[i + 1] - 1 for i in rows], dtype=torch.long,
-                                device=hidden.device)
+            qsl = meta.query_start_loc_cpu
+            if spec:  # a speculative row verifies its proposals: logits at the last real token and each proposal
+                out.num_logits = [1 + len(batch[i].spec_token_ids) for i in rows]
+                out.spec_token_ids = [batch[i].spec_token_ids for i in rows]
+                idx = [j for i, c in zip(rows, out.num_logits) for j in range(qsl[i + 1] - c, qsl[i + 1])]
+            else:
+                idx = [qsl[i + 1] - 1 for i in rows]
+            last = torch.tensor(idx, dtype=torch.long, device=hidden.device)
             out.requests = [batch[i].request for i in rows]
             out.logits = self.model.compute_logits(hidden.index_select(0, last)).float()
         for r, lo, start, stop in prompt_logit_spans(batch, meta.query_start_loc_cpu):
@@ -158,3 +167,6 @@ class StepOutput:
     logits: Optional[torch.Tensor] = None  # [len(requests), vocab] float32
     prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)  # (req, first pos, logits)
     sampled: Optional[SamplerOutput] = None  # set when the backend sampled on the device (logits stay None)
+    # Speculative steps: logits rows per request (1 + its proposals; None = one each) and the proposals.
+    num_logits: Optional[list[int]] = None
+    spec_token_ids: Optional[list[list[int]]] = None

@@ -73,6 +73,14 @@ class Request:
         self.generator: Optional[torch.Generator] = None
         self.structured: Any = None  # structured_output.StructuredRequest when the output follows a grammar
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words, tokenized by the engine
+        # Speculative decoding (spec_decode/): lookahead slots the scheduler reserves, n-gram proposals found
+        # while planning, the draft model's computed tokens, and the per-request throttle's state.
+        self.num_lookahead = 0
+        self.spec_token_ids: list[int] = []
+        self.draft_num_computed = 0
+        self.spec_acceptance = 1.0  # running (EMA) acceptance rate of this request's drafts
+        self.spec_backoff = 0  # steps to pause after the next low-acceptance verification
+        self.spec_skip = 0  # steps left without proposals
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

@@ -22,11 +22,19 @@ class ScheduledRequest:
     num_new_tokens: int
     num_computed_tokens: int = 0  # before this step
     samples: bool = False  # this step reaches the request's last token, so its logits are sampled
+    num_lookahead: int = 0  # speculative slots reserved after the last token (num_new_tokens includes them)
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals filling those slots (<= num_lookahead)
 
     def __post_init__(self) -> None:
         r = self.request
         self.num_computed_tokens = r.num_computed_tokens
-        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        self.samples = r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
+
+    def set_proposals(self, token_ids: list[int]) -> None:
+        """Fill the lookahead with (at most num_lookahead) proposals; unused slots drop out of the step."""
+        self.spec_token_ids = list(token_ids[:self.num_lookahead])
+        self.num_new_tokens = self.num_new_tokens - self.num_lookahead + len(self.spec_token_ids)
+        self.num_lookahead = len(self.spec_token_ids)
 
 
 @dataclass
@@ -84,6 +92,7 @@ class Scheduler:
         whenever host space is there (a token's K/V is far fewer bytes than its forward pass is FLOPs).
         """
         self.running.remove(req)
+        req.spec_token_ids, req.num_lookahead, req.draft_num_computed = [], 0, 0
         blocks = self.kv.block_ids(req.request_id)
         if (allow_swap and self.swap is not None and req.num_computed_tokens > self.kv.block_size
                 and self.swap.num_free >= len(blocks)):
@@ -135,6 +144,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Speculation: a decoding request reserves its lookahead slots too (spec_decode plans num_lookahead).
+            la = min(req.num_lookahead, budget - 1) if n == 1 and req.num_lookahead > 0 else 0
+            n += la
             while not self.kv.allocate_slots(req, n):
                 victim = max(self.running, key=self._rank)
                 self._preempt(victim, out)
@@ -142,7 +154,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted: self.running shrank, i now points past the end
-            out.scheduled.append(ScheduledRequest(req, n))
+            out.scheduled.append(ScheduledRequest(req, n, num_lookahead=la))
             budget -= n
             i += 1
         if out.preempted:  # admitting new work now would only thrash
@@ -183,6 +195,12 @@ class Scheduler:
         """Advance computed-token counts once the model ran the step (before new tokens are appended)."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+
+    def rollback(self, req: Request, num_rejected: int) -> None:
+        """Forget the K/V of rejected speculative tokens: they are recomputed (overwritten) if ever needed, and
+        lookahead blocks that now hold nothing go back to the pool."""
+        req.num_computed_tokens -= num_rejected
+        self.kv.trim(req, req.num_tokens)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """Remove a request wherever it is and give its blocks back."""

@@ -28,6 +28,7 @@ from pagedllm.models import load_model
 from pagedllm.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import ParamError
 from pagedllm.scheduler import ScheduledRequest
+from pagedllm.spec_decode.verify import sample_rows, verify
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +72,38 @@ class Worker:
         if config.enable_lora:
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras)
+        self.draft_model: Any = None  # speculative_config method draft_model: its model and KV caches
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self.draft_model = self._load_draft(spec.model, spec_for=spec)
+        self.draft_proposer: Any = None
         self.sampler = Sampler()
         self.structured: Any = None  # the engine's StructuredOutputManager (token bitmasks for grammar rows)
         self.runner: Any = None
         self.graph_level = "none"
         self.graph_stats: dict = {}
         self.warmup_seconds = 0.0
+
+    def _load_draft(self, path: str, spec_for: Any) -> Any:
+        """The draft model, in the target's dtype on the same device, with a KV cache of the target's block count
+        (same block ids). Its vocabulary must be the target's: drafts are token ids of the target."""
+        from pagedllm.models import load_config, resolve_model_path
+
+        try:
+            draft_path = resolve_model_path(path)
+            draft = load_model(draft_path, backend=self.backend, dtype=self.dtype, device=self.device,
+                               config=load_config(draft_path))
+        except ParamError:
+            raise
+        except Exception as e:  # a missing folder / unreadable checkpoint: name the field
+            raise ParamError("speculative_config.model", f"cannot load draft model {path!r}: {e}") from e
+        if draft.vocab_size != self.model.vocab_size:
+            raise ParamError("speculative_config.model", f"draft vocab size {draft.vocab_size} differs from the "
+                                                         f"target's {self.model.vocab_size}")
+        draft.kv_caches = self.backend.allocate_kv_cache(KVCacheSpec(
+            draft.num_layers, self.num_blocks, self.block_size, draft.num_kv_heads, draft.head_size, self.dtype,
+            self.device))
+        return draft
 
     def _context(self, policy: BatchPolicy) -> RunnerContext:
         return RunnerContext(self.config, self.info, self.max_model_len, self.block_size, self.max_num_seqs,
@@ -161,6 +188,14 @@ class Worker:
     def start(self, kv: KVCacheManager) -> None:
         """Build the model runner (the backend's own, or core's with the backend's graph runner) and warm up."""
         own = self.backend.model_runner(self.ctx, self.model, kv)
+        if self.config.speculative_config is not None and (own is not None or self.policy.static):
+            raise ParamError("speculative_config", f"backend {self.backend.name!r} runs "
+                                                   f"{'its own model runner' if own is not None else 'static batch shapes'}"
+                                                   ", which does not verify speculative tokens; use a dynamic backend")
+        if self.draft_model is not None:
+            from pagedllm.spec_decode.draft_model import DraftModelProposer
+
+            self.draft_proposer = DraftModelProposer(self.draft_model, kv, self.device)
         if self.lora is not None and (own is not None or self.policy.static):
             raise ParamError("enable_lora", f"backend {self.backend.name!r} runs "
                                             f"{'its own model runner' if own is not None else 'static batch shapes'}"
@@ -207,9 +242,12 @@ class Worker:
             sampled = step.sampled
         elif step.requests:
             masked = self.structured.bitmask(step.requests) if self.structured is not None else None
-            if masked is not None:
-                self._apply_bitmask(step.logits, *masked)
-            sampled = self.sampler(step.logits, step.requests)
+            if masked is not None:  # (grammar requests never speculate: their row is the first of one)
+                self._apply_bitmask(step.logits, sample_rows(step.num_logits, masked[0]), masked[1])
+            if step.num_logits is not None:
+                sampled = verify(self.sampler, step.logits, step.requests, step.num_logits, step.spec_token_ids)
+            else:
+                sampled = self.sampler(step.logits, step.requests)
         return step, sampled
 
     @torch.inference_mode()  # the logits are an inference tensor
