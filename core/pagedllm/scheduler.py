@@ -149,9 +149,14 @@ class Scheduler:
             n += la
             while not self.kv.allocate_slots(req, n):
                 victim = max(self.running, key=self._rank)
+                before = self.running.index(victim) < i
                 self._preempt(victim, out)
                 if victim is req:
                     break
+                if before:  # the victim was already scheduled this step (running is not in rank order): undo it
+                    k = next(k for k, s in enumerate(out.scheduled) if s.request is victim)
+                    budget += out.scheduled.pop(k).num_new_tokens
+                    i -= 1
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted: self.running shrank, i now points past the end
             out.scheduled.append(ScheduledRequest(req, n, num_lookahead=la))
