@@ -60,6 +60,7 @@ class EngineStats:
     max_loras: int = 0  # 0: LoRA disabled
     running_loras: tuple = ()  # names of the adapters running requests use (vLLM's lora_requests_info)
     waiting_loras: tuple = ()
+    spec_decode_enabled: bool = False  # a speculative_config is set (its metrics are exported)
     spec_decode_num_drafts: int = 0  # speculative verifications (requests x steps with proposals)
     spec_decode_num_draft_tokens: int = 0  # tokens proposed
     spec_decode_num_accepted_tokens: int = 0  # of which accepted
@@ -365,6 +366,7 @@ class LLMEngine:
             s.waiting_loras = tuple(sorted({r.lora_request.lora_name for r in self.scheduler.waiting
                                             if r.lora_request is not None}))
         if self.spec is not None:
+            s.spec_decode_enabled = True
             sp = self.spec.stats
             s.spec_decode_num_drafts, s.spec_decode_num_draft_tokens = sp.num_drafts, sp.num_draft_tokens
             s.spec_decode_num_accepted_tokens = sp.num_accepted_tokens

@@ -43,6 +43,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted; default 16")
     p.add_argument("--max-cpu-loras", type=int, default=None,
                    help="adapters kept in host memory (LRU); default --max-loras")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (docs/spec_decode.md)')
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -55,7 +58,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
         structured_outputs_backend=args.structured_outputs_backend, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        model_impl=args.model_impl, quantization=args.quantization)
+        model_impl=args.model_impl, quantization=args.quantization,
+        speculative_config=getattr(args, "speculative_config", None))
 
 
 

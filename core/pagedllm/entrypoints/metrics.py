@@ -56,6 +56,9 @@ class _EngineCollector(Collector):
             yield info
             for name, doc in _LORA_COUNTERS:
                 yield counter(name, doc, getattr(s, name))
+        if s.spec_decode_enabled:
+            for kind, name, doc in _SPEC_METRICS:
+                yield (gauge if kind == "gauge" else counter)(name, doc, getattr(s, name))
 
 
 #: (kind, name after ``pagedllm:``, help, EngineStats field): vLLM's names where vLLM has the metric.
@@ -80,6 +83,14 @@ _LORA_COUNTERS = (
     ("lora_slot_loads", "LoRA adapters copied into a device slot."),
     ("lora_slot_evictions", "LoRA adapters swapped out of a device slot for another."),
     ("lora_cpu_evictions", "LoRA host copies dropped by the max_cpu_loras LRU."),
+)
+#: Speculative decoding (only with a speculative_config); the name is also the EngineStats field.
+_SPEC_METRICS = (
+    ("counter", "spec_decode_num_drafts", "Number of speculative verifications (requests x steps)."),
+    ("counter", "spec_decode_num_draft_tokens", "Number of draft tokens proposed."),
+    ("counter", "spec_decode_num_accepted_tokens", "Number of draft tokens accepted."),
+    ("gauge", "spec_decode_acceptance_rate", "Accepted / proposed draft tokens, since start."),
+    ("gauge", "spec_decode_mean_accepted_length", "Tokens emitted per verification (1 + accepted / drafts)."),
 )
 
 
