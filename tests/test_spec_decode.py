@@ -235,3 +235,25 @@ def test_stop_strings_max_tokens_and_streaming_with_multi_token_steps(chat_model
     assert toks == full.token_ids and text == full.text
     assert steps < 37  # some steps carried several tokens
     assert eng.kv.num_used_blocks == 0
+
+
+def test_smollm2_greedy_parity_ngram_and_draft_model(chat_model):
+    """The real model (embedded SmolLM2 GGUF) on a "repeat this passage" prompt: n-gram proposals and a tiny draft
+    with SmolLM2's vocabulary both reproduce plain greedy decoding token for token; n-gram accepts most drafts."""
+    from pagedllm.bench.spec_workload import repeat_prompts
+
+    kw = dict(device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=32 << 20)
+    plain = LLM(None, **kw)
+    prompt = repeat_prompts(plain.get_tokenizer(), 1)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    ref = _ids(plain.generate(prompt, sp, use_tqdm=False))
+    del plain
+    for spec in ({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
+                 {"method": "draft_model", "model": chat_model, "num_speculative_tokens": 2,
+                  "acceptance_threshold": 0.0}):
+        llm = LLM(None, **kw, speculative_config=spec)
+        assert _ids(llm.generate(prompt, sp, use_tqdm=False)) == ref, spec["method"]
+        st = llm.llm_engine.get_stats()
+        assert st.spec_decode_num_drafts > 0 and st.num_used_blocks == 0
+        if spec["method"] == "ngram":
+            assert st.spec_decode_acceptance_rate > 0.5

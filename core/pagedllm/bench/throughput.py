@@ -52,6 +52,13 @@ class ThroughputResult:
     lora_over_base: Optional[float] = None  # median of per-repeat ratios lora time / base time
     quantization: Optional[str] = None  # the method the engine ran (None: dense weights in dtype)
     peak_rss_mb: float = 0.0  # the process's peak resident memory (weights, KV pages touched, activations)
+    dataset: str = "random"
+    speculative_config: Optional[dict] = None
+    no_spec_elapsed_s: list[float] = field(default_factory=list)  # --compare-no-spec: alternated with elapsed_s
+    no_spec_output_tok_s: Optional[float] = None
+    spec_speedup: Optional[float] = None  # median of per-repeat ratios no-spec time / spec time
+    spec_acceptance_rate: Optional[float] = None
+    spec_mean_accepted_length: Optional[float] = None
 
 
 def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
@@ -98,10 +105,25 @@ def run(args) -> ThroughputResult:
     engine = llm.llm_engine
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     cold = time.perf_counter() - t0
-    prompts = make_prompts(args.num_prompts, args.input_len, engine.model.vocab_size, args.shared_prefix_len,
-                           args.seed)
+    if args.dataset == "repeat":  # input-grounded chat prompts (bench/spec_workload.py)
+        from pagedllm.bench.spec_workload import repeat_prompts
+
+        batch = repeat_prompts(llm.get_tokenizer(), args.num_prompts)
+        prompts = [b["prompt_token_ids"] for b in batch]
+        args.input_len = round(sum(map(len, prompts)) / len(prompts))  # reported as the mean
+    else:
+        prompts = make_prompts(args.num_prompts, args.input_len, engine.model.vocab_size, args.shared_prefix_len,
+                               args.seed)
+        batch = [{"prompt_token_ids": p} for p in prompts]
     sp = SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len)
-    batch = [{"prompt_token_ids": p} for p in prompts]
+    plain_llm = None
+    if args.compare_no_spec:
+        if cfg.speculative_config is None:
+            raise SystemExit("--compare-no-spec needs --speculative-config")
+        from dataclasses import replace
+
+        plain_llm = LLM(**vars(replace(cfg, speculative_config=None)))
+        plain_llm.generate(batch[: min(4, len(batch))], sp.clone(max_tokens=2), use_tqdm=False)
     llm.generate(batch[: min(4, len(batch))], sp.clone(max_tokens=2), use_tqdm=False)  # warm up
     res = ThroughputResult(engine.model_path, engine.backend.name, str(engine.dtype).removeprefix("torch."),
                            args.num_prompts, args.input_len, args.output_len, args.shared_prefix_len,
@@ -109,6 +131,9 @@ def run(args) -> ThroughputResult:
                            engine.worker.warmup_seconds, threads=torch.get_num_threads())
     loras = _lora_requests(args)
     res.num_loras = len(set(loras)) if loras else 0
+    res.dataset = args.dataset
+    if cfg.speculative_config is not None:
+        res.speculative_config = asdict(cfg.speculative_config)
     if loras:
         llm.generate(batch[: len(loras)], sp.clone(max_tokens=2), use_tqdm=False, lora_request=loras[: len(batch)])
     schema_sp = None
@@ -132,6 +157,13 @@ def run(args) -> ThroughputResult:
         res.elapsed_s.append(time.perf_counter() - t)
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
         plain_tok.append(sum(len(o.outputs[0].token_ids) for o in outs) / res.elapsed_s[-1])
+        if plain_llm is not None:  # the same batch without speculation, right after (alternated)
+            plain_llm.llm_engine.kv.reset_prefix_cache()
+            t = time.perf_counter()
+            ref = plain_llm.generate(batch, sp, use_tqdm=False)
+            res.no_spec_elapsed_s.append(time.perf_counter() - t)
+            assert [o.outputs[0].token_ids for o in ref] == [o.outputs[0].token_ids for o in outs], \
+                "greedy outputs differ with and without speculation"
         if schema_sp is not None:
             engine.kv.reset_prefix_cache()
             t = time.perf_counter()
@@ -147,6 +179,13 @@ def run(args) -> ThroughputResult:
             assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
     if loras:
         res.lora_over_base = statistics.median(a / b for a, b in zip(res.lora_elapsed_s, res.elapsed_s))
+    if plain_llm is not None:
+        res.no_spec_output_tok_s = args.num_prompts * args.output_len / statistics.median(res.no_spec_elapsed_s)
+        res.spec_speedup = statistics.median(a / b for a, b in zip(res.no_spec_elapsed_s, res.elapsed_s))
+    if cfg.speculative_config is not None:
+        st = engine.get_stats()
+        res.spec_acceptance_rate = st.spec_decode_acceptance_rate
+        res.spec_mean_accepted_length = st.spec_decode_mean_accepted_length
     med = statistics.median(res.elapsed_s)
     res.output_tok_s = args.num_prompts * args.output_len / med
     res.total_tok_s = args.num_prompts * (args.input_len + args.output_len) / med
@@ -200,6 +239,12 @@ def add_parser(sub) -> None:
                    help="LoRA adapters (with --enable-lora): each repeat also times the batch spread over them")
     p.add_argument("--num-loras", type=int, default=None,
                    help="spread the LoRA run over this many adapters (default: one per --lora-modules entry)")
+    p.add_argument("--dataset", default="random", choices=["random", "repeat"],
+                   help="random: random-token prompts of --input-len; repeat: 'repeat / edit this passage' chat "
+                        "prompts (bench/spec_workload.py), for speculative decoding")
+    p.add_argument("--compare-no-spec", action="store_true",
+                   help="with --speculative-config: also time the same batch without speculation, alternated per "
+                        "repeat, and report the speed-up (median of per-repeat ratios)")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run every repeat with this JSON schema on every request (alternated with the "
@@ -228,6 +273,14 @@ def main(args) -> int:
               f"{', '.join(f'{t:.2f}s' for t in res.lora_elapsed_s)} vs base "
               f"{', '.join(f'{t:.2f}s' for t in res.elapsed_s)} (alternated); lora/base time "
               f"{res.lora_over_base:.3f}x (median of per-repeat ratios)")
+    if res.speculative_config is not None:
+        sc = {k: v for k, v in res.speculative_config.items() if v is not None}
+        print(f"speculative decoding {json.dumps(sc)} on {res.dataset} prompts: acceptance rate "
+              f"{res.spec_acceptance_rate:.3f}, mean accepted length {res.spec_mean_accepted_length:.2f}")
+    if res.spec_speedup is not None:
+        print(f"without speculation: {res.no_spec_output_tok_s:.1f} output tok/s ("
+              f"{', '.join(f'{t:.2f}s' for t in res.no_spec_elapsed_s)}, alternated); speculation speed-up "
+              f"{res.spec_speedup:.3f}x (median of per-repeat ratios)")
     if res.hf_output_tok_s:
         print(f"HF transformers generate: {res.hf_output_tok_s:.1f} output tok/s (median of {res.repeats}: "
               f"{', '.join(f'{t:.2f}s' for t in res.hf_elapsed_s)})")
