@@ -237,23 +237,20 @@ def test_stop_strings_max_tokens_and_streaming_with_multi_token_steps(chat_model
     assert eng.kv.num_used_blocks == 0
 
 
-def test_smollm2_greedy_parity_ngram_and_draft_model(chat_model):
-    """The real model (embedded SmolLM2 GGUF) on a "repeat this passage" prompt: n-gram proposals and a tiny draft
-    with SmolLM2's vocabulary both reproduce plain greedy decoding token for token; n-gram accepts most drafts."""
+def test_smollm2_greedy_parity_ngram():
+    """The real model (embedded SmolLM2 GGUF) on a "repeat this passage" prompt. One engine (loading the GGUF is
+    the slow part): a request asking for logprobs never speculates, so it is plain decoding with the same weights;
+    the same prompt without logprobs speculates and must give the same tokens, accepting most drafts."""
     from pagedllm.bench.spec_workload import repeat_prompts
 
-    kw = dict(device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=32 << 20)
-    plain = LLM(None, **kw)
-    prompt = repeat_prompts(plain.get_tokenizer(), 1)
-    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    ref = _ids(plain.generate(prompt, sp, use_tqdm=False))
-    del plain
-    for spec in ({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 5},
-                 {"method": "draft_model", "model": chat_model, "num_speculative_tokens": 2,
-                  "acceptance_threshold": 0.0}):
-        llm = LLM(None, **kw, speculative_config=spec)
-        assert _ids(llm.generate(prompt, sp, use_tqdm=False)) == ref, spec["method"]
-        st = llm.llm_engine.get_stats()
-        assert st.spec_decode_num_drafts > 0 and st.num_used_blocks == 0
-        if spec["method"] == "ngram":
-            assert st.spec_decode_acceptance_rate > 0.5
+    llm = LLM(None, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=32 << 20,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+                                  "prompt_lookup_max": 5})
+    prompt = repeat_prompts(llm.get_tokenizer(), 1)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = llm.generate(prompt, sp.clone(logprobs=0), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.llm_engine.get_stats().spec_decode_num_drafts == 0  # the reference run did not speculate
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == ref
+    st = llm.llm_engine.get_stats()
+    assert st.spec_decode_num_drafts > 0 and st.spec_decode_acceptance_rate > 0.5
+    assert st.num_used_blocks == 0
