@@ -25,7 +25,9 @@ def test_pagedllm_conformance_passes_and_writes_support_matrix(tmp_path, device)
     report = json.loads((tmp_path / f"conformance-{device}.json").read_text())
     assert report["status"] == "PASS" and report["verification"] == "verified-on-hardware"
     rows = report["results"]
-    assert rows and all(r["status"] == "passing" for r in rows)
+    # Cases the backend's capabilities rule out (a quantized weight type it has no kernel for) are not run.
+    assert rows and all(r["status"] == "passing" or r["not_applicable"] for r in rows)
+    assert sum(r["status"] == "passing" for r in rows) > 100
     kernels = {r["kernel"] for r in rows}
     assert {"write_kv", "paged_attention.decode", "paged_attention.prefill", "paged_attention.mixed",
             "greedy_parity_vs_hf", "graph_runner.replay_vs_eager", "layout_ownership"} <= kernels, sorted(kernels)
