@@ -254,3 +254,23 @@ def test_smollm2_greedy_parity_ngram():
     st = llm.llm_engine.get_stats()
     assert st.spec_decode_num_drafts > 0 and st.spec_decode_acceptance_rate > 0.5
     assert st.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_smollm2_draft_model_identical_to_target_accepts_everything():
+    """Draft-model speculation on the real model, the draft being the same SmolLM2 GGUF: every proposal is the
+    target's own greedy token, so all are accepted, and the output equals plain decoding (a logprobs request,
+    which never speculates, on the same engine)."""
+    from pagedllm.bench.spec_workload import repeat_prompts
+    from pagedllm.models.paths import default_model_path
+
+    llm = LLM(None, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=32 << 20,
+              speculative_config={"method": "draft_model", "model": default_model_path(),
+                                  "num_speculative_tokens": 4})
+    prompt = repeat_prompts(llm.get_tokenizer(), 1)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = llm.generate(prompt, sp.clone(logprobs=0), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == ref
+    st = llm.llm_engine.get_stats()
+    assert st.spec_decode_num_draft_tokens > 0 and st.spec_decode_acceptance_rate == 1.0
+    assert st.num_used_blocks == 0
