@@ -115,7 +115,7 @@ class ModelRunner:
         req_slot = np.array([slot_of[i] if i else -1 for i in ids], dtype=np.int64)
         per_token = np.full(num_tokens, -1, dtype=np.int64)
         per_token[: len(row)] = req_slot[row]
-        return LoRAMapping.build(per_token.tolist(), self.device)
+        return LoRAMapping.build(per_token, self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepOutput:

@@ -9,7 +9,7 @@ no gather, no scatter, no delta the size of the output (vLLM's sgmv semantics).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ class LoRAMapping:
         return len({s for s, _, _ in self.runs})
 
     @classmethod
-    def build(cls, slots_per_token: list[int], device: torch.device) -> "LoRAMapping":
+    def build(cls, slots_per_token: "Sequence[int] | np.ndarray", device: torch.device) -> "LoRAMapping":
         idx = np.asarray(slots_per_token, dtype=np.int64)
         cut = np.flatnonzero(np.diff(idx)) + 1
         starts, ends = np.concatenate([[0], cut]), np.concatenate([cut, [len(idx)]])
