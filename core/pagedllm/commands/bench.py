@@ -1,10 +1,11 @@
-"""``pagedllm bench throughput|serve|sweep|moe ...``."""
+"""``pagedllm bench throughput|latency|serve|sweep|moe ...``."""
 
 from __future__ import annotations
 
 import importlib
 
-BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep", "pagedllm.bench.moe")
+BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep", "pagedllm.bench.moe",
+           "pagedllm.bench.latency")
 
 
 def add_parser(sub) -> None:

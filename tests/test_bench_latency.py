@@ -1,0 +1,32 @@
+"""``pagedllm bench latency``: per-token timestamps for pagedllm and HF on the same prompts, and the bandwidth floor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from pagedllm.bench.latency import summarize
+
+
+def test_summarize_medians_and_percentiles():
+    lat = summarize([[0.5, 0.6, 0.7, 0.8], [0.3, 0.5, 0.7, 0.9]])
+    assert lat.ttft_s == 0.4  # median of 0.5 and 0.3
+    assert abs(lat.decode_tok_s - (3 / 0.3 + 3 / 0.6) / 2) < 1e-9
+    assert abs(lat.itl_p50_ms - 150.0) < 1e-6 and abs(lat.itl_p99_ms - 200.0) < 1e-6
+
+
+def test_bench_latency_ours_and_hf(tiny_llama, tmp_path):
+    out = tmp_path / "lat.json"
+    p = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "latency", "--model", tiny_llama, "--device",
+                        "cpu", "--dtype", "float32", "--input-len", "40", "--output-len", "6", "--num-iters", "2",
+                        "--compare-hf", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["engines"]) == {"pagedllm", "hf"}
+    for lat in res["engines"].values():
+        assert len(lat["ttfts"]) == 2 and all(t > 0 for t in lat["ttfts"])
+        assert lat["decode_tok_s"] > 0 and 0 < lat["itl_p50_ms"] <= lat["itl_p99_ms"]
+    assert res["weight_bytes"] > 0 and res["copy_bandwidth_gb_s"] > 0
+    assert abs(res["floor_tok_s"] - res["copy_bandwidth_gb_s"] * 1e9 / res["weight_bytes"]) < 1e-6 * res["floor_tok_s"]
+    assert "memory-bandwidth floor" in p.stdout
