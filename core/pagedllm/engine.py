@@ -76,7 +76,7 @@ class LLMEngine:
         hf_config = load_config(self.model_path)
         info = read_model_info(self.model_path, hf_config, config.model_impl)
         self.config = config = resolve_config(config, self.backend, info)  # every field checked before loading
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path, hf_config)
         self.worker = w = Worker(config, self.backend, self.model_path, hf_config, info)
         self.model, self.device, self.dtype, self.max_model_len = w.model, w.device, w.dtype, w.max_model_len
         self.num_blocks = w.num_blocks

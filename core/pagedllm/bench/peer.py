@@ -27,7 +27,13 @@ def hf_folder(model_path: str) -> str:
     out = cache / (Path(model_path).stem + "-fp32")
     if not (out / "config.json").exists():
         d, f = os.path.dirname(model_path), os.path.basename(model_path)
-        AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).save_pretrained(out)
+        gguf_model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):  # dequantized already; a GGUF-marked model refuses to save
+            del config.quantization_config
+        dense = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        dense.load_state_dict(gguf_model.state_dict())
+        dense.save_pretrained(out)
         AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out)
     return str(out)
 

@@ -215,6 +215,24 @@ def check_fused_moe(ctx: CaseContext) -> None:
                 "fused_moe output")
 
 
+def check_dense_linear(ctx: CaseContext) -> None:
+    """The backend's dense kernel (``quantized_linear("unquantized", dtype)``, e.g. pre-packed weights) against
+    ``F.linear`` at a decode-sized and a prefill-sized batch, with and without a bias."""
+    from pagedllm.models.dense_linears import dense_weight
+
+    n, k = ctx.params["out_features"], ctx.params["in_features"]
+    kernel = ctx.backend.quantized_linear("unquantized", str(ctx.dtype).removeprefix("torch."))
+    if kernel is None:
+        raise Untested("no dense kernel: F.linear serves it")
+    w, bias = ctx.randn(n, k, scale=k ** -0.5), ctx.randn(n, scale=0.1)
+    state = kernel.prepare(dense_weight(w), ctx.dtype, ctx.device)
+    for t in (1, 37):
+        x = ctx.randn(t, k)
+        ctx.compare(kernel.apply(state, x, bias), torch.nn.functional.linear(x, w, bias),
+                    f"dense linear output, {t} tokens, bias")
+        ctx.compare(kernel.apply(state, x, None), torch.nn.functional.linear(x, w), f"dense linear, {t} tokens")
+
+
 # ---- quantized linear ------------------------------------------------------------------------------------------
 #: Relative error (Frobenius) allowed against the reference: kernels may round scales and activations to bf16.
 QUANT_REL_TOL = 1e-2

@@ -174,6 +174,8 @@ class CausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        # (apply, state) of the backend's dense kernel over a packed copy of lm_head_weight (models/dense_linears.py)
+        self.lm_head_kernel: Optional[tuple] = None
         # Gemma 3: per layer type rotary tables (set by the loader), else every layer reads cos_sin_cache.
         self.rope_caches: dict[str, torch.Tensor] = {}
         self.layer_types: list[str] = list(getattr(config, "layer_types", None)
@@ -224,7 +226,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` in the model's dtype (Gemma 2: final soft-capping)."""
-        logits = F.linear(hidden, self.lm_head_weight)
+        if self.lm_head_kernel is not None:
+            apply, state = self.lm_head_kernel
+            logits = apply(state, hidden, None)
+        else:
+            logits = F.linear(hidden, self.lm_head_weight)
         if self.final_logit_softcapping is not None:
             c = self.final_logit_softcapping
             logits = torch.tanh(logits / c) * c

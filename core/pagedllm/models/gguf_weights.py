@@ -6,7 +6,7 @@ packed blocks or the dense tensor alike (a row permutation never splits a block,
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -15,18 +15,58 @@ from pagedllm.hookspec import QuantizedWeight
 from pagedllm.quantization.gguf import DENSE_TYPES
 
 
-class GGUFWeights:
-    """A ``WeightSource`` over a ``.gguf`` file (memory-mapped by ``gguf.GGUFReader``)."""
+_NUMPY_TYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
 
-    def __init__(self, path: str, config: Any, reader: Any = None):
+
+class GGUFTensor(NamedTuple):
+    """One tensor as ``gguf.GGUFReader`` presents it: ``shape`` innermost first, ``data`` a read-only memmap view
+    (``[rows, row bytes]`` for block types)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+def read_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
+    """(architecture, tensors) of a GGUF file. transformers' header reader parses only the tensor table (~10 ms for
+    SmolLM2); ``gguf.GGUFReader`` also parses every metadata array (2.2 s for its 49k-token vocabulary), so it is
+    the fallback for transformers versions without one."""
+    import gguf
+
+    try:
+        from transformers.integrations.gguf.reader import GgufHeader
+    except ImportError:
+        reader = gguf.GGUFReader(path)
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode(), [
+            GGUFTensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data) for t in reader.tensors]
+    header = GgufHeader.from_file(path)
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = []
+    for info in header.tensors:
+        qtype = gguf.GGMLQuantizationType(info.ggml_type)
+        raw = blob[header.data_start + info.offset: header.data_start + info.offset + info.nbytes]
+        if qtype.name in _NUMPY_TYPES:  # as GGUFReader: plain arrays, and raw bytes for everything else (BF16 too)
+            data = raw.view(_NUMPY_TYPES[qtype.name]).reshape(info.shape)
+        else:
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            data = raw.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)
+        tensors.append(GGUFTensor(info.name, qtype, tuple(reversed(info.shape)), data))
+    return header.architecture, tensors
+
+
+class GGUFWeights:
+    """A ``WeightSource`` over a ``.gguf`` file (memory-mapped)."""
+
+    def __init__(self, path: str, config: Any):
         import gguf
 
-        self.reader = reader if reader is not None else gguf.GGUFReader(path)
-        field = self.reader.fields["general.architecture"]
-        self.arch = bytes(field.parts[field.data[0]]).decode()
+        self.arch, tensors = read_tensors(path)
         arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
         self._map = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
-        self._tensors = {t.name: t for t in self.reader.tensors}
+        self._tensors = {t.name: t for t in tensors}
         heads = config.num_attention_heads
         self._heads = {"attn_q": heads, "attn_k": getattr(config, "num_key_value_heads", None) or heads}
 

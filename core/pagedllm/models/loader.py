@@ -12,6 +12,7 @@ import torch
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
 from pagedllm.models.causal_lm import CausalLM
+from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.gguf_weights import GGUFWeights
 from pagedllm.models.paths import is_gguf, resolve_model_path
 from pagedllm.models.quantized_linears import quantize_linears
@@ -28,7 +29,9 @@ def load_config(model_path: str) -> Any:
     from transformers import AutoConfig
 
     if is_gguf(model_path):
-        return AutoConfig.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+        from pagedllm.models.gguf_config import load_gguf_config
+
+        return load_gguf_config(model_path)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=False)
     except (ValueError, KeyError) as e:  # a model_type transformers does not know: remote code only (ChatGLM...)
@@ -99,6 +102,7 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     if isinstance(weights, BaichuanWeights):
         check_covered(weights, weights.source.names())
     del weights
+    pack_dense_linears(model, backend, dtype, device)
     model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device, max_model_len)
     if per_layer_type(config):  # Gemma 3: each layer type has its own rotary base
         model.rope_caches = {t: build_cos_sin_cache(config, model.max_model_len, device, max_model_len, t)

@@ -10,11 +10,16 @@ from pagedllm.models.paths import is_gguf
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-def load_tokenizer(model_path: str) -> Optional[Any]:
-    """A HF tokenizer for ``model_path``, or ``None`` when a folder ships none (tiny random test models)."""
+def load_tokenizer(model_path: str, config: Any = None) -> Optional[Any]:
+    """A HF tokenizer for ``model_path``, or ``None`` when a folder ships none (tiny random test models).
+    ``config``: the model's HF config if already read (saves a GGUF file a second metadata parse)."""
     from transformers import AutoTokenizer
 
     if is_gguf(model_path):
+        if config is not None:
+            from pagedllm.models.gguf_config import load_gguf_tokenizer
+
+            return load_gguf_tokenizer(model_path, config)
         return AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
     if not any(os.path.isfile(os.path.join(model_path, f)) for f in _TOKENIZER_FILES):
         return None

@@ -54,7 +54,12 @@ INT4 = QuantizedLinearKernel(_prepare, _apply, name="cpu-int4pack")
 
 
 def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
-    """Q4_0 / Q4_1 on the int4 kernel; every other GGUF type is left to core's reference."""
+    """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 on the int4 kernel; every other GGUF type is left to
+    core's reference."""
+    if method == "unquantized":
+        from pagedllm_cpu import dense
+
+        return dense.ONEDNN if dense.supported(weight_type) else None
     if method == "gguf" and weight_type in _BLOCK_BYTES:
         return INT4
     return None

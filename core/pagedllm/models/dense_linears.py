@@ -1,0 +1,58 @@
+"""Hand a loaded model's dense linear layers to the backend's dense kernel, when it has one.
+
+vLLM treats unquantized weights as one more linear method (``UnquantizedLinearMethod``) whose CPU version repacks
+each weight once for oneDNN; here the same question goes through the same hook as quantized weights:
+``pagedllm_quantized_linear("unquantized", <dtype name>)``. A backend without a dense kernel answers ``None`` and
+the model keeps ``nn.Linear`` (``F.linear``) unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedllm.hookspec import QuantizedLinearKernel, QuantizedWeight
+
+
+class DenseKernelLinear(nn.Module):
+    """An ``nn.Linear`` whose weight the backend's dense kernel holds in its own layout (``state``)."""
+
+    def __init__(self, linear: nn.Linear, kernel: QuantizedLinearKernel, state: Any):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+        self.kernel_name, self._apply_kernel, self.state = kernel.name, kernel.apply, state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._apply_kernel(self.state, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel_name}"
+
+
+def dense_weight(weight: torch.Tensor) -> QuantizedWeight:
+    return QuantizedWeight("unquantized", str(weight.dtype).removeprefix("torch."), weight.detach(),
+                           tuple(weight.shape))
+
+
+def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, device: Any) -> int:
+    """Swap every ``nn.Linear`` of ``model`` for the backend's dense kernel, and give ``compute_logits`` a packed
+    LM head (a copy: the tied embedding and ``lm_head_weight`` stay as they are). Returns how many were swapped."""
+    kernel = backend.quantized_linear("unquantized", str(dtype).removeprefix("torch."))
+    if kernel is None:
+        return 0
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or name == "lm_head" or module.weight.dtype != dtype:
+            continue
+        packed = DenseKernelLinear(module, kernel, kernel.prepare(dense_weight(module.weight), dtype, device))
+        parent_name, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, packed)
+        swapped += 1
+    head = model.lm_head_weight
+    if head.dtype == dtype:
+        weight = dense_weight(head)
+        model.lm_head_kernel = (kernel.apply, kernel.prepare(weight, dtype, device))
+    return swapped
