@@ -30,3 +30,20 @@ def test_bench_latency_ours_and_hf(tiny_llama, tmp_path):
     assert res["weight_bytes"] > 0 and res["copy_bandwidth_gb_s"] > 0
     assert abs(res["floor_tok_s"] - res["copy_bandwidth_gb_s"] * 1e9 / res["weight_bytes"]) < 1e-6 * res["floor_tok_s"]
     assert "memory-bandwidth floor" in p.stdout
+
+
+def test_weight_bytes_per_token_counts_every_linear_and_the_head(tiny_llama):
+    """The bytes a decode step streams equal the HF checkpoint's projection and LM-head tensors (whatever layout
+    the backend's kernels packed them into), and the GEMM ceiling is a positive time."""
+    from safetensors.torch import load_file
+
+    from pagedllm.bench.ceiling import gemm_step_seconds, weight_bytes_per_token
+    from pagedllm.llm import LLM
+
+    sd = load_file(f"{tiny_llama}/model.safetensors")
+    head = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"
+    want = sum(t.numel() * 4 for n, t in sd.items() if "_proj." in n or n == head)
+    model = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=64,
+                kv_cache_memory=4 << 20).llm_engine.model
+    assert weight_bytes_per_token(model) == want
+    assert gemm_step_seconds(model, 4, repeats=2) > 0

@@ -362,7 +362,9 @@ class BackendSpec:
         """The backend's kernel for linear layers quantized with ``method`` (a vLLM name declared in
         ``Capabilities.quantization``) and ``weight_type`` (GGUF: ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q4_K``...), or
         ``None``: core then runs its reference (dequantize, then matmul; ``pagedllm.quantization``), logs once that
-        this backend has no such kernel, and the conformance suite compares every kernel against that reference."""
+        this backend has no such kernel, and the conformance suite compares every kernel against that reference.
+        ``method="unquantized"`` (vLLM's ``UnquantizedLinearMethod``) with the dtype's name as ``weight_type`` asks
+        for the backend's dense kernel (e.g. weights pre-packed once for oneDNN); ``None`` keeps ``F.linear``."""
 
 
     @hookspec(firstresult=True)

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+from pagedllm.bench.ceiling import weight_bytes_per_token
 
 @dataclass
 class Latency:
@@ -62,15 +63,6 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 7) -> float:
         b.copy_(a)
         times.append(time.perf_counter() - t)
     return 2 * nbytes / statistics.median(times)
-
-
-def model_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    return total
 
 
 def stream_ours(engine, prompt: list[int], max_tokens: int) -> list[float]:
@@ -152,7 +144,7 @@ def run(args) -> LatencyResult:
     if peer is not None:
         peer.close()
     bw = copy_bandwidth()
-    wbytes = model_bytes(engine.model)
+    wbytes = weight_bytes_per_token(engine.model)
     res = LatencyResult(engine.model_path, str(engine.dtype).removeprefix("torch."), engine.config.quantization,
                         args.input_len, args.output_len, args.num_iters, torch.get_num_threads(), wbytes, bw / 1e9,
                         bw / wbytes)

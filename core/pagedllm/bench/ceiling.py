@@ -1,0 +1,79 @@
+"""Hardware ceilings to state beside measured rates: the GEMM-only time of a decode step, and the weight bytes a
+step streams (batch-1 decode cannot beat copy bandwidth / weight bytes).
+
+The GEMM ceiling times the model's own linear layers (whatever kernel each runs on: packed dense, quantized, or
+``F.linear``) and its LM head, at the step's batch size, on random activations: a decode step can go no faster
+than that, since everything else (attention, norms, sampling, scheduling) comes on top.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+def _linears(model: nn.Module) -> Iterator[tuple[int, Any]]:
+    """(in_features, callable x -> y) for every linear layer, the LM head last."""
+    for name, m in model.named_modules():
+        if name == "lm_head":  # counted once, below, as the model computes logits
+            continue
+        if isinstance(m, nn.Linear) or hasattr(m, "kernel_name"):
+            yield m.in_features, m
+    head = getattr(model, "lm_head_kernel", None)
+    if head is not None:
+        apply, state = head
+        yield model.hidden_size, lambda x: apply(state, x, None)
+    else:
+        w = model.lm_head_weight
+        yield w.shape[1], lambda x: torch.nn.functional.linear(x, w)
+
+
+def gemm_step_seconds(model: nn.Module, batch: int, repeats: int = 7) -> float:
+    """Median over repeats of the summed time of every linear layer and the LM head at ``batch`` tokens."""
+    layers = list(_linears(model))
+    xs = {k: torch.randn(batch, k, dtype=model.dtype, device=model.device) for k, _ in layers}
+    times = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t = time.perf_counter()
+            for k, f in layers:
+                f(xs[k])
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every linear layer (in its kernel's layout) and the LM head."""
+    seen, total = set(), 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+
+    for name, m in model.named_modules():
+        if name == "lm_head":  # counted once, below, as the model computes logits
+            continue
+        if isinstance(m, nn.Linear):
+            add(m.weight)
+        for t in _tensors(getattr(m, "state", None)):
+            add(t)
+        if getattr(m, "bias", None) is not None and isinstance(m.bias, torch.Tensor):
+            add(m.bias)
+    head = getattr(model, "lm_head_kernel", None)
+    for t in (_tensors(head[1]) if head is not None else [model.lm_head_weight]):
+        add(t)
+    return total
