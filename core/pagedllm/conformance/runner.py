@@ -89,10 +89,9 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
             for rot in (hs, hs // 2):
                 cases.append(Case("fused_ops", "rotary", f"hs{hs}-rot{rot}", dt, K.check_rotary,
                                   dict(head_size=hs, rot_dim=rot)))
-        own = backend.quantized_linear("unquantized", str(dt).removeprefix("torch.")) is not None
-        cases.append(Case("fused_ops", "dense_linear", "n96-k512", dt, K.check_dense_linear,
-                          dict(out_features=96, in_features=512),
-                          untested="" if own else "no dense kernel: F.linear serves it"))
+        if backend.quantized_linear("unquantized", str(dt).removeprefix("torch.")) is not None:  # optional kernel
+            cases.append(Case("fused_ops", "dense_linear", "n96-k512", dt, K.check_dense_linear,
+                              dict(out_features=96, in_features=512)))
         for method in caps.quantization:
             for wtype in CONFORMANCE_WEIGHT_TYPES.get(method, ()):
                 own = backend.quantized_linear(method, wtype) is not None

@@ -20,6 +20,7 @@ from pagedllm.models.remote_layouts import BaichuanWeights, check_covered, remot
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
 from pagedllm.models.transformers_impl import load_transformers_model
 from pagedllm.models.weights import SafetensorsWeights, fused_state_dict
+from pagedllm.quantization.linear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,9 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     if isinstance(weights, BaichuanWeights):
         check_covered(weights, weights.source.names())
     del weights
-    pack_dense_linears(model, backend, dtype, device)
+    packed = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    on_kernels = bool(packed) and not any(m.kernel_name.startswith("reference") for m in packed)
+    pack_dense_linears(model, backend, dtype, device, quantized=on_kernels)
     model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device, max_model_len)
     if per_layer_type(config):  # Gemma 3: each layer type has its own rotary base
         model.rope_caches = {t: build_cos_sin_cache(config, model.max_model_len, device, max_model_len, t)
