@@ -164,7 +164,10 @@ class CausalLM(nn.Module):
         self.eos_token_ids: list[int] = []
         self.kv_caches: list = []
 
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given a weight, nn.Embedding skips its random init: on the meta device that init pulls in torch._dynamo
+        # (0.6-4 s of a cold start) for values the checkpoint overwrites anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, spec, backend, w, i)
                                     for i, w in enumerate(self.layer_sliding_windows))
         self.supports_lora = spec.moe == "none" and not spec.gemma  # LoRA parity is tested on the others
