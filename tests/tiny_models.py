@@ -94,10 +94,30 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# DeepSeek MLA: latent 40 + rope 16 per token (not 10 heads x (24 + 16) keys + 20 values), 8 experts in 4 groups,
+# layer 0 dense (first_k_dense_replace). V2: no q LoRA, softmax group-limited top-3 of the best 2 groups, scaled 1.5.
+# V3: q LoRA rank 48, sigmoid scores + a random e_score_correction_bias, norm_topk_prob, YaRN rope (factor 4 over 128
+# positions, mscale_all_dim: the softmax scale changes too).
+_DEEPSEEK = dict(_ODD, num_hidden_layers=3, num_key_value_heads=10, head_dim=None, intermediate_size=160,
+                 moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+                 first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=1.5, kv_lora_rank=40,
+                 qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20)
+DEEPSEEK_CONFIGS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(_DEEPSEEK, model_type="deepseek_v2", q_lora_rank=None, topk_method="group_limited_greedy"),
+    "deepseek_v3": dict(_DEEPSEEK, model_type="deepseek_v3", q_lora_rank=48, norm_topk_prob=True,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 128, "mscale": 1.0,
+                                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
+    "deepseek_v3_plain_rope": dict(_DEEPSEEK, model_type="deepseek_v3", q_lora_rank=48, norm_topk_prob=False,
+                                   rope_interleave=False, n_shared_experts=2),
+}
+
+
 def make_fallback_model(name: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
-    """A tiny random model of ``FALLBACK_CONFIGS`` or ``MOE_CONFIGS`` by name; returns the path."""
-    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, "phi3_longrope": PHI3_LONGROPE, "gemma3": GEMMA3,
-               "yi": YI}
+    """A tiny random model of ``FALLBACK_CONFIGS``, ``MOE_CONFIGS`` or ``DEEPSEEK_CONFIGS`` by name; returns the
+    path."""
+    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS, "phi3_longrope": PHI3_LONGROPE,
+               "gemma3": GEMMA3, "yi": YI}
     kwargs = {k: v for k, v in {**configs[name], **overrides}.items() if v is not None}
     return save_random_model(kwargs, out_dir, seed)
 
@@ -115,6 +135,9 @@ def _randomize_norms_and_biases(model: torch.nn.Module, gen: torch.Generator) ->
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias (HF inits it to zeros)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def save_random_model(config_kwargs: dict[str, Any], out_dir: str | os.PathLike, seed: int = 0) -> str:

@@ -1,4 +1,4 @@
-"""One native decoder (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE) running attention through a
+"""One native decoder (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, DeepSeek-V2/V3) running attention through a
 pagedllm backend.
 
 Flat batch, no batch dimension: ``T`` tokens of many sequences, described by an ``AttentionMetadata``. q/k/v and
@@ -16,8 +16,9 @@ from torch import nn
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.models.arch import ArchSpec, hidden_act, layer_sliding_windows
-from pagedllm.models.moe import SparseMoeBlock, is_moe_layer
+from pagedllm.models.arch import ArchSpec, hidden_act, kv_cache_shape, layer_sliding_windows
+from pagedllm.models.mla import MLAAttention
+from pagedllm.models.moe import DeepseekMoeBlock, SparseMoeBlock, is_moe_layer
 
 
 class RMSNorm(nn.Module):
@@ -116,12 +117,18 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm, spec.gemma)  # noqa: E731
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, spec, backend, sliding_window)
+        if spec.attention == "mla":
+            self.self_attn = MLAAttention(config, backend, lambda d, eps: RMSNorm(d, eps, backend.rms_norm))
+        else:
+            self.self_attn = Attention(config, spec, backend, sliding_window)
         self.post_attention_layernorm = norm()
         # Gemma: post_attention_layernorm normalises the attention output; the MLP has its own pre/post norms.
         self.pre_feedforward_layernorm = norm() if spec.gemma else None
         self.post_feedforward_layernorm = norm() if spec.gemma else None
-        if spec.moe != "none" and is_moe_layer(config, index):
+        if spec.moe == "deepseek":
+            self.mlp = (DeepseekMoeBlock(config, backend, lambda size: GatedMLP(config, spec, backend, size))
+                        if index >= config.first_k_dense_replace else GatedMLP(config, spec, backend))
+        elif spec.moe != "none" and is_moe_layer(config, index):
             shared = (lambda size: GatedMLP(config, spec, backend, size)) if spec.moe == "shared" else None
             self.mlp = SparseMoeBlock(config, backend, shared)
         else:
@@ -151,8 +158,8 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.num_layers: int = config.num_hidden_layers
         self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
-        self.head_size: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # What one token's cache entry holds (MLA: one latent row, KVCacheSpec.mla).
+        self.num_kv_heads, self.head_size, self.kv_cache_mla = kv_cache_shape(config, spec)
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
         self.max_model_len: int = config.max_position_embeddings
@@ -167,7 +174,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, spec, backend, w, i)
                                     for i, w in enumerate(self.layer_sliding_windows))
-        self.supports_lora = spec.moe == "none" and not spec.gemma  # LoRA parity is tested on the others
+        self.supports_lora = spec.moe == "none" and not spec.gemma and spec.attention == "mha"  # LoRA parity is tested on the others
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm, spec.gemma)
         self.embed_scale: Optional[float] = config.hidden_size ** 0.5 if spec.gemma else None
         self.final_logit_softcapping: Optional[float] = getattr(config, "final_logit_softcapping", None)
