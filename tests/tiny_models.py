@@ -113,10 +113,24 @@ DEEPSEEK_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Falcon, each attention layout (odd shapes: head 48, vocab 500): new_decoder_architecture with GQA 5:1 and two
+# layernorms (Falcon-40B/180B), multi_query with parallel attention and tied embeddings (Falcon-7B), and the
+# per-head interleaved layout with sequential attention/MLP, biases and an untied head.
+_FALCON = dict(vocab_size=500, hidden_size=480, num_hidden_layers=2, num_attention_heads=10, ffn_hidden_size=320,
+               max_position_embeddings=512, initializer_range=0.15, layer_norm_epsilon=1e-5, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0, model_type="falcon", alibi=False)
+FALCON_CONFIGS: dict[str, dict[str, Any]] = {
+    "falcon_new_arch": dict(_FALCON, new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True,
+                            tie_word_embeddings=False),
+    "falcon_mqa": dict(_FALCON, multi_query=True, parallel_attn=True, tie_word_embeddings=True),
+    "falcon_sequential": dict(_FALCON, multi_query=False, parallel_attn=False, bias=True, tie_word_embeddings=False),
+}
+
+
 def make_fallback_model(name: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
-    """A tiny random model of ``FALLBACK_CONFIGS``, ``MOE_CONFIGS`` or ``DEEPSEEK_CONFIGS`` by name; returns the
-    path."""
-    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS, "phi3_longrope": PHI3_LONGROPE,
+    """A tiny random model of ``FALLBACK_CONFIGS``, ``MOE_CONFIGS``, ``DEEPSEEK_CONFIGS`` or ``FALCON_CONFIGS`` by
+    name; returns the path."""
+    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS, **FALCON_CONFIGS, "phi3_longrope": PHI3_LONGROPE,
                "gemma3": GEMMA3, "yi": YI}
     kwargs = {k: v for k, v in {**configs[name], **overrides}.items() if v is not None}
     return save_random_model(kwargs, out_dir, seed)

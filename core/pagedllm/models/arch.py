@@ -21,6 +21,7 @@ class ArchSpec:
     # none | experts (Mixtral: every layer sparse) | shared (Qwen2-MoE: plus a sigmoid-gated shared expert)
     moe: str = "none"  # ... | deepseek (grouped top-k routing, shared experts, first_k_dense_replace dense layers)
     attention: str = "mha"  # mha | mla (DeepSeek: compressed latent cached, models/mla.py)
+    module: str = "decoder"  # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms)
 
 
 def hidden_act(config: Any) -> str:
@@ -49,13 +50,15 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                     sliding="layer_types", moe="shared"),
     "DeepseekV2ForCausalLM": ArchSpec(lambda c: False, lambda c: False, moe="deepseek", attention="mla"),
     "DeepseekV3ForCausalLM": ArchSpec(lambda c: False, lambda c: False, moe="deepseek", attention="mla"),
+    "FalconForCausalLM": ArchSpec(lambda c: bool(c.bias), lambda c: bool(c.bias), module="falcon"),
 }
 # GGUF configs carry a model_type but no `architectures`.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "falcon": "FalconForCausalLM"}
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:
@@ -102,6 +105,10 @@ def kv_cache_shape(config: Any, spec: ArchSpec) -> tuple[int, int, bool]:
     if spec.attention == "mla":
         return 1, config.kv_lora_rank + config.qk_rope_head_dim, True
     heads = config.num_attention_heads
+    if spec.module == "falcon":
+        from pagedllm.models.falcon import falcon_kv_heads
+
+        return falcon_kv_heads(config), config.hidden_size // heads, False
     return (getattr(config, "num_key_value_heads", None) or heads,
             getattr(config, "head_dim", None) or config.hidden_size // heads, False)
 

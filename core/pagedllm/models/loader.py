@@ -13,6 +13,7 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
+from pagedllm.models.falcon import FalconCausalLM
 from pagedllm.models.gguf_weights import GGUFWeights
 from pagedllm.models.paths import is_gguf, resolve_model_path
 from pagedllm.models.quantized_linears import quantize_linears
@@ -95,7 +96,7 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         return model
     _, spec = architecture_of(config)
     with torch.device("meta"):
-        model = CausalLM(config, spec, backend)
+        model = (FalconCausalLM if spec.module == "falcon" else CausalLM)(config, spec, backend)
     weights = GGUFWeights(path, config) if is_gguf(path) else wrap_weights(SafetensorsWeights(path), config)
     if quantization is not None:
         quantize_linears(model, weights, backend, dtype, device)

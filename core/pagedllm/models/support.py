@@ -24,6 +24,9 @@ VERIFIED: dict[str, str] = {
     "Gemma3ForCausalLM": "tests/test_native_families.py",
     "MixtralForCausalLM": "tests/test_moe.py",
     "Qwen2MoeForCausalLM": "tests/test_moe.py",
+    "DeepseekV2ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
+    "DeepseekV3ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
+    "FalconForCausalLM": "tests/test_falcon.py (grouped, multi-query and per-head layouts)",
     "BaiChuanForCausalLM": "tests/test_remote_layouts.py (vs HF Llama on the same weights)",
     "GlmForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
@@ -35,8 +38,13 @@ _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name w
 def _features(name: str) -> str:
     spec = ARCHITECTURES[name]
     out = []
+    if spec.attention == "mla":
+        out.append("MLA (latent KV cache), YaRN")
     if spec.moe != "none":
-        out.append("MoE" + (" + shared expert" if spec.moe == "shared" else ""))
+        out.append("MoE" + {"shared": " + shared expert", "deepseek": " (grouped top-k) + shared experts"}.get(
+            spec.moe, ""))
+    if spec.module == "falcon":
+        out.append("parallel attn+MLP, MQA/grouped KV, LayerNorm (ALiBi refused)")
     if spec.sliding != "none":
         out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
     if spec.qk_norm:
@@ -81,7 +89,8 @@ def rows() -> list[dict[str, Any]]:
         out.append({"architecture": name, "path": "native" + (" (transformers via --model-impl)"
                                                              if name in fallback else ""),
                     "features": _features(name), "gguf": _gguf(name, model_types.get(name, "")),
-                    "lora": "yes" if spec.moe == "none" and not spec.gemma else "no",
+                    "lora": "yes" if spec.moe == "none" and not spec.gemma and spec.attention == "mha"
+                    and spec.module == "decoder" else "no",
                     "verified": VERIFIED.get(name, "-")})
     for name, what in REMOTE_LAYOUTS.items():
         out.append({"architecture": name, "path": "native, remote-code layout mapped by name", "features": what,
