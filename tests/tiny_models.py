@@ -127,10 +127,19 @@ FALCON_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# GLM natively: partial rotary (half of head 48) over interleaved pairs, qkv bias, fused gate_up_proj in the
+# checkpoint; Glm4 adds post_self_attn_layernorm / post_mlp_layernorm and a 0.75 partial rotary.
+GLM_CONFIGS: dict[str, dict[str, Any]] = {
+    "glm": FALLBACK_CONFIGS["glm"],
+    "glm4": dict(_ODD, model_type="glm4", partial_rotary_factor=0.75, attention_bias=True),
+}
+
+
 def make_fallback_model(name: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
     """A tiny random model of ``FALLBACK_CONFIGS``, ``MOE_CONFIGS``, ``DEEPSEEK_CONFIGS`` or ``FALCON_CONFIGS`` by
     name; returns the path."""
-    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS, **FALCON_CONFIGS, "phi3_longrope": PHI3_LONGROPE,
+    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS, **FALCON_CONFIGS, **GLM_CONFIGS,
+               "phi3_longrope": PHI3_LONGROPE,
                "gemma3": GEMMA3, "yi": YI}
     kwargs = {k: v for k, v in {**configs[name], **overrides}.items() if v is not None}
     return save_random_model(kwargs, out_dir, seed)

@@ -21,6 +21,8 @@ class ArchSpec:
     # none | experts (Mixtral: every layer sparse) | shared (Qwen2-MoE: plus a sigmoid-gated shared expert)
     moe: str = "none"  # ... | deepseek (grouped top-k routing, shared experts, first_k_dense_replace dense layers)
     attention: str = "mha"  # mha | mla (DeepSeek: compressed latent cached, models/mla.py)
+    rope_interleaved: bool = False  # GLM: rotary over (x0, x1), (x2, x3)... pairs of the rotary dims
+    glm4_norms: bool = False  # Glm4: post_self_attn_layernorm and post_mlp_layernorm around the sub-blocks
     module: str = "decoder"  # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms)
 
 
@@ -50,6 +52,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                     sliding="layer_types", moe="shared"),
     "DeepseekV2ForCausalLM": ArchSpec(lambda c: False, lambda c: False, moe="deepseek", attention="mla"),
     "DeepseekV3ForCausalLM": ArchSpec(lambda c: False, lambda c: False, moe="deepseek", attention="mla"),
+    "GlmForCausalLM": ArchSpec(_attention_bias, lambda c: False, rope_interleaved=True),
+    "Glm4ForCausalLM": ArchSpec(_attention_bias, lambda c: False, rope_interleaved=True, glm4_norms=True),
     "FalconForCausalLM": ArchSpec(lambda c: bool(c.bias), lambda c: bool(c.bias), module="falcon"),
 }
 # GGUF configs carry a model_type but no `architectures`.
@@ -58,7 +62,7 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                  "falcon": "FalconForCausalLM"}
+                  "falcon": "FalconForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:
