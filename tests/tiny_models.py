@@ -53,8 +53,10 @@ FALLBACK_CONFIGS: dict[str, dict[str, Any]] = {
     # (1 + w) RMSNorm, GeGLU with tanh gelu, embedding scaling, pre/post feed-forward norms.
     "gemma2": dict(_ODD, model_type="gemma2", sliding_window=8, query_pre_attn_scalar=40,
                    attn_logit_softcapping=30.0, final_logit_softcapping=20.0, tie_word_embeddings=True),
-    # GLM: partial rotary (half the head), interleaved rotary pairs.
+    # GLM: partial rotary (half the head), interleaved rotary pairs (native too: forced through the fallback here).
     "glm": dict(_ODD, model_type="glm", partial_rotary_factor=0.5),
+    # OLMo 2: q/k RMSNorm over the whole projection, norms after attention and MLP (no native decoder).
+    "olmo2": dict(_ODD, model_type="olmo2"),
     # Starcoder2: LayerNorm, biases everywhere, plain gelu MLP, sliding window 8.
     "starcoder2": dict(_ODD, model_type="starcoder2", head_dim=None, hidden_size=480, sliding_window=8, use_bias=True,
                        norm_epsilon=1e-5),

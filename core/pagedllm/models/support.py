@@ -28,7 +28,10 @@ VERIFIED: dict[str, str] = {
     "DeepseekV3ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
     "FalconForCausalLM": "tests/test_falcon.py (grouped, multi-query and per-head layouts)",
     "BaiChuanForCausalLM": "tests/test_remote_layouts.py (vs HF Llama on the same weights)",
-    "GlmForCausalLM": "tests/test_transformers_fallback.py",
+    "GlmForCausalLM": "tests/test_glm.py (transformers path: test_transformers_fallback.py)",
+    "Glm4ForCausalLM": "tests/test_glm.py",
+    "ChatGLMModel": "tests/test_glm.py (vs HF Glm on the same weights; every tensor name mapped)",
+    "Olmo2ForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
 }
 _GGUF_TESTED = {"LlamaForCausalLM"}  # SmolLM2-135M Q4_1 (tests/test_smollm2.py)
