@@ -115,6 +115,7 @@ class FalconCausalLM(nn.Module):
 
     supports_lora = False
     kv_cache_mla = False
+    checkpoint_names = True  # parameter names are the checkpoint's (no "model." prefix)
 
     def __init__(self, config: Any, spec: Any, backend: Any):
         super().__init__()

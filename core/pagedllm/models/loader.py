@@ -33,7 +33,13 @@ def load_config(model_path: str) -> Any:
     if is_gguf(model_path):
         from pagedllm.models.gguf_config import load_gguf_config
 
-        return load_gguf_config(model_path)
+        config = load_gguf_config(model_path)
+        kv = vars(config).get("num_key_value_heads", 1)
+        if config.model_type == "falcon" and kv != 1:  # transformers' GGUF config can only say Falcon-7B's layout
+            raise UnsupportedModelError(f"falcon GGUF with {kv} KV heads (Falcon-40B/180B: grouped KV, "
+                                        "new_decoder_architecture) cannot be described by transformers' GGUF config; "
+                                        "load the safetensors checkpoint (multi-query Falcon GGUF files load)")
+        return config
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=False)
     except (ValueError, KeyError) as e:  # a model_type transformers does not know: remote code only (ChatGLM...)
