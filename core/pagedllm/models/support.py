@@ -34,7 +34,9 @@ VERIFIED: dict[str, str] = {
     "Olmo2ForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
 }
-_GGUF_TESTED = {"LlamaForCausalLM"}  # SmolLM2-135M Q4_1 (tests/test_smollm2.py)
+# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon and Phi-3 Q8_0 (tests/test_gguf_families.py)
+_GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tested)",
+                "FalconForCausalLM": "yes (tested; multi-query layout only, grouped KV refused)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 
 
@@ -61,7 +63,7 @@ def _gguf(name: str, model_type: str) -> str:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     if name in _GGUF_TESTED:
-        return "yes (tested)"
+        return _GGUF_TESTED[name]
     return "readable, untested" if _GGUF_ARCH.get(model_type, model_type) in GGUF_SUPPORTED_ARCHITECTURES else "no"
 
 
