@@ -140,6 +140,7 @@ class FalconCausalLM(nn.Module):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
+        self.lm_head_kernel: Optional[tuple] = None  # (apply, state) of a backend dense kernel, set by the loader
         self.rope_caches: dict[str, torch.Tensor] = {}
         self.requires_grad_(False)
 
@@ -162,4 +163,7 @@ class FalconCausalLM(nn.Module):
         return self.transformer.ln_f(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head_kernel is not None:
+            apply, state = self.lm_head_kernel
+            return apply(state, hidden, None)
         return F.linear(hidden, self.lm_head_weight)

@@ -30,6 +30,11 @@ def rope_interleaved(config: Any) -> bool:
     return config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True))
 
 
+class UpProjection(nn.Linear):
+    """``kv_b_proj``: read as a weight (split into per-head ``W_UK`` / ``W_UV``), never applied as a linear layer,
+    so it is not an ``nn.Linear`` to code that swaps linear layers for backend kernels."""
+
+
 class MLAAttention(nn.Module):
     def __init__(self, config: Any, backend: Any, rms_norm_cls: Any):
         super().__init__()
@@ -48,7 +53,7 @@ class MLAAttention(nn.Module):
             self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope, bias=bias)
         self.kv_a_layernorm = rms_norm_cls(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_head_dim), bias=False)
+        self.kv_b_proj = UpProjection(self.kv_lora_rank, self.num_heads * (self.nope + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, h, bias=bias)
         self.scale = mla_softmax_scale(config)
         self.interleaved = rope_interleaved(config)
