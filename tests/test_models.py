@@ -44,7 +44,7 @@ def run_schedule(model: CausalLM, backend, prompts: list[list[int]], schedule) -
         tables.append(ids[start:start + n])
         start += n
     spec = KVCacheSpec(model.num_layers, sum(blocks_per_seq) + 1, BLOCK_SIZE, model.num_kv_heads, model.head_size,
-                       torch.float32, torch.device("cpu"))
+                       torch.float32, torch.device("cpu"), mla=getattr(model, "kv_cache_mla", False))
     model.kv_caches = backend.allocate_kv_cache(spec)
     done = [0] * len(prompts)
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]

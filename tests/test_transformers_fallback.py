@@ -1,8 +1,9 @@
 """The transformers fallback (``--model-impl``): HF's module with pagedllm's paged attention, vs HF itself.
 
-Odd shapes in ``tiny_models.FALLBACK_CONFIGS`` (Phi-3, Gemma 2, GLM, Starcoder2), forced through the fallback: fp32
-logits within 1e-4 of HF through the paged cache (full prefill, and chunks beside decodes). GLM and Starcoder2, which
-have no native decoder, take the fallback under ``auto`` and pass greedy parity through the whole engine. Llama
+Odd shapes in ``tiny_models.FALLBACK_CONFIGS`` (Phi-3, Gemma 2, GLM, OLMo 2, Starcoder2), forced through the fallback:
+fp32 logits within 1e-4 of HF through the paged cache (full prefill, and chunks beside decodes). OLMo 2 and
+Starcoder2, which have no native decoder, take the fallback under ``auto`` and pass greedy parity through the whole
+engine. Llama
 through ``--model-impl transformers`` matches the native path. Unrunnable models fail naming the architecture and
 what is supported.
 """
@@ -54,7 +55,7 @@ def test_fallback_logits_match_hf(fallback_dirs, ref_backend, name, caplog):
             assert_logits_match(name, run_schedule(ours, ref_backend, prompts, schedule), expected)
 
 
-@pytest.mark.parametrize("name", ["glm", "starcoder2"])
+@pytest.mark.parametrize("name", ["olmo2", "starcoder2"])
 def test_fallback_greedy_parity_engine(fallback_dirs, name):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16 and window 8), chunked prefill, prefix hits."""
     path = fallback_dirs[name]
@@ -76,12 +77,12 @@ def test_llama_transformers_impl_matches_native(tiny_model_dirs):
 
 def test_model_impl_resolution():
     llama = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"])
-    glm = AutoConfig.for_model("glm", architectures=["GlmForCausalLM"])
+    olmo2 = AutoConfig.for_model("olmo2", architectures=["Olmo2ForCausalLM"])
     assert resolve_model_impl(llama) == ("LlamaForCausalLM", "native")
     assert resolve_model_impl(llama, "transformers") == ("LlamaForCausalLM", "transformers")
-    assert resolve_model_impl(glm) == ("GlmForCausalLM", "transformers")
-    with pytest.raises(UnsupportedModelError, match="GlmForCausalLM.*supports LlamaForCausalLM"):
-        resolve_model_impl(glm, "native")
+    assert resolve_model_impl(olmo2) == ("Olmo2ForCausalLM", "transformers")
+    with pytest.raises(UnsupportedModelError, match="Olmo2ForCausalLM.*supports LlamaForCausalLM"):
+        resolve_model_impl(olmo2, "native")
 
 
 @pytest.mark.parametrize("config, message", [
@@ -89,7 +90,7 @@ def test_model_impl_resolution():
                                                                            "encoder-decoder model"),
     (dict(model_type="llama", architectures=["BaichuanForCausalLM"]), "BaichuanForCausalLM.*no decoder-only"),
     (dict(model_type="bert", architectures=["BertModel"]), "BertModel.*no decoder-only"),
-    (dict(model_type="falcon", architectures=["FalconForCausalLM"]), "FalconForCausalLM does not route attention"),
+    (dict(model_type="bloom", architectures=["BloomForCausalLM"]), "BloomForCausalLM does not route attention"),
 ])
 def test_unrunnable_models_name_the_architecture(config, message):
     kwargs = dict(config)
@@ -120,8 +121,8 @@ def test_remote_code_only_layout_is_refused_naming_it(tmp_path):
     from pagedllm.models import load_config
 
     (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["ChatGLMModel"], "model_type": "chatglm",
-        "auto_map": {"AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"}}))
-    with pytest.raises(UnsupportedModelError, match=r"ChatGLMModel \(model_type 'chatglm'\) \(remote code.*"
+        "architectures": ["InternLMForCausalLM"], "model_type": "internlm",
+        "auto_map": {"AutoModelForCausalLM": "modeling_internlm.InternLMForCausalLM"}}))
+    with pytest.raises(UnsupportedModelError, match=r"InternLMForCausalLM \(model_type 'internlm'\) \(remote code.*"
                                                     r"supports LlamaForCausalLM"):
         load_config(str(tmp_path))

@@ -53,8 +53,10 @@ FALLBACK_CONFIGS: dict[str, dict[str, Any]] = {
     # (1 + w) RMSNorm, GeGLU with tanh gelu, embedding scaling, pre/post feed-forward norms.
     "gemma2": dict(_ODD, model_type="gemma2", sliding_window=8, query_pre_attn_scalar=40,
                    attn_logit_softcapping=30.0, final_logit_softcapping=20.0, tie_word_embeddings=True),
-    # GLM: partial rotary (half the head), interleaved rotary pairs.
+    # GLM: partial rotary (half the head), interleaved rotary pairs (native too: forced through the fallback here).
     "glm": dict(_ODD, model_type="glm", partial_rotary_factor=0.5),
+    # OLMo 2: q/k RMSNorm over the whole projection, norms after attention and MLP (no native decoder).
+    "olmo2": dict(_ODD, model_type="olmo2"),
     # Starcoder2: LayerNorm, biases everywhere, plain gelu MLP, sliding window 8.
     "starcoder2": dict(_ODD, model_type="starcoder2", head_dim=None, hidden_size=480, sliding_window=8, use_bias=True,
                        norm_epsilon=1e-5),
@@ -94,10 +96,53 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# DeepSeek MLA: latent 40 + rope 16 per token (not 10 heads x (24 + 16) keys + 20 values), 8 experts in 4 groups,
+# layer 0 dense (first_k_dense_replace). V2: no q LoRA, softmax group-limited top-3 of the best 2 groups, scaled 1.5.
+# V3: q LoRA rank 48, sigmoid scores + a random e_score_correction_bias, norm_topk_prob, YaRN rope (factor 4 over 128
+# positions, mscale_all_dim: the softmax scale changes too).
+_DEEPSEEK = dict(_ODD, num_hidden_layers=3, num_key_value_heads=10, head_dim=None, intermediate_size=160,
+                 moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1,
+                 first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=1.5, kv_lora_rank=40,
+                 qk_rope_head_dim=16, qk_nope_head_dim=24, v_head_dim=20)
+DEEPSEEK_CONFIGS: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(_DEEPSEEK, model_type="deepseek_v2", q_lora_rank=None, topk_method="group_limited_greedy"),
+    "deepseek_v3": dict(_DEEPSEEK, model_type="deepseek_v3", q_lora_rank=48, norm_topk_prob=True,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 128, "mscale": 1.0,
+                                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
+    "deepseek_v3_plain_rope": dict(_DEEPSEEK, model_type="deepseek_v3", q_lora_rank=48, norm_topk_prob=False,
+                                   rope_interleave=False, n_shared_experts=2),
+}
+
+
+# Falcon, each attention layout (odd shapes: head 48, vocab 500): new_decoder_architecture with GQA 5:1 and two
+# layernorms (Falcon-40B/180B), multi_query with parallel attention and tied embeddings (Falcon-7B), and the
+# per-head interleaved layout with sequential attention/MLP, biases and an untied head.
+_FALCON = dict(vocab_size=500, hidden_size=480, num_hidden_layers=2, num_attention_heads=10, ffn_hidden_size=320,
+               max_position_embeddings=512, initializer_range=0.15, layer_norm_epsilon=1e-5, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0, model_type="falcon", alibi=False)
+FALCON_CONFIGS: dict[str, dict[str, Any]] = {
+    "falcon_new_arch": dict(_FALCON, new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True,
+                            tie_word_embeddings=False),
+    "falcon_mqa": dict(_FALCON, multi_query=True, parallel_attn=True, tie_word_embeddings=True),
+    "falcon_sequential": dict(_FALCON, multi_query=False, parallel_attn=False, bias=True, tie_word_embeddings=False),
+}
+
+
+# GLM natively: partial rotary (half of head 48) over interleaved pairs, qkv bias, fused gate_up_proj in the
+# checkpoint; Glm4 adds post_self_attn_layernorm / post_mlp_layernorm and a 0.75 partial rotary.
+GLM_CONFIGS: dict[str, dict[str, Any]] = {
+    "glm": FALLBACK_CONFIGS["glm"],
+    "glm4": dict(_ODD, model_type="glm4", partial_rotary_factor=0.75, attention_bias=True),
+}
+
+
 def make_fallback_model(name: str, out_dir: str | os.PathLike, seed: int = 0, **overrides: Any) -> str:
-    """A tiny random model of ``FALLBACK_CONFIGS`` or ``MOE_CONFIGS`` by name; returns the path."""
-    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, "phi3_longrope": PHI3_LONGROPE, "gemma3": GEMMA3,
-               "yi": YI}
+    """A tiny random model of ``FALLBACK_CONFIGS``, ``MOE_CONFIGS``, ``DEEPSEEK_CONFIGS`` or ``FALCON_CONFIGS`` by
+    name; returns the path."""
+    configs = {**FALLBACK_CONFIGS, **MOE_CONFIGS, **DEEPSEEK_CONFIGS, **FALCON_CONFIGS, **GLM_CONFIGS,
+               "phi3_longrope": PHI3_LONGROPE,
+               "gemma3": GEMMA3, "yi": YI}
     kwargs = {k: v for k, v in {**configs[name], **overrides}.items() if v is not None}
     return save_random_model(kwargs, out_dir, seed)
 
@@ -115,6 +160,9 @@ def _randomize_norms_and_biases(model: torch.nn.Module, gen: torch.Generator) ->
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
             elif "norm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():  # DeepSeek-V3's router bias (HF inits it to zeros)
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=gen))
 
 
 def save_random_model(config_kwargs: dict[str, Any], out_dir: str | os.PathLike, seed: int = 0) -> str:

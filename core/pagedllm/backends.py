@@ -106,6 +106,8 @@ class Backend:
         allocate_host_kv_cache: Callable[[KVCacheSpec, bool], list]
         write_kv: Callable[..., None]
         paged_attention: Callable[..., torch.Tensor]
+        write_mla_kv: Callable[..., None]
+        mla_attention: Callable[..., torch.Tensor]
         gather_kv_blocks: Callable[[Any, torch.Tensor], torch.Tensor]
         copy_kv_blocks: Callable[[list, torch.Tensor, torch.Tensor], None]
         swap_kv_blocks: Callable[[list, list, torch.Tensor, torch.Tensor], None]

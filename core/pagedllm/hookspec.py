@@ -26,6 +26,11 @@ KV-cache layout is the backend's choice. The *canonical* layout, used by the ref
 suite, is one tensor per layer of shape ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = keys,
 1 = values). A backend with another layout implements ``pagedllm_gather_kv_blocks`` so conformance can read it back,
 and ``pagedllm_copy_kv_blocks`` / ``pagedllm_swap_kv_blocks`` so core can copy-on-write and swap.
+
+MLA models (DeepSeek-V2/V3) cache one compressed latent row per token instead of per-head keys and values:
+``KVCacheSpec.mla`` is set, ``num_kv_heads`` is 1 and ``head_size`` is the latent width (``kv_lora_rank +
+qk_rope_head_dim``); the canonical layout is ``[1, num_blocks, block_size, 1, head_size]`` (so the block copy, swap
+and gather hooks work unchanged on it), written by ``pagedllm_write_mla_kv`` and read by ``pagedllm_mla_attention``.
 """
 
 from __future__ import annotations
@@ -114,13 +119,15 @@ class KVCacheSpec:
     head_size: int
     dtype: Any  # torch.dtype
     device: Any  # torch.device
+    # MLA (DeepSeek): one latent row of head_size per token, no separate values (see the module docstring).
+    mla: bool = False
 
     @property
     def bytes_per_block(self) -> int:
         import torch
 
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+        return (1 if self.mla else 2) * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
 
 
 @dataclass(frozen=True)
@@ -299,6 +306,21 @@ class BackendSpec:
         ``q_pos - k_pos < W``. ``soft_cap`` c maps scores s to ``c * tanh(s / c)``. Returns ``[num_tokens, num_heads,
         head_size]`` in the query's dtype.
         """
+
+    @hookspec(firstresult=True)
+    def pagedllm_write_mla_kv(self, latent: "torch.Tensor", kv_cache: Any, slot_mapping: "torch.Tensor") -> None:
+        """MLA: store each new token's latent row ``[num_tokens, head_size]`` (the normed compressed KV, then the
+        rotated shared rope key) at its flat slot; -1 skips. ``kv_cache`` came from an ``mla`` ``KVCacheSpec``."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_mla_attention(self, query: "torch.Tensor", kv_cache: Any, meta: "AttentionMetadata", scale: float,
+                               value_size: int) -> "torch.Tensor":
+        """MLA attention in the absorbed form (vLLM's MLA decode path): every query head attends to the one latent
+        row per cached token. ``query`` ``[num_tokens, num_heads, head_size]`` (the no-rope query already multiplied
+        into latent space by the key up-projection, then the rotated rope query); scores ``scale * query . row``,
+        causal over the sequence exactly as ``pagedllm_paged_attention``; values are the rows' first ``value_size``
+        features (the latent). Returns ``[num_tokens, num_heads, value_size]`` in the query's dtype; the model
+        applies the value up-projection. Reference: ``pagedllm.ref_ops.mla_attention``."""
 
     @hookspec(firstresult=True)
     def pagedllm_gather_kv_blocks(self, kv_cache: Any, block_ids: "torch.Tensor") -> "torch.Tensor":

@@ -1,7 +1,7 @@
 """Pure-torch reference ops: the semantics of every kernel hook, and the oracle of the conformance suite.
 
 Written for clarity, not speed (per-sequence loops, float32 math). Canonical KV layout per layer:
-``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+``[2, num_blocks, block_size, num_kv_heads, head_size]``; MLA's ``[1, num_blocks, block_size, 1, latent]``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pagedllm.attention import AttentionMetadata
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
-                      dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    shape = (2, num_blocks, block_size, num_kv_heads, head_size)
+                      dtype: torch.dtype, device: torch.device | str, mla: bool = False) -> list[torch.Tensor]:
+    shape = (1 if mla else 2, num_blocks, block_size, num_kv_heads, head_size)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
@@ -76,6 +76,35 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         scores = scores.masked_fill(~allowed[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hls,shd->lhd", probs, v).to(query.dtype)
+    return out
+
+
+def write_mla_kv(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """See ``hookspec.pagedllm_write_mla_kv``: scatter ``[T, latent]`` rows into flat slots; slots < 0 skipped."""
+    _, nb, bs, _, d = kv_cache.shape
+    keep = slot_mapping >= 0
+    kv_cache.view(nb * bs, d)[slot_mapping[keep]] = latent[keep].to(kv_cache.dtype)
+
+
+def mla_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                  value_size: int) -> torch.Tensor:
+    """See ``hookspec.pagedllm_mla_attention``. One sequence at a time, scores in float32; every head reads the
+    same latent rows (MQA over the latent)."""
+    bs, d = kv_cache.shape[2], kv_cache.shape[4]
+    out = query.new_empty(query.shape[0], query.shape[1], value_size)
+    qsl = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = qsl[i], qsl[i + 1]
+        qlen = end - start
+        if qlen == 0:
+            continue
+        nblk = (seq_len + bs - 1) // bs
+        rows = kv_cache[0, meta.block_tables[i, :nblk].long()].reshape(nblk * bs, d)[:seq_len].float()  # [S, D]
+        scores = torch.einsum("lhd,sd->hls", query[start:end].float(), rows) * scale
+        q_pos = torch.arange(seq_len - qlen, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        scores = scores.masked_fill(~(k_pos <= q_pos)[None], float("-inf"))
+        out[start:end] = torch.einsum("hls,sd->lhd", torch.softmax(scores, dim=-1), rows[:, :value_size]).to(out.dtype)
     return out
 
 

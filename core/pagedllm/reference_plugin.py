@@ -55,7 +55,7 @@ def pagedllm_synchronize(device: torch.device) -> None:
 @hookimpl(trylast=True)
 def pagedllm_allocate_kv_cache(spec: KVCacheSpec) -> list:
     return ref_ops.allocate_kv_cache(spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads,
-                                     spec.head_size, spec.dtype, spec.device)
+                                     spec.head_size, spec.dtype, spec.device, mla=spec.mla)
 
 
 @hookimpl(trylast=True)
@@ -72,6 +72,16 @@ def pagedllm_write_kv(key, value, kv_cache, slot_mapping) -> None:
 @hookimpl(trylast=True)
 def pagedllm_paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap):
     return ref_ops.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap)
+
+
+@hookimpl(trylast=True)
+def pagedllm_write_mla_kv(latent, kv_cache, slot_mapping) -> None:
+    ref_ops.write_mla_kv(latent, kv_cache, slot_mapping)
+
+
+@hookimpl(trylast=True)
+def pagedllm_mla_attention(query, kv_cache, meta, scale, value_size):
+    return ref_ops.mla_attention(query, kv_cache, meta, scale, value_size)
 
 
 @hookimpl(trylast=True)

@@ -102,7 +102,7 @@ class Worker:
                                                          f"target's {self.model.vocab_size}")
         draft.kv_caches = self.backend.allocate_kv_cache(KVCacheSpec(
             draft.num_layers, self.num_blocks, self.block_size, draft.num_kv_heads, draft.head_size, self.dtype,
-            self.device))
+            self.device, mla=getattr(draft, "kv_cache_mla", False)))
         return draft
 
     def _context(self, policy: BatchPolicy) -> RunnerContext:
@@ -112,7 +112,7 @@ class Worker:
     def _kv_spec(self, num_blocks: int) -> KVCacheSpec:
         m = self.model
         return KVCacheSpec(m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_size, self.dtype,
-                           self.device)
+                           self.device, mla=getattr(m, "kv_cache_mla", False))
 
     def _fit_budget_to_policy(self) -> None:
         """A static policy bounds every dimension: the scheduler's budget must stay inside the largest shape."""

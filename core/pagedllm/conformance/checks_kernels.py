@@ -76,6 +76,25 @@ def check_attention(ctx: CaseContext) -> None:
     ctx.compare(out, ref, "attention output")
 
 
+def check_mla_attention(ctx: CaseContext) -> None:
+    """MLA: latent rows written through ``write_mla_kv`` into an ``mla`` cache the backend allocated, then every
+    query head attends to them (``mla_attention``) on a mixed batch, against the references."""
+    latent, rope, heads, bs = ctx.params["kv_lora_rank"], ctx.params["rope"], ctx.params["heads"], ctx.params["block_size"]
+    batch = make_batch(ctx, *scenario_lengths("mixed", bs), bs)
+    rows = ctx.randn(batch.context_slots.shape[0], latent + rope)
+    spec = KVCacheSpec(1, batch.num_blocks, bs, 1, latent + rope, ctx.dtype, ctx.device, mla=True)
+    (cache,) = ctx.backend.allocate_kv_cache(spec)
+    poison(cache)
+    ctx.backend.write_mla_kv(rows, cache, batch.context_slots)
+    ref = torch.full((1, batch.num_blocks, bs, 1, latent + rope), float("nan"), dtype=ctx.dtype, device=ctx.device)
+    ref_ops.write_mla_kv(rows, ref, batch.context_slots)
+    query = ctx.randn(batch.meta.num_tokens, heads, latent + rope)
+    scale = (latent + rope) ** -0.5
+    poison_allocator(query.numel(), ctx.dtype, ctx.device)
+    ctx.compare(ctx.backend.mla_attention(query, cache, batch.meta, scale, latent),
+                ref_ops.mla_attention(query, ref, batch.meta, scale, latent), "mla_attention output")
+
+
 # ---- block copies ---------------------------------------------------------------------------------------------------
 def _filled(ctx: CaseContext, num_layers: int, nb: int, bs: int, hs: int) -> tuple[list, list]:
     """Backend caches and canonical references with every slot written except the last block's second half."""

@@ -19,7 +19,11 @@ class ArchSpec:
     sliding: str = "none"  # none | all (Mistral: config.sliding_window everywhere) | layer_types (Qwen2/3)
     gemma: bool = False  # Gemma 2/3: (1 + w) RMSNorm, pre/post feed-forward norms, sqrt(hidden) embedding scale
     # none | experts (Mixtral: every layer sparse) | shared (Qwen2-MoE: plus a sigmoid-gated shared expert)
-    moe: str = "none"
+    moe: str = "none"  # ... | deepseek (grouped top-k routing, shared experts, first_k_dense_replace dense layers)
+    attention: str = "mha"  # mha | mla (DeepSeek: compressed latent cached, models/mla.py)
+    rope_interleaved: bool = False  # GLM: rotary over (x0, x1), (x2, x3)... pairs of the rotary dims
+    glm4_norms: bool = False  # Glm4: post_self_attn_layernorm and post_mlp_layernorm around the sub-blocks
+    module: str = "decoder"  # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms)
 
 
 def hidden_act(config: Any) -> str:
@@ -46,12 +50,19 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MixtralForCausalLM": ArchSpec(lambda c: False, lambda c: False, sliding="all", moe="experts"),
     "Qwen2MoeForCausalLM": ArchSpec(lambda c: bool(getattr(c, "qkv_bias", True)), lambda c: False,
                                     sliding="layer_types", moe="shared"),
+    "DeepseekV2ForCausalLM": ArchSpec(lambda c: False, lambda c: False, moe="deepseek", attention="mla"),
+    "DeepseekV3ForCausalLM": ArchSpec(lambda c: False, lambda c: False, moe="deepseek", attention="mla"),
+    "GlmForCausalLM": ArchSpec(_attention_bias, lambda c: False, rope_interleaved=True),
+    "Glm4ForCausalLM": ArchSpec(_attention_bias, lambda c: False, rope_interleaved=True, glm4_norms=True),
+    "FalconForCausalLM": ArchSpec(lambda c: bool(c.bias), lambda c: bool(c.bias), module="falcon"),
 }
 # GGUF configs carry a model_type but no `architectures`.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                   "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                  "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                  "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "falcon": "FalconForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:
@@ -90,6 +101,20 @@ def resolve_model_impl(config: Any, model_impl: str = "auto") -> tuple[str, str]
                 raise UnsupportedModelError(f"{native_error}; the transformers fallback cannot run it either: {e}") \
                     from None
     return transformers_architecture(config), "transformers"
+
+
+def kv_cache_shape(config: Any, spec: ArchSpec) -> tuple[int, int, bool]:
+    """``(num_kv_heads, head_size, mla)`` of one token's cache entry: MLA caches one latent row of ``kv_lora_rank
+    + qk_rope_head_dim``, others a key and a value per KV head."""
+    if spec.attention == "mla":
+        return 1, config.kv_lora_rank + config.qk_rope_head_dim, True
+    heads = config.num_attention_heads
+    if spec.module == "falcon":
+        from pagedllm.models.falcon import falcon_kv_heads
+
+        return falcon_kv_heads(config), config.hidden_size // heads, False
+    return (getattr(config, "num_key_value_heads", None) or heads,
+            getattr(config, "head_dim", None) or config.hidden_size // heads, False)
 
 
 def layer_sliding_windows(config: Any, spec: ArchSpec) -> list[Optional[int]]:

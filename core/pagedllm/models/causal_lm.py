@@ -1,4 +1,4 @@
-"""One native decoder (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE) running attention through a
+"""One native decoder (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, DeepSeek-V2/V3) running attention through a
 pagedllm backend.
 
 Flat batch, no batch dimension: ``T`` tokens of many sequences, described by an ``AttentionMetadata``. q/k/v and
@@ -16,8 +16,9 @@ from torch import nn
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.models.arch import ArchSpec, hidden_act, layer_sliding_windows
-from pagedllm.models.moe import SparseMoeBlock, is_moe_layer
+from pagedllm.models.arch import ArchSpec, hidden_act, kv_cache_shape, layer_sliding_windows
+from pagedllm.models.mla import MLAAttention
+from pagedllm.models.moe import DeepseekMoeBlock, SparseMoeBlock, is_moe_layer
 
 
 class RMSNorm(nn.Module):
@@ -38,6 +39,19 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
+def rotary_dim(config: Any, head_size: int) -> int:
+    """Rotary width: ``head_size`` times ``partial_rotary_factor`` (config or ``rope_parameters``)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return int(head_size * (params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+                            or 1.0))
+
+
+def deinterleave(x: torch.Tensor, rot: int) -> torch.Tensor:
+    """The first ``rot`` features reordered (x0, x1, x2, x3...) -> (x0, x2, ..., x1, x3, ...); the rest kept."""
+    r = x[..., :rot].unflatten(-1, (rot // 2, 2)).transpose(-1, -2).flatten(-2)
+    return torch.cat((r, x[..., rot:]), dim=-1) if rot < x.shape[-1] else r
+
+
 class Attention(nn.Module):
     def __init__(self, config: Any, spec: ArchSpec, backend: Any, sliding_window: Optional[int]):
         super().__init__()
@@ -55,6 +69,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_size) ** -0.5
         self.sliding_window = sliding_window
+        # GLM rotates interleaved pairs of the rotary dims: de-interleaving q and k alike (dot products unchanged)
+        # makes that the neox rotation of the backend's rotary hook.
+        self.rope_interleaved_dim = rotary_dim(config, self.head_size) if spec.rope_interleaved else 0
         self.soft_cap = getattr(config, "attn_logit_softcapping", None)
         self.rotary, self.write_kv, self.paged_attention = backend.rotary, backend.write_kv, backend.paged_attention
         self.add_lora = getattr(backend, "add_lora", None)
@@ -74,6 +91,8 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_size)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_interleaved_dim:
+            q, k = deinterleave(q, self.rope_interleaved_dim), deinterleave(k, self.rope_interleaved_dim)
         q, k = self.rotary(positions, q, k, cos_sin_cache)
         self.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap)
@@ -116,12 +135,21 @@ class DecoderLayer(nn.Module):
         super().__init__()
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm, spec.gemma)  # noqa: E731
         self.input_layernorm = norm()
-        self.self_attn = Attention(config, spec, backend, sliding_window)
+        if spec.attention == "mla":
+            self.self_attn = MLAAttention(config, backend, lambda d, eps: RMSNorm(d, eps, backend.rms_norm))
+        else:
+            self.self_attn = Attention(config, spec, backend, sliding_window)
         self.post_attention_layernorm = norm()
         # Gemma: post_attention_layernorm normalises the attention output; the MLP has its own pre/post norms.
         self.pre_feedforward_layernorm = norm() if spec.gemma else None
         self.post_feedforward_layernorm = norm() if spec.gemma else None
-        if spec.moe != "none" and is_moe_layer(config, index):
+        # Glm4: the attention output and the MLP output are normed before their residual adds.
+        self.post_self_attn_layernorm = norm() if spec.glm4_norms else None
+        self.post_mlp_layernorm = norm() if spec.glm4_norms else None
+        if spec.moe == "deepseek":
+            self.mlp = (DeepseekMoeBlock(config, backend, lambda size: GatedMLP(config, spec, backend, size))
+                        if index >= config.first_k_dense_replace else GatedMLP(config, spec, backend))
+        elif spec.moe != "none" and is_moe_layer(config, index):
             shared = (lambda size: GatedMLP(config, spec, backend, size)) if spec.moe == "shared" else None
             self.mlp = SparseMoeBlock(config, backend, shared)
         else:
@@ -134,6 +162,11 @@ class DecoderLayer(nn.Module):
             h = self.post_attention_layernorm(a).add_(h)
             m = self.mlp(self.pre_feedforward_layernorm(h), getattr(meta, "lora_mapping", None))
             return self.post_feedforward_layernorm(m).add_(h)
+        if self.post_self_attn_layernorm is not None:
+            a = self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, cos_sin_cache)
+            h = self.post_self_attn_layernorm(a).add_(h)
+            m = self.mlp(self.post_attention_layernorm(h), getattr(meta, "lora_mapping", None))
+            return self.post_mlp_layernorm(m).add_(h)
         h = self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, cos_sin_cache).add_(h)
         return self.mlp(self.post_attention_layernorm(h), getattr(meta, "lora_mapping", None)).add_(h)
 
@@ -151,8 +184,8 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.num_layers: int = config.num_hidden_layers
         self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
-        self.head_size: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        # What one token's cache entry holds (MLA: one latent row, KVCacheSpec.mla).
+        self.num_kv_heads, self.head_size, self.kv_cache_mla = kv_cache_shape(config, spec)
         self.hidden_size: int = config.hidden_size
         self.vocab_size: int = config.vocab_size
         self.max_model_len: int = config.max_position_embeddings
@@ -170,7 +203,7 @@ class CausalLM(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, spec, backend, w, i)
                                     for i, w in enumerate(self.layer_sliding_windows))
-        self.supports_lora = spec.moe == "none" and not spec.gemma  # LoRA parity is tested on the others
+        self.supports_lora = spec.moe == "none" and not spec.gemma and spec.attention == "mha"  # LoRA parity is tested on the others
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm, spec.gemma)
         self.embed_scale: Optional[float] = config.hidden_size ** 0.5 if spec.gemma else None
         self.final_logit_softcapping: Optional[float] = getattr(config, "final_logit_softcapping", None)

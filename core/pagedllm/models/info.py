@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from pagedllm.hookspec import ModelInfo
-from pagedllm.models.arch import architecture_of, layer_sliding_windows, resolve_model_impl
+from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
 from pagedllm.models.paths import is_gguf
 from pagedllm.models.transformers_impl import num_kv_heads_of
 
@@ -32,13 +32,17 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
         window = getattr(config, "sliding_window", None)
         windows = [window] if isinstance(window, int) else []
     heads = config.num_attention_heads
+    if impl == "native":  # MLA: the cache's one latent row per token
+        kv_heads, head_size, _ = kv_cache_shape(config, architecture_of(config)[1])
+    else:
+        kv_heads, head_size = num_kv_heads_of(config), getattr(config, "head_dim", None) or config.hidden_size // heads
     return ModelInfo(
         architecture=name,
         dtype=checkpoint_dtype(config),
         num_layers=config.num_hidden_layers,
         num_heads=heads,
-        num_kv_heads=num_kv_heads_of(config),
-        head_size=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        num_kv_heads=kv_heads,
+        head_size=head_size,
         vocab_size=config.vocab_size,
         max_model_len=config.max_position_embeddings,
         sliding_window=max(windows) if windows else None,

@@ -13,10 +13,11 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
+from pagedllm.models.falcon import FalconCausalLM
 from pagedllm.models.gguf_weights import GGUFWeights
 from pagedllm.models.paths import is_gguf, resolve_model_path
 from pagedllm.models.quantized_linears import quantize_linears
-from pagedllm.models.remote_layouts import BaichuanWeights, check_covered, remote_code_config, wrap_weights
+from pagedllm.models.remote_layouts import check_covered, remote_code_config, wrap_weights
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
 from pagedllm.models.transformers_impl import load_transformers_model
 from pagedllm.models.weights import SafetensorsWeights, fused_state_dict
@@ -32,7 +33,13 @@ def load_config(model_path: str) -> Any:
     if is_gguf(model_path):
         from pagedllm.models.gguf_config import load_gguf_config
 
-        return load_gguf_config(model_path)
+        config = load_gguf_config(model_path)
+        kv = vars(config).get("num_key_value_heads", 1)
+        if config.model_type == "falcon" and kv != 1:  # transformers' GGUF config can only say Falcon-7B's layout
+            raise UnsupportedModelError(f"falcon GGUF with {kv} KV heads (Falcon-40B/180B: grouped KV, "
+                                        "new_decoder_architecture) cannot be described by transformers' GGUF config; "
+                                        "load the safetensors checkpoint (multi-query Falcon GGUF files load)")
+        return config
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=False)
     except (ValueError, KeyError) as e:  # a model_type transformers does not know: remote code only (ChatGLM...)
@@ -95,12 +102,12 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         return model
     _, spec = architecture_of(config)
     with torch.device("meta"):
-        model = CausalLM(config, spec, backend)
+        model = (FalconCausalLM if spec.module == "falcon" else CausalLM)(config, spec, backend)
     weights = GGUFWeights(path, config) if is_gguf(path) else wrap_weights(SafetensorsWeights(path), config)
     if quantization is not None:
         quantize_linears(model, weights, backend, dtype, device)
     model.load_state_dict(fused_state_dict(model, weights, dtype, device), strict=True, assign=True)
-    if isinstance(weights, BaichuanWeights):
+    if hasattr(weights, "taken"):  # a remote-code layout: every checkpoint tensor must have been mapped
         check_covered(weights, weights.source.names())
     del weights
     packed = [m for m in model.modules() if isinstance(m, QuantizedLinear)]

@@ -58,6 +58,69 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek's router, HF's numerics (float32 throughout) -> (float32 weights, int64 ids), each ``[T, top_k]``.
+
+    V2 (``topk_method``): softmax scores, top-k over all experts (``greedy``) or over the ``topk_group`` groups with
+    the best max score (``group_limited_greedy``), never renormalised. V3 (``noaux_tc``): sigmoid scores; groups
+    ranked by the sum of their top-2 ``scores + e_score_correction_bias``, experts chosen by the biased score,
+    weighted by the unbiased one, renormalised when ``norm_topk_prob``. Both scale by ``routed_scaling_factor``."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.num_experts = config.n_routed_experts
+        self.top_k, self.n_group, self.topk_group = config.num_experts_per_tok, config.n_group, config.topk_group
+        self.v3 = config.model_type == "deepseek_v3"
+        self.method = "noaux_tc" if self.v3 else getattr(config, "topk_method", "greedy")
+        self.renormalize = self.v3 and bool(config.norm_topk_prob)
+        self.scaling = float(config.routed_scaling_factor)
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size), requires_grad=False)
+        if self.v3:
+            self.e_score_correction_bias = nn.Parameter(torch.empty(self.num_experts), requires_grad=False)
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` bool: experts in the ``topk_group`` best groups."""
+        best = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return mask.repeat_interleave(self.num_experts // self.n_group, dim=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())
+        grouped = lambda s: s.view(-1, self.n_group, self.num_experts // self.n_group)  # noqa: E731
+        if self.v3:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias.float()
+            keep = self._group_mask(grouped(choice).topk(2, dim=-1)[0].sum(dim=-1))
+            ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k=self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+            if self.renormalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            scores = logits.softmax(dim=-1)
+            if self.method == "group_limited_greedy":
+                scores = scores.masked_fill(~self._group_mask(grouped(scores).max(dim=-1).values), 0.0)
+            weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        return weights * self.scaling, ids
+
+
+class DeepseekMoeBlock(nn.Module):
+    """DeepSeek's MoE MLP: grouped routing, routed experts through ``fused_moe``, plus always-on shared experts."""
+
+    def __init__(self, config: Any, backend: Any, shared_expert: Callable[[int], nn.Module]):
+        super().__init__()
+        h, e, i = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+        self.gate = GroupedTopKRouter(config)
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(e, h, i), requires_grad=False)
+        self.fused_moe = backend.fused_moe
+        self.shared_experts = shared_expert(i * config.n_shared_experts) if config.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.fused_moe(x, self.w13, self.w2, weights, ids)
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+
 def is_moe_layer(config: Any, layer: int) -> bool:
     """Which decoder layers are sparse, as HF decides (Qwen2-MoE: ``mlp_only_layers``, ``decoder_sparse_step``)."""
     if getattr(config, "num_local_experts", None):

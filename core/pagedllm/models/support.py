@@ -24,19 +24,32 @@ VERIFIED: dict[str, str] = {
     "Gemma3ForCausalLM": "tests/test_native_families.py",
     "MixtralForCausalLM": "tests/test_moe.py",
     "Qwen2MoeForCausalLM": "tests/test_moe.py",
+    "DeepseekV2ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
+    "DeepseekV3ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
+    "FalconForCausalLM": "tests/test_falcon.py (grouped, multi-query and per-head layouts)",
     "BaiChuanForCausalLM": "tests/test_remote_layouts.py (vs HF Llama on the same weights)",
-    "GlmForCausalLM": "tests/test_transformers_fallback.py",
+    "GlmForCausalLM": "tests/test_glm.py (transformers path: test_transformers_fallback.py)",
+    "Glm4ForCausalLM": "tests/test_glm.py",
+    "ChatGLMModel": "tests/test_glm.py (vs HF Glm on the same weights; every tensor name mapped)",
+    "Olmo2ForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
 }
-_GGUF_TESTED = {"LlamaForCausalLM"}  # SmolLM2-135M Q4_1 (tests/test_smollm2.py)
+# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon and Phi-3 Q8_0 (tests/test_gguf_families.py)
+_GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tested)",
+                "FalconForCausalLM": "yes (tested; multi-query layout only, grouped KV refused)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 
 
 def _features(name: str) -> str:
     spec = ARCHITECTURES[name]
     out = []
+    if spec.attention == "mla":
+        out.append("MLA (latent KV cache), YaRN")
     if spec.moe != "none":
-        out.append("MoE" + (" + shared expert" if spec.moe == "shared" else ""))
+        out.append("MoE" + {"shared": " + shared expert", "deepseek": " (grouped top-k) + shared experts"}.get(
+            spec.moe, ""))
+    if spec.module == "falcon":
+        out.append("parallel attn+MLP, MQA/grouped KV, LayerNorm (ALiBi refused)")
     if spec.sliding != "none":
         out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
     if spec.qk_norm:
@@ -50,7 +63,7 @@ def _gguf(name: str, model_type: str) -> str:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     if name in _GGUF_TESTED:
-        return "yes (tested)"
+        return _GGUF_TESTED[name]
     return "readable, untested" if _GGUF_ARCH.get(model_type, model_type) in GGUF_SUPPORTED_ARCHITECTURES else "no"
 
 
@@ -81,7 +94,8 @@ def rows() -> list[dict[str, Any]]:
         out.append({"architecture": name, "path": "native" + (" (transformers via --model-impl)"
                                                              if name in fallback else ""),
                     "features": _features(name), "gguf": _gguf(name, model_types.get(name, "")),
-                    "lora": "yes" if spec.moe == "none" and not spec.gemma else "no",
+                    "lora": "yes" if spec.moe == "none" and not spec.gemma and spec.attention == "mha"
+                    and spec.module == "decoder" else "no",
                     "verified": VERIFIED.get(name, "-")})
     for name, what in REMOTE_LAYOUTS.items():
         out.append({"architecture": name, "path": "native, remote-code layout mapped by name", "features": what,

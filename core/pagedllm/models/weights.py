@@ -60,7 +60,8 @@ class DictWeights(dict):
 def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype,
                      device: torch.device) -> dict[str, torch.Tensor]:
     """Our state dict from HF-named tensors: q/k/v and gate/up concatenated along the output dim."""
-    prefix = checkpoint_prefix(weights)
+    # Models named exactly as their checkpoint (Falcon's transformer.h.N...) take no prefix.
+    prefix = "" if getattr(model, "checkpoint_names", False) else checkpoint_prefix(weights)
 
     def load(name: str) -> torch.Tensor:
         if name not in weights:

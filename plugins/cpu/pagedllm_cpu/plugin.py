@@ -71,9 +71,10 @@ def pagedllm_distributed_backend() -> str:
 @hookimpl
 def pagedllm_allocate_kv_cache(spec: KVCacheSpec) -> list:
     """Canonical layout, left uninitialised: pages are only touched (and become resident) as blocks get written, so
-    a 4 GiB pool costs neither seconds of zeroing at start-up nor 4 GiB of RSS. The kernels never let an unwritten
+    a 4 GiB pool costs neither seconds of zeroing at start-up nor 4 GiB of RSS. MLA caches (``spec.mla``) take the
+canonical latent layout and core's reference MLA write/attention ops. The kernels never let an unwritten
     slot reach an output (the tests poison caches with NaN to prove it)."""
-    shape = (2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    shape = (1 if spec.mla else 2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
     return [torch.empty(shape, dtype=spec.dtype, device=spec.device) for _ in range(spec.num_layers)]
 
 

@@ -1,0 +1,136 @@
+"""GGUF for the native families beyond Llama whose GGUF metadata transformers reads: a tiny checkpoint written with
+``gguf.GGUFWriter`` (linear weights Q8_0, the rest F32) loads natively and matches HF reading the same file.
+
+Falcon: transformers' GGUF config keeps only what Falcon-7B's layout needs (multi-query, parallel attention,
+ffn = 4 x hidden); a GGUF with several KV heads (Falcon-40B/180B, reordered q/k/v in llama.cpp's converter) is
+refused by name rather than read wrongly. DeepSeek-V2/V3 (``deepseek2``) and GLM-4 (``glm4``): transformers has no
+GGUF config for them, so they are refused (``docs/models.md``'s GGUF column says so)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from model_parity import NEW_TOKENS, mixed_batch
+import hf_oracle
+from pagedllm import LLM, SamplingParams
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.models import load_config, load_model
+from pagedllm.models.falcon import FalconCausalLM
+from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
+from tiny_models import FALCON_CONFIGS, make_fallback_model
+
+# Falcon-7B's layout at odd shapes (head 48, vocab 500): MQA, parallel attention, tied head, ffn = 4 x hidden.
+FALCON_7B_LIKE = dict(ffn_hidden_size=4 * 480, layer_norm_epsilon=1e-5)
+
+
+def write_gguf(arch: str, hf_dir: str, out_dir, kv_heads: int, ffn: int, eps_rms: bool) -> str:
+    """``hf_dir``'s weights as ``<out_dir>/tiny-<arch>.gguf``: metadata as llama.cpp's converter writes it, 2-D
+    weights Q8_0 (dequantized at load, ``gguf.quants``), the rest F32, a tied head left out."""
+    import gguf
+    from gguf.quants import quantize
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    c = model.config
+    path = os.path.join(out_dir, f"tiny-{arch}.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(kv_heads)
+    if eps_rms:
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    else:
+        w.add_layer_norm_eps(c.layer_norm_epsilon)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    w.add_pad_token_id(c.pad_token_id)
+    arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        data = t.numpy().astype(np.float32)
+        if data.ndim == 2 and name != "token_embd.weight":
+            w.add_tensor(name, quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_falcon_gguf(out_dir, kv_heads: int = 1) -> str:
+    hf_dir = make_fallback_model("falcon_mqa", os.path.join(out_dir, "hf"), **FALCON_7B_LIKE)
+    return write_gguf("falcon", hf_dir, out_dir, kv_heads, FALCON_7B_LIKE["ffn_hidden_size"], eps_rms=False)
+
+
+def write_phi3_gguf(out_dir) -> str:
+    """Phi-3 (fused qkv_proj / gate_up_proj: GGUF's attn_qkv / ffn_up), no sliding window: transformers' GGUF
+    config for phi3 carries none."""
+    hf_dir = make_fallback_model("phi3", os.path.join(out_dir, "hf"), sliding_window=None)
+    return write_gguf("phi3", hf_dir, out_dir, 2, 320, eps_rms=True)
+
+
+@pytest.fixture(scope="module")
+def falcon_gguf(tmp_path_factory) -> str:
+    return write_falcon_gguf(tmp_path_factory.mktemp("gguf_falcon"))
+
+
+@pytest.fixture(scope="module")
+def phi3_gguf(tmp_path_factory) -> str:
+    return write_phi3_gguf(tmp_path_factory.mktemp("gguf_phi3"))
+
+
+def _hf(path: str):
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def test_falcon_gguf_logits_and_greedy_match_hf(falcon_gguf, ref_backend):
+    hf = _hf(falcon_gguf)
+    ours = load_model(falcon_gguf, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(ours, FalconCausalLM) and ours.num_kv_heads == 1
+    prompts = _prompts(hf.config.vocab_size)
+    with torch.inference_mode():
+        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
+        for schedule in (FULL_PREFILL, CHUNKED):
+            assert_logits_match("falcon gguf", run_schedule(ours, ref_backend, prompts, schedule), expected)
+    llm = LLM(falcon_gguf, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+              kv_cache_memory=16 << 20, max_num_batched_tokens=16, enable_prefix_caching=True)
+    assert isinstance(llm.llm_engine.model, FalconCausalLM)
+    wave = mixed_batch(hf.config.vocab_size)[0]
+    outs = llm.generate([{"prompt_token_ids": p} for p in wave],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(wave, outs):
+        assert list(o.outputs[0].token_ids) == hf_oracle.hf_greedy(hf, p, NEW_TOKENS)
+
+
+def test_phi3_gguf_logits_match_hf(phi3_gguf, ref_backend):
+    hf = _hf(phi3_gguf)
+    ours = load_model(phi3_gguf, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+    assert (ours.num_heads, ours.num_kv_heads, ours.head_size) == (10, 2, 48)
+    prompts = _prompts(hf.config.vocab_size)
+    with torch.inference_mode():
+        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
+        for schedule in (FULL_PREFILL, CHUNKED):
+            assert_logits_match("phi3 gguf", run_schedule(ours, ref_backend, prompts, schedule), expected)
+
+
+def test_falcon_gguf_with_grouped_kv_is_refused(tmp_path):
+    path = write_falcon_gguf(tmp_path, kv_heads=2)
+    with pytest.raises(UnsupportedModelError, match="falcon GGUF with 2 KV heads"):
+        load_config(path)
