@@ -44,7 +44,7 @@ def test_falcon_logits_match_hf(falcon_dirs, ref_backend, name):
             assert_logits_match(name, run_schedule(ours, ref_backend, prompts, schedule), expected)
 
 
-@pytest.mark.parametrize("name", ["falcon_new_arch", "falcon_mqa"])
+@pytest.mark.parametrize("name", NAMES)
 def test_falcon_greedy_parity_engine(falcon_dirs, name):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16), chunked prefill, prefix hits."""
     llm = assert_engine_parity(falcon_dirs[name], _hf(falcon_dirs[name]))

@@ -87,7 +87,7 @@ def test_glm_logits_match_hf(glm_dirs, ref_backend, name):
             assert_logits_match(name, run_schedule(ours, ref_backend, prompts, schedule), expected)
 
 
-@pytest.mark.parametrize("name", ["glm4", "chatglm"])
+@pytest.mark.parametrize("name", NAMES + ["chatglm"])
 def test_glm_greedy_parity_engine(glm_dirs, name):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16), chunked prefill, prefix hits."""
     hf = _hf(glm_dirs["glm" if name == "chatglm" else name])
