@@ -191,7 +191,8 @@ def table(rows: list[tuple[str, str, StepEstimate]]) -> str:
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for dev, par, e in rows:
         lines.append(f"| {dev} | {par} | {e.phase} | {e.tokens} | {e.compute_s * 1e3:.2f} | {e.comm_s * 1e3:.3f} | "
-                     f"{e.step_s * 1e3:.2f} | {e.comm_share:.1%} | {e.tokens_per_s:,.0f} |")
+                     f"{e.step_s * 1e3:.2f} | {e.comm_share:.1%} | "
+                     + (f"{e.tokens_per_s:,.0f} |" if e.tokens_per_s >= 100 else f"{e.tokens_per_s:.2g} |"))
     return "\n".join(lines)
 
 
