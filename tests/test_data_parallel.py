@@ -21,7 +21,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, tiny_chat_model
+from server_utils import ServerProcess, cmdline, descendants, gone, tiny_chat_model
 
 from pagedllm.entrypoints.dp_client import least_loaded, split_cpus
 from pagedllm.sampling_params import ParamError
@@ -200,3 +200,31 @@ def test_cli_rejects_bad_data_parallel_size():
     r = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", "--data-parallel-size", "0", "--port", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "data_parallel_size" in r.stderr + r.stdout
+
+
+@pytest.mark.timeout(180)
+def test_replica_death_exits_server_by_default():
+    """--exit-on-engine-failure (the default): one replica's death ends every in-flight stream with its error (on
+    either replica), the server exits non-zero within 5 s, and no process is left behind."""
+    srv = ServerProcess(tiny_chat_model(), "-dp", "2", "--max-model-len", str(MAX_LEN), api_key=None)
+    try:
+        procs = descendants(srv.proc.pid)
+        engines = [p for p in procs if "spawn_main" in cmdline(p)]
+        assert len(engines) == 2, [cmdline(p) for p in procs]
+        body = {"model": srv.served_name, "prompt": PROMPTS[2], "max_tokens": MAX_LEN - 16, "stream": True,
+                "ignore_eos": True}
+        with httpx.Client(timeout=60) as c, c.stream("POST", f"{srv.url_v1}/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(l for l in lines if l.startswith("data: {"))
+            killed = time.monotonic()
+            os.kill(engines[0], signal.SIGKILL)
+            rest = list(lines)  # whichever engine held it, the stream ends with the dead engine's error
+        took = time.monotonic() - killed
+        assert any('"error"' in l and "exited unexpectedly (exit code -9)" in l for l in rest), rest[-3:]
+        code = srv.wait(10)
+        exited = time.monotonic() - killed
+        print(f"stream ended {took:.2f} s after the kill; server exited after {exited:.2f} s with code {code}")
+        assert code != 0 and exited < 5.0
+        assert all(gone(p, 10) for p in procs), [cmdline(p) for p in procs if not gone(p, 0)]
+    finally:
+        srv.stop()

@@ -343,6 +343,13 @@ class AsyncEngine:
         if unexpected and self.on_dead is not None:
             self.on_dead(err)
 
+    def fail_requests(self, err: BaseException) -> None:
+        """End every in-flight request with ``err`` and abort it in the engine (a data-parallel sibling died and the
+        server is exiting)."""
+        for rid in list(self._streams):
+            self._send(("abort", rid))
+        self._fail_all(err)
+
     def _fail_all(self, err: BaseException) -> None:
         for fut in self._pending.values():
             if not fut.done():

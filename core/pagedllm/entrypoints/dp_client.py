@@ -7,8 +7,9 @@ added and finish, so a burst is spread before any replica has reported a step); 
 replica is pinned to its own share of the cores with one torch thread per core (see ``cpu_split.py``).
 
 A replica that dies fails its own in-flight requests (EngineDeadError, as one engine does); from then on the server
-refuses new requests with 503 and ``/health`` answers 503, while the other replicas finish what they hold (with
-``--exit-on-engine-failure``, the default, the server then exits for a supervisor to restart it).
+refuses new requests with 503 and ``/health`` answers 503. With ``--exit-on-engine-failure`` (the default) every
+other replica's requests get the same error too and the server exits for a supervisor to restart it; without it the
+other replicas finish what they hold.
 """
 
 from __future__ import annotations
@@ -110,9 +111,14 @@ class DataParallelEngine:
             return
         index = next((r.index for r in self.replicas if r.error is err), "?")
         self.error = EngineDeadError(f"data-parallel engine {index}: {err}")
-        logger.error("%s; refusing new requests (the other engines finish what they hold)", self.error)
-        if self.on_dead is not None:
-            self.on_dead(self.error)
+        if self.on_dead is None:  # the server stays up: the other engines finish what they hold
+            logger.error("%s; refusing new requests (the other engines finish what they hold)", self.error)
+            return
+        # The server is about to exit (--exit-on-engine-failure): end every request with this error now rather
+        # than have the exit cut the survivors' streams.
+        for r in self.replicas:
+            r.fail_requests(self.error)
+        self.on_dead(self.error)
 
     # ---- requests --------------------------------------------------------------------------------------------
     def pick(self) -> AsyncEngine:
