@@ -10,7 +10,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, ParamError, SamplingParams
 
 
 class LLM:
@@ -20,6 +20,11 @@ class LLM:
     """
 
     def __init__(self, model: Optional[str] = None, **kwargs: Any):
+        dp = kwargs.pop("data_parallel_size", 1)
+        if dp != 1:
+            raise ParamError("data_parallel_size", f"the offline LLM runs one engine (got {dp!r}); for data "
+                                                   "parallel serve with `pagedllm serve --data-parallel-size N`, or "
+                                                   "run one LLM per process on its share of the prompts")
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
 

@@ -1,11 +1,11 @@
-"""``pagedllm bench throughput|latency|serve|sweep|moe ...``."""
+"""``pagedllm bench throughput|latency|serve|sweep|moe|scale-model ...``."""
 
 from __future__ import annotations
 
 import importlib
 
 BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep", "pagedllm.bench.moe",
-           "pagedllm.bench.latency")
+           "pagedllm.bench.latency", "pagedllm.bench.scale_model")
 
 
 def add_parser(sub) -> None:

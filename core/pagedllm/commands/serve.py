@@ -84,6 +84,10 @@ def add_parser(sub) -> None:
     p.add_argument("--engine-cpus", default=None, metavar="LIST",
                    help="CPUs for the engine process (taskset syntax, e.g. 0-6), one torch thread each; the HTTP "
                         "process runs on the other CPUs (default: both on every CPU)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                   help="engine replicas, each a process with a full model copy and its own KV cache, behind this "
+                        "server; requests go to the least loaded (docs/distributed.md). On CPUs the engine CPUs "
+                        "(--engine-cpus, default all) are split evenly among them; default 1")
     p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
                    help="parse tool calls out of the model's text for tool_choice=auto (Hermes/Qwen or Llama 3 JSON)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -102,6 +106,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ParamError("max_request_body_bytes", f"must be >= 1024, got {args.max_request_body_bytes}")
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ParamError("enable_auto_tool_choice", "needs --tool-call-parser")
+    if args.data_parallel_size < 1:
+        raise ParamError("data_parallel_size", f"must be >= 1, got {args.data_parallel_size}")
     if args.render_workers < 1:
         raise ParamError("render_workers", f"must be >= 1, got {args.render_workers}")
     _check_port(args.host, args.port)
@@ -156,4 +162,5 @@ def run(args: argparse.Namespace) -> int:
                  stream_interval=args.stream_interval, engine_cpus=args.engine_cpus, limits=limits,
                  render_workers=args.render_workers, exit_on_engine_failure=args.exit_on_engine_failure, cors=cors,
                  tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
-                 lora_modules=loras, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                 lora_modules=loras, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                 data_parallel_size=args.data_parallel_size)

@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from contextlib import asynccontextmanager
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
@@ -31,6 +31,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.auth import APIKeyMiddleware, add_cors
 from pagedllm.entrypoints.cpu_split import parse_cpu_list, pin_front_end
+from pagedllm.entrypoints.dp_client import DataParallelEngine, split_cpus
 from pagedllm.entrypoints.errors import APIError, error_body, from_param_error, install_handlers
 from pagedllm.entrypoints.limits import Admission, RequestBodyMiddleware, ServerLimits
 from pagedllm.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
@@ -97,7 +98,7 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
 
 
 
-def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: Optional[Any] = None,
+def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names: Sequence[str], api_key: Optional[Any] = None,
               chat_template: Optional[str] = None, limits: Optional[ServerLimits] = None,
               renderer: Optional[RenderPool] = None, cors: Optional[dict[str, Any]] = None,
               tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
@@ -111,7 +112,7 @@ def build_app(engine: AsyncEngine, served_model_names: Sequence[str], api_key: O
     """
     names = list(served_model_names)
     limits = limits or ServerLimits()
-    metrics = ServerMetrics(engine.stats, names[0])
+    metrics = ServerMetrics(engine.replica_stats, names[0])
     admission = Admission(limits.max_num_queued_reqs, limits.retry_after_s, on_reject=metrics.rejected.inc)
     completions = CompletionServing(engine, names, metrics, chat_template, limits, admission, renderer)
     chat = ChatServing(engine, names, metrics, chat_template, limits, admission, renderer)
@@ -282,19 +283,28 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
           render_workers: int = 2, exit_on_engine_failure: bool = True,
           cors: Optional[dict[str, Any]] = None, tool_call_parser: Optional[str] = None,
           enable_auto_tool_choice: bool = False, lora_modules: Sequence[LoRARequest] = (),
-          allow_runtime_lora_updating: bool = False) -> int:
+          allow_runtime_lora_updating: bool = False, data_parallel_size: int = 1) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code.
 
     ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
+    ``data_parallel_size`` > 1: that many engine replicas (see ``dp_client.py``), the engine CPUs (default: all this
+    process may use) split evenly among them.
     ``exit_on_engine_failure``: if the engine process dies, fail the in-flight requests, then exit with code 1.
     """
     import uvicorn
 
     template = load_chat_template(chat_template)
+    if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+        raise ParamError("data_parallel_size", f"must be an integer >= 1, got {data_parallel_size!r}")
     cpus = parse_cpu_list(engine_cpus) if engine_cpus is not None else None
+    replica_cpus = None
+    if data_parallel_size > 1:
+        replica_cpus = split_cpus(sorted(cpus if cpus else os.sched_getaffinity(0)), data_parallel_size)
+        cpus = frozenset().union(*replica_cpus)
     warm_up_forkserver()  # imports transformers in the background while the engine loads the model
-    # Starts the engine process and waits until the model is loaded.
-    engine = AsyncEngine(config, stream_interval, cpus, lora_modules)
+    # Starts the engine process(es) and waits until the model is loaded.
+    engine = (DataParallelEngine(config, replica_cpus, stream_interval, lora_modules) if replica_cpus
+              else AsyncEngine(config, stream_interval, cpus, lora_modules))
     renderer = None
     try:
         if engine.tokenizer is not None:

@@ -88,16 +88,21 @@ class AsyncEngine:
     """
 
     def __init__(self, config: EngineConfig, stream_interval: int = 1,
-                 engine_cpus: Optional[frozenset[int]] = None, lora_modules: Sequence[LoRARequest] = ()):
+                 engine_cpus: Optional[frozenset[int]] = None, lora_modules: Sequence[LoRARequest] = (),
+                 load_tokenizer: bool = True, index: int = 0):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ParamError("stream_interval", f"must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
-        from pagedllm.models import load_tokenizer, resolve_model_path
+        #: This engine's number among data-parallel replicas (the ``engine`` label on /metrics); 0 alone.
+        self.index = index
+        #: Requests the engine accepted (its ``pagedllm:engine_requests`` counter).
+        self.num_requests = 0
+        from pagedllm.models import load_tokenizer as load_tokenizer_, resolve_model_path
 
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold accelerator state
         self._conn, child_out = ctx.Pipe(duplex=False)  # engine -> server
         child_in, self._cmd_conn = ctx.Pipe(duplex=False)  # server -> engine
-        self._proc = ctx.Process(target=run_engine_core, name="pagedllm-engine", daemon=True,
+        self._proc = ctx.Process(target=run_engine_core, name=f"pagedllm-engine-{index}", daemon=True,
                                  args=(config, child_in, child_out, logging.getLogger().getEffectiveLevel(),
                                        engine_cpus, list(lora_modules)))
         self._proc.start()
@@ -114,7 +119,8 @@ class AsyncEngine:
         self.on_dead: Optional[Callable[[BaseException], None]] = None
         tok_error: Optional[BaseException] = None
         try:  # overlaps with the model load in the engine process
-            self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(resolve_model_path(config.model))
+            self.tokenizer = (None if config.skip_tokenizer_init or not load_tokenizer
+                              else load_tokenizer_(resolve_model_path(config.model)))
         except Exception as e:  # noqa: BLE001 - the engine's own error about the same model is more telling
             tok_error = e
         try:
@@ -190,7 +196,7 @@ class AsyncEngine:
         """
         if not self.is_running:
             raise EngineDeadError(f"engine is not running: {self.error!r}" if self.error else "engine is not running")
-        if request_id in self._streams or request_id in self._pending:
+        if self.has_request(request_id):
             raise ParamError("request_id", f"{request_id!r} is already in use")
         stream = RequestStream(self, request_id)
         if params.output_kind == "cumulative":  # the pipe carries deltas; _route accumulates them here
@@ -212,7 +218,15 @@ class AsyncEngine:
             if stream.timer is not None:
                 stream.timer.cancel()
             raise
+        self.num_requests += 1
         return stream
+
+    def num_unfinished(self) -> int:
+        """Requests this engine holds (added and not finished or aborted): its load for data-parallel balancing."""
+        return len(self._streams)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._streams or request_id in self._pending
 
     async def _control(self, kind: str, arg: Any) -> None:
         """Run one engine command answered like an add (accepted, or the engine's exception re-raised here)."""
@@ -265,6 +279,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine's stats snapshot as of its latest step or command."""
         return self._stats
+
+    def replica_stats(self) -> list[tuple[EngineStats, int]]:
+        """(stats, requests accepted) per engine replica, for /metrics: this one engine."""
+        return [(self._stats, self.num_requests)]
 
     # ---- plumbing --------------------------------------------------------------------------------------------
     def _send(self, msg: tuple) -> None:
@@ -324,6 +342,13 @@ class AsyncEngine:
         self._fail_all(err)
         if unexpected and self.on_dead is not None:
             self.on_dead(err)
+
+    def fail_requests(self, err: BaseException) -> None:
+        """End every in-flight request with ``err`` and abort it in the engine (a data-parallel sibling died and the
+        server is exiting)."""
+        for rid in list(self._streams):
+            self._send(("abort", rid))
+        self._fail_all(err)
 
     def _fail_all(self, err: BaseException) -> None:
         for fut in self._pending.values():

@@ -2,13 +2,14 @@
 
 Gauges and counters that the engine already keeps (running/waiting, KV usage, prefix-cache queries/hits, token
 counts, preemptions) are read at scrape time from the engine process's latest stats snapshot by a custom collector, so
-nothing on the hot path touches prometheus. Latency histograms are observed by the HTTP handlers when a request ends.
+nothing on the hot path touches prometheus; each carries vLLM's ``engine`` label, one sample per data-parallel
+replica. Latency histograms are observed by the HTTP handlers when a request ends.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,37 +29,38 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
-        self.stats = stats
+    """One sample per engine (data-parallel replica) with vLLM's ``engine`` label ("0" when there is one)."""
+
+    def __init__(self, replicas: Callable[[], Sequence[tuple[EngineStats, int]]], model_name: str):
+        self.replicas = replicas
         self.model_name = model_name
 
     def collect(self) -> Iterable[Metric]:
-        s = self.stats()
-        labels = ["model_name"]
-        values = [self.model_name]
+        reps = list(self.replicas())
+        labels = ["model_name", "engine"]
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"pagedllm:{name}", doc, labels=labels)
-            g.add_metric(values, value)
-            return g
+        def family(kind: str, name: str, doc: str, values: Sequence[float]) -> Metric:
+            f = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(f"pagedllm:{name}", doc, labels=labels)
+            for i, v in enumerate(values):
+                f.add_metric([self.model_name, str(i)], v)
+            return f
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"pagedllm:{name}", doc, labels=labels)
-            c.add_metric(values, value)
-            return c
-
+        stats = [s for s, _ in reps]
         for kind, name, doc, attr in _ENGINE_METRICS:
-            yield (gauge if kind == "gauge" else counter)(name, doc, getattr(s, attr))
-        if s.max_loras:
+            yield family(kind, name, doc, [getattr(s, attr) for s in stats])
+        yield family("counter", "engine_requests", "Requests this engine accepted (the data-parallel balancer's "
+                                                   "choice when there are several).", [n for _, n in reps])
+        if stats[0].max_loras:
             info = GaugeMetricFamily("pagedllm:lora_requests_info", "Running stats on LoRA requests (vLLM's).",
-                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-            info.add_metric([",".join(s.running_loras), ",".join(s.waiting_loras), str(s.max_loras)], 1.0)
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora", "engine"])
+            for i, s in enumerate(stats):
+                info.add_metric([",".join(s.running_loras), ",".join(s.waiting_loras), str(s.max_loras), str(i)], 1.0)
             yield info
             for name, doc in _LORA_COUNTERS:
-                yield counter(name, doc, getattr(s, name))
-        if s.spec_decode_enabled:
+                yield family("counter", name, doc, [getattr(s, name) for s in stats])
+        if stats[0].spec_decode_enabled:
             for kind, name, doc in _SPEC_METRICS:
-                yield (gauge if kind == "gauge" else counter)(name, doc, getattr(s, name))
+                yield family(kind, name, doc, [getattr(s, name) for s in stats])
 
 
 #: (kind, name after ``pagedllm:``, help, EngineStats field): vLLM's names where vLLM has the metric.
@@ -97,10 +99,11 @@ _SPEC_METRICS = (
 class ServerMetrics:
     """The app's registry: engine snapshot collector plus request-latency histograms."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str):
+    def __init__(self, replicas: Callable[[], Sequence[tuple[EngineStats, int]]], model_name: str):
+        """``replicas``: (stats snapshot, requests accepted) of each engine, e.g. ``AsyncEngine.replica_stats``."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        self.registry.register(_EngineCollector(stats, model_name))
+        self.registry.register(_EngineCollector(replicas, model_name))
         lab = ["model_name"]
         self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               lab, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
