@@ -30,6 +30,9 @@ def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, in
 
 def check_shardable(config: Any, tp: int, pp: int) -> None:
     """Raise ParamError naming the size that does not divide the model."""
+    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
+        raise ParamError("tensor_parallel_size", "mixture-of-experts models do not run tensor/pipeline parallel yet "
+                                                 "(expert parallel is not implemented)")
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if heads % tp:
         raise ParamError("tensor_parallel_size", f"{tp} does not divide the model's {heads} attention heads")

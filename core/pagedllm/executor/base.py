@@ -147,6 +147,10 @@ def make_executor(config: EngineConfig, model_path: str) -> Optional[Distributed
     """The executor ``config.distributed_executor_backend`` names (mp by default), or None for a one-rank engine."""
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         return None
+    from pagedllm.distributed.sharding import check_shardable
+    from pagedllm.models import load_config
+
+    check_shardable(load_config(model_path), config.tensor_parallel_size, config.pipeline_parallel_size)
     if config.distributed_executor_backend == "ray":
         from pagedllm.executor.ray_executor import RayExecutor
 
