@@ -3,8 +3,7 @@
 Core's reference is :class:`TorchCommunicator`: ``torch.distributed`` with the backend's collective library
 (``pagedllm_distributed_backend``: gloo on CPU, nccl / hccl / xccl on devices). A backend specialises it through the
 ``pagedllm_communicator`` hook (a shared-memory all-reduce on CPU, a device-native library), so core never names a
-vendor collective. Every wait has a timeout: a dead peer turns into :class:`CollectiveTimeout` (or the library's own
-connection error), never a hang.
+vendor collective. Every wait has a timeout: a dead or hung peer turns into :class:`CollectiveError`, never a hang.
 """
 
 from __future__ import annotations
@@ -16,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 
-class CollectiveTimeout(RuntimeError):
-    """A collective did not complete in time: a peer rank died or hangs."""
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer rank died (its connection closed) or did not answer within the timeout."""
 
 
 class Communicator:
@@ -73,9 +72,9 @@ class TorchCommunicator(Communicator):
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:  # gloo: a peer closed its socket / the library's own timeout
-            raise CollectiveTimeout(f"{what} on ranks {self.ranks} failed: {e}") from e
+            raise CollectiveError(f"{what} on ranks {self.ranks} failed: {e}") from e
         if ok is False:
-            raise CollectiveTimeout(f"{what} on ranks {self.ranks} did not complete in {self.timeout_s:g}s")
+            raise CollectiveError(f"{what} on ranks {self.ranks} did not complete in {self.timeout_s:g}s")
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
