@@ -9,6 +9,7 @@ vendor collective. Every wait has a timeout: a dead or hung peer turns into :cla
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -67,12 +68,16 @@ class TorchCommunicator(Communicator):
         # new_group is itself collective: every rank of the world calls it for every group, in the same order.
         self.group = dist.new_group(self.ranks, backend=collective, timeout=self.timeout)
         self.send_works: list[Any] = []  # isend handles, waited on before their buffers may be reused
+        self.wait_s, self.num_waits = 0.0, 0  # time this rank spent in collective waits (benchmarks)
 
     def _wait(self, work: Any, what: str) -> None:
+        t0 = time.perf_counter()
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:  # gloo: a peer closed its socket / the library's own timeout
             raise CollectiveError(f"{what} on ranks {self.ranks} failed: {e}") from e
+        self.wait_s += time.perf_counter() - t0
+        self.num_waits += 1
         if ok is False:
             raise CollectiveError(f"{what} on ranks {self.ranks} did not complete in {self.timeout_s:g}s")
 

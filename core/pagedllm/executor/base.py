@@ -42,9 +42,9 @@ class DistributedExecutor:
         self._saved_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self._saved_threads = torch.get_num_threads()
         self._closed = False
-        init_method, driver_cpus = self._start_ranks()
+        init_method, self.driver_cpus = self._start_ranks()
         try:
-            self.driver = RankWorker(0, config, model_path, init_method, driver_cpus)
+            self.driver = RankWorker(0, config, model_path, init_method, self.driver_cpus)
             self._wait_ready()
             if self.driver.worker.policy.static:
                 from pagedllm.sampling_params import ParamError
@@ -69,6 +69,12 @@ class DistributedExecutor:
     @property
     def driver_worker(self) -> Any:
         return self.driver.worker
+
+    def rebind(self) -> int:
+        """Pin this process to rank 0's CPUs and threads again (a benchmark that ran something else in between)."""
+        from pagedllm.executor.binding import bind_rank
+
+        return bind_rank(self.driver_cpus)
 
     def attach(self, runner: Any) -> None:
         """Route the driver's model runner through every rank."""
