@@ -87,8 +87,6 @@ class EngineConfig:
         if self.distributed_executor_backend not in (None, "mp", "ray"):
             raise ParamError("distributed_executor_backend", f"must be 'mp' or 'ray', got "
                                                              f"{self.distributed_executor_backend!r}")
-        if self.enable_expert_parallel:
-            raise ParamError("enable_expert_parallel", "expert parallel is not implemented yet (docs/distributed.md)")
         if not self.distributed_timeout_s > 0:
             raise ParamError("distributed_timeout_s", f"must be > 0 seconds, got {self.distributed_timeout_s!r}")
         if self.swap_space < 0:

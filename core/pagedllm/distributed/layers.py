@@ -54,5 +54,22 @@ class LogitsGather:
         return self.comm.all_gather(logits, dim=-1)[..., : self.vocab_size]
 
 
+class ExpertParallelMoE:
+    """Expert parallel (``--enable-expert-parallel``): this rank holds experts ``[start, start + num_local)`` and
+    runs the backend's ``fused_moe`` on the routes that land there; the other routes get weight 0 (on local expert
+    0: wasted work, not a wrong result), and the all-reduce adds every rank's experts. Replaces a
+    ``SparseMoeBlock``'s ``fused_moe``; the router stays whole on every rank."""
+
+    def __init__(self, fused_moe: Any, start: int, num_local: int, comm: Any):
+        self.fused_moe, self.start, self.num_local, self.comm = fused_moe, start, num_local, comm
+
+    def __call__(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        local = topk_ids - self.start
+        outside = (local < 0) | (local >= self.num_local)
+        out = self.fused_moe(x, w13, w2, topk_weights.masked_fill(outside, 0), local.masked_fill(outside, 0))
+        return self.comm.all_reduce(out)
+
+
 class PPMissingLayer(nn.Identity):
     """A decoder layer another pipeline stage owns: no weights here."""

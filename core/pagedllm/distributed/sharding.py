@@ -15,8 +15,9 @@ import copy
 from typing import Any
 
 import torch
+from torch import nn
 
-from pagedllm.distributed.layers import LogitsGather, PPMissingLayer, RowParallelLinear, VocabParallelEmbedding
+from pagedllm.distributed.layers import ExpertParallelMoE, LogitsGather, PPMissingLayer, RowParallelLinear, VocabParallelEmbedding
 from pagedllm.distributed.parallel_state import ParallelState
 from pagedllm.sampling_params import ParamError
 
@@ -28,11 +29,22 @@ def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, in
     return start, start + base + (pp_rank < extra)
 
 
-def check_shardable(config: Any, tp: int, pp: int) -> None:
+def num_experts(config: Any) -> int:
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+
+
+def expert_range(num: int, tp: int, rank: int) -> tuple[int, int]:
+    """Experts ``[start, end)`` of tensor rank ``rank``: an even split, the remainder to the first ranks."""
+    return pp_layer_range(num, tp, rank)
+
+
+def check_shardable(config: Any, tp: int, pp: int, expert_parallel: bool = False) -> None:
     """Raise ParamError naming the size that does not divide the model."""
-    if getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None):
-        raise ParamError("tensor_parallel_size", "mixture-of-experts models do not run tensor/pipeline parallel yet "
-                                                 "(expert parallel is not implemented)")
+    if num_experts(config) and tp > 1 and not expert_parallel:
+        raise ParamError("tensor_parallel_size", "a mixture-of-experts model splits its experts across the "
+                                                 "tensor-parallel ranks: add --enable-expert-parallel")
+    if expert_parallel and (tp == 1 or not num_experts(config)):
+        raise ParamError("enable_expert_parallel", "needs tensor_parallel_size > 1 and a mixture-of-experts model")
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if heads % tp:
         raise ParamError("tensor_parallel_size", f"{tp} does not divide the model's {heads} attention heads")
@@ -53,6 +65,8 @@ def local_config(config: Any, par: ParallelState) -> Any:
     local.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     local.num_attention_heads = config.num_attention_heads // tp
     local.num_key_value_heads = max(1, config.num_key_value_heads // tp)
+    if num_experts(config):  # expert parallel: each expert stays whole (its rank has it all)
+        local.moe_intermediate_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     local.intermediate_size = config.intermediate_size // tp
     return local
 
@@ -71,9 +85,17 @@ def parallelize(model: Any, full_config: Any, par: ParallelState) -> None:
             continue
         if tp == 1:
             continue
-        o, d = layer.self_attn.o_proj, layer.mlp.down_proj
+        o = layer.self_attn.o_proj
         layer.self_attn.o_proj = RowParallelLinear(o.in_features, o.out_features, o.bias is not None, comm)
-        layer.mlp.down_proj = RowParallelLinear(d.in_features, d.out_features, d.bias is not None, comm)
+        mlp = layer.mlp
+        if hasattr(mlp, "w13"):  # a sparse MoE block: expert parallel
+            e0, e1 = expert_range(mlp.w13.shape[0], tp, par.tp_rank)
+            mlp.w13 = nn.Parameter(torch.empty(e1 - e0, *mlp.w13.shape[1:]), requires_grad=False)
+            mlp.w2 = nn.Parameter(torch.empty(e1 - e0, *mlp.w2.shape[1:]), requires_grad=False)
+            mlp.fused_moe = ExpertParallelMoE(mlp.fused_moe, e0, e1 - e0, comm)
+        else:
+            d = mlp.down_proj
+            mlp.down_proj = RowParallelLinear(d.in_features, d.out_features, d.bias is not None, comm)
     model.start_layer, model.end_layer = start, end
     model.num_layers = end - start  # the KV pool holds this stage's layers only
     if tp > 1:
@@ -111,6 +133,9 @@ def shard_state_dict(sd: dict[str, torch.Tensor], full_config: Any, par: Paralle
             t = torch.cat([gate[i_rows], up[i_rows]], dim=0)
         elif module.endswith("mlp.down_proj") and leaf == "weight":
             t = t[:, i_rows]
+        elif key.endswith((".mlp.w13", ".mlp.w2")):
+            e0, e1 = expert_range(t.shape[0], tp, r)
+            t = t[e0:e1]
         elif key in ("embed_tokens.weight", "lm_head.weight"):
             per = _vocab_per_rank(full_config.vocab_size, tp)
             part = t[r * per:(r + 1) * per]

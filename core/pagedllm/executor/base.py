@@ -151,12 +151,17 @@ class DistributedExecutor:
 
 def make_executor(config: EngineConfig, model_path: str) -> Optional[DistributedExecutor]:
     """The executor ``config.distributed_executor_backend`` names (mp by default), or None for a one-rank engine."""
+    if config.enable_expert_parallel and config.tensor_parallel_size == 1:
+        from pagedllm.sampling_params import ParamError
+
+        raise ParamError("enable_expert_parallel", "needs tensor_parallel_size > 1 (experts split across its ranks)")
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         return None
     from pagedllm.distributed.sharding import check_shardable
     from pagedllm.models import load_config
 
-    check_shardable(load_config(model_path), config.tensor_parallel_size, config.pipeline_parallel_size)
+    check_shardable(load_config(model_path), config.tensor_parallel_size, config.pipeline_parallel_size,
+                    config.enable_expert_parallel)
     if config.distributed_executor_backend == "ray":
         from pagedllm.executor.ray_executor import RayExecutor
 

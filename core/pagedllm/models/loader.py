@@ -108,8 +108,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     _, spec = architecture_of(config)
     full_config, par = config, get_parallel_state()
     if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
-        if spec.moe != "none" or quantization is not None:
-            raise UnsupportedModelError("tensor/pipeline parallel runs dense, unquantized native models only")
+        if quantization is not None:
+            raise UnsupportedModelError("tensor/pipeline parallel runs unquantized native models only")
         config = local_config(config, par)
     with torch.device("meta"):
         model = (FalconCausalLM if spec.module == "falcon" else CausalLM)(config, spec, backend)
