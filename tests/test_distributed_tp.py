@@ -56,7 +56,8 @@ def test_bad_distributed_settings_are_refused_by_name(dist_models):
              (dict(pipeline_parallel_size=3), "pipeline_parallel_size"),  # 2 layers
              (dict(tensor_parallel_size=2, distributed_executor_backend="mpi"), "distributed_executor_backend"),
              (dict(tensor_parallel_size=2, enable_lora=True), "enable_lora"),
-             (dict(tensor_parallel_size=2, enable_expert_parallel=True), "enable_expert_parallel")]
+             (dict(tensor_parallel_size=2, enable_expert_parallel=True), "enable_expert_parallel"),  # dense model
+             (dict(enable_expert_parallel=True), "enable_expert_parallel")]  # one rank
     for kw, field in cases:
         with pytest.raises(ParamError) as e:
             LLM(path, device="cpu", dtype="float32", max_model_len=64, skip_tokenizer_init=True, **kw)
@@ -80,3 +81,29 @@ def test_serve_tensor_parallel_2_from_the_command_line():
     finally:
         srv.stop()
     torch.set_num_threads(torch.get_num_threads())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_expert_parallel_matches_one_rank(tmp_path, name):
+    """``--enable-expert-parallel``: the tiny Mixtral's 5 experts split 3 + 2 over two ranks (Qwen2-MoE: 6 routed
+    experts 3 + 3, its shared expert and dense layer replicated / tensor-parallel); same greedy tokens and logits as
+    one rank."""
+    import tiny_models
+
+    path = tiny_models.make_fallback_model(name, tmp_path / name)
+    prompts = workload(num=6)
+    want_tokens, want_logits = run_capturing_logits(engine(path), prompts)
+    with pytest.raises(ParamError, match="enable-expert-parallel"):
+        engine(path, tp=2)
+    llm = engine(path, tp=2, enable_expert_parallel=True)
+    try:
+        blocks = [layer.mlp for layer in llm.llm_engine.model.layers if hasattr(layer.mlp, "w13")]
+        assert blocks and all(b.w13.shape[0] == 3 for b in blocks)  # rank 0's share of the experts
+        tokens, logits = run_capturing_logits(llm, prompts)
+    finally:
+        llm.llm_engine.shutdown()
+    assert tokens == want_tokens
+    worst = max((a - b).abs().max().item() for a, b in zip(logits, want_logits, strict=True))
+    scale = max(b.abs().max().item() for b in want_logits)
+    print(f"{name} EP=2: max |logit diff| = {worst:.2e} (logits up to {scale:.1f})")
+    assert worst <= 1e-5 * max(1.0, scale)

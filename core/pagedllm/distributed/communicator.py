@@ -1,9 +1,10 @@
 """Communicator: the collectives one parallel group runs (vLLM's ``DeviceCommunicatorBase``).
 
 Core's reference is :class:`TorchCommunicator`: ``torch.distributed`` with the backend's collective library
-(``pagedllm_distributed_backend``: gloo on CPU, nccl / hccl / xccl on devices). A backend specialises it through the
-``pagedllm_communicator`` hook (a shared-memory all-reduce on CPU, a device-native library), so core never names a
-vendor collective. Every wait has a timeout: a dead or hung peer turns into :class:`CollectiveError`, never a hang.
+(``pagedllm_distributed_backend``: gloo on CPU, the device's own library elsewhere). A backend specialises it
+through the ``pagedllm_communicator`` hook (a shared-memory all-reduce on CPU, a device-native library), so core
+never names a vendor collective. Every wait has a timeout: a dead or hung peer turns into :class:`CollectiveError`,
+never a hang.
 """
 
 from __future__ import annotations

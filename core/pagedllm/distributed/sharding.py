@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.distributed.layers import ExpertParallelMoE, LogitsGather, PPMissingLayer, RowParallelLinear, VocabParallelEmbedding
+from pagedllm.distributed.layers import (ExpertParallelMoE, LogitsGather, PPMissingLayer, RowParallelLinear,
+                                        VocabParallelEmbedding)
 from pagedllm.distributed.parallel_state import ParallelState
 from pagedllm.sampling_params import ParamError
 

@@ -4,6 +4,7 @@ as one broadcast. Subclasses say how the other ranks start, receive a step and a
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import pickle
@@ -18,6 +19,15 @@ from pagedllm.executor.rank_worker import RankWorker
 from pagedllm.executor.step import run_step, split_micro_batches
 
 logger = logging.getLogger(__name__)
+
+
+_LIVE: "weakref.WeakSet[DistributedExecutor]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for ex in list(_LIVE):
+        ex.shutdown()
 
 
 class WorkerDiedError(RuntimeError):
@@ -58,13 +68,7 @@ class DistributedExecutor:
                 raise WorkerDiedError(f"distributed engine start failed: {dead} ({e})") from e
             raise
         self.par = self.driver.par
-        weakref.finalize(self, DistributedExecutor._finalize, weakref.ref(self))
-
-    @staticmethod
-    def _finalize(ref: Any) -> None:
-        self = ref()
-        if self is not None:
-            self.shutdown()
+        _LIVE.add(self)  # shut down at exit; one dropped unshut closes its connections, and its workers exit on EOF
 
     @property
     def driver_worker(self) -> Any:

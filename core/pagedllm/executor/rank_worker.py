@@ -5,10 +5,8 @@ processes (``python -m pagedllm.executor FD``) and by the Ray executor's actors 
 from __future__ import annotations
 
 import logging
-import os
 import pickle
-import sys
-from typing import Any, Optional
+from typing import Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.communicator import init_world
