@@ -16,21 +16,26 @@ import psutil
 from server_utils import free_port
 
 
+def _run(cmd: list[str], env: dict) -> None:
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd[1:3])} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+
+
 class TwoNodeRay:
     def __init__(self) -> None:
         self.temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths have a length limit
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        # No token auth (a token file another Ray session left in ~/.ray would otherwise split the two nodes).
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled"}
         env.pop("RAY_ADDRESS", None)
         common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
         try:
-            subprocess.run([ray, "start", "--head", "--port", str(self.port), "--include-dashboard", "false",
-                            "--temp-dir", self.temp_dir, *common], check=True, env=env, capture_output=True,
-                           timeout=120)
-            subprocess.run([ray, "start", "--address", self.address, *common], check=True, env=env,
-                           capture_output=True, timeout=120)
+            _run([ray, "start", "--head", "--port", str(self.port), "--include-dashboard", "false",
+                  "--temp-dir", self.temp_dir, *common], env)
+            _run([ray, "start", "--address", self.address, *common], env)
         except BaseException:
             self.stop()
             raise

@@ -75,7 +75,7 @@ def test_hung_rank_times_out_instead_of_hanging(tmp_path):
     from pagedllm import SamplingParams
     from pagedllm.executor import WorkerDiedError
 
-    llm = engine(make_dist_model("llama", tmp_path), tp=2, distributed_timeout_s=3.0)
+    llm = engine(make_dist_model("llama", tmp_path), tp=2, distributed_timeout_s=5.0)
     pid = llm.llm_engine.executor.worker_pids[0]
     try:
         os.kill(pid, signal.SIGSTOP)
@@ -84,7 +84,7 @@ def test_hung_rank_times_out_instead_of_hanging(tmp_path):
             llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4), use_tqdm=False)
         took = time.monotonic() - t0
         print(f"hung rank detected after {took:.1f}s")
-        assert 2.5 < took < 30
+        assert 4.5 < took < 30
     finally:
         os.kill(pid, signal.SIGKILL)
         llm.llm_engine.shutdown()

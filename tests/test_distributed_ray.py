@@ -22,6 +22,7 @@ def test_tp2_across_two_ray_nodes(tmp_path, monkeypatch):
     cluster = TwoNodeRay()
     try:
         monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
         llm = engine(path, tp=2, distributed_executor_backend="ray")
         try:
             ex = llm.llm_engine.executor

@@ -60,6 +60,7 @@ class ParallelState:
 
 
 _STATE: Optional[ParallelState] = None
+STARTUP_TIMEOUT_S = 600.0  # the rendezvous and start-up collectives: ranks import torch and load weights first
 
 
 def initialize_model_parallel(rank: int, config: ParallelConfig, backend: Any, device: Any,
@@ -72,7 +73,9 @@ def initialize_model_parallel(rank: int, config: ParallelConfig, backend: Any, d
     state = ParallelState(rank, config)
     from pagedllm.distributed.communicator import TorchCommunicator
 
-    state.world_group = TorchCommunicator(list(range(config.world_size)), torch.device("cpu"), timeout_s, "gloo")
+    # Start-up work (KV sizing after every rank loaded its weights) waits on the slowest rank's load, not a step.
+    state.world_group = TorchCommunicator(list(range(config.world_size)), torch.device("cpu"),
+                                          max(timeout_s, STARTUP_TIMEOUT_S), "gloo")
     for stage in range(pp):
         ranks = [stage * tp + i for i in range(tp)]
         comm = backend.communicator(ranks, device, collective, timeout_s)

@@ -10,7 +10,7 @@ from typing import Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.communicator import init_world
-from pagedllm.distributed.parallel_state import ParallelConfig, initialize_model_parallel
+from pagedllm.distributed.parallel_state import STARTUP_TIMEOUT_S, ParallelConfig, initialize_model_parallel
 from pagedllm.executor.binding import bind_rank
 from pagedllm.executor.step import run_step
 
@@ -37,7 +37,7 @@ class RankWorker:
         backend = get_backend(config.device)
         device = backend.device()
         pc = parallel_config(config)
-        init_world(rank, pc.world_size, init_method, "gloo", config.distributed_timeout_s)
+        init_world(rank, pc.world_size, init_method, "gloo", max(config.distributed_timeout_s, STARTUP_TIMEOUT_S))
         self.par = initialize_model_parallel(rank, pc, backend, device, config.distributed_timeout_s)
         hf_config = load_config(model_path)
         info = read_model_info(model_path, hf_config, config.model_impl)
