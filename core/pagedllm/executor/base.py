@@ -9,6 +9,7 @@ import logging
 import os
 import pickle
 import socket
+import time
 import weakref
 from typing import Any, Optional
 
@@ -44,6 +45,7 @@ class DistributedExecutor:
     """Rank 0 here; ``_start_ranks`` / ``_broadcast`` / ``_after_step`` / ``_check`` / ``_stop_ranks`` elsewhere."""
 
     name = "?"
+    failure_grace_s = 0.0  # how long a failed step waits for a dying rank's exit status, to name it
 
     def __init__(self, config: EngineConfig, model_path: str):
         self.config, self.model_path = config, model_path
@@ -101,6 +103,10 @@ class DistributedExecutor:
             self._after_step()
         except Exception as e:
             dead = self._dead_ranks()
+            deadline = time.monotonic() + self.failure_grace_s  # a reset connection can beat the exit status
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+                dead = self._dead_ranks()
             raise WorkerDiedError(f"distributed step failed: {dead or 'a rank stopped answering'} "
                                   f"({type(e).__name__}: {e})") from e
         self.num_steps += 1

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 class MultiprocExecutor(DistributedExecutor):
     name = "mp"
+    failure_grace_s = 2.0
 
     def _start_ranks(self) -> tuple[str, Optional[frozenset[int]]]:
         init_method = f"tcp://127.0.0.1:{free_port()}"
