@@ -100,6 +100,7 @@ class Backend:
         batch_policy: Callable[[RunnerContext], Any]
         model_runner: Callable[..., Any]
         distributed_backend: Callable[[], str]
+        communicator: Callable[..., Any]
         set_device: Callable[[torch.device], None]
         synchronize: Callable[[torch.device], None]
         allocate_kv_cache: Callable[[KVCacheSpec], list]

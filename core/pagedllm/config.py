@@ -48,6 +48,12 @@ class EngineConfig:
     # (pagedllm.quantization.resolve_quantization; docs/quantization.md)
     quantization: Optional[str] = None
     speculative_config: Any = None  # dict / JSON / SpeculativeConfig (docs/spec_decode.md); None: off
+    # Distributed inference inside one engine (docs/distributed.md); vLLM's names.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None  # mp (default when more than one rank) | ray
+    enable_expert_parallel: bool = False
+    distributed_timeout_s: float = 300.0  # the longest any collective waits for a peer before the engine fails
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -74,6 +80,15 @@ class EngineConfig:
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ParamError("model_impl", f"must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
         validate_quantization(self.quantization)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ParamError(name, f"must be an integer >= 1, got {v!r}")
+        if self.distributed_executor_backend not in (None, "mp", "ray"):
+            raise ParamError("distributed_executor_backend", f"must be 'mp' or 'ray', got "
+                                                             f"{self.distributed_executor_backend!r}")
+        if not self.distributed_timeout_s > 0:
+            raise ParamError("distributed_timeout_s", f"must be > 0 seconds, got {self.distributed_timeout_s!r}")
         if self.swap_space < 0:
             raise ParamError("swap_space", f"must be >= 0 GiB, got {self.swap_space!r}")
         if not isinstance(self.max_loras, int) or self.max_loras < 1:
@@ -145,6 +160,8 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
         logger.warning("speculative_config: backend %r captures graphs (%s); speculation runs eager, so "
                        "enforce_eager is set", name, caps.graph_capture)
         config.enforce_eager = True
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        check_distributed(config, backend, info)
     if config.max_model_len is None:
         config.max_model_len = info.max_model_len
     elif config.max_model_len > info.max_model_len:
@@ -153,3 +170,17 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
     if config.max_num_batched_tokens is None:
         config.max_num_batched_tokens = min(max(2048, config.max_model_len), 8192)
     return config
+
+
+def check_distributed(config: EngineConfig, backend: Any, info: Any) -> None:
+    """What a multi-rank engine does not run yet is refused by name; graph capture is turned off (the step crosses
+    processes through collectives that captured graphs do not replay)."""
+    for name, on in (("enable_lora", config.enable_lora), ("speculative_config", config.speculative_config),
+                     ("swap_space", config.swap_space > 0), ("quantization", config.quantization)):
+        if on:
+            raise ParamError(name, "is not supported with tensor_parallel_size / pipeline_parallel_size > 1 yet")
+    if config.model_impl == "transformers":
+        raise ParamError("model_impl", "tensor/pipeline parallel runs native models only")
+    if not config.enforce_eager:
+        logger.info("tensor/pipeline parallel: eager mode (enforce_eager set)")
+        config.enforce_eager = True

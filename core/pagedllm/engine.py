@@ -12,6 +12,7 @@ from typing import Optional, Sequence, Union
 from pagedllm.backends import get_backend
 from pagedllm.config import EngineConfig, resolve_config
 from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.executor.base import make_executor
 from pagedllm.kv_manager import BlockPool, KVCacheManager
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models import load_config, load_tokenizer, resolve_model_path
@@ -77,7 +78,10 @@ class LLMEngine:
         info = read_model_info(self.model_path, hf_config, config.model_impl)
         self.config = config = resolve_config(config, self.backend, info)  # every field checked before loading
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path, hf_config)
-        self.worker = w = Worker(config, self.backend, self.model_path, hf_config, info)
+        # tensor/pipeline parallel: the executor starts the other ranks; rank 0's Worker is this engine's
+        self.executor = make_executor(config, self.model_path)
+        self.worker = w = (self.executor.driver_worker if self.executor is not None
+                           else Worker(config, self.backend, self.model_path, hf_config, info))
         self.model, self.device, self.dtype, self.max_model_len = w.model, w.device, w.dtype, w.max_model_len
         self.num_blocks = w.num_blocks
         self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -86,6 +90,8 @@ class LLMEngine:
                                    config.scheduling_policy, swap=swap_pool,
                                    max_loras=config.max_loras if config.enable_lora else 0)
         w.start(self.kv)
+        if self.executor is not None:
+            self.executor.attach(w.runner)
         self.spec = build_spec_decoder(config.speculative_config, self.max_model_len, w.draft_proposer)
         self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size, self.model.eos_token_ids,
                                                   config.structured_outputs_backend)
@@ -100,6 +106,11 @@ class LLMEngine:
         logger.info("engine ready in %.2fs: backend=%s dtype=%s block_size=%d blocks=%d max_model_len=%d graph=%s",
                     self.init_seconds, self.backend.name, config.dtype, config.block_size, self.num_blocks,
                     self.max_model_len, w.graph_level)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks of a distributed engine (a one-rank engine holds nothing to release)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     @property
     def kv_caches(self) -> list:

@@ -236,6 +236,15 @@ class BackendSpec:
         """torch.distributed backend name (gloo, nccl, or a vendor's collective library). Default: gloo."""
 
     @hookspec(firstresult=True)
+    def pagedllm_communicator(self, ranks: list[int], device: "torch.device", collective: str,
+                              timeout_s: float) -> Any:
+        """The :class:`~pagedllm.distributed.communicator.Communicator` for one tensor- or pipeline-parallel group of
+        global ``ranks`` (called by every rank for every group, in the same order). ``collective`` is
+        ``pagedllm_distributed_backend``'s answer; every wait must end within ``timeout_s``. Specialise it for a
+        faster path (a shared-memory all-reduce on CPU, a device-native library). Default: ``TorchCommunicator``,
+        torch.distributed on ``collective``."""
+
+    @hookspec(firstresult=True)
     def pagedllm_set_device(self, device: "torch.device") -> None:
         """Make ``device`` current for this process (e.g. ``torch.cuda.set_device``). Default: nothing."""
 

@@ -144,7 +144,8 @@ class ModelRunner:
             ids = tokens[:len(rows)].tolist()
             out.sampled = SamplerOutput(ids, [None] * len(ids), [0.0] * len(ids))
             return out
-        hidden = self.run(input_ids, positions, meta)
+        spans = list(prompt_logit_spans(batch, meta.query_start_loc_cpu))
+        idx: list[int] = []
         if rows:
             qsl = meta.query_start_loc_cpu
             if spec:  # a speculative row verifies its proposals: logits at the last real token and each proposal
@@ -153,12 +154,32 @@ class ModelRunner:
                 idx = [j for i, c in zip(rows, out.num_logits) for j in range(qsl[i + 1] - c, qsl[i + 1])]
             else:
                 idx = [qsl[i + 1] - 1 for i in rows]
-            last = torch.tensor(idx, dtype=torch.long, device=hidden.device)
             out.requests = [batch[i].request for i in rows]
-            out.logits = self.model.compute_logits(hidden.index_select(0, last)).float()
-        for r, lo, start, stop in prompt_logit_spans(batch, meta.query_start_loc_cpu):
-            out.prompt_logits.append((r, lo, self.model.compute_logits(hidden[start:stop]).float()))
+        num_sampled = len(idx)
+        for _, _, start, stop in spans:
+            idx.extend(range(start, stop))
+        logits = self.forward_logits(input_ids, positions, meta, idx)
+        if rows:
+            out.logits = logits[:num_sampled]
+        off = num_sampled
+        for r, lo, start, stop in spans:
+            out.prompt_logits.append((r, lo, logits[off:off + stop - start]))
+            off += stop - start
         return out
+
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       idx: list[int]) -> Optional[torch.Tensor]:
+        """The forward, then float32 logits of hidden rows ``idx`` (None if none). A distributed executor replaces
+        it on the driver (``executor/``): every rank runs the same step from one broadcast."""
+        return logits_of(self.model, self.run(input_ids, positions, meta), idx)
+
+
+def logits_of(model: Any, hidden: torch.Tensor, idx: list[int]) -> Optional[torch.Tensor]:
+    """``model.compute_logits`` of rows ``idx`` of ``hidden``, in float32 (None when ``idx`` is empty)."""
+    if not idx:
+        return None
+    rows = torch.tensor(idx, dtype=torch.long, device=hidden.device)
+    return model.compute_logits(hidden.index_select(0, rows)).float()
 
 
 @dataclass

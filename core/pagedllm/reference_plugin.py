@@ -43,6 +43,13 @@ def pagedllm_distributed_backend() -> str:
 
 
 @hookimpl(trylast=True)
+def pagedllm_communicator(ranks: list[int], device: torch.device, collective: str, timeout_s: float) -> Any:
+    from pagedllm.distributed.communicator import TorchCommunicator
+
+    return TorchCommunicator(ranks, device, timeout_s, collective)
+
+
+@hookimpl(trylast=True)
 def pagedllm_set_device(device: torch.device) -> None:
     return None
 

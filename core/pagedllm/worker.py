@@ -20,6 +20,7 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.batch_policy import BatchPolicy, BatchShape
 from pagedllm.config import DTYPES, EngineConfig
 from pagedllm.device_sampler import SamplingTensors
+from pagedllm.distributed.parallel_state import get_parallel_state
 from pagedllm.hookspec import KVCacheSpec, ModelInfo, RunnerContext
 from pagedllm.kv_manager import KVCacheManager
 from pagedllm.lora.slots import LoRAManager
@@ -55,6 +56,9 @@ class Worker:
         self.policy: BatchPolicy = backend.batch_policy(self._context(BatchPolicy()))
         self._fit_budget_to_policy()
         self.num_blocks = self._num_blocks()
+        par = get_parallel_state()
+        if par is not None:  # every rank holds the same block ids: the smallest rank's pool decides
+            self.num_blocks = par.world_group.all_reduce_min(self.num_blocks)
         # Static backends get one block more than the pool hands out: padding tokens write there.
         self.sink_block: Optional[int] = self.num_blocks if self.policy.static else None
         self.pad_slot = self.sink_block * self.block_size if self.sink_block is not None else -1

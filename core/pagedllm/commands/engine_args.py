@@ -46,6 +46,14 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' (docs/spec_decode.md)')
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that split every layer (docs/distributed.md)")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                   help="ranks that each run a slice of the layers (docs/distributed.md)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="how the ranks start: worker processes on this host (mp, default) or Ray actors (ray)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: split the experts across the tensor-parallel ranks (docs/distributed.md)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -59,7 +67,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         structured_outputs_backend=args.structured_outputs_backend, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         model_impl=args.model_impl, quantization=args.quantization,
-        speculative_config=getattr(args, "speculative_config", None))
+        speculative_config=getattr(args, "speculative_config", None),
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+        distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False))
 
 
 

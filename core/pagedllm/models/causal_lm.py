@@ -209,6 +209,8 @@ class CausalLM(nn.Module):
         self.final_logit_softcapping: Optional[float] = getattr(config, "final_logit_softcapping", None)
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_gather: Any = None  # tensor parallel: the vocab-parallel LM head's all-gather
+        self.start_layer, self.end_layer = 0, self.num_layers  # pipeline parallel: this stage's layers
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
         # (apply, state) of the backend's dense kernel over a packed copy of lm_head_weight (models/dense_linears.py)
         self.lm_head_kernel: Optional[tuple] = None
@@ -250,15 +252,23 @@ class CausalLM(nn.Module):
             layer.self_attn.lora_qkv, layer.self_attn.lora_o = bufs["qkv_proj"], bufs["o_proj"]
             layer.mlp.lora_gate_up, layer.mlp.lora_down = bufs["gate_up_proj"], bufs["down_proj"]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """``input_ids``/``positions`` ``[T]`` -> final-normed hidden states ``[T, hidden_size]``."""
-        h = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:  # HF casts the scale to the weights' dtype first
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, self.kv_caches, strict=True)):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``input_ids``/``positions`` ``[T]`` -> final-normed hidden states ``[T, hidden_size]``. A pipeline stage
+        runs its layers only: from the previous stage's ``hidden`` (not the embedding) and, except on the last
+        stage, without the final norm."""
+        if hidden is None:
+            h = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:  # HF casts the scale to the weights' dtype first
+                h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        else:
+            h = hidden
+        if len(self.kv_caches) != self.end_layer - self.start_layer:
+            raise RuntimeError(f"{len(self.kv_caches)} KV caches for {self.end_layer - self.start_layer} layers")
+        for i in range(self.start_layer, self.end_layer):
             cos_sin = self.rope_caches[self.layer_types[i]] if self.rope_caches else self.cos_sin_cache
-            h = layer(h, positions, kv_cache, meta, cos_sin)
-        return self.norm(h)
+            h = self.layers[i](h, positions, self.kv_caches[i - self.start_layer], meta, cos_sin)
+        return self.norm(h) if self.end_layer == len(self.layers) else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> ``[N, vocab_size]`` in the model's dtype (Gemma 2: final soft-capping)."""
@@ -267,6 +277,8 @@ class CausalLM(nn.Module):
             logits = apply(state, hidden, None)
         else:
             logits = F.linear(hidden, self.lm_head_weight)
+        if self.logits_gather is not None:  # vocab-parallel LM head: every rank's slice of the vocabulary
+            logits = self.logits_gather(logits)
         if self.final_logit_softcapping is not None:
             c = self.final_logit_softcapping
             logits = torch.tanh(logits / c) * c

@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import torch
 
+from pagedllm.distributed.parallel_state import get_parallel_state
+from pagedllm.distributed.sharding import local_config, parallelize, shard_state_dict
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
 from pagedllm.models.causal_lm import CausalLM
@@ -90,6 +92,9 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     logger.info("model %s: %s implementation%s", shown, impl,
                 " (transformers' module, pagedllm paged attention)" if impl == "transformers" else "")
     if impl == "transformers":
+        if get_parallel_state() is not None:
+            raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel runs native models only, not the "
+                                        "transformers fallback")
         if hasattr(config, "pagedllm_layout"):
             raise UnsupportedModelError(f"{shown} is a remote-code layout mapped onto the native decoder; the "
                                         "transformers fallback cannot load it (use --model-impl auto or native)")
@@ -101,12 +106,25 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.eos_token_ids = eos_token_ids(path, config)
         return model
     _, spec = architecture_of(config)
+    full_config, par = config, get_parallel_state()
+    if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
+        if quantization is not None:
+            raise UnsupportedModelError("tensor/pipeline parallel runs unquantized native models only")
+        config = local_config(config, par)
     with torch.device("meta"):
         model = (FalconCausalLM if spec.module == "falcon" else CausalLM)(config, spec, backend)
+        if par is not None:
+            if spec.module == "falcon":
+                raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel does not shard Falcon layouts yet")
+            parallelize(model, full_config, par)
     weights = GGUFWeights(path, config) if is_gguf(path) else wrap_weights(SafetensorsWeights(path), config)
     if quantization is not None:
         quantize_linears(model, weights, backend, dtype, device)
-    model.load_state_dict(fused_state_dict(model, weights, dtype, device), strict=True, assign=True)
+    sd = fused_state_dict(model, weights, dtype, device)
+    if par is not None:
+        sd = shard_state_dict(sd, full_config, par)
+    model.load_state_dict(sd, strict=True, assign=True)
+    del sd
     if hasattr(weights, "taken"):  # a remote-code layout: every checkpoint tensor must have been mapped
         check_covered(weights, weights.source.names())
     del weights

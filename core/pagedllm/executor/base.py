@@ -1,0 +1,181 @@
+"""The driver side of a distributed engine (vLLM's ``Executor``): rank 0 runs in the engine's own process and owns
+the ``Worker`` the engine talks to; the other ranks run elsewhere (worker processes, Ray actors) and get each step
+as one broadcast. Subclasses say how the other ranks start, receive a step and are checked for life."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import pickle
+import socket
+import time
+import weakref
+from typing import Any, Optional
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.executor.rank_worker import RankWorker
+from pagedllm.executor.step import run_step, split_micro_batches
+
+logger = logging.getLogger(__name__)
+
+
+_LIVE: "weakref.WeakSet[DistributedExecutor]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    for ex in list(_LIVE):
+        ex.shutdown()
+
+
+class WorkerDiedError(RuntimeError):
+    """A rank of the distributed engine died or stopped answering; the engine cannot go on."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class DistributedExecutor:
+    """Rank 0 here; ``_start_ranks`` / ``_broadcast`` / ``_after_step`` / ``_check`` / ``_stop_ranks`` elsewhere."""
+
+    name = "?"
+    failure_grace_s = 0.0  # how long a failed step waits for a dying rank's exit status, to name it
+
+    def __init__(self, config: EngineConfig, model_path: str):
+        self.config, self.model_path = config, model_path
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.num_steps = 0
+        self._saved_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        self._saved_threads = torch.get_num_threads()
+        self._closed = False
+        init_method, self.driver_cpus = self._start_ranks()
+        try:
+            self.driver = RankWorker(0, config, model_path, init_method, self.driver_cpus)
+            self._wait_ready()
+            if self.driver.worker.policy.static:
+                from pagedllm.sampling_params import ParamError
+
+                raise ParamError("tensor_parallel_size", f"backend {config.device!r} pads to static batch shapes, "
+                                                         "which the distributed step does not do yet")
+        except BaseException as e:
+            self.shutdown()
+            dead = self._dead_ranks()
+            if dead and not isinstance(e, WorkerDiedError):
+                raise WorkerDiedError(f"distributed engine start failed: {dead} ({e})") from e
+            raise
+        self.par = self.driver.par
+        _LIVE.add(self)  # shut down at exit; one dropped unshut closes its connections, and its workers exit on EOF
+
+    @property
+    def driver_worker(self) -> Any:
+        return self.driver.worker
+
+    def rebind(self) -> int:
+        """Pin this process to rank 0's CPUs and threads again (a benchmark that ran something else in between)."""
+        from pagedllm.executor.binding import bind_rank
+
+        return bind_rank(self.driver_cpus)
+
+    def attach(self, runner: Any) -> None:
+        """Route the driver's model runner through every rank."""
+        runner.forward_logits = self.forward_logits
+
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                       idx: list[int]) -> Optional[torch.Tensor]:
+        """One step on every rank: one broadcast of the prepared tensors, then this rank's part; the logits of rows
+        ``idx`` (float32, in ``idx`` order)."""
+        if self._closed:
+            raise WorkerDiedError("the distributed engine was shut down")
+        dead = self._dead_ranks()
+        if dead:
+            raise WorkerDiedError(f"distributed engine: {dead}")
+        mbs, order = split_micro_batches(input_ids, positions, meta, idx, self.config.pipeline_parallel_size)
+        payload = pickle.dumps(mbs, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self._broadcast(payload)
+            logits = run_step(self.driver.worker.model, self.par, mbs)
+            self._after_step()
+        except Exception as e:
+            dead = self._dead_ranks()
+            deadline = time.monotonic() + self.failure_grace_s  # a reset connection can beat the exit status
+            while not dead and time.monotonic() < deadline:
+                time.sleep(0.05)
+                dead = self._dead_ranks()
+            raise WorkerDiedError(f"distributed step failed: {dead or 'a rank stopped answering'} "
+                                  f"({type(e).__name__}: {e})") from e
+        self.num_steps += 1
+        if logits is None or order == list(range(len(order))):
+            return logits
+        out = torch.empty_like(logits)
+        out[torch.tensor(order, dtype=torch.long)] = logits
+        return out
+
+    def shutdown(self) -> None:
+        """Stop every rank, leave the process group, give this process its CPUs and threads back."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._stop_ranks()
+        finally:
+            import torch.distributed as dist
+
+            from pagedllm.distributed import parallel_state
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            parallel_state._STATE = None
+            if self._saved_affinity is not None:
+                from pagedllm.entrypoints.cpu_split import _pin_process
+
+                _pin_process(frozenset(self._saved_affinity))
+            torch.set_num_threads(self._saved_threads)
+
+    # ---- per executor ------------------------------------------------------------------------------------
+    def _start_ranks(self) -> tuple[str, Optional[frozenset[int]]]:
+        """Start ranks 1..N-1 (they block in the rendezvous); returns the init method and rank 0's CPUs."""
+        raise NotImplementedError
+
+    def _wait_ready(self) -> None:
+        raise NotImplementedError
+
+    def _broadcast(self, payload: bytes) -> None:
+        raise NotImplementedError
+
+    def _after_step(self) -> None:
+        pass
+
+    def _dead_ranks(self) -> str:
+        """A description of the ranks that died ('' if none)."""
+        return ""
+
+    def _stop_ranks(self) -> None:
+        raise NotImplementedError
+
+
+def make_executor(config: EngineConfig, model_path: str) -> Optional[DistributedExecutor]:
+    """The executor ``config.distributed_executor_backend`` names (mp by default), or None for a one-rank engine."""
+    if config.enable_expert_parallel and config.tensor_parallel_size == 1:
+        from pagedllm.sampling_params import ParamError
+
+        raise ParamError("enable_expert_parallel", "needs tensor_parallel_size > 1 (experts split across its ranks)")
+    if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
+        return None
+    from pagedllm.distributed.sharding import check_shardable
+    from pagedllm.models import load_config
+
+    check_shardable(load_config(model_path), config.tensor_parallel_size, config.pipeline_parallel_size,
+                    config.enable_expert_parallel)
+    if config.distributed_executor_backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, model_path)
+    from pagedllm.executor.mp_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, model_path)

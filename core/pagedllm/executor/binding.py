@@ -1,0 +1,32 @@
+"""Per-rank thread binding on a host: each rank of a CPU engine gets its own cores, one torch thread per core, so
+ranks never fight over cores (and their OpenMP teams never wait on each other's slices)."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+
+def rank_cpu_sets(world_size: int) -> list[Optional[frozenset[int]]]:
+    """An equal, disjoint share of this process's CPUs per rank; None each when there are fewer CPUs than ranks."""
+    if not hasattr(os, "sched_getaffinity"):
+        return [None] * world_size
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // world_size
+    if per == 0:
+        return [None] * world_size
+    return [frozenset(cpus[r * per:(r + 1) * per]) for r in range(world_size)]
+
+
+def bind_rank(cpus: Optional[frozenset[int]]) -> int:
+    """Pin this process to ``cpus`` with that many torch threads (one thread if unpinned); returns the thread count."""
+    if cpus:
+        from pagedllm.entrypoints.cpu_split import _pin_process
+
+        _pin_process(cpus)
+        torch.set_num_threads(len(cpus))
+    else:
+        torch.set_num_threads(1)
+    return torch.get_num_threads()

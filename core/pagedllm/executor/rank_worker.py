@@ -1,0 +1,89 @@
+"""What every rank of a distributed engine runs: join the world, build its model shard and KV pool (a ``Worker``),
+then run the driver's steps. Used in-process by the driver (rank 0), by the multiprocessing executor's worker
+processes (``python -m pagedllm.executor FD``) and by the Ray executor's actors alike."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Optional
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.communicator import init_world
+from pagedllm.distributed.parallel_state import STARTUP_TIMEOUT_S, ParallelConfig, initialize_model_parallel
+from pagedllm.executor.binding import bind_rank
+from pagedllm.executor.step import run_step
+
+logger = logging.getLogger(__name__)
+
+
+def parallel_config(config: EngineConfig) -> ParallelConfig:
+    return ParallelConfig(config.tensor_parallel_size, config.pipeline_parallel_size,
+                          config.enable_expert_parallel)
+
+
+class RankWorker:
+    """One rank: its parallel state and its ``Worker`` (model shard, KV pool)."""
+
+    def __init__(self, rank: int, config: EngineConfig, model_path: str, init_method: str,
+                 cpus: Optional[frozenset[int]] = None):
+        from pagedllm.backends import get_backend
+        from pagedllm.models import load_config
+        from pagedllm.models.info import read_model_info
+        from pagedllm.worker import Worker
+
+        self.rank = rank
+        self.threads = bind_rank(cpus)
+        backend = get_backend(config.device)
+        device = backend.device()
+        pc = parallel_config(config)
+        init_world(rank, pc.world_size, init_method, "gloo", max(config.distributed_timeout_s, STARTUP_TIMEOUT_S))
+        self.par = initialize_model_parallel(rank, pc, backend, device, config.distributed_timeout_s)
+        hf_config = load_config(model_path)
+        info = read_model_info(model_path, hf_config, config.model_impl)
+        self.worker = Worker(config, backend, model_path, hf_config, info)
+        logger.info("rank %d (tp %d, pp %d): %d torch threads%s, %d KV blocks", rank, self.par.tp_rank,
+                    self.par.pp_rank, self.threads, f" on CPUs {sorted(cpus)}" if cpus else "",
+                    self.worker.num_blocks)
+
+    def execute(self, payload: bytes) -> None:
+        """A non-driver rank's step (the driver's broadcast, pickled once)."""
+        run_step(self.worker.model, self.par, pickle.loads(payload))
+
+    def node_id(self) -> str:
+        """The Ray node this rank runs on (Ray executor), for placement checks."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+def _main(fd: int) -> int:
+    """A multiprocessing-executor rank: read its start arguments from the driver's connection, report ready (or the
+    error), then run every broadcast step until "stop" or the driver's end of the connection closes."""
+    from multiprocessing.connection import Connection
+
+    from pagedllm.entrypoints.engine_core import _portable
+
+    conn = Connection(fd)
+    rank, config, model_path, init_method, cpus, log_level = pickle.loads(conn.recv_bytes())
+    logging.basicConfig(level=log_level, format=f"%(levelname)s %(asctime)s rank{rank} %(name)s: %(message)s")
+    try:
+        rw = RankWorker(rank, config, model_path, init_method, cpus)
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
+        conn.send(("error", _portable(e)))
+        return 1
+    conn.send(("ready", rw.worker.num_blocks))
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            logger.info("rank %d: driver went away; exiting", rank)
+            return 0
+        if data == b"stop":
+            return 0
+        try:
+            rw.execute(data)
+        except Exception:  # a peer died or timed out: nothing to save, the driver reports the failure
+            logger.exception("rank %d: step failed; exiting", rank)
+            return 1
+
