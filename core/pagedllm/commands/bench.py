@@ -1,11 +1,11 @@
-"""``pagedllm bench throughput|latency|serve|sweep|moe|scale-model ...``."""
+"""``pagedllm bench throughput|latency|serve|sweep|moe|scale-model|quant-linear ...``."""
 
 from __future__ import annotations
 
 import importlib
 
 BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep", "pagedllm.bench.moe",
-           "pagedllm.bench.latency", "pagedllm.bench.scale_model")
+           "pagedllm.bench.latency", "pagedllm.bench.scale_model", "pagedllm.bench.quant_linear")
 
 
 def add_parser(sub) -> None:

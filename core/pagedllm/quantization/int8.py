@@ -45,15 +45,15 @@ def _prepare(weight: Any, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor
     g = get_method(weight.method).unpack(weight)
     if g.scales.shape[0] != 1 or bool((g.zeros != 0).any()):
         raise ValueError(f"{weight.method} {weight.weight_type}: W8A8 needs symmetric per-channel int8 weights")
-    return g.q.to(torch.int8).to(device), g.scales[0].float().to(device)
+    return g.q.float().to(device), g.scales[0].float().to(device)  # int8 values held as float32: no cast per call
 
 
 def _apply(state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return w8a8_reference(x, state[0], state[1], bias)
 
 
-#: Core's W8A8 kernel: keeps the int8 weight (1 byte per weight), runs the exact math above. Slow (a float32 matmul
-#: plus the dequantization per call); it is the oracle, backends bring the fast kernel.
+#: Core's W8A8 kernel: the exact math above with the int8 weight values held in float32 (no memory saved, dense
+#: float32 speed); it is the oracle, backends bring the fast kernel.
 W8A8_REFERENCE = QuantizedLinearKernel(_prepare, _apply, name="reference(w8a8)")
 
 
