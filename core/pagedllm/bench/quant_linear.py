@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 #: --scheme -> (method, weight_type)
+#: --scheme -> (method, weight_type); the layouts of ``pagedllm.quantization.rtn.random_weight`` (GPTQ: act-order
+#: groups of 128, AWQ: groups of 64, W4A16: groups of 32).
 SCHEMES = {"w8a8": ("compressed-tensors", "W8A8"), "gptq-int4": ("gptq", "int4"), "awq-int4": ("awq", "int4"),
            "w4a16": ("compressed-tensors", "W4A16")}
 
@@ -21,7 +23,6 @@ def add_parser(sub) -> None:
     p.add_argument("--scheme", default="w8a8", choices=sorted(SCHEMES))
     p.add_argument("--shape", default="4096x4096", help="OUTxIN (default 4096x4096)")
     p.add_argument("--tokens", default="1,64", help="comma-separated batch sizes")
-    p.add_argument("--group-size", type=int, default=128, help="4-bit schemes' group size")
     p.add_argument("--repeats", type=int, default=21)
     p.add_argument("--int-mm", action="store_true", help="also time torch._int_mm with per-token quantization "
                                                          "(the W8A8 alternative kernel considered)")
@@ -29,39 +30,17 @@ def add_parser(sub) -> None:
     p.set_defaults(func=main)
 
 
-def make_weight(scheme: str, n: int, k: int, group_size: int, gen: torch.Generator):
-    """A random ``[n, k]`` weight (std 0.02) written in ``scheme``'s packed layout."""
-    from pagedllm.hookspec import QuantizedWeight
-    from pagedllm.quantization.awq import write_awq
-    from pagedllm.quantization.gptq import write_gptq
-    from pagedllm.quantization.grouped import pack_cols, round_to_nearest
-    from pagedllm.quantization.int8 import quantize_weight_per_channel
-
-    w = torch.randn(n, k, generator=gen) * 0.02
-    method, wtype = SCHEMES[scheme]
-    if scheme == "w8a8":
-        q, s = quantize_weight_per_channel(w)
-        return QuantizedWeight(method, wtype, {"weight": q, "weight_scale": s, "zero": torch.zeros_like(s).int()},
-                               (n, k))
-    g = round_to_nearest(w, 4, group_size, sym=True)
-    if scheme == "gptq-int4":
-        return QuantizedWeight(method, wtype, write_gptq(g), (n, k))
-    if scheme == "awq-int4":
-        return QuantizedWeight(method, wtype, {**write_awq(g), "g_idx": g.g_idx.int()}, (n, k))
-    return QuantizedWeight(method, wtype, {"weight_packed": pack_cols(g.q, 4), "weight_scale": g.scales.t(),
-                                           "zero": g.zeros.t().int()}, (n, k))
-
-
 def main(args) -> int:
     from pagedllm.backends import get_backend
     from pagedllm.quantization import dequantize, reference_kernel
     from pagedllm.quantization.int8 import quantize_per_token
+    from pagedllm.quantization.rtn import random_weight
 
     backend = get_backend(args.device)
     device = backend.device()
     n, k = (int(v) for v in args.shape.split("x"))
     gen = torch.Generator().manual_seed(0)
-    weight = make_weight(args.scheme, n, k, args.group_size, gen)
+    weight = random_weight(*SCHEMES[args.scheme], n, k, gen)
     kernel = backend.quantized_linear(weight.method, weight.weight_type)
     if kernel is None:
         raise SystemExit(f"backend {args.device!r} has no {weight.method} {weight.weight_type} kernel")

@@ -54,8 +54,10 @@ def unpack_cols(packed: torch.Tensor, bits: int, order: Optional[list[int]] = No
 
 
 def pack_cols(values: torch.Tensor, bits: int, order: Optional[list[int]] = None) -> torch.Tensor:
-    """Inverse of :func:`unpack_cols` (test checkpoints and benches write the formats with it)."""
+    """Inverse of :func:`unpack_cols`, the last word zero-padded (test checkpoints and benches write the formats
+    with it)."""
     per = 32 // bits
+    values = torch.nn.functional.pad(values, (0, -values.shape[1] % per))
     rows, cols = values.shape
     vals = (values.to(torch.int64) & ((1 << bits) - 1)).reshape(rows, cols // per, per)
     if order is not None:

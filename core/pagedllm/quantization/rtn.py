@@ -101,3 +101,34 @@ def quant_config(method: str, bits: int, group_size: int, sym: bool, desc_act: b
                     "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
                                           "dynamic": True, "observer": None}}}}
     raise ValueError(f"unknown method {method!r} (gptq, awq, w8a8)")
+
+
+def random_weight(method: str, weight_type: str, n: int, k: int, gen: torch.Generator) -> Any:
+    """A random ``[n, k]`` weight (std 0.02) packed as ``method`` / ``weight_type`` (conformance and bench): GPTQ
+    int4 with act-order groups of 128 (a permuted g_idx), int8 per channel; AWQ groups of 64, asymmetric;
+    compressed-tensors W4A16 groups of 32, W8A16 / W8A8 int8 per channel."""
+    from pagedllm.hookspec import QuantizedWeight
+    from pagedllm.quantization.awq import write_awq
+    from pagedllm.quantization.gptq import write_gptq
+    from pagedllm.quantization.grouped import pack_cols
+    from pagedllm.quantization.int8 import quantize_weight_per_channel
+
+    w = torch.randn(n, k, generator=gen) * 0.02
+    if method == "gptq":
+        bits = int(weight_type.removeprefix("int"))
+        g_idx = _desc_act_g_idx(k, 128, gen) if bits == 4 else None
+        g = round_to_nearest(w, bits, 128 if bits == 4 else -1, sym=False, g_idx=g_idx)
+        return QuantizedWeight(method, weight_type, write_gptq(g), (n, k))
+    if method == "awq":
+        g = round_to_nearest(w, 4, 64, sym=False)
+        return QuantizedWeight(method, weight_type, {**write_awq(g), "g_idx": g.g_idx.int()}, (n, k))
+    if method == "compressed-tensors" and weight_type == "W4A16":
+        g = round_to_nearest(w, 4, 32, sym=True)
+        return QuantizedWeight(method, weight_type, {"weight_packed": pack_cols(g.q, 4),
+                                                     "weight_scale": g.scales.t().contiguous(),
+                                                     "zero": g.zeros.t().int().contiguous()}, (n, k))
+    if method == "compressed-tensors" and weight_type in ("W8A16", "W8A8"):
+        q, s = quantize_weight_per_channel(w)
+        return QuantizedWeight(method, weight_type, {"weight": q, "weight_scale": s, "zero": torch.zeros_like(s).int()},
+                               (n, k))
+    raise ValueError(f"no random {method} {weight_type} weight")
