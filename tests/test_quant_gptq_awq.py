@@ -104,3 +104,36 @@ def test_engine_greedy_parity_and_desc_act_mixed_parts(dense_dir, tmp_path, capl
                for r in caplog.records)
     from pagedllm.quantization import QuantizedLinear
     assert sum(isinstance(m, QuantizedLinear) for m in llm.llm_engine.model.modules()) == 7
+
+
+def test_method_backend_pair_and_variant_errors(dense_dir, tmp_path):
+    """A backend not declaring gptq: explicit quantization='gptq' is an error naming method and backend, unset runs
+    dense; an unsupported variant (GPTQ v2 format, AWQ GEMV) fails before any weight is read, naming it."""
+    import json
+
+    from pagedllm.backends import register_backend
+    from pagedllm.errors import UnsupportedModelError
+    from pagedllm.hookspec import Capabilities
+    from pagedllm.quantization import QuantizedLinear
+    from pagedllm.sampling_params import ParamError
+    from plugin_factory import make_plugin
+
+    qdir = tmp_path / "g"
+    quantize_folder(dense_dir, str(qdir), "gptq", group_size=32)
+    kw = dict(skip_tokenizer_init=True, max_model_len=64, kv_cache_memory=8 << 20)
+    be = register_backend(make_plugin("noquant2", Capabilities(dtypes=("float32",), head_sizes=None)), "noquant2")
+    with pytest.raises(ParamError, match="quantization.*backend 'noquant2' does not support 'gptq'"):
+        LLM(str(qdir), device=be.name, **kw, quantization="gptq")
+    llm = LLM(str(qdir), device=be.name, **kw)
+    assert llm.llm_engine.config.quantization is None
+    assert not any(isinstance(m, QuantizedLinear) for m in llm.llm_engine.model.modules())
+    with pytest.raises(ParamError, match="quantization.*'awq' was requested, but the checkpoint is gptq"):
+        LLM(str(qdir), device="cpu", **kw, quantization="awq")
+    for method, change, msg in (("gptq", {"checkpoint_format": "gptq_v2"}, "checkpoint_format='gptq_v2'"),
+                                ("awq", {"version": "gemv"}, "version='gemv'")):
+        cfg_path = qdir / "config.json"
+        cfg = json.loads(cfg_path.read_text())
+        cfg["quantization_config"] = {**cfg["quantization_config"], "quant_method": method, **change}
+        cfg_path.write_text(json.dumps(cfg))
+        with pytest.raises(UnsupportedModelError, match=msg):
+            LLM(str(qdir), device="cpu", **kw)
