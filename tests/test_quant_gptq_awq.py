@@ -58,7 +58,8 @@ def test_packing_matches_the_formats_by_hand():
 @pytest.mark.parametrize("case", list(CASES))
 def test_checkpoint_matches_hand_dequantized_hf(dense_dir, tmp_path, case):
     """Every decoder linear stays packed on the expected kernel; logits equal HF's fake-quantized fp32 model (fp32
-    tolerance on the reference, within twice HF-in-bf16's own error on the bf16 int4 kernel)."""
+    tolerance on the reference; within twice HF-in-bf16's own error where the cpu kernel runs, which also puts the
+    LM head in bf16: models/dense_linears.py)."""
     method, kw, how = CASES[case]
     dense = quantize_folder(dense_dir, str(tmp_path / case), method, **kw)
     hf = hf_with(dense_dir, dense)
@@ -67,7 +68,7 @@ def test_checkpoint_matches_hand_dequantized_hf(dense_dir, tmp_path, case):
     assert len(layers) == 8 and {m.kernel_name for m in layers} == {kernel}
     if how != "reference":  # the cpu kernel's state says whether it packed the layer or kept it dense
         assert {m.state[0] for m in layers} == {how}
-    if how != "int4":
+    if how == "reference":  # exact: core's reference keeps the float32 LM head too
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
         return
