@@ -65,5 +65,5 @@ AWQ = register_method(AWQMethod())
 
 def write_awq(g: GroupedInt) -> dict[str, torch.Tensor]:
     """The GEMM on-disk tensors of ``g`` (contiguous groups)."""
-    return {"qweight": pack_cols(g.q.t().contiguous(), 4, ORDER), "qzeros": pack_cols(g.zeros.to(torch.int32), 4, ORDER),
-            "scales": g.scales.half()}
+    return {"qweight": pack_cols(g.q.t().contiguous(), 4, ORDER),
+            "qzeros": pack_cols(g.zeros.to(torch.int32), 4, ORDER), "scales": g.scales.half()}

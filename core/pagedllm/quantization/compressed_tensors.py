@@ -93,8 +93,8 @@ class CompressedTensorsMethod(QuantizationMethod):
         keys = parts[0].data.keys()
         if len({p.weight_type for p in parts}) != 1 or len({p.data["weight_scale"].shape[1] for p in parts}) != 1:
             return None
-        return QuantizedWeight(self.name, parts[0].weight_type, {t: torch.cat([p.data[t] for p in parts]) for t in keys},
-                               (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+        data = {t: torch.cat([p.data[t] for p in parts]) for t in keys}
+        return QuantizedWeight(self.name, parts[0].weight_type, data, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
 
     def unpack(self, weight: QuantizedWeight) -> GroupedInt:
         d, (n, k) = weight.data, weight.shape

@@ -24,7 +24,8 @@ from pagedllm.quantization.int8 import quantize_per_token
 MIN_ROWS = 17  # torch._int_mm on CPU needs M > 16
 
 
-def w8a8_linear(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def w8a8_linear(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor,
+                bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``x [.., K]`` times the int8 weight ``w_t [K, N]`` (transposed, contiguous) with per-row scales ``w_scale
     [N]``; per-token int8 activations."""
     shape = x.shape
