@@ -100,7 +100,9 @@ def test_quantization_choice_and_errors(gguf_files, tmp_path):
     assert LLM(path, **{**kw, "device": be.name}).llm_engine.config.quantization is None  # dense, logged
     with pytest.raises(ParamError, match="quantization.*unknown method 'int3'"):
         LLM(path, **kw, quantization="int3")
-    with pytest.raises(ParamError, match="quantization.*'gptq' is not implemented"):
+    with pytest.raises(ParamError, match="quantization.*'bitsandbytes' is not implemented"):
+        LLM(path, **kw, quantization="bitsandbytes")
+    with pytest.raises(ParamError, match="quantization.*'gptq' was requested, but the checkpoint is gguf"):
         LLM(path, **kw, quantization="gptq")
     from tiny_models import make_tiny_model
     dense = make_tiny_model("llama", tmp_path / "dense")
@@ -122,7 +124,7 @@ def test_backends_command_lists_methods():
     from pagedllm.commands.backends import rows
 
     cpu = next(r for r in rows() if r["name"] == "cpu")
-    assert cpu["quantization"] == ["gguf"]
+    assert cpu["quantization"] == ["gguf", "gptq", "awq", "compressed-tensors"]
 
 
 def zen_of_python() -> str:

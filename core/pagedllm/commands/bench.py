@@ -1,11 +1,12 @@
-"""``pagedllm bench throughput|latency|serve|sweep|moe|scale-model|distributed ...``."""
+"""``pagedllm bench throughput|latency|serve|sweep|moe|scale-model|distributed|quant-linear ...``."""
 
 from __future__ import annotations
 
 import importlib
 
 BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep", "pagedllm.bench.moe",
-           "pagedllm.bench.latency", "pagedllm.bench.scale_model", "pagedllm.bench.distributed")
+           "pagedllm.bench.latency", "pagedllm.bench.scale_model", "pagedllm.bench.distributed",
+           "pagedllm.bench.quant_linear")
 
 
 def add_parser(sub) -> None:

@@ -258,27 +258,32 @@ QUANT_REL_TOL = 1e-2
 
 
 def check_quantized_linear(ctx: CaseContext) -> None:
-    """The backend's kernel for one method / weight type against core's reference (dequantize, then matmul in
-    float32), at a decode-sized and a prefill-sized batch, with a bias."""
+    """The backend's kernel for one method / weight type against core's reference in float32 (dequantize, then
+    matmul; W8A8: its exact int8 math), at a decode-sized and a prefill-sized batch, with a bias."""
     import numpy as np
 
     from pagedllm.hookspec import QuantizedWeight
-    from pagedllm.quantization import dequantize
+    from pagedllm.quantization import reference_kernel
     from pagedllm.quantization.gguf import random_blocks
+    from pagedllm.quantization.rtn import random_weight
 
     method, wtype, n, k = (ctx.params[x] for x in ("method", "weight_type", "out_features", "in_features"))
     kernel = ctx.backend.quantized_linear(method, wtype)
     if kernel is None:
         raise Untested(f"no {method} {wtype} kernel: core's reference serves it")
-    raw = random_blocks(wtype, n, k, np.random.default_rng(ctx.seed))
-    weight = QuantizedWeight(method, wtype, torch.from_numpy(raw), (n, k))
+    if method == "gguf":
+        weight = QuantizedWeight(method, wtype, torch.from_numpy(random_blocks(wtype, n, k, np.random.default_rng(
+            ctx.seed))), (n, k))
+    else:
+        weight = random_weight(method, wtype, n, k, torch.Generator().manual_seed(ctx.seed))
     state = kernel.prepare(weight, ctx.dtype, ctx.device)
-    dense = dequantize(weight)
+    ref_kernel = reference_kernel(method, wtype)
+    ref_state = ref_kernel.prepare(weight, torch.float32, torch.device("cpu"))
     bias = ctx.randn(n, scale=0.1)
     for t in (1, 37):
         x = ctx.randn(t, k)
         out = kernel.apply(state, x, bias)
-        ref = torch.nn.functional.linear(x.float().cpu(), dense, bias.float().cpu())
+        ref = ref_kernel.apply(ref_state, x.float().cpu(), bias.float().cpu())
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != (t, n) or out.dtype != ctx.dtype:
             raise CheckFailed(f"{method} {wtype} output: expected {ctx.dtype} [{t}, {n}], got "
                               f"{getattr(out, 'dtype', type(out).__name__)} {tuple(getattr(out, 'shape', ()))}")

@@ -30,7 +30,8 @@ GQA_RATIOS = (1, 3, 4)
 #: the common ones, and two that are not powers of two.
 ANY_HEAD_SIZES = (64, 16, 32, 80, 96, 128, 256)
 #: Weight types checked per declared quantization method (each against core's reference).
-CONFORMANCE_WEIGHT_TYPES = {"gguf": ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+CONFORMANCE_WEIGHT_TYPES = {"gguf": ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"), "gptq": ("int4", "int8"),
+                            "awq": ("int4",), "compressed-tensors": ("W4A16", "W8A16", "W8A8")}
 
 
 @dataclass

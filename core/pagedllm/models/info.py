@@ -10,6 +10,7 @@ from pagedllm.hookspec import ModelInfo
 from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
 from pagedllm.models.paths import is_gguf
 from pagedllm.models.transformers_impl import num_kv_heads_of
+from pagedllm.quantization.config import checkpoint_quantization
 
 
 def checkpoint_dtype(config: Any) -> str:
@@ -47,5 +48,5 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
         max_model_len=config.max_position_embeddings,
         sliding_window=max(windows) if windows else None,
         soft_cap=getattr(config, "attn_logit_softcapping", None),
-        quantization="gguf" if is_gguf(model_path) else None,
+        quantization="gguf" if is_gguf(model_path) else checkpoint_quantization(config),
     )

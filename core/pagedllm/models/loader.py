@@ -18,11 +18,13 @@ from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
 from pagedllm.models.gguf_weights import GGUFWeights
 from pagedllm.models.paths import is_gguf, resolve_model_path
+from pagedllm.models.quantized_checkpoint import QuantizedCheckpoint
 from pagedllm.models.quantized_linears import quantize_linears
 from pagedllm.models.remote_layouts import check_covered, remote_code_config, wrap_weights
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
 from pagedllm.models.transformers_impl import load_transformers_model
 from pagedllm.models.weights import SafetensorsWeights, fused_state_dict
+from pagedllm.quantization.config import checkpoint_quant_config, checkpoint_quantization
 from pagedllm.quantization.linear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -117,7 +119,14 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
             if spec.module == "falcon":
                 raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel does not shard Falcon layouts yet")
             parallelize(model, full_config, par)
-    weights = GGUFWeights(path, config) if is_gguf(path) else wrap_weights(SafetensorsWeights(path), config)
+    qc = None if is_gguf(path) else checkpoint_quant_config(config)
+    if is_gguf(path):
+        weights = GGUFWeights(path, config)
+    elif qc is not None:  # GPTQ / AWQ / compressed-tensors: packed tensors, dequantized where kept dense
+        checkpoint_quantization(config)
+        weights = QuantizedCheckpoint(SafetensorsWeights(path), qc)
+    else:
+        weights = wrap_weights(SafetensorsWeights(path), config)
     if quantization is not None:
         quantize_linears(model, weights, backend, dtype, device)
     sd = fused_state_dict(model, weights, dtype, device)

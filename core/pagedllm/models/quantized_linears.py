@@ -8,15 +8,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.hookspec import QuantizedWeight
 from pagedllm.models.weights import checkpoint_prefix, source_names
-from pagedllm.quantization import make_quantized_linear
+from pagedllm.quantization import get_method, make_quantized_linear
 
 logger = logging.getLogger(__name__)
 
 
 def quantize_linears(model: nn.Module, weights: Any, backend: Any, dtype: torch.dtype, device: Any) -> int:
-    """Replace every linear whose checkpoint parts are packed (one type for all fused parts) with a
+    """Replace every linear whose checkpoint parts are packed (fused parts joined by the method's ``fuse``) with a
     ``QuantizedLinear`` on the backend's kernel; returns how many. Mixed or dense parts stay ``nn.Linear``
     (dequantized at load, logged), and so does ``lm_head``. Biases stay parameters, loaded with the rest of the
     state dict."""
@@ -28,12 +27,12 @@ def quantize_linears(model: nn.Module, weights: Any, backend: Any, dtype: torch.
         parts = [weights.quantized(n) for n in source_names(f"{name}.weight", prefix)]
         if all(p is None for p in parts):
             continue
-        if any(p is None for p in parts) or len({p.weight_type for p in parts}) != 1:
-            logger.info("%s: parts stored as %s; dequantized to %s at load", name,
+        weight = None if any(p is None for p in parts) else (
+            parts[0] if len(parts) == 1 else get_method(parts[0].method).fuse(parts))
+        if weight is None:
+            logger.info("%s: parts stored as %s cannot share one packed layout; dequantized to %s at load", name,
                         [p.weight_type if p else "dense" for p in parts], dtype)
             continue
-        weight = QuantizedWeight(parts[0].method, parts[0].weight_type, torch.cat([p.data for p in parts]),
-                                 (sum(p.shape[0] for p in parts), parts[0].shape[1]))
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, make_quantized_linear(backend, weight, module.bias is not None, dtype, device))

@@ -24,6 +24,19 @@ class QuantizationMethod(ABC):
     def dequantize(self, weight: QuantizedWeight) -> torch.Tensor:
         """The dense float32 ``[out_features, in_features]`` weight ``weight`` stands for."""
 
+    def fuse(self, parts: list[QuantizedWeight]) -> Optional[QuantizedWeight]:
+        """One weight for fused projections (q/k/v, gate/up: parts stacked along the output dim), or None when the
+        parts cannot share one layout (the layer is then dequantized at load). Default: one tensor, rows = outputs."""
+        if len({p.weight_type for p in parts}) != 1:
+            return None
+        return QuantizedWeight(parts[0].method, parts[0].weight_type, torch.cat([p.data for p in parts]),
+                               (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
+    def reference_kernel(self, weight_type: str) -> QuantizedLinearKernel:
+        """The oracle of every backend kernel for ``weight_type``. Default: dequantize at load, then a dense matmul
+        (exact for weight-only schemes; W8A8 overrides it with its activation quantization)."""
+        return QuantizedLinearKernel(_reference_prepare, _reference_apply, name=f"reference({self.name})")
+
 
 _METHODS: dict[str, QuantizationMethod] = {}
 
@@ -34,8 +47,8 @@ def register_method(method: QuantizationMethod) -> QuantizationMethod:
 
 
 def get_method(name: str) -> QuantizationMethod:
-    if not _METHODS:
-        from pagedllm.quantization import gguf  # noqa: F401  (registers itself)
+    if name not in _METHODS:  # each module registers itself on import
+        from pagedllm.quantization import awq, compressed_tensors, gguf, gptq  # noqa: F401
     return _METHODS[name]
 
 
@@ -52,6 +65,7 @@ def _reference_apply(dense: torch.Tensor, x: torch.Tensor, bias: Optional[torch.
     return F.linear(x, dense, bias)
 
 
-def reference_kernel(method: str = "") -> QuantizedLinearKernel:
-    """Dequantize once at load into the model dtype, then a dense matmul: exact, but no memory saved."""
-    return QuantizedLinearKernel(_reference_prepare, _reference_apply, name=f"reference({method})")
+def reference_kernel(method: str, weight_type: str = "") -> QuantizedLinearKernel:
+    """Core's kernel for ``method`` / ``weight_type`` (weight-only schemes: dequantize once at load into the model
+    dtype, then a dense matmul: exact, but no memory saved)."""
+    return get_method(method).reference_kernel(weight_type)

@@ -13,7 +13,34 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("gguf", "gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors", "fp8",
                         "fbgemm_fp8", "bitsandbytes", "experts_int8", "modelopt", "torchao", "quark", "mxfp4")
 #: The methods core implements today (a backend declares the ones it runs in ``Capabilities.quantization``).
-IMPLEMENTED = ("gguf",)
+IMPLEMENTED = ("gguf", "gptq", "awq", "compressed-tensors")
+#: Methods read from a safetensors checkpoint's ``config.json`` ``quantization_config``.
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
+
+
+def checkpoint_quant_config(config: Any) -> Optional[dict]:
+    """The HF config's ``quantization_config`` as a dict (None: not quantized)."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    return dict(qc) if isinstance(qc, dict) else qc.to_dict()
+
+
+def checkpoint_quantization(config: Any) -> Optional[str]:
+    """The method of a quantized safetensors checkpoint, its config checked (an unsupported variant fails here,
+    before any weight is read, naming what is unsupported)."""
+    from pagedllm.errors import UnsupportedModelError
+    from pagedllm.quantization.base import get_method
+
+    qc = checkpoint_quant_config(config)
+    if qc is None:
+        return None
+    method = qc.get("quant_method")
+    if method not in CHECKPOINT_METHODS:
+        raise UnsupportedModelError(f"checkpoint quantization_config.quant_method={method!r} is not supported "
+                                    f"(supported: {', '.join(CHECKPOINT_METHODS)}, and GGUF files)")
+    get_method(method).check_config(qc)
+    return method
 
 
 def validate_quantization(value: Optional[str]) -> None:

@@ -44,7 +44,7 @@ def make_quantized_linear(backend: Any, weight: QuantizedWeight, bias: bool, dty
             _warned.add(key)
             logger.warning("no %s %s kernel on %s; using reference (dequantized at load)", weight.method,
                            weight.weight_type, backend.name)
-        kernel = reference_kernel(weight.method)
+        kernel = reference_kernel(weight.method, weight.weight_type)
     return QuantizedLinear(weight, bias, kernel, kernel.prepare(weight, dtype, device))
 
 

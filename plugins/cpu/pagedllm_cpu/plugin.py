@@ -45,7 +45,7 @@ def pagedllm_capabilities() -> Capabilities:
         graph_capture=graph.CAPTURE_LEVEL,
         sliding_window=True,
         soft_cap=True,
-        quantization=("gguf",),  # Q4_0/Q4_1 on the int4 kernel; other GGUF types on core's reference
+        quantization=("gguf", "gptq", "awq", "compressed-tensors"),  # kernels: quant.py; the rest: core reference
     )
 
 

@@ -1,4 +1,5 @@
-"""GGUF Q4_0 / Q4_1 linear layers on torch's CPU int4 kernel, kept packed (4.5-5 bits per weight).
+"""4-bit linear layers on torch's CPU int4 kernel, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) and
+GPTQ / AWQ / compressed-tensors W4A16 (``grouped_int4``); INT8 W8A8 is in ``int8.py``.
 
 ``aten._weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with ``W[n, k] = (q - 8) * scale + zero`` per group of
 32 along k. A GGUF Q4_1 block stores ``W = d * q + m`` (q in 0..15), so scale = d and zero = m + 8d; Q4_0 stores
@@ -9,9 +10,11 @@ activations (fp32 ones measured 10-20x slower), so fp32 activations are cast aro
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.hookspec import QuantizedLinearKernel, QuantizedWeight
 
@@ -52,14 +55,64 @@ def _apply(state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, bias: Opti
 
 INT4 = QuantizedLinearKernel(_prepare, _apply, name="cpu-int4pack")
 
+logger = logging.getLogger(__name__)
+#: Group sizes ``_weight_int4pack_mm_for_cpu`` takes; it also wants out_features divisible by 16.
+KERNEL_GROUPS = (32, 64, 128, 256)
+
+
+def _prepare_grouped(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple:
+    """GPTQ / AWQ / compressed-tensors int4 ``W = (q - z) * s`` as the kernel's ``(q - 8) * s + zero``: zero =
+    (8 - z) * s. GPTQ ``desc_act`` groups are made contiguous by permuting the input columns once here (and the
+    activations per call, as exllama does). Shapes the kernel cannot take run dense (logged)."""
+    from pagedllm.quantization import get_method
+
+    g = get_method(weight.method).unpack(weight)
+    n, k = g.q.shape
+    perm = torch.argsort(g.g_idx, stable=True)
+    size = k // g.scales.shape[0] if k % g.scales.shape[0] == 0 else 0
+    ok = size in KERNEL_GROUPS and n % 16 == 0 and torch.equal(g.g_idx[perm], torch.arange(k) // size)
+    if not ok:
+        logger.info("%s %s [%d, %d] (group %s): not a cpu-int4pack shape (out %% 16, group in %s); dense %s",
+                    weight.method, weight.weight_type, n, k, size or "uneven", KERNEL_GROUPS, dtype)
+        return ("dense", g.dense().to(device=device, dtype=dtype))
+    scale_zero = torch.stack([g.scales, (8 - g.zeros) * g.scales], dim=-1).to(torch.bfloat16)
+    identity = torch.equal(perm, torch.arange(k))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(g.q[:, perm].contiguous(), 1)
+    return ("int4", packed, scale_zero.contiguous(), size, None if identity else perm)
+
+
+def _apply_grouped(state: tuple, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if state[0] == "dense":
+        return F.linear(x, state[1], bias)
+    _, packed, scale_zero, size, perm = state
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if perm is not None:
+        x2 = x2.index_select(1, perm)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), packed, size, scale_zero).to(x.dtype)
+    if bias is not None:
+        y.add_(bias)
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+GROUPED_INT4 = QuantizedLinearKernel(_prepare_grouped, _apply_grouped, name="cpu-int4pack")
+#: (method, weight_type) pairs on ``GROUPED_INT4``.
+GROUPED_TYPES = {("gptq", "int4"), ("awq", "int4"), ("compressed-tensors", "W4A16")}
+
 
 def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
-    """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 on the int4 kernel; every other GGUF type is left to
-    core's reference."""
+    """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 and the 4-bit GPTQ / AWQ / compressed-tensors types on
+    the int4 kernel, W8A8 on ``int8.py``'s; every other type is left to core's reference."""
     if method == "unquantized":
         from pagedllm_cpu import dense
 
         return dense.ONEDNN if dense.supported(weight_type) else None
     if method == "gguf" and weight_type in _BLOCK_BYTES:
         return INT4
+    if (method, weight_type) in GROUPED_TYPES:
+        return GROUPED_INT4
+    if (method, weight_type) == ("compressed-tensors", "W8A8"):
+        from pagedllm_cpu.int8 import W8A8
+
+        return W8A8
     return None
