@@ -254,8 +254,6 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
-        if self.spec is not None:
-            self.spec.propose(sched.scheduled)
         if failed or not sched:
             outputs = [p.output() for p in failed]
             for p in failed:
@@ -275,6 +273,8 @@ class LLMEngine:
             self.worker.swap(sched.swap_out, out=True)
         if sched.swap_in:
             self.worker.swap(sched.swap_in, out=False)
+        if self.spec is not None:  # after the swaps: a draft's K/V moves with its blocks
+            self.spec.propose(sched.scheduled)
         self._sample_slot_usage(sched)
         if not sched.scheduled:
             return []

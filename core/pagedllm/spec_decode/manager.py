@@ -39,14 +39,14 @@ class SpecDecodeStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def eligible(req: Request) -> bool:
+def eligible(req: Request, ignore_min_tokens: bool = False) -> bool:
     """Requests whose next tokens do not depend on per-token host state the verifier does not replay: no logprobs
     (and no best_of ranking), penalties, logits processors, grammar or pending min_tokens ban."""
     p = req.params
     return (p.logprobs is None and req.prompt_logprobs is None and p.best_of == p.n
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and not p.logit_bias and p.allowed_token_ids is None and not req.bad_words_token_ids
-            and req.structured is None and req.num_output_tokens >= p.min_tokens)
+            and req.structured is None and (ignore_min_tokens or req.num_output_tokens >= p.min_tokens))
 
 
 class SpecDecoder:
