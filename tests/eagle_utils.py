@@ -48,13 +48,14 @@ def make_eagle_head(target: str, out_dir: str | os.PathLike, seed: int = 0, copy
     return str(out)
 
 
-def make_bigram_llama(out_dir: str | os.PathLike, seed: int = 0) -> str:
-    """A one-layer tiny Llama whose attention output is zero (o_proj = 0) and final norm weight one: its next token
-    depends on the last token only, so an EAGLE head with its layer (``copy_layer``) predicts it exactly."""
+def make_bigram_llama(out_dir: str | os.PathLike, seed: int = 0, o_scale: float = 0.0) -> str:
+    """A one-layer tiny Llama with final norm weight one and o_proj scaled by ``o_scale``. At 0 its next token
+    depends on the last token only, so an EAGLE head with its layer (``copy_layer``) predicts it exactly; a small
+    ``o_scale`` keeps attention (and the K/V cache) in play and makes the head right most of the time."""
     path = make_tiny_model("llama", out_dir, seed=seed, num_hidden_layers=1)
     f = os.path.join(path, "model.safetensors")
     t = load_file(f)
-    t["model.layers.0.self_attn.o_proj.weight"].zero_()
+    t["model.layers.0.self_attn.o_proj.weight"].mul_(o_scale)
     t["model.norm.weight"].fill_(1.0)
     save_file(t, f, metadata={"format": "pt"})
     return path
