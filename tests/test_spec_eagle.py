@@ -94,6 +94,33 @@ def test_eagle_drafts_equal_dense_hf_oracle_and_greedy_parity(tiny_llama, heads)
     assert st.num_used_blocks == 0 and st.prefix_hits > 0
 
 
+def test_eagle_drafts_stay_exact_across_swap_and_recompute_preemption(tiny_llama, heads):
+    """A pool too small for the batch: requests are swapped out and in (the head's K/V with them) or recomputed
+    (the head catches up on the recomputed features); every proposal still equals the dense oracle's."""
+    prompts = _prompts(16, seed=5)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    pool = dict(BASE, max_model_len=64, num_gpu_blocks_override=10, block_size=8, max_num_seqs=8, swap_space=0.0001,
+                enable_prefix_caching=False)
+    llm = LLM(tiny_llama, **pool, speculative_config=_eagle(heads["random"], 2, acceptance_threshold=0.0))
+    prop = llm.llm_engine.worker.draft_proposer
+    seen: list[tuple[list[int], list[int]]] = []
+    inner = prop.propose
+
+    def observed(reqs, ks):
+        ctx = [list(r.all_token_ids) for r in reqs]
+        out = inner(reqs, ks)
+        seen.extend((c, d) for c, d in zip(ctx, out) if d)
+        return out
+
+    prop.propose = observed
+    llm.generate(prompts, sp, use_tqdm=False)
+    st = llm.llm_engine.get_stats()
+    assert st.num_swaps > 0 and st.num_preemptions > st.num_swaps  # both kinds happened
+    oracle = DenseEagleOracle(tiny_llama, heads["random"])
+    assert [d for _, d in seen] == [oracle.drafts(c, len(d)) for c, d in seen]
+    assert st.num_used_blocks == 0
+
+
 def test_eagle_head_with_the_targets_layer_accepts_everything(heads):
     """Target: one layer with zero attention output (its next token depends on the last token only). Head: fc
     reads the token embedding, layer = the target's. Its drafts are the target's tokens: acceptance is exactly
