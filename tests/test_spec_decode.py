@@ -19,7 +19,7 @@ from server_utils import tiny_chat_model
 from tiny_models import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "acceptance_threshold": 0.0}  # threshold 0: never throttle, so every step with a match speculates
+         "acceptance_threshold": 0.0, "disable_by_batch_size": 0}  # never throttle: every step with a match speculates
 BASE = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=256)
 
 

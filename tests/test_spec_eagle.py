@@ -24,7 +24,8 @@ BASE = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_l
 
 
 def _eagle(head: str, k: int = 3, **kw) -> dict:
-    return {"method": "eagle", "model": head, "num_speculative_tokens": k, **kw}
+    """disable_by_batch_size 0: no batch throttle, so what a test counts does not depend on timing."""
+    return {"method": "eagle", "model": head, "num_speculative_tokens": k, "disable_by_batch_size": 0, **kw}
 
 
 def _prompts(n: int, seed: int = 0) -> list[dict]:

@@ -279,6 +279,7 @@ class LLMEngine:
         if not sched.scheduled:
             return []
         step, sampled = self.worker.execute_model(sched.scheduled)
+        generated = self.stats.generation_tokens
         self.stats.num_steps += 1
         self.scheduler.update(sched)
         for req, first, plogits in step.prompt_logits:
@@ -311,6 +312,9 @@ class LLMEngine:
                 if proposed and not req.is_finished:
                     self.scheduler.rollback(req, proposed - (len(tokens) - 1))
                 touched[parent.request_id] = parent
+        if self.spec is not None:  # the batch throttle times pure decode steps (spec_decode/throttle.py)
+            self.spec.end_step(self.stats.generation_tokens - generated,
+                               all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled))
         outputs = []
         for parent in touched.values():
             if parent.finished or parent.params.output_kind != "final_only":

@@ -38,7 +38,8 @@ from pagedllm.sampling_params import ParamError
 logger = logging.getLogger(__name__)
 
 EAGLE_ARCHITECTURES = ("EagleLlamaForCausalLM", "LlamaForCausalLMEagle", "LlamaForCausalLM")
-MAX_PENDING = 1024  # target hidden rows kept per request while it does not speculate; older ones are dropped
+FLUSH_PENDING = 128  # a request not speculating runs the head over its features once this many are pending
+MAX_PENDING = 1024  # hard cap on kept features per request (older ones are dropped: the head's K/V there is stale)
 
 
 class EagleHead(nn.Module):
@@ -164,6 +165,7 @@ class EagleProposer:
     def __init__(self, head: EagleHead, kv: KVCacheManager, device: torch.device):
         self.model, self.kv, self.device = head, kv, device
 
+    @torch.inference_mode()
     def record(self, hidden: torch.Tensor, spans: Sequence[tuple[Request, int, int, int]]) -> None:
         """Keep the target's features of the verified positions: ``(request, first position, first row, rows)``."""
         for r, pos, row, n in spans:
@@ -177,6 +179,13 @@ class EagleProposer:
             extra = r.eagle_hidden.shape[0] - MAX_PENDING
             if extra > 0:
                 r.eagle_hidden, r.eagle_hidden_start = r.eagle_hidden[extra:], r.eagle_hidden_start + extra
+
+    def flush(self, reqs: Sequence[Request]) -> None:
+        """Consume long pending features of requests that do not speculate this step (throttled ones), so their
+        memory stays bounded and the head's K/V stays exact for when they speculate again."""
+        long = [r for r in reqs if r.eagle_hidden is not None and r.eagle_hidden.shape[0] >= FLUSH_PENDING]
+        if long:
+            self.propose(long, [1] * len(long))
 
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
