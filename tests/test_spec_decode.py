@@ -264,7 +264,7 @@ def test_smollm2_draft_model_identical_to_target_accepts_everything():
     from pagedllm.bench.spec_workload import repeat_prompts
     from pagedllm.models.paths import default_model_path
 
-    llm = LLM(None, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=32 << 20,
+    llm = LLM(None, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=64 << 20,  # target + draft
               speculative_config={"method": "draft_model", "model": default_model_path(),
                                   "num_speculative_tokens": 4})
     prompt = repeat_prompts(llm.get_tokenizer(), 1)
