@@ -34,6 +34,7 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.kv_manager import KVCacheManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import ParamError
+from pagedllm.spec_decode.manager import eligible
 
 logger = logging.getLogger(__name__)
 
@@ -156,8 +157,6 @@ def load_eagle_head(path: str, target: Any, backend: Any, dtype: torch.dtype, de
 
 def recordable(req: Request) -> bool:
     """Requests that may ever speculate (``manager.eligible`` without the min_tokens wait) keep target features."""
-    from pagedllm.spec_decode.manager import eligible
-
     return eligible(req, ignore_min_tokens=True)
 
 
