@@ -77,14 +77,17 @@ class SpecDecoder:
         self._step_start = time.perf_counter()
         dbs = self.config.disable_by_batch_size
         off = bool(dbs) and len(running) >= dbs
-        measured_off = False
-        if self.throttle is not None and any(r.params.seed is None and r.num_tokens - r.num_computed_tokens == 1
-                                             for r in running):
-            measured_off = not self.throttle.allow(len(running))
         for r in running:
             r.num_lookahead, r.spec_token_ids = 0, []
-            if off or r.num_tokens - r.num_computed_tokens != 1 or not eligible(r):
-                continue
+        if self.throttle is not None:
+            self.throttle.cancel()
+        cands = [] if off else [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and eligible(r)]
+        # The measured throttle is asked only when an unseeded request could speculate now (so steps that cannot
+        # speculate anyway are not charged to either side).
+        measured_off = (self.throttle is not None
+                        and any(r.params.seed is None and r.spec_skip == 0 for r in cands)
+                        and not self.throttle.allow(len(running)))
+        for r in cands:
             if measured_off and r.params.seed is None:
                 continue
             if r.spec_skip > 0:

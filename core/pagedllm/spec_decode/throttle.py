@@ -75,6 +75,10 @@ class BatchThrottle:
         self._pending = (self.bucket(batch_size), on)
         return on
 
+    def cancel(self) -> None:
+        """Forget an unreported decision (a step that ended early)."""
+        self._pending = None
+
     def observe(self, tokens: int, seconds: float, decode_only: bool) -> None:
         """The step's emitted tokens and wall time; steps with prefill work are not comparable and are dropped."""
         pending, self._pending = self._pending, None
