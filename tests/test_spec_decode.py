@@ -19,7 +19,7 @@ from server_utils import tiny_chat_model
 from tiny_models import make_tiny_model
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
-         "acceptance_threshold": 0.0}  # threshold 0: never throttle, so every step with a match speculates
+         "acceptance_threshold": 0.0, "disable_by_batch_size": 0}  # never throttle: every step with a match speculates
 BASE = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=256)
 
 
@@ -264,7 +264,7 @@ def test_smollm2_draft_model_identical_to_target_accepts_everything():
     from pagedllm.bench.spec_workload import repeat_prompts
     from pagedllm.models.paths import default_model_path
 
-    llm = LLM(None, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=32 << 20,
+    llm = LLM(None, device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=64 << 20,  # target + draft
               speculative_config={"method": "draft_model", "model": default_model_path(),
                                   "num_speculative_tokens": 4})
     prompt = repeat_prompts(llm.get_tokenizer(), 1)

@@ -265,8 +265,6 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.plan(self.scheduler.running)
         sched = self.scheduler.schedule()
-        if self.spec is not None:
-            self.spec.propose(sched.scheduled)
         if failed or not sched:
             outputs = [p.output() for p in failed]
             for p in failed:
@@ -286,10 +284,13 @@ class LLMEngine:
             self.worker.swap(sched.swap_out, out=True)
         if sched.swap_in:
             self.worker.swap(sched.swap_in, out=False)
+        if self.spec is not None:  # after the swaps: a draft's K/V moves with its blocks
+            self.spec.propose(sched.scheduled)
         self._sample_slot_usage(sched)
         if not sched.scheduled:
             return []
         step, sampled = self.worker.execute_model(sched.scheduled)
+        generated = self.stats.generation_tokens
         self.stats.num_steps += 1
         self.scheduler.update(sched)
         for req, first, plogits in step.prompt_logits:
@@ -322,6 +323,9 @@ class LLMEngine:
                 if proposed and not req.is_finished:
                     self.scheduler.rollback(req, proposed - (len(tokens) - 1))
                 touched[parent.request_id] = parent
+        if self.spec is not None:  # the batch throttle times pure decode steps (spec_decode/throttle.py)
+            self.spec.end_step(self.stats.generation_tokens - generated,
+                               all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled))
         outputs = []
         for parent in touched.values():
             if parent.finished or parent.params.output_kind != "final_only":

@@ -51,6 +51,7 @@ class ModelRunner:
         self.pad_slot = pad_slot
         self.sample = sample  # GraphRunner.sample: forward + logits + sampling in the backend's region
         self.lora = lora  # pagedllm.lora.slots.LoRAManager when LoRA is enabled
+        self.keep_hidden = False  # return the target's hidden states (an EAGLE head drafts from them)
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -131,7 +132,8 @@ class ModelRunner:
         out = StepOutput()
         rows = [i for i, s in enumerate(batch) if s.samples]
         spec = any(batch[i].spec_token_ids for i in rows)
-        if (self.sample is not None and rows and not spec and all(on_device_eligible(batch[i]) for i in rows)
+        if (self.sample is not None and rows and not spec and not self.keep_hidden
+                and all(on_device_eligible(batch[i]) for i in rows)
                 and not any(s.request.prompt_logprobs is not None for s in batch)):
             # Forward, logits and sampling in the backend's region; the index and parameter rows are padded to
             # the sequence bucket like everything else.
@@ -158,7 +160,14 @@ class ModelRunner:
         num_sampled = len(idx)
         for _, _, start, stop in spans:
             idx.extend(range(start, stop))
-        logits = self.forward_logits(input_ids, positions, meta, idx)
+        if self.keep_hidden:  # EAGLE reads the target's hidden rows (single rank: speculation refuses TP/PP)
+            hidden = self.run(input_ids, positions, meta)
+            out.hidden = hidden
+            out.hidden_spans = [(s.request, s.num_computed_tokens, meta.query_start_loc_cpu[i], s.num_new_tokens,
+                                 len(s.spec_token_ids)) for i, s in enumerate(batch)]
+            logits = logits_of(self.model, hidden, idx)
+        else:
+            logits = self.forward_logits(input_ids, positions, meta, idx)
         if rows:
             out.logits = logits[:num_sampled]
         off = num_sampled
@@ -191,3 +200,7 @@ class StepOutput:
     # Speculative steps: logits rows per request (1 + its proposals; None = one each) and the proposals.
     num_logits: Optional[list[int]] = None
     spec_token_ids: Optional[list[list[int]]] = None
+    # With ``ModelRunner.keep_hidden``: the step's hidden states and (request, first position, first row, rows,
+    # proposals) of each scheduled request.
+    hidden: Optional[torch.Tensor] = None
+    hidden_spans: Optional[list[tuple[Request, int, int, int, int]]] = None

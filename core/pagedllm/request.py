@@ -78,6 +78,8 @@ class Request:
         self.num_lookahead = 0
         self.spec_token_ids: list[int] = []
         self.draft_num_computed = 0
+        self.eagle_hidden: Optional[torch.Tensor] = None  # target features the EAGLE head has not consumed yet
+        self.eagle_hidden_start = 0  # position of eagle_hidden's first row
         self.spec_acceptance = 1.0  # running (EMA) acceptance rate of this request's drafts
         self.spec_backoff = 0  # steps to pause after the next low-acceptance verification
         self.spec_skip = 0  # steps left without proposals

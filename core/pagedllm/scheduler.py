@@ -92,7 +92,7 @@ class Scheduler:
         whenever host space is there (a token's K/V is far fewer bytes than its forward pass is FLOPs).
         """
         self.running.remove(req)
-        req.spec_token_ids, req.num_lookahead, req.draft_num_computed = [], 0, 0
+        req.spec_token_ids, req.num_lookahead = [], 0
         blocks = self.kv.block_ids(req.request_id)
         if (allow_swap and self.swap is not None and req.num_computed_tokens > self.kv.block_size
                 and self.swap.num_free >= len(blocks)):
@@ -102,6 +102,7 @@ class Scheduler:
             self.num_swaps += 1
         else:
             req.num_computed_tokens = 0
+            req.draft_num_computed = 0  # (a swap moves the draft's K/V with the target's: worker.swap)
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

@@ -29,7 +29,8 @@ from pagedllm.models import load_model
 from pagedllm.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import ParamError
 from pagedllm.scheduler import ScheduledRequest
-from pagedllm.spec_decode.verify import sample_rows, verify
+from pagedllm.spec_decode.config import MODEL_METHODS
+from pagedllm.spec_decode.verify import sample_rows, verified_spans, verify
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,11 @@ class Worker:
         self.pad_slot = -1
         self.policy: BatchPolicy = backend.batch_policy(self._context(BatchPolicy()))
         self._fit_budget_to_policy()
+        # A draft model / EAGLE head is loaded before the pool is sized: its K/V (same block ids) shares the budget.
+        self.draft_model: Any = None
+        spec = config.speculative_config
+        if spec is not None and spec.method in MODEL_METHODS:
+            self.draft_model = self._load_draft(spec.model, spec.method)
         self.num_blocks = self._num_blocks()
         par = get_parallel_state()
         if par is not None:  # every rank holds the same block ids: the smallest rank's pool decides
@@ -66,20 +72,23 @@ class Worker:
         self.kv_caches = backend.allocate_kv_cache(spec)
         self.model.kv_caches = self.kv_caches
         self.host_caches: Optional[list] = None
-        self.num_host_blocks = int(config.swap_space * (1 << 30) // spec.bytes_per_block)
+        self.draft_host_caches: Optional[list] = None
+        draft_spec = self._draft_kv_spec(self.num_blocks)
+        if draft_spec is not None:
+            self.draft_model.kv_caches = backend.allocate_kv_cache(draft_spec)
+        self.num_host_blocks = int(config.swap_space * (1 << 30) // self._bytes_per_block())
         if self.num_host_blocks > 0:
+            pinned = backend.memory_info(self.device).pinned_host
             host_spec = replace(spec, num_blocks=self.num_host_blocks, device=torch.device("cpu"))
-            self.host_caches = backend.allocate_host_kv_cache(host_spec,
-                                                              backend.memory_info(self.device).pinned_host)
+            self.host_caches = backend.allocate_host_kv_cache(host_spec, pinned)
+            if draft_spec is not None:  # swapped with the target's blocks (spec_decode keeps the draft's K/V)
+                self.draft_host_caches = backend.allocate_host_kv_cache(
+                    replace(draft_spec, num_blocks=self.num_host_blocks, device=torch.device("cpu")), pinned)
         self.ctx = self._context(self.policy)
         self.lora: Optional[LoRAManager] = None
         if config.enable_lora:
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
                                     config.max_cpu_loras or config.max_loras)
-        self.draft_model: Any = None  # speculative_config method draft_model: its model and KV caches
-        spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":
-            self.draft_model = self._load_draft(spec.model, spec_for=spec)
         self.draft_proposer: Any = None
         self.sampler = Sampler()
         self.structured: Any = None  # the engine's StructuredOutputManager (token bitmasks for grammar rows)
@@ -88,10 +97,15 @@ class Worker:
         self.graph_stats: dict = {}
         self.warmup_seconds = 0.0
 
-    def _load_draft(self, path: str, spec_for: Any) -> Any:
-        """The draft model, in the target's dtype on the same device, with a KV cache of the target's block count
-        (same block ids). Its vocabulary must be the target's: drafts are token ids of the target."""
+    def _load_draft(self, path: str, method: str) -> Any:
+        """The draft model or EAGLE head, in the target's dtype on the same device (its KV cache, of the target's
+        block count and ids, is allocated with the pool). Its vocabulary must be the target's."""
         from pagedllm.models import load_config, resolve_model_path
+
+        if method == "eagle":
+            from pagedllm.spec_decode.eagle import load_eagle_head
+
+            return load_eagle_head(path, self.model, self.backend, self.dtype, self.device, self.max_model_len)
 
         try:
             draft_path = resolve_model_path(path)
@@ -104,10 +118,19 @@ class Worker:
         if draft.vocab_size != self.model.vocab_size:
             raise ParamError("speculative_config.model", f"draft vocab size {draft.vocab_size} differs from the "
                                                          f"target's {self.model.vocab_size}")
-        draft.kv_caches = self.backend.allocate_kv_cache(KVCacheSpec(
-            draft.num_layers, self.num_blocks, self.block_size, draft.num_kv_heads, draft.head_size, self.dtype,
-            self.device, mla=getattr(draft, "kv_cache_mla", False)))
         return draft
+
+    def _draft_kv_spec(self, num_blocks: int) -> Optional[KVCacheSpec]:
+        d = self.draft_model
+        if d is None:
+            return None
+        return KVCacheSpec(d.num_layers, num_blocks, self.block_size, d.num_kv_heads, d.head_size, self.dtype,
+                           self.device, mla=getattr(d, "kv_cache_mla", False))
+
+    def _bytes_per_block(self) -> int:
+        """Bytes one block id costs: the target's K/V plus the draft's (which lives at the same block ids)."""
+        draft = self._draft_kv_spec(1)
+        return self._kv_spec(1).bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
 
     def _context(self, policy: BatchPolicy) -> RunnerContext:
         return RunnerContext(self.config, self.info, self.max_model_len, self.block_size, self.max_num_seqs,
@@ -159,7 +182,7 @@ class Worker:
 
     def _num_blocks(self) -> int:
         c = self.config
-        bpb = self._kv_spec(1).bytes_per_block
+        bpb = self._bytes_per_block()
         per_seq = -(-self.max_model_len // self.block_size)
         if c.num_gpu_blocks_override is not None:
             n, field_name = c.num_gpu_blocks_override, "num_gpu_blocks_override"
@@ -198,8 +221,10 @@ class Worker:
                                                    ", which does not verify speculative tokens; use a dynamic backend")
         if self.draft_model is not None:
             from pagedllm.spec_decode.draft_model import DraftModelProposer
+            from pagedllm.spec_decode.eagle import EagleProposer
 
-            self.draft_proposer = DraftModelProposer(self.draft_model, kv, self.device)
+            eagle = self.config.speculative_config.method == "eagle"
+            self.draft_proposer = (EagleProposer if eagle else DraftModelProposer)(self.draft_model, kv, self.device)
         if self.lora is not None and (own is not None or self.policy.static):
             raise ParamError("enable_lora", f"backend {self.backend.name!r} runs "
                                             f"{'its own model runner' if own is not None else 'static batch shapes'}"
@@ -214,6 +239,7 @@ class Worker:
         self.runner = ModelRunner(self.model, graph.run if graph is not None else self.model, kv, self.device,
                                   self.policy, self.pad_slot, sample=graph.sample if graph is not None else None,
                                   lora=self.lora)
+        self.runner.keep_hidden = hasattr(self.draft_proposer, "record")  # EAGLE drafts from the target's features
         self.warmup()
 
     def warmup(self) -> None:
@@ -252,6 +278,8 @@ class Worker:
                 sampled = verify(self.sampler, step.logits, step.requests, step.num_logits, step.spec_token_ids)
             else:
                 sampled = self.sampler(step.logits, step.requests)
+        if step.hidden is not None:
+            self.draft_proposer.record(step.hidden, verified_spans(step, sampled))
         return step, sampled
 
     @torch.inference_mode()  # the logits are an inference tensor
@@ -271,6 +299,9 @@ class Worker:
         src, dst = zip(*src_to_dst)
         caches = (self.kv_caches, self.host_caches) if out else (self.host_caches, self.kv_caches)
         self.backend.swap_kv_blocks(caches[0], caches[1], torch.tensor(src), torch.tensor(dst))
+        if self.draft_host_caches is not None:
+            d = (self.draft_model.kv_caches, self.draft_host_caches)
+            self.backend.swap_kv_blocks(*(d if out else d[::-1]), torch.tensor(src), torch.tensor(dst))
 
 
 def dummy_metadata(shape: BatchShape, block_size: int, device: torch.device, pad_slot: int,

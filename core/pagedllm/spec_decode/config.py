@@ -8,7 +8,8 @@ from typing import Any, Optional, Union
 
 from pagedllm.sampling_params import ParamError
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
+MODEL_METHODS = ("draft_model", "eagle")  # methods that load a checkpoint from ``model``
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
          "disable_by_batch_size", "acceptance_threshold"}
 
@@ -19,8 +20,10 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: Optional[int] = None
     prompt_lookup_max: Optional[int] = None
-    model: Optional[str] = None  # draft model (HF folder or .gguf) for method draft_model
-    disable_by_batch_size: Optional[int] = None  # no speculation while this many requests or more run (vLLM v0)
+    model: Optional[str] = None  # draft model (HF folder or .gguf) or EAGLE head folder
+    # No speculation while this many requests or more run (vLLM v0). Unset: the measured batch throttle decides
+    # (spec_decode/throttle.py); 0 turns both off (always speculate where acceptance allows).
+    disable_by_batch_size: Optional[int] = None
     acceptance_threshold: float = 0.3  # per-request acceptance rate (EMA) below which a request backs off
 
     @classmethod
@@ -44,7 +47,7 @@ class SpeculativeConfig:
             if d.get("model") is None:
                 raise ParamError("speculative_config.method", "is required (ngram or draft_model), or give model")
             method = "draft_model"
-        if method in ("eagle", "eagle3", "medusa", "mtp"):
+        if method in ("eagle3", "medusa", "mtp"):
             raise ParamError("speculative_config.method", f"{method!r} is not implemented; use one of {METHODS}")
         if method not in METHODS:
             raise ParamError("speculative_config.method", f"must be one of {METHODS}, got {method!r}")
@@ -64,15 +67,16 @@ class SpeculativeConfig:
                 raise ParamError("speculative_config.prompt_lookup_min",
                                  f"{lo} exceeds prompt_lookup_max {hi}")
             if d.get("model") is not None:
-                raise ParamError("speculative_config.model", "is only used by method draft_model, not ngram")
+                raise ParamError("speculative_config.model", "is only used by methods draft_model and eagle, "
+                                                             "not ngram")
         else:
             if not isinstance(d.get("model"), str) or not d["model"]:
-                raise ParamError("speculative_config.model", "method draft_model needs a model path")
+                raise ParamError("speculative_config.model", f"method {method} needs a model path")
             if lo is not None or hi is not None:
                 raise ParamError("speculative_config.prompt_lookup_min", "is only used by method ngram")
         dbs = d.get("disable_by_batch_size")
-        if dbs is not None and (not isinstance(dbs, int) or dbs < 1):
-            raise ParamError("speculative_config.disable_by_batch_size", f"must be an integer >= 1, got {dbs!r}")
+        if dbs is not None and (not isinstance(dbs, int) or isinstance(dbs, bool) or dbs < 0):
+            raise ParamError("speculative_config.disable_by_batch_size", f"must be an integer >= 0, got {dbs!r}")
         thr = d.get("acceptance_threshold", 0.3)
         if not isinstance(thr, (int, float)) or not 0.0 <= thr <= 1.0:
             raise ParamError("speculative_config.acceptance_threshold", f"must be in [0, 1], got {thr!r}")

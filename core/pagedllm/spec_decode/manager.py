@@ -4,11 +4,15 @@ Per step: ``plan`` (before scheduling) gives each decoding request its lookahead
 slots; ``propose`` fills them; the worker verifies; ``accept`` records the outcome, rolls back rejected slots and
 throttles. Throttle: a request whose acceptance rate (EMA) falls below ``acceptance_threshold`` pauses for 2, 4, ..
 64 steps (doubling while it stays low), so unpredictable text costs few wasted verification tokens; a good
-verification ends the back-off. With ``disable_by_batch_size``, no request speculates while that many run.
+verification ends the back-off. With ``disable_by_batch_size`` set, no request speculates while that many run
+(vLLM v0); unset, the measured batch throttle (throttle.py) turns speculation off at batch sizes where it does not
+pay. That throttle depends on timing, so seeded requests (whose tokens depend on which steps verify drafts) are
+left out of it and stay reproducible.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -16,6 +20,7 @@ from pagedllm.request import Request
 from pagedllm.scheduler import ScheduledRequest
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
+from pagedllm.spec_decode.throttle import BatchThrottle
 
 _MAX_BACKOFF = 64
 
@@ -39,14 +44,14 @@ class SpecDecodeStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def eligible(req: Request) -> bool:
+def eligible(req: Request, ignore_min_tokens: bool = False) -> bool:
     """Requests whose next tokens do not depend on per-token host state the verifier does not replay: no logprobs
     (and no best_of ranking), penalties, logits processors, grammar or pending min_tokens ban."""
     p = req.params
     return (p.logprobs is None and req.prompt_logprobs is None and p.best_of == p.n
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and not p.logit_bias and p.allowed_token_ids is None and not req.bad_words_token_ids
-            and req.structured is None and req.num_output_tokens >= p.min_tokens)
+            and req.structured is None and (ignore_min_tokens or req.num_output_tokens >= p.min_tokens))
 
 
 class SpecDecoder:
@@ -58,6 +63,8 @@ class SpecDecoder:
                       if config.method == "ngram" else None)
         self.draft = draft  # DraftModelProposer for method draft_model
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self.throttle: Optional[BatchThrottle] = BatchThrottle() if config.disable_by_batch_size is None else None
+        self._step_start = 0.0
 
     def _budget(self, req: Request) -> int:
         """Most proposals worth verifying: every emitted token must fit max_tokens and max_model_len."""
@@ -67,10 +74,21 @@ class SpecDecoder:
     def plan(self, running: Sequence[Request]) -> None:
         """Set each running request's lookahead for the coming step (n-gram proposals are found now, so a request
         without a match reserves nothing)."""
-        off = self.config.disable_by_batch_size is not None and len(running) >= self.config.disable_by_batch_size
+        self._step_start = time.perf_counter()
+        dbs = self.config.disable_by_batch_size
+        off = bool(dbs) and len(running) >= dbs
         for r in running:
             r.num_lookahead, r.spec_token_ids = 0, []
-            if off or r.num_tokens - r.num_computed_tokens != 1 or not eligible(r):
+        if self.throttle is not None:
+            self.throttle.cancel()
+        cands = [] if off else [r for r in running if r.num_tokens - r.num_computed_tokens == 1 and eligible(r)]
+        # The measured throttle is asked only when an unseeded request could speculate now (so steps that cannot
+        # speculate anyway are not charged to either side).
+        measured_off = (self.throttle is not None
+                        and any(r.params.seed is None and r.spec_skip == 0 for r in cands)
+                        and not self.throttle.allow(len(running)))
+        for r in cands:
+            if measured_off and r.params.seed is None:
                 continue
             if r.spec_skip > 0:
                 r.spec_skip -= 1
@@ -84,6 +102,8 @@ class SpecDecoder:
     def propose(self, scheduled: Sequence[ScheduledRequest]) -> None:
         """Fill the reserved lookahead slots of this step's speculating requests."""
         spec = [s for s in scheduled if s.num_lookahead > 0]
+        if hasattr(self.draft, "flush"):  # EAGLE: bound the features kept for requests that do not speculate
+            self.draft.flush([s.request for s in scheduled if s.num_lookahead == 0])
         if not spec:
             return
         if self.ngram is not None:
@@ -93,6 +113,11 @@ class SpecDecoder:
         drafts = self.draft.propose([s.request for s in spec], [s.num_lookahead for s in spec])
         for s, d in zip(spec, drafts):
             s.set_proposals(d)
+
+    def end_step(self, num_tokens: int, decode_only: bool) -> None:
+        """Report the step's emitted tokens to the batch throttle (time since ``plan``)."""
+        if self.throttle is not None:
+            self.throttle.observe(num_tokens, time.perf_counter() - self._step_start, decode_only)
 
     def accept(self, req: Request, num_proposed: int, num_accepted: int) -> None:
         """Record one verification and update the request's throttle (call before its tokens are appended)."""

@@ -3,7 +3,7 @@ the rejection sampler (greedy rule or exact random verification against the proc
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -66,3 +66,13 @@ def sample_rows(num_logits: Optional[Sequence[int]], rows: Sequence[int]) -> lis
     for c in num_logits:
         starts.append(starts[-1] + c)
     return [starts[r] for r in rows]
+
+
+def verified_spans(step: Any, sampled: Optional[SamplerOutput]) -> list[tuple[Request, int, int, int]]:
+    """``(request, first position, first hidden row, rows)`` of the step's positions whose input tokens stand:
+    every scheduled token but the rejected proposals (the features an EAGLE head reads)."""
+    accepted: dict[str, int] = {}
+    if sampled is not None and sampled.spec_token_ids is not None:
+        accepted = {r.request_id: len(t) - 1 for r, t in zip(step.requests, sampled.spec_token_ids)}
+    return [(r, pos, row, n - n_prop + accepted.get(r.request_id, 0) if n_prop else n)
+            for r, pos, row, n, n_prop in step.hidden_spans]
