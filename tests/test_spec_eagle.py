@@ -223,3 +223,42 @@ def test_eagle_over_the_server(tmp_path):
         assert m["pagedllm:spec_decode_num_drafts_total"] > 0 and m["pagedllm:kv_cache_used_blocks"] == 0
     finally:
         srv.stop()
+
+
+@pytest.mark.slow
+def test_smollm2_with_a_random_eagle_head_equals_plain_decoding(tmp_path):
+    """EAGLE on the real model: a random one-layer head in SmolLM2's shapes (hidden 576, 9 / 3 heads, vocab 49152)
+    proposes nonsense, every proposal is verified by SmolLM2, and greedy output equals plain decoding (a logprobs
+    request, which never speculates, on the same engine). Throttles off so the head really drafts every step."""
+    from safetensors.torch import save_file
+
+    from pagedllm.bench.spec_workload import repeat_prompts
+    from pagedllm.models import load_config
+    from pagedllm.models.paths import default_model_path
+
+    cfg = load_config(default_model_path()).to_dict()
+    cfg.update(num_hidden_layers=1, architectures=["EagleLlamaForCausalLM"], model_type="llama")
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+    g = torch.Generator().manual_seed(0)
+    shapes = {"fc.weight": (h, 2 * h), "layers.0.self_attn.q_proj.weight": (h, h),
+              "layers.0.self_attn.k_proj.weight": (kv, h), "layers.0.self_attn.v_proj.weight": (kv, h),
+              "layers.0.self_attn.o_proj.weight": (h, h), "layers.0.mlp.gate_proj.weight": (i, h),
+              "layers.0.mlp.up_proj.weight": (i, h), "layers.0.mlp.down_proj.weight": (h, i)}
+    tensors = {k: 0.05 * torch.randn(s, generator=g) for k, s in shapes.items()}
+    tensors["layers.0.post_attention_layernorm.weight"] = torch.ones(h)
+    head = tmp_path / "smollm2-eagle"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(head / "model.safetensors"))
+    llm = LLM(None, device="cpu", dtype="float32", quantization="none", max_model_len=512,
+              kv_cache_memory=64 << 20,
+              speculative_config={"method": "eagle", "model": str(head), "num_speculative_tokens": 3,
+                                  "acceptance_threshold": 0.0, "disable_by_batch_size": 0})
+    prompt = repeat_prompts(llm.get_tokenizer(), 1)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = llm.generate(prompt, sp.clone(logprobs=0), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0].token_ids == ref
+    st = llm.llm_engine.get_stats()
+    assert st.spec_decode_num_draft_tokens > 0 and st.num_used_blocks == 0
