@@ -66,6 +66,8 @@ def load_kv_scales(attentions: list, weights: object, prefix: str) -> int:
     float); modules without them keep 1.0. Returns how many layers had scales."""
     found = 0
     for i, attn in enumerate(attentions):
+        if attn is None or not hasattr(attn, "k_scale"):  # e.g. MLA layers: no fp8 cache (refused), no scales
+            continue
         for which in ("k", "v"):
             name = next((n for n in kv_scale_names(f"{prefix}layers.{i}.", which) if n in weights), None)
             if name is not None:

@@ -51,6 +51,9 @@ class Worker:
         self.model = load_model(model_path, backend=backend, dtype=self.dtype, device=self.device, config=hf_config,
                                 model_impl=config.model_impl, max_model_len=self.max_model_len,
                                 quantization=config.quantization)
+        if self.kv_dtype != self.dtype and getattr(self.model, "kv_cache_mla", False):
+            raise ParamError("kv_cache_dtype", f"{config.kv_cache_dtype!r}: the MLA latent cache of "
+                                               f"{info.architecture} is stored in the model dtype only (use auto)")
         if config.enable_lora and not getattr(self.model, "supports_lora", False):
             raise ParamError("enable_lora", f"LoRA runs on native dense models only, not on {info.architecture} "
                                             f"({type(self.model).__name__})")

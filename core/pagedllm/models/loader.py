@@ -146,7 +146,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         check_covered(weights, weights.source.names())
     del weights
     packed = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    on_kernels = bool(packed) and not any(m.kernel_name.startswith("reference") for m in packed)
+    # fp8 weights count as exact: no backend here has an FP8 GEMM, they are dequantized at load (fp32 activations)
+    on_kernels = bool(packed) and not any(m.kernel_name.startswith("reference") or m.method == "fp8" for m in packed)
     pack_dense_linears(model, backend, dtype, device, quantized=on_kernels)
     model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device, max_model_len)
     if per_layer_type(config):  # Gemma 3: each layer type has its own rotary base
