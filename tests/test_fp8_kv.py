@@ -282,7 +282,8 @@ def test_static_cpu_backend_runs_fp8_kv_like_the_dynamic_one(tiny_llama):
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 20, 9)]
     got = {}
     for dev in ("cpu", "cpu-static"):
-        llm = LLM(tiny_llama, device=dev, kv_cache_dtype="fp8", max_model_len=128, kv_cache_memory=4 << 20)
+        llm = LLM(tiny_llama, device=dev, kv_cache_dtype="fp8", max_model_len=64, max_num_seqs=4,
+                  max_num_batched_tokens=64, kv_cache_memory=4 << 20)  # few buckets to warm up
         assert llm.llm_engine.worker.kv_caches[0].dtype == torch.float8_e4m3fn
         got[dev] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got["cpu"] == got["cpu-static"]
