@@ -71,7 +71,7 @@ def test_capabilities_are_enforced_before_loading(info, caps, field, match):
 
 
 def test_kv_cache_dtype_is_checked():
-    with pytest.raises(ParamError, match="kv_cache_dtype: backend 'kvd' supports \\('auto',\\), not 'fp8'"):
+    with pytest.raises(ParamError, match="kv_cache_dtype: backend 'kvd' supports auto, not 'fp8'"):
         resolve_config(EngineConfig(kv_cache_dtype="fp8"), backend("kvd"), INFO)
 
 

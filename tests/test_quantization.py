@@ -124,7 +124,7 @@ def test_backends_command_lists_methods():
     from pagedllm.commands.backends import rows
 
     cpu = next(r for r in rows() if r["name"] == "cpu")
-    assert cpu["quantization"] == ["gguf", "gptq", "awq", "compressed-tensors"]
+    assert cpu["quantization"] == ["gguf", "gptq", "awq", "compressed-tensors", "fp8"]
 
 
 def zen_of_python() -> str:

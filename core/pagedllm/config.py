@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from pagedllm.kv_quant import KV_CACHE_DTYPES, canonical_kv_dtype
 from pagedllm.quantization.config import resolve_quantization, validate_quantization
 from pagedllm.sampling_params import ParamError
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -37,7 +38,7 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
-    kv_cache_dtype: str = "auto"  # auto: the model dtype (the only one core implements today)
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 (pagedllm.kv_quant)
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance (structured_output/manager.py)
     enable_lora: bool = False  # serve LoRA adapters (docs/lora.md)
     max_loras: int = 1  # adapters one step may use (device slots)
@@ -89,6 +90,9 @@ class EngineConfig:
                                                              f"{self.distributed_executor_backend!r}")
         if not self.distributed_timeout_s > 0:
             raise ParamError("distributed_timeout_s", f"must be > 0 seconds, got {self.distributed_timeout_s!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ParamError("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}; got "
+                                               f"{self.kv_cache_dtype!r}")
         if self.swap_space < 0:
             raise ParamError("swap_space", f"must be >= 0 GiB, got {self.swap_space!r}")
         if not isinstance(self.max_loras, int) or self.max_loras < 1:
@@ -135,12 +139,9 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
         config.block_size = caps.block_sizes[0]
     if config.block_size not in caps.block_sizes:
         raise ParamError("block_size", f"backend {name!r} supports {caps.block_sizes}, not {config.block_size}")
-    if config.kv_cache_dtype not in caps.kv_cache_dtypes:
-        raise ParamError("kv_cache_dtype", f"backend {name!r} supports {caps.kv_cache_dtypes}, "
+    if canonical_kv_dtype(config.kv_cache_dtype) not in caps.kv_cache_dtypes:
+        raise ParamError("kv_cache_dtype", f"backend {name!r} supports {', '.join(caps.kv_cache_dtypes)}, "
                                            f"not {config.kv_cache_dtype!r}")
-    if config.kv_cache_dtype != "auto":
-        raise ParamError("kv_cache_dtype", f"{config.kv_cache_dtype!r}: only 'auto' (the model dtype) is "
-                                           "implemented by the engine")
     if caps.head_sizes is not None and info.head_size not in caps.head_sizes:
         raise ParamError("model", f"head size {info.head_size} is not supported by backend {name!r} "
                                   f"(supports {caps.head_sizes})")

@@ -81,6 +81,8 @@ class Capabilities:
     """What the backend's kernels support; core checks a model/config against this before running."""
 
     dtypes: tuple[str, ...] = ("float32",)  # the first is the default when neither user nor checkpoint decides
+    # vLLM ``kv_cache_dtype`` names the kernels store and read: ``auto`` (the model dtype), ``fp8_e4m3`` (also
+    # accepted as ``fp8``), ``fp8_e5m2``; semantics in ``pagedllm.kv_quant``. Others are refused before load.
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
     head_sizes: Optional[tuple[int, ...]] = (64, 128)  # None: any head size
     block_sizes: tuple[int, ...] = (16,)  # the first is the default block size
@@ -170,12 +172,14 @@ class QuantizedWeight:
 
     ``method`` is the vLLM quantization name (``gguf``); ``weight_type`` the scheme inside it (GGUF: ``Q4_1``...);
     ``data`` the packed tensor (GGUF: the raw blocks, uint8 ``[out_features, bytes_per_row]``); ``shape`` is the
-    dense ``(out_features, in_features)``. ``core.quantization.dequantize`` is its exact meaning."""
+    dense ``(out_features, in_features)``; ``tensors`` the layout's other tensors by checkpoint leaf name (fp8:
+    ``weight_scale``). ``core.quantization.dequantize`` is its exact meaning."""
 
     method: str
     weight_type: str
     data: Any  # torch.Tensor
     shape: tuple[int, int]
+    tensors: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -290,10 +294,13 @@ class BackendSpec:
 
     @hookspec(firstresult=True)
     def pagedllm_write_kv(
-        self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: Any, slot_mapping: "torch.Tensor"
+        self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: Any, slot_mapping: "torch.Tensor",
+        k_scale: float, v_scale: float,
     ) -> None:
         """Store new keys/values ``[num_tokens, num_kv_heads, head_size]`` at flat slots
-        ``slot = block_id * block_size + offset``; a slot of -1 means "skip this token" (padding)."""
+        ``slot = block_id * block_size + offset``; a slot of -1 means "skip this token" (padding). An fp8 cache
+        (``Capabilities.kv_cache_dtypes``) stores ``saturate(key * (1 / k_scale))`` and likewise values with
+        ``v_scale``, rounded to nearest-even (``pagedllm.kv_quant.quantize_kv``); other caches ignore the scales."""
 
     @hookspec(firstresult=True)
     def pagedllm_paged_attention(
@@ -304,6 +311,8 @@ class BackendSpec:
         scale: float,
         sliding_window: Optional[int],
         soft_cap: Optional[float],
+        k_scale: float,
+        v_scale: float,
     ) -> "torch.Tensor":
         """Attention for a flat batch mixing decodes and prefill chunks with cached context.
 
@@ -312,8 +321,9 @@ class BackendSpec:
         position ``seq_len - query_len + j`` and attends causally to positions ``<= `` its own, read from the cache
         through ``meta.block_tables[i]`` (the new K/V were already written by ``pagedllm_write_kv``). GQA: query
         head h uses kv head ``h // (num_heads // num_kv_heads)``. ``sliding_window`` W keeps keys with
-        ``q_pos - k_pos < W``. ``soft_cap`` c maps scores s to ``c * tanh(s / c)``. Returns ``[num_tokens, num_heads,
-        head_size]`` in the query's dtype.
+        ``q_pos - k_pos < W``. ``soft_cap`` c maps scores s to ``c * tanh(s / c)``. An fp8 cache is read as
+        ``stored * k_scale`` (keys) and ``stored * v_scale`` (values); other caches ignore the scales. Returns
+        ``[num_tokens, num_heads, head_size]`` in the query's dtype.
         """
 
     @hookspec(firstresult=True)

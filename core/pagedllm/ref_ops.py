@@ -1,7 +1,9 @@
 """Pure-torch reference ops: the semantics of every kernel hook, and the oracle of the conformance suite.
 
 Written for clarity, not speed (per-sequence loops, float32 math). Canonical KV layout per layer:
-``[2, num_blocks, block_size, num_kv_heads, head_size]``; MLA's ``[1, num_blocks, block_size, 1, latent]``.
+``[2, num_blocks, block_size, num_kv_heads, head_size]``; MLA's ``[1, num_blocks, block_size, 1, latent]``. Either in
+the model dtype or fp8 (``pagedllm.kv_quant``: writes store ``saturate(x * (1 / k_scale))``, reads give
+``stored * k_scale``; the same for values with ``v_scale``).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.kv_quant import dequantize_kv, quantize_kv
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
@@ -20,13 +23,15 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``[T, Hkv, D]`` keys/values into flat slots; slots < 0 are skipped."""
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter ``[T, Hkv, D]`` keys/values into flat slots; slots < 0 are skipped. An fp8 cache stores
+    ``saturate(key * (1 / k_scale))`` and ``saturate(value * (1 / v_scale))``."""
     _, nb, bs, h, d = kv_cache.shape
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    kv_cache[0].view(nb * bs, h, d)[slots] = key[keep].to(kv_cache.dtype)
-    kv_cache[1].view(nb * bs, h, d)[slots] = value[keep].to(kv_cache.dtype)
+    kv_cache[0].view(nb * bs, h, d)[slots] = quantize_kv(key[keep], k_scale, kv_cache.dtype)
+    kv_cache[1].view(nb * bs, h, d)[slots] = quantize_kv(value[keep], v_scale, kv_cache.dtype)
 
 
 def gather_kv_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -45,8 +50,10 @@ def swap_kv_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None) -> torch.Tensor:
-    """See ``hookspec.pagedllm_paged_attention``. One sequence at a time, scores in float32."""
+                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """See ``hookspec.pagedllm_paged_attention``. One sequence at a time, scores in float32; an fp8 cache is read as
+    ``stored * k_scale`` / ``stored * v_scale``."""
     num_heads, head_size = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -60,8 +67,10 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
             continue
         nblk = (seq_len + bs - 1) // bs
         blocks = meta.block_tables[i, :nblk].long()
-        k = kv_cache[0, blocks].reshape(nblk * bs, num_kv_heads, head_size)[:seq_len].float()
-        v = kv_cache[1, blocks].reshape(nblk * bs, num_kv_heads, head_size)[:seq_len].float()
+        k = dequantize_kv(kv_cache[0, blocks].reshape(nblk * bs, num_kv_heads, head_size)[:seq_len], k_scale,
+                          torch.float32)
+        v = dequantize_kv(kv_cache[1, blocks].reshape(nblk * bs, num_kv_heads, head_size)[:seq_len], v_scale,
+                          torch.float32)
         k = k.repeat_interleave(group, dim=1)  # [S, H, D]
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [L, H, D]

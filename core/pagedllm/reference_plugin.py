@@ -72,13 +72,13 @@ def pagedllm_allocate_host_kv_cache(spec: KVCacheSpec, pin_memory: bool) -> list
 
 
 @hookimpl(trylast=True)
-def pagedllm_write_kv(key, value, kv_cache, slot_mapping) -> None:
-    ref_ops.write_kv(key, value, kv_cache, slot_mapping)
+def pagedllm_write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale) -> None:
+    ref_ops.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 @hookimpl(trylast=True)
-def pagedllm_paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap):
-    return ref_ops.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap)
+def pagedllm_paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale):
+    return ref_ops.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale)
 
 
 @hookimpl(trylast=True)

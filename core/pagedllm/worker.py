@@ -23,6 +23,7 @@ from pagedllm.device_sampler import SamplingTensors
 from pagedllm.distributed.parallel_state import get_parallel_state
 from pagedllm.hookspec import KVCacheSpec, ModelInfo, RunnerContext
 from pagedllm.kv_manager import KVCacheManager
+from pagedllm.kv_quant import kv_torch_dtype
 from pagedllm.lora.slots import LoRAManager
 from pagedllm.model_runner import ModelRunner, StepOutput
 from pagedllm.models import load_model
@@ -44,11 +45,15 @@ class Worker:
         backend.set_device(self.device)
         torch.manual_seed(config.seed)
         self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = kv_torch_dtype(config.kv_cache_dtype, self.dtype)  # fp8 KV: pagedllm.kv_quant
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.model = load_model(model_path, backend=backend, dtype=self.dtype, device=self.device, config=hf_config,
                                 model_impl=config.model_impl, max_model_len=self.max_model_len,
                                 quantization=config.quantization)
+        if self.kv_dtype != self.dtype and getattr(self.model, "kv_cache_mla", False):
+            raise ParamError("kv_cache_dtype", f"{config.kv_cache_dtype!r}: the MLA latent cache of "
+                                               f"{info.architecture} is stored in the model dtype only (use auto)")
         if config.enable_lora and not getattr(self.model, "supports_lora", False):
             raise ParamError("enable_lora", f"LoRA runs on native dense models only, not on {info.architecture} "
                                             f"({type(self.model).__name__})")
@@ -124,7 +129,7 @@ class Worker:
         d = self.draft_model
         if d is None:
             return None
-        return KVCacheSpec(d.num_layers, num_blocks, self.block_size, d.num_kv_heads, d.head_size, self.dtype,
+        return KVCacheSpec(d.num_layers, num_blocks, self.block_size, d.num_kv_heads, d.head_size, self.kv_dtype,
                            self.device, mla=getattr(d, "kv_cache_mla", False))
 
     def _bytes_per_block(self) -> int:
@@ -138,7 +143,7 @@ class Worker:
 
     def _kv_spec(self, num_blocks: int) -> KVCacheSpec:
         m = self.model
-        return KVCacheSpec(m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_size, self.dtype,
+        return KVCacheSpec(m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_size, self.kv_dtype,
                            self.device, mla=getattr(m, "kv_cache_mla", False))
 
     def _fit_budget_to_policy(self) -> None:

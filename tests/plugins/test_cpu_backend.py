@@ -117,15 +117,15 @@ def test_write_kv_matches_reference_and_skips_padding(cpu, dtype):
     want = torch.full((2, nb, bs, hkv, d), float("nan"), dtype=dtype)
     got = want.clone()
     ref_ops.write_kv(key, value, want, slots)
-    cpu.write_kv(key, value, got, slots)
+    cpu.write_kv(key, value, got, slots, 1.0, 1.0)
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
     assert got.isnan().sum() == 2 * (nb * bs - 17) * hkv * d  # exactly the 17 real slots were written
 
 
 def test_write_kv_all_padding_and_empty(cpu):
     cache = torch.full((2, 2, 8, 1, 32), float("nan"))
-    cpu.write_kv(torch.randn(3, 1, 32), torch.randn(3, 1, 32), cache, torch.tensor([-1, -1, -1]))
-    cpu.write_kv(torch.randn(0, 1, 32), torch.randn(0, 1, 32), cache, torch.zeros(0, dtype=torch.long))
+    cpu.write_kv(torch.randn(3, 1, 32), torch.randn(3, 1, 32), cache, torch.tensor([-1, -1, -1]), 1.0, 1.0)
+    cpu.write_kv(torch.randn(0, 1, 32), torch.randn(0, 1, 32), cache, torch.zeros(0, dtype=torch.long), 1.0, 1.0)
     assert cache.isnan().all()
 
 
@@ -158,7 +158,7 @@ MIXED = ([1, 1, 1, 1, 17, 6, 1, 20], [9, 40, 1, 32, 17, 50, 30, 100])
 
 def check(cpu, query, cache, meta, scale, window, cap):
     want = ref_ops.paged_attention(query, cache, meta, scale, window, cap)
-    got = cpu.paged_attention(query, cache, meta, scale, window, cap)
+    got = cpu.paged_attention(query, cache, meta, scale, window, cap, 1.0, 1.0)
     assert got.dtype == query.dtype and got.shape == query.shape
     assert not got.isnan().any(), "read an unwritten, padding or out-of-window slot"
     atol, rtol = TOL[query.dtype]

@@ -27,7 +27,8 @@ def rows() -> list[dict]:
         out.append({"name": name, "distribution": d.distribution, "loaded": True, "usable": probe.usable,
                     "priority": b.info.priority, "device_type": b.info.device_type, "api_version": b.info.api_version,
                     "device_name": probe.device_name, "reason": probe.reason,
-                    "quantization": list(b.capabilities.quantization)})
+                    "quantization": list(b.capabilities.quantization),
+                    "kv_cache_dtypes": list(b.capabilities.kv_cache_dtypes)})
     installed = {d.backend.info.extra for d in found.values() if d.backend is not None} | set(found)
     for extra in known_extras():
         if extra not in installed:

@@ -1,4 +1,4 @@
-"""``pagedllm bench throughput|latency|serve|sweep|moe|scale-model|distributed|quant-linear ...``."""
+"""``pagedllm bench throughput|latency|serve|sweep|moe|scale-model|distributed|quant-linear|perplexity ...``."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import importlib
 
 BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep", "pagedllm.bench.moe",
            "pagedllm.bench.latency", "pagedllm.bench.scale_model", "pagedllm.bench.distributed",
-           "pagedllm.bench.quant_linear")
+           "pagedllm.bench.quant_linear", "pagedllm.bench.perplexity")
 
 
 def add_parser(sub) -> None:

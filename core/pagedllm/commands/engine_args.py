@@ -32,7 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--quantization", default=None,
                    help="vLLM method name (gguf), or none for dense weights in --dtype; default: the checkpoint's "
                         "when the backend runs it and no --dtype is given (docs/quantization.md)")
-    p.add_argument("--kv-cache-dtype", default="auto", help="KV cache dtype (auto: the model dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache dtype: auto (the model dtype), or fp8 (= fp8_e4m3) / fp8_e5m2 where the backend "
+                        "declares it: half the bytes of bf16 per token (docs/quantization.md)")
     p.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar", "guidance"],
                    help="grammar backend for structured outputs (auto: xgrammar, llguidance for what it refuses)")
     p.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],

@@ -8,12 +8,22 @@ from pagedllm import ref_ops
 from pagedllm.conformance.harness import (CaseContext, PagedBatch, Untested, canonical_cache, make_batch, poison,
                                           poison_allocator)
 from pagedllm.hookspec import KVCacheSpec
+from pagedllm.kv_quant import kv_torch_dtype
 
 NUM_KV_HEADS = 2
 
 
+def kv_dtype(ctx: CaseContext) -> torch.dtype:
+    """The case's cache dtype: its ``kv_cache_dtype`` param (fp8 cases), else the model dtype."""
+    return kv_torch_dtype(ctx.params.get("kv_cache_dtype", "auto"), ctx.dtype)
+
+
+def kv_scales(ctx: CaseContext) -> tuple[float, float]:
+    return ctx.params.get("k_scale", 1.0), ctx.params.get("v_scale", 1.0)
+
+
 def allocate(ctx: CaseContext, num_blocks: int, block_size: int, head_size: int, num_layers: int = 1) -> list:
-    spec = KVCacheSpec(num_layers, num_blocks, block_size, NUM_KV_HEADS, head_size, ctx.dtype, ctx.device)
+    spec = KVCacheSpec(num_layers, num_blocks, block_size, NUM_KV_HEADS, head_size, kv_dtype(ctx), ctx.device)
     caches = ctx.backend.allocate_kv_cache(spec)
     for c in caches:
         if not poison(c):
@@ -34,9 +44,9 @@ def check_write_kv(ctx: CaseContext) -> None:
     slots = slots.to(ctx.device)
     key, value = ctx.randn(t, NUM_KV_HEADS, hs), ctx.randn(t, NUM_KV_HEADS, hs)
     (cache,) = allocate(ctx, nb, bs, hs)
-    ctx.backend.write_kv(key, value, cache, slots)
-    ref = canonical_cache(nb, bs, NUM_KV_HEADS, hs, ctx.dtype, ctx.device)
-    ref_ops.write_kv(key, value, ref, slots)
+    ctx.backend.write_kv(key, value, cache, slots, *kv_scales(ctx))
+    ref = canonical_cache(nb, bs, NUM_KV_HEADS, hs, kv_dtype(ctx), ctx.device)
+    ref_ops.write_kv(key, value, ref, slots, *kv_scales(ctx))
     ctx.compare(gather_all(ctx, cache, nb), ref, "cache after write_kv", exact=True)
 
 
@@ -56,9 +66,10 @@ def fill_context(ctx: CaseContext, batch: PagedBatch, head_size: int) -> tuple[o
     n = batch.context_slots.shape[0]
     key, value = ctx.randn(n, NUM_KV_HEADS, head_size), ctx.randn(n, NUM_KV_HEADS, head_size)
     (cache,) = allocate(ctx, batch.num_blocks, batch.meta.block_size, head_size)
-    ctx.backend.write_kv(key, value, cache, batch.context_slots)
-    ref = canonical_cache(batch.num_blocks, batch.meta.block_size, NUM_KV_HEADS, head_size, ctx.dtype, ctx.device)
-    ref_ops.write_kv(key, value, ref, batch.context_slots)
+    ctx.backend.write_kv(key, value, cache, batch.context_slots, *kv_scales(ctx))
+    ref = canonical_cache(batch.num_blocks, batch.meta.block_size, NUM_KV_HEADS, head_size, kv_dtype(ctx),
+                          ctx.device)
+    ref_ops.write_kv(key, value, ref, batch.context_slots, *kv_scales(ctx))
     return cache, ref
 
 
@@ -71,8 +82,8 @@ def check_attention(ctx: CaseContext) -> None:
     scale = hs ** -0.5
     window, cap = p.get("sliding_window"), p.get("soft_cap")
     poison_allocator(query.numel(), ctx.dtype, ctx.device)
-    out = ctx.backend.paged_attention(query, cache, batch.meta, scale, window, cap)
-    ref = ref_ops.paged_attention(query, ref_cache, batch.meta, scale, window, cap)
+    out = ctx.backend.paged_attention(query, cache, batch.meta, scale, window, cap, *kv_scales(ctx))
+    ref = ref_ops.paged_attention(query, ref_cache, batch.meta, scale, window, cap, *kv_scales(ctx))
     ctx.compare(out, ref, "attention output")
 
 
@@ -103,9 +114,9 @@ def _filled(ctx: CaseContext, num_layers: int, nb: int, bs: int, hs: int) -> tup
     slots = torch.arange(nb * bs - bs // 2, device=ctx.device)
     for cache in caches:
         key, value = ctx.randn(slots.numel(), NUM_KV_HEADS, hs), ctx.randn(slots.numel(), NUM_KV_HEADS, hs)
-        ctx.backend.write_kv(key, value, cache, slots)
-        ref = canonical_cache(nb, bs, NUM_KV_HEADS, hs, ctx.dtype, ctx.device)
-        ref_ops.write_kv(key, value, ref, slots)
+        ctx.backend.write_kv(key, value, cache, slots, *kv_scales(ctx))
+        ref = canonical_cache(nb, bs, NUM_KV_HEADS, hs, kv_dtype(ctx), ctx.device)
+        ref_ops.write_kv(key, value, ref, slots, *kv_scales(ctx))
         refs.append(ref)
     return caches, refs
 
@@ -136,7 +147,7 @@ def check_swap(ctx: CaseContext) -> None:
     if not all(_torch_tensors(c) for c in caches):
         raise Untested("the cache is not made of torch tensors: host copies cannot be checked")
     pin = ctx.device.type != "cpu" and ctx.backend.memory_info(ctx.device).pinned_host
-    spec = KVCacheSpec(2, nb, bs, NUM_KV_HEADS, hs, ctx.dtype, torch.device("cpu"))
+    spec = KVCacheSpec(2, nb, bs, NUM_KV_HEADS, hs, kv_dtype(ctx), torch.device("cpu"))
     host = ctx.backend.allocate_host_kv_cache(spec, pin)
     for h in host:
         poison(h)
@@ -274,6 +285,10 @@ def check_quantized_linear(ctx: CaseContext) -> None:
     if method == "gguf":
         weight = QuantizedWeight(method, wtype, torch.from_numpy(random_blocks(wtype, n, k, np.random.default_rng(
             ctx.seed))), (n, k))
+    elif method == "fp8":
+        from pagedllm.quantization.fp8 import random_fp8_weight
+
+        weight = random_fp8_weight(wtype, n, k, torch.Generator().manual_seed(ctx.seed))
     else:
         weight = random_weight(method, wtype, n, k, torch.Generator().manual_seed(ctx.seed))
     state = kernel.prepare(weight, ctx.dtype, ctx.device)

@@ -31,7 +31,8 @@ GQA_RATIOS = (1, 3, 4)
 ANY_HEAD_SIZES = (64, 16, 32, 80, 96, 128, 256)
 #: Weight types checked per declared quantization method (each against core's reference).
 CONFORMANCE_WEIGHT_TYPES = {"gguf": ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"), "gptq": ("int4", "int8"),
-                            "awq": ("int4",), "compressed-tensors": ("W4A16", "W8A16", "W8A8")}
+                            "awq": ("int4",), "compressed-tensors": ("W4A16", "W8A16", "W8A8"),
+                            "fp8": ("e4m3_tensor", "e4m3_channel", "e4m3_block")}
 
 
 @dataclass
@@ -80,6 +81,14 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                               K.check_attention, dict(scenario="mixed", head_size=hs0, block_size=bs, gqa=g,
                                                       soft_cap=1.5, query_scale=3.0),
                               untested="" if caps.soft_cap else "capabilities do not declare soft_cap"))
+        for kvd in (k for k in caps.kv_cache_dtypes if k != "auto"):  # fp8 KV: scaled writes, reads, swaps
+            bs = caps.block_sizes[0]
+            fp8 = dict(head_size=hs0, block_size=bs, kv_cache_dtype=kvd, k_scale=0.05, v_scale=2.0)
+            cases.append(Case("kv_cache", f"write_kv.{kvd}", f"hs{hs0}-bs{bs}", dt, K.check_write_kv, fp8))
+            cases.append(Case("kv_cache", f"swap_kv_blocks.{kvd}", f"hs{hs0}-bs{bs}", dt, K.check_swap, fp8))
+            for scenario in ("decode", "mixed"):
+                cases.append(Case("attention", f"paged_attention.{kvd}.{scenario}", f"hs{hs0}-bs{bs}-gqa3", dt,
+                                  K.check_attention, dict(fp8, scenario=scenario, gqa=3)))
         cases.append(Case("fused_ops", "rms_norm", "hidden576", dt, K.check_rms_norm, dict(hidden=576)))
         cases.append(Case("fused_ops", "silu_and_mul", "d320", dt, K.check_silu_and_mul, dict(hidden=320)))
         for layout in ("uniform", "uniform_consecutive", "uneven"):

@@ -40,8 +40,8 @@ class TinyDecoder(torch.nn.Module):
         q, k, v = (x @ self.wqkv).split([self.h * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
         q, k = be.rotary(positions, q.reshape(t, self.h, self.d), k.reshape(t, self.hkv, self.d), self.cos_sin)
         v = v.reshape(t, self.hkv, self.d)
-        be.write_kv(k, v, self.kv_cache, meta.slot_mapping)
-        a = be.paged_attention(q, self.kv_cache, meta, self.d ** -0.5, None, None)
+        be.write_kv(k, v, self.kv_cache, meta.slot_mapping, 1.0, 1.0)
+        a = be.paged_attention(q, self.kv_cache, meta, self.d ** -0.5, None, None, 1.0, 1.0)
         h = h + a.reshape(t, -1) @ self.wo
         x = be.rms_norm(h, self.n2, 1e-6)
         return h + be.silu_and_mul(x @ self.wgu) @ self.wdown

@@ -13,14 +13,16 @@ from typing import Any
 
 _INT_PTRS = {"block_tables_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32", "slot_ptr": "i64",
              "pos_ptr": "i64", "part_acc_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32"}
-_FLOATS = {"scale", "soft_cap", "eps"}
+_FLOATS = {"scale", "soft_cap", "eps", "v_scale", "inv_k_scale", "inv_v_scale"}
 
 
-def _signature(kernel: Any, dtype: str) -> dict[str, str]:
+def _signature(kernel: Any, dtype: str, cx: dict) -> dict[str, str]:
     sig = {}
     for name in kernel.arg_names:
         if name.isupper():
             sig[name] = "constexpr"
+        elif name == "cache_ptr" and (cx.get("FP8") or cx.get("KV_FP8")):  # fp8 caches travel as uint8 views
+            sig[name] = "*u8"
         elif name.endswith("_ptr"):
             sig[name] = "*" + _INT_PTRS.get(name, dtype)
         else:
@@ -42,8 +44,13 @@ def configs() -> list[tuple[str, Any, str, dict]]:
     out.append(("paged_attention fp16 head 256 gqa 32", attention._paged_attention_kernel, "fp16",
                 dict(HEAD_PAD=256, BLOCK_M=32, TILE=16, NUM_SEGMENTS=1, USE_WINDOW=False, USE_SOFT_CAP=False,
                      UPCAST=False, FP32_DOT=False)))
+    out.append(("paged_attention bf16 fp8 KV (e4m3)", attention._paged_attention_kernel, "bf16",
+                dict(HEAD_PAD=128, BLOCK_M=16, TILE=32, NUM_SEGMENTS=16, USE_WINDOW=False, USE_SOFT_CAP=False,
+                     UPCAST=False, FP32_DOT=False, KV_FP8=True, MANT=3, BIAS=7)))
     out.append(("reduce_segments bf16", attention._reduce_segments_kernel, "bf16", dict(HEAD_PAD=128, NUM_SEGMENTS=16)))
     out.append(("write_kv bf16", kv_write._write_kv_kernel, "bf16", dict(HEADS_PAD=8, HEAD_PAD=128)))
+    out.append(("write_kv bf16 fp8 KV (e5m2)", kv_write._write_kv_kernel, "bf16",
+                dict(HEADS_PAD=8, HEAD_PAD=128, FP8=True, MANT=2, BIAS=15, FMAX=57344.0)))
     out.append(("write_kv fp16 one kv head", kv_write._write_kv_kernel, "fp16", dict(HEADS_PAD=1, HEAD_PAD=64)))
     out.append(("rms_norm bf16", fused_ops._rms_norm_kernel, "bf16", dict(BLOCK=4096)))
     out.append(("silu_and_mul bf16", fused_ops._silu_and_mul_kernel, "bf16", dict(BLOCK=1024)))
@@ -72,7 +79,7 @@ def compile_all(targets: list[str]) -> list[tuple[str, str, str]]:
         target = parse_target(text)
         for label, kernel, dt, cx in configs():
             try:
-                triton.compile(ASTSource(kernel, _signature(kernel, dt), cx), target=target)
+                triton.compile(ASTSource(kernel, _signature(kernel, dt, cx), cx), target=target)
                 results.append((text, label, ""))
             except Exception as e:
                 results.append((text, label, f"{type(e).__name__}: {e}"))

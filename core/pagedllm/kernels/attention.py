@@ -19,6 +19,7 @@ import triton.language as tl
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.kernels import interpreting, next_pow2
+from pagedllm.kernels.fp8 import FORMATS, decode_fp8
 
 
 @triton.jit
@@ -44,12 +45,13 @@ def _find_seq(qsl_ptr, q_block, num_seqs, block_q):
 def _paged_attention_kernel(
         out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
         part_acc_ptr, part_max_ptr, part_sum_ptr,
-        scale, soft_cap, window,
+        scale, soft_cap, window, v_scale,
         num_seqs, num_heads, group, head_size, block_size, block_q,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv, stride_blk, stride_slot, stride_ch, stride_bt,
         HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-        USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr):
+        USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
+        KV_FP8: tl.constexpr = False, MANT: tl.constexpr = 3, BIAS: tl.constexpr = 7):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
@@ -100,6 +102,9 @@ def _paged_attention_kernel(
         kt = tl.load(cache_base + slot_off[None, :] + d[:, None], mask=d_ok[:, None] & k_ok[None, :], other=0.0)
         v = tl.load(cache_base + stride_kv + slot_off[:, None] + d[None, :],
                     mask=k_ok[:, None] & d_ok[None, :], other=0.0)
+        if KV_FP8:  # uint8 view of an fp8 cache: decoded exactly; k_scale is folded into `scale`, v_scale below
+            kt = decode_fp8(kt, MANT, BIAS).to(q.dtype)
+            v = decode_fp8(v, MANT, BIAS).to(q.dtype)
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
@@ -125,6 +130,8 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * v_scale
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SEGMENTS == 1:
         o = acc / l_i[:, None]
@@ -169,8 +176,9 @@ def default_num_segments(meta: AttentionMetadata, num_kv_heads: int) -> int:
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
-                    num_segments: Optional[int] = None) -> torch.Tensor:
-    """``pagedllm_paged_attention`` semantics (see hookspec) on ``[2, blocks, block_size, Hkv, D]`` caches.
+                    num_segments: Optional[int] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """``pagedllm_paged_attention`` semantics (see hookspec) on ``[2, blocks, block_size, Hkv, D]`` caches (fp8
+    caches read as ``stored * scale``).
 
     ``num_segments`` (a power of two) forces the split-K path; default: :func:`default_num_segments`.
     """
@@ -198,16 +206,20 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         part_acc = part_max = part_sum = out  # unused
     upcast = interpreting() and query.dtype == torch.bfloat16  # the interpreter's bf16 arithmetic is wrong
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, segments)
+    fmt = FORMATS.get(kv_cache.dtype)
+    fp8 = dict(KV_FP8=True, MANT=fmt[0], BIAS=fmt[1]) if fmt is not None else {}
+    if fmt is not None:
+        scale, kv_cache = scale * k_scale, kv_cache.view(torch.uint8)
     _paged_attention_kernel[grid](
         out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
         part_acc, part_max, part_sum,
-        float(scale), float(soft_cap or 0.0), int(sliding_window or 0),
+        float(scale), float(soft_cap or 0.0), int(sliding_window or 0), float(v_scale),
         num_seqs, num_heads, group, head_size, kv_cache.shape[2], block_q,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         HEAD_PAD=head_pad, BLOCK_M=block_m, TILE=tile, NUM_SEGMENTS=segments,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
-        UPCAST=upcast, FP32_DOT=upcast or query.dtype == torch.float32)
+        UPCAST=upcast, FP32_DOT=upcast or query.dtype == torch.float32, **fp8)
     if segments > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_max, part_sum, num_heads, head_size, out.stride(0), out.stride(1),

@@ -15,18 +15,20 @@ from pagedllm.hookspec import hookimpl
 
 
 @hookimpl
-def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: Any, slot_mapping: torch.Tensor) -> None:
+def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: Any, slot_mapping: torch.Tensor,
+                      k_scale: float, v_scale: float) -> None:
     from pagedllm.kernels.kv_write import write_kv
 
-    write_kv(key, value, kv_cache, slot_mapping)
+    write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 @hookimpl
 def pagedllm_paged_attention(query: torch.Tensor, kv_cache: Any, meta, scale: float, sliding_window: Optional[int],
-                             soft_cap: Optional[float]) -> torch.Tensor:
+                             soft_cap: Optional[float], k_scale: float, v_scale: float) -> torch.Tensor:
     from pagedllm.kernels.attention import paged_attention
 
-    return paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap)
+    return paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale=k_scale,
+                           v_scale=v_scale)
 
 
 @hookimpl

@@ -70,7 +70,8 @@ def pagedllm_capabilities() -> Capabilities:
     dtypes: tuple[str, ...] = ("float32", "float16", "bfloat16")
     if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         dtypes = ("float32", "float16")
-    return Capabilities(dtypes=dtypes, kv_cache_dtypes=("auto",), head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES,
+    # fp8 KV: stored as bytes, encoded/decoded in integer arithmetic by the Triton kernels (kernels/fp8.py)
+    return Capabilities(dtypes=dtypes, kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"), head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES,
                         graph_capture="decode", sliding_window=True, soft_cap=True)
 
 

@@ -74,6 +74,8 @@ class Attention(nn.Module):
         self.rope_interleaved_dim = rotary_dim(config, self.head_size) if spec.rope_interleaved else 0
         self.soft_cap = getattr(config, "attn_logit_softcapping", None)
         self.rotary, self.write_kv, self.paged_attention = backend.rotary, backend.write_kv, backend.paged_attention
+        # FP8 KV cache scales (pagedllm.kv_quant): the checkpoint's k_scale / v_scale when it has them, else 1.0.
+        self.k_scale, self.v_scale = 1.0, 1.0
         self.add_lora = getattr(backend, "add_lora", None)
         self.lora_qkv: Optional[tuple] = None  # (A, B) slot stacks, set by the LoRA manager
         self.lora_o: Optional[tuple] = None
@@ -94,8 +96,9 @@ class Attention(nn.Module):
         if self.rope_interleaved_dim:
             q, k = deinterleave(q, self.rope_interleaved_dim), deinterleave(k, self.rope_interleaved_dim)
         q, k = self.rotary(positions, q, k, cos_sin_cache)
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap)
+        self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap, self.k_scale,
+                                   self.v_scale)
         out = out.reshape(t, self.num_heads * self.head_size)
         y = self.o_proj(out)
         if lora is not None:

@@ -52,6 +52,7 @@ class FalconAttention(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.bias)
         self.scale = 1.0 / math.sqrt(self.head_size)
         self.rotary, self.write_kv, self.paged_attention = backend.rotary, backend.write_kv, backend.paged_attention
+        self.k_scale, self.v_scale = 1.0, 1.0  # fp8 KV cache scales (pagedllm.kv_quant)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -65,8 +66,8 @@ class FalconAttention(nn.Module):
         else:
             q, k, v = qkv.view(t, self.num_heads, 3, d).unbind(2)
         q, k = self.rotary(positions, q, k, cos_sin_cache)
-        self.write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = self.paged_attention(q, kv_cache, meta, self.scale, None, None)
+        self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = self.paged_attention(q, kv_cache, meta, self.scale, None, None, self.k_scale, self.v_scale)
         return self.dense(out.reshape(t, self.num_heads * d))
 
 

@@ -23,8 +23,10 @@ from pagedllm.models.quantized_linears import quantize_linears
 from pagedllm.models.remote_layouts import check_covered, remote_code_config, wrap_weights
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
 from pagedllm.models.transformers_impl import load_transformers_model
-from pagedllm.models.weights import SafetensorsWeights, fused_state_dict
+from pagedllm.kv_quant import load_kv_scales
+from pagedllm.models.weights import SafetensorsWeights, checkpoint_prefix, fused_state_dict
 from pagedllm.quantization.config import checkpoint_quant_config, checkpoint_quantization
+from pagedllm.quantization.fp8 import FP8Weights, is_fp8_checkpoint
 from pagedllm.quantization.linear import QuantizedLinear
 
 logger = logging.getLogger(__name__)
@@ -119,14 +121,17 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
             if spec.module == "falcon":
                 raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel does not shard Falcon layouts yet")
             parallelize(model, full_config, par)
+    fp8_checkpoint = is_fp8_checkpoint(config)
     qc = None if is_gguf(path) else checkpoint_quant_config(config)
     if is_gguf(path):
         weights = GGUFWeights(path, config)
-    elif qc is not None:  # GPTQ / AWQ / compressed-tensors: packed tensors, dequantized where kept dense
+    elif qc is not None and not fp8_checkpoint:  # GPTQ / AWQ / compressed-tensors: packed tensors
         checkpoint_quantization(config)
         weights = QuantizedCheckpoint(SafetensorsWeights(path), qc)
     else:
         weights = wrap_weights(SafetensorsWeights(path), config)
+    if quantization == "fp8" or fp8_checkpoint:  # e4m3 weights + scales, or online quantization (quantization/fp8.py)
+        weights = FP8Weights(weights, online=not fp8_checkpoint)
     if quantization is not None:
         quantize_linears(model, weights, backend, dtype, device)
     sd = fused_state_dict(model, weights, dtype, device)
@@ -134,11 +139,15 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         sd = shard_state_dict(sd, full_config, par)
     model.load_state_dict(sd, strict=True, assign=True)
     del sd
+    attentions = [getattr(layer, "self_attn", None) for layer in getattr(model, "layers", [])]
+    if load_kv_scales(attentions, weights, checkpoint_prefix(weights)):
+        logger.info("fp8 KV cache scales (k_scale/v_scale) read from the checkpoint")
     if hasattr(weights, "taken"):  # a remote-code layout: every checkpoint tensor must have been mapped
         check_covered(weights, weights.source.names())
     del weights
     packed = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    on_kernels = bool(packed) and not any(m.kernel_name.startswith("reference") for m in packed)
+    # fp8 weights count as exact: no backend here has an FP8 GEMM, they are dequantized at load (fp32 activations)
+    on_kernels = bool(packed) and not any(m.kernel_name.startswith("reference") or m.method == "fp8" for m in packed)
     pack_dense_linears(model, backend, dtype, device, quantized=on_kernels)
     model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device, max_model_len)
     if per_layer_type(config):  # Gemma 3: each layer type has its own rotary base

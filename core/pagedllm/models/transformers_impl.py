@@ -46,9 +46,9 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    pagedllm.write_kv(k, v, cache, pagedllm.meta.slot_mapping)
+    pagedllm.write_kv(k, v, cache, pagedllm.meta.slot_mapping, 1.0, 1.0)  # fp8 KV: unit scales (docs/quantization.md)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = pagedllm.paged_attention(q.contiguous(), cache, pagedllm.meta, scale, sliding_window, softcap)
+    out = pagedllm.paged_attention(q.contiguous(), cache, pagedllm.meta, scale, sliding_window, softcap, 1.0, 1.0)
     return out.unsqueeze(0), None
 
 

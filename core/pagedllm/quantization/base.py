@@ -48,7 +48,7 @@ def register_method(method: QuantizationMethod) -> QuantizationMethod:
 
 def get_method(name: str) -> QuantizationMethod:
     if name not in _METHODS:  # each module registers itself on import
-        from pagedllm.quantization import awq, compressed_tensors, gguf, gptq  # noqa: F401
+        from pagedllm.quantization import awq, compressed_tensors, fp8, gguf, gptq  # noqa: F401
     return _METHODS[name]
 
 

@@ -13,9 +13,9 @@ logger = logging.getLogger(__name__)
 QUANTIZATION_METHODS = ("gguf", "gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors", "fp8",
                         "fbgemm_fp8", "bitsandbytes", "experts_int8", "modelopt", "torchao", "quark", "mxfp4")
 #: The methods core implements today (a backend declares the ones it runs in ``Capabilities.quantization``).
-IMPLEMENTED = ("gguf", "gptq", "awq", "compressed-tensors")
+IMPLEMENTED = ("gguf", "gptq", "awq", "compressed-tensors", "fp8")
 #: Methods read from a safetensors checkpoint's ``config.json`` ``quantization_config``.
-CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")
 
 
 def checkpoint_quant_config(config: Any) -> Optional[dict]:
@@ -41,6 +41,8 @@ def checkpoint_quantization(config: Any) -> Optional[str]:
                                     f"(supported: {', '.join(CHECKPOINT_METHODS)}, and GGUF files)")
     get_method(method).check_config(qc)
     return method
+#: Methods that also quantize a dense (or GGUF, dequantized first) checkpoint at load when asked for explicitly.
+ONLINE = ("fp8",)
 
 
 def validate_quantization(value: Optional[str]) -> None:
@@ -59,7 +61,8 @@ def resolve_quantization(requested: Optional[str], user_dtype: str, checkpoint: 
 
     Unset: a quantized checkpoint runs quantized when the backend declares its method and the user gave no dtype;
     with an explicit dtype (or a backend without the method) it is dequantized to that dtype at load, and the log
-    says so. An explicit method the backend does not declare, or that the checkpoint is not in, is an error.
+    says so. An explicit method the backend does not declare, or that the checkpoint is not in, is an error; except
+    ``fp8`` on a dense (or GGUF) checkpoint, which quantizes its (dequantized) weights at load (vLLM's online fp8).
     """
     caps = backend.capabilities.quantization
     if requested == "none":
@@ -74,7 +77,7 @@ def resolve_quantization(requested: Optional[str], user_dtype: str, checkpoint: 
         logger.info("%s checkpoint dequantized to %s at load: %s; pass quantization=%s to keep it packed",
                     checkpoint, dtype, why, checkpoint)
         return None
-    if checkpoint != requested:
+    if checkpoint != requested and not (checkpoint in (None, "gguf") and requested in ONLINE):
         raise ParamError("quantization", f"{requested!r} was requested, but the checkpoint is "
                                          f"{checkpoint or 'not quantized'}")
     if requested not in caps:

@@ -6,7 +6,9 @@ still in cache; sequences of very different lengths go in separate groups so nob
 chunks run one sequence at a time through the same fused SDPA (causal, or an explicit mask over cached context).
 Everything that depends only on the batch (gather indices, masks) is computed once per step and cached in
 ``meta.extra``, since the model calls attention once per layer with the same metadata. Soft-capping is not in SDPA:
-it takes a float32 matmul path.
+it takes a float32 matmul path. An fp8 cache (``kv_cache_dtype=fp8``) is gathered as fp8 (a quarter of the fp32 bytes),
+converted to the query's dtype in the reused buffer, and its scales are folded into the softmax scale (keys) and the
+output (values), so the attention itself is unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.kv_quant import is_fp8, quantize_kv
 
 _PLAN_KEY = "pagedllm_cpu.plan"
 _SPLIT_MIN_BLOCKS = 8  # decode batches whose longest context fits in this many blocks stay one group
@@ -39,14 +42,22 @@ def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
     return buf[:numel]
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``[T, Hkv, D]`` keys/values into flat slots with ``index_copy_``; slots < 0 are skipped."""
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter ``[T, Hkv, D]`` keys/values into flat slots with ``index_copy_``; slots < 0 are skipped. fp8 caches
+    store ``saturate(x * (1 / scale))`` (``pagedllm.kv_quant.quantize_kv``), copied as bytes (torch has no fp8
+    ``index_copy_`` on CPU)."""
     _, nb, bs, h, d = kv_cache.shape
     slots = slot_mapping
     if slots.numel() and int(slots.min()) < 0:
         keep = slots >= 0
         slots, key, value = slots[keep], key[keep], value[keep]
     slots = slots.long()
+    if is_fp8(kv_cache.dtype):
+        raw = kv_cache.view(torch.uint8)
+        raw[0].view(nb * bs, h, d).index_copy_(0, slots, quantize_kv(key, k_scale, kv_cache.dtype).view(torch.uint8))
+        raw[1].view(nb * bs, h, d).index_copy_(0, slots, quantize_kv(value, v_scale, kv_cache.dtype).view(torch.uint8))
+        return
     kv_cache[0].view(nb * bs, h, d).index_copy_(0, slots, key.to(kv_cache.dtype))
     kv_cache[1].view(nb * bs, h, d).index_copy_(0, slots, value.to(kv_cache.dtype))
 
@@ -190,6 +201,19 @@ def _get_plan(meta: AttentionMetadata, window: Optional[int], num_blocks: int) -
     return plan
 
 
+def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Blocks ``block_ids`` of keys and values as ``[2, n, block_size * Hkv * D]`` in a reused buffer of ``dtype``
+    (index_select on the leading dim: copy bandwidth); an fp8 cache is gathered as fp8, then converted."""
+    nb = kv_cache.shape[1]
+    row = kv_cache[0, 0].numel()
+    kv = _workspace(2 * n * row, kv_cache.dtype, kv_cache.device).view(2, n, row)
+    for i in range(2):
+        torch.index_select(kv_cache[i].view(nb, row), 0, block_ids, out=kv[i])
+    if kv_cache.dtype == dtype:
+        return kv
+    return _workspace(2 * n * row, dtype, kv_cache.device).view(2, n, row).copy_(kv)
+
+
 def _decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float,
             soft_cap: Optional[float], out: torch.Tensor) -> None:
     """Attention for one decode group: its query rows ``[B, H, D]`` -> ``out`` ``[B, H, D]``.
@@ -199,15 +223,13 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, sc
     _, nb, bs, hkv, d = kv_cache.shape
     h = query.shape[1]
     s = group.nblk * bs
-    row = bs * hkv * d
-    per_seq = 2 * s * hkv * d * kv_cache.element_size()
+    dtype = query.dtype if is_fp8(kv_cache.dtype) else kv_cache.dtype
+    per_seq = 2 * s * hkv * d * dtype.itemsize
     bias = group.bias(query.dtype if soft_cap is None else torch.float32)
     for s0, s1, invalid_rows in group.chunks(max(1, _CHUNK_BYTES // per_seq)):
         n = s1 - s0
-        kv = _workspace(2 * n * group.nblk * row, kv_cache.dtype, kv_cache.device).view(2, -1, row)
-        for i in range(2):  # index_select on the leading dim into a reused buffer: copy bandwidth
-            torch.index_select(kv_cache[i].view(nb, row), 0, group.block_ids[s0 * group.nblk:s1 * group.nblk],
-                               out=kv[i])
+        kv = _gather(kv_cache, group.block_ids[s0 * group.nblk:s1 * group.nblk], n * group.nblk, dtype)
+        for i in range(2):
             if invalid_rows is not None:  # unwritten/out-of-window slots may hold anything, even NaN: 0*NaN=NaN
                 kv[i].view(n * s, hkv * d).index_fill_(0, invalid_rows, 0)
         kv = kv.view(2, n, s, hkv, d)
@@ -230,10 +252,7 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale:
     _, nb, bs, hkv, d = kv_cache.shape
     h = query.shape[1]
     n = p.block_ids.numel()
-    row = bs * hkv * d
-    kv = _workspace(2 * n * row, kv_cache.dtype, kv_cache.device).view(2, n, row)
-    for i in range(2):
-        torch.index_select(kv_cache[i].view(nb, row), 0, p.block_ids, out=kv[i])
+    kv = _gather(kv_cache, p.block_ids, n, query.dtype if is_fp8(kv_cache.dtype) else kv_cache.dtype)
     kv = kv.view(2, n * bs, hkv, d)[:, p.skip:p.skip + p.num_keys]
     k, v = kv[0], kv[1]
     q = query[p.start:p.end]  # [L, H, D]
@@ -259,8 +278,18 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale:
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None) -> torch.Tensor:
+                    sliding_window: Optional[int] = None, soft_cap: Optional[float] = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """Same semantics as ``pagedllm.ref_ops.paged_attention`` (see the hookspec); returns ``[T, H, D]``."""
+    out = _attention(query, kv_cache, meta, scale * k_scale if is_fp8(kv_cache.dtype) else scale, sliding_window,
+                     soft_cap)
+    if is_fp8(kv_cache.dtype) and v_scale != 1.0:  # softmax(.) @ (v * s) = s * (softmax(.) @ v)
+        out.mul_(v_scale)
+    return out
+
+
+def _attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+               sliding_window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
     plan = _get_plan(meta, sliding_window, kv_cache.shape[1])
     out = torch.empty_like(query)
     for group in plan.decodes:

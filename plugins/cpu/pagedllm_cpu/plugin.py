@@ -39,13 +39,14 @@ def pagedllm_probe() -> ProbeResult:
 def pagedllm_capabilities() -> Capabilities:
     return Capabilities(
         dtypes=("float32", "bfloat16", "float16"),
-        kv_cache_dtypes=("auto",),
+        kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),  # fp8: stored as fp8, attended in the model dtype
         head_sizes=None,  # SDPA and the reference gathers take any head size
         block_sizes=(16, 8, 32, 64, 128),  # 16 first: the default (measured fastest on the decode path)
         graph_capture=graph.CAPTURE_LEVEL,
         sliding_window=True,
         soft_cap=True,
-        quantization=("gguf", "gptq", "awq", "compressed-tensors"),  # kernels: quant.py; the rest: core reference
+        # kernels: quant.py (fp8: dequantized once at load onto the dense path); the rest: core reference
+        quantization=("gguf", "gptq", "awq", "compressed-tensors", "fp8"),
     )
 
 
@@ -80,14 +81,15 @@ canonical latent layout and core's reference MLA write/attention ops. The kernel
 
 @hookimpl
 def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    attention.write_kv(key, value, kv_cache, slot_mapping)
+                      slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    attention.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 @hookimpl
 def pagedllm_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float,
-                             sliding_window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
-    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap)
+                             sliding_window: Optional[int], soft_cap: Optional[float], k_scale: float,
+                             v_scale: float) -> torch.Tensor:
+    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale)
 
 
 @hookimpl

@@ -100,13 +100,36 @@ GROUPED_INT4 = QuantizedLinearKernel(_prepare_grouped, _apply_grouped, name="cpu
 GROUPED_TYPES = {("gptq", "int4"), ("awq", "int4"), ("compressed-tensors", "W4A16")}
 
 
+def _prepare_fp8(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple:
+    """Dequantized once at load (an fp8 -> float conversion per forward costs 40x the matmul on CPU), then packed for
+    oneDNN like any dense weight where oneDNN runs ``dtype``."""
+    from pagedllm.quantization import dequantize
+    from pagedllm_cpu import dense
+
+    w = QuantizedWeight("unquantized", str(dtype).removeprefix("torch."), dequantize(weight).to(dtype), weight.shape)
+    if dense.supported(w.weight_type):
+        return dense.ONEDNN.apply, dense.ONEDNN.prepare(w, dtype, device)
+    return torch.nn.functional.linear, w.data
+
+
+def _apply_fp8(state: tuple, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    fn, w = state
+    return fn(w, x, bias) if fn is not torch.nn.functional.linear else fn(x, w, bias)
+
+
+FP8 = QuantizedLinearKernel(_prepare_fp8, _apply_fp8, name="cpu-fp8-dequantized")
+
+
 def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
     """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 and the 4-bit GPTQ / AWQ / compressed-tensors types on
-    the int4 kernel, W8A8 on ``int8.py``'s; every other type is left to core's reference."""
+    the int4 kernel, W8A8 on ``int8.py``'s; fp8 dequantized at load onto the dense path; every other type is left to
+    core's reference."""
     if method == "unquantized":
         from pagedllm_cpu import dense
 
         return dense.ONEDNN if dense.supported(weight_type) else None
+    if method == "fp8":
+        return FP8
     if method == "gguf" and weight_type in _BLOCK_BYTES:
         return INT4
     if (method, weight_type) in GROUPED_TYPES:
