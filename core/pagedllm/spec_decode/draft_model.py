@@ -19,6 +19,24 @@ from pagedllm.kv_manager import KVCacheManager
 from pagedllm.request import Request
 
 
+def draft_batch(active: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int], tables: Any,
+                block_size: int, device: torch.device) -> tuple[list[int], torch.Tensor, torch.Tensor,
+                                                               AttentionMetadata]:
+    """One proposal step's batch over requests ``active`` (each feeding ``chunks[i]`` from position ``starts[i]``
+    through block table ``tables[i]``): (their order, decodes first like the target's batch; input ids;
+    positions; attention metadata)."""
+    order = sorted(active, key=lambda i: len(chunks[i]) != 1)
+    ids, pos, qlens, seq_lens = [], [], [], []
+    for i in order:
+        ids.extend(chunks[i])
+        pos.extend(range(starts[i], starts[i] + len(chunks[i])))
+        qlens.append(len(chunks[i]))
+        seq_lens.append(starts[i] + len(chunks[i]))
+    meta = AttentionMetadata.build(qlens, seq_lens, [tables[i] for i in order], block_size, device=device)
+    return (order, torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(pos, dtype=torch.long, device=device), meta)
+
+
 class DraftModelProposer:
     def __init__(self, model: Any, kv: KVCacheManager, device: torch.device):
         self.model, self.kv, self.device = model, kv, device
@@ -37,16 +55,8 @@ class DraftModelProposer:
             active = [i for i in active if ks[i] > j]
             if not active:
                 break
-            order = sorted(active, key=lambda i: len(chunks[i]) != 1)  # decodes first, like the target's batch
-            ids, pos, qlens, seq_lens = [], [], [], []
-            for i in order:
-                ids.extend(chunks[i])
-                pos.extend(range(starts[i], starts[i] + len(chunks[i])))
-                qlens.append(len(chunks[i]))
-                seq_lens.append(starts[i] + len(chunks[i]))
-            meta = AttentionMetadata.build(qlens, seq_lens, [tables[i] for i in order], bs, device=self.device)
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                torch.tensor(pos, dtype=torch.long, device=self.device), meta)
+            order, ids, pos, meta = draft_batch(active, chunks, starts, tables, bs, self.device)
+            hidden = self.model(ids, pos, meta)
             last = torch.tensor(meta.query_start_loc_cpu[1:], dtype=torch.long, device=hidden.device) - 1
             toks = self.model.compute_logits(hidden.index_select(0, last)).max(dim=-1).indices.tolist()
             for i, t in zip(order, toks):

@@ -34,6 +34,7 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.kv_manager import KVCacheManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import ParamError
+from pagedllm.spec_decode.draft_model import draft_batch
 from pagedllm.spec_decode.manager import eligible
 
 logger = logging.getLogger(__name__)
@@ -211,17 +212,8 @@ class EagleProposer:
             active = [i for i in active if ks[i] > j]
             if not active:
                 break
-            order = sorted(active, key=lambda i: len(chunks[i]) != 1)  # decodes first, like the target's batch
-            ids, pos, qlens, seq_lens = [], [], [], []
-            for i in order:
-                ids.extend(chunks[i])
-                pos.extend(range(starts[i], starts[i] + len(chunks[i])))
-                qlens.append(len(chunks[i]))
-                seq_lens.append(starts[i] + len(chunks[i]))
-            meta = AttentionMetadata.build(qlens, seq_lens, [tables[i] for i in order], bs, device=self.device)
-            hidden = self.model(torch.tensor(ids, dtype=torch.long, device=self.device),
-                                torch.tensor(pos, dtype=torch.long, device=self.device),
-                                torch.cat([feats[i] for i in order]).to(self.device), meta)
+            order, ids, pos, meta = draft_batch(active, chunks, starts, tables, bs, self.device)
+            hidden = self.model(ids, pos, torch.cat([feats[i] for i in order]).to(self.device), meta)
             last = torch.tensor(meta.query_start_loc_cpu[1:], dtype=torch.long, device=hidden.device) - 1
             h_last = hidden.index_select(0, last)
             toks = self.model.compute_logits(h_last).max(dim=-1).indices.tolist()
