@@ -148,6 +148,9 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
     if info.sliding_window is not None and not caps.sliding_window:
         raise ParamError("model", f"{info.architecture} uses sliding-window attention ({info.sliding_window}), "
                                   f"which backend {name!r} does not support")
+    if info.mla and not caps.mla:
+        raise ParamError("model", f"{info.architecture} uses multi-head latent attention (a latent KV cache), which "
+                                  f"backend {name!r} does not support")
     if info.soft_cap is not None and not caps.soft_cap:
         raise ParamError("model", f"{info.architecture} uses attention logit soft-capping ({info.soft_cap}), "
                                   f"which backend {name!r} does not support")

@@ -90,6 +90,9 @@ class Capabilities:
     graph_capture: str = "none"
     sliding_window: bool = True
     soft_cap: bool = True
+    # MLA models (DeepSeek-V2/V3): the allocator honours ``KVCacheSpec.mla`` and the MLA hooks run on its caches.
+    # A backend with its own KV layout says False until it does; core then refuses those models by name.
+    mla: bool = True
     # vLLM quantization method names this backend runs (``gguf``...); weight types without a kernel from
     # ``pagedllm_quantized_linear`` run core's reference (dequantized at load). Others are refused.
     quantization: tuple[str, ...] = ()
@@ -147,6 +150,7 @@ class ModelInfo:
     sliding_window: Optional[int] = None  # set when any layer slides
     soft_cap: Optional[float] = None
     quantization: Optional[str] = None  # e.g. "gguf"
+    mla: bool = False  # the cache holds one latent row per token (num_kv_heads 1, head_size = latent width)
 
 
 @dataclass(frozen=True)

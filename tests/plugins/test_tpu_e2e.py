@@ -138,7 +138,8 @@ def test_conformance_applicable_cases():
     r = child("conformance", *CONFORMANCE_ALLOW, timeout=1500)
     rows = r["results"]
     ran = [x for x in rows if x["status"] != "untested"]
-    untested = {x["kernel"] for x in rows if x["status"] == "untested" and "allowlist" not in x["error"]}
+    untested = {x["kernel"] for x in rows if x["status"] == "untested" and "allowlist" not in x["error"]
+                and "capabilities do not declare" not in x["error"]}  # features the TPU backend refuses by name
     bad = [x for x in ran if x["status"] != "passing"]
     assert not bad, bad[:5]
     assert untested == {"swap_kv_blocks", "graph_runner.replay_vs_eager"}, untested

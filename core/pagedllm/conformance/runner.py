@@ -97,7 +97,8 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                           dict(hidden=96, intermediate=80, experts=6, top_k=2)))
         cases.append(Case("fused_ops", "mla_attention", f"latent40-rope16-h5-bs{caps.block_sizes[0]}", dt,
                           K.check_mla_attention, dict(kv_lora_rank=40, rope=16, heads=5,
-                                                      block_size=caps.block_sizes[0])))
+                                                      block_size=caps.block_sizes[0]),
+                          untested="" if caps.mla else "capabilities do not declare mla"))
         for hs in head_sizes:
             for rot in (hs, hs // 2):
                 cases.append(Case("fused_ops", "rotary", f"hs{hs}-rot{rot}", dt, K.check_rotary,

@@ -48,7 +48,7 @@ def pagedllm_probe() -> ProbeResult:
 def pagedllm_capabilities() -> Capabilities:
     return Capabilities(dtypes=DTYPES, kv_cache_dtypes=("auto",), head_sizes=HEAD_SIZES, block_sizes=(BLOCK_SIZE,),
                         graph_capture="decode" if graph.enabled() else "none", sliding_window=True,
-                        soft_cap=False)
+                        soft_cap=False, mla=False)
 
 
 @hookimpl

@@ -68,6 +68,7 @@ def pagedllm_capabilities() -> Capabilities:
         graph_capture="full",
         sliding_window=True,
         soft_cap=True,
+        mla=False,  # its own KV layout ignores KVCacheSpec.mla
         on_device_sampling=True,
     )
 

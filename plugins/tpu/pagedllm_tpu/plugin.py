@@ -57,6 +57,7 @@ def pagedllm_capabilities() -> Capabilities:
         graph_capture="full",  # every step is a compiled XLA program
         sliding_window=True,
         soft_cap=True,
+        mla=False,  # its own KV layout ignores KVCacheSpec.mla
         on_device_sampling=True,
     )
 
