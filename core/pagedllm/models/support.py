@@ -36,8 +36,10 @@ VERIFIED: dict[str, str] = {
     "Olmo2ForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
 }
-# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon and Phi-3 Q8_0 (tests/test_gguf_families.py)
+# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon, Phi-3, Gemma 2/3 Q8_0 (tests/test_gguf_families.py)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tested)",
+                "Gemma2ForCausalLM": "yes (tested; GGUF has no soft-cap/query scalar: config defaults)",
+                "Gemma3ForCausalLM": "yes (tested; GGUF has no per-layer rope: config defaults)",
                 "FalconForCausalLM": "yes (tested; multi-query layout only, grouped KV refused)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 
