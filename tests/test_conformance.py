@@ -65,7 +65,7 @@ def test_reference_backend_passes_everything(ref_backend, tmp_path):
     assert report.status == "PASS"
     kernels = {r.kernel for r in report.results}
     assert {"write_kv", "paged_attention.decode", "paged_attention.prefill", "paged_attention.mixed",
-            "paged_attention.sliding_window", "paged_attention.soft_cap", "gather_kv_blocks", "copy_kv_blocks",
+            "paged_attention.sliding_window", "paged_attention.soft_cap", "paged_attention.alibi", "gather_kv_blocks", "copy_kv_blocks",
             "swap_kv_blocks", "allocate_kv_cache", "memory_info", "rms_norm", "rotary", "silu_and_mul",
             "graph_runner.replay_vs_eager", "greedy_parity_vs_hf", "layout_ownership", "add_lora",
             "apply_token_bitmask"} <= kernels
@@ -83,7 +83,9 @@ def test_wrong_kernels_are_caught_and_reported():
                   "buggy")
     report = run_conformance(bad, allow=["paged_attention.*", "write_kv"])
     assert not report.passed
-    attention = [r for r in report.results if r.feature == "attention"]
+    alibi = [r for r in report.results if r.kernel == "paged_attention.alibi"]  # not declared by this plugin
+    assert alibi and all(r.status == "untested" and "do not declare alibi" in r.error for r in alibi)
+    attention = [r for r in report.results if r.feature == "attention" and r.kernel != "paged_attention.alibi"]
     assert attention and all(r.status == "failing" for r in attention), [(r.id, r.status) for r in attention]
     assert all("outside atol" in r.error or "NaN" in r.error for r in attention)
     write = [r for r in report.results if r.kernel == "write_kv"]

@@ -60,14 +60,23 @@ def test_config_hook_refusals_name_the_field():
 @pytest.mark.parametrize("info,caps,field,match", [
     (replace(INFO, sliding_window=8), Capabilities(head_sizes=(64,), sliding_window=False), "model", "sliding-window"),
     (replace(INFO, soft_cap=30.0), Capabilities(head_sizes=(64,), soft_cap=False), "model", "soft-capping"),
+    (replace(INFO, alibi=True), Capabilities(head_sizes=(64,)), "model", "ALiBi attention.*Capabilities.alibi"),
     (replace(INFO, head_size=16), Capabilities(head_sizes=(64, 128)), "model", "head size 16"),
     (INFO, Capabilities(head_sizes=(64,), block_sizes=(128,)), "block_size", "supports \\(128,\\), not 16"),
 ])
 def test_capabilities_are_enforced_before_loading(info, caps, field, match):
     cfg = EngineConfig(block_size=16) if field == "block_size" else EngineConfig()
+    # The backend's own attention (core's reference attention, which does ALiBi, would declare alibi for it).
     with pytest.raises(ParamError, match=match) as e:
-        resolve_config(cfg, backend("caps", caps), info)
+        resolve_config(cfg, backend("caps", caps, paged_attention=ref_ops.paged_attention), info)
     assert e.value.field == field
+
+
+def test_reference_attention_declares_alibi():
+    """A backend without its own paged attention runs core's reference, which implements ALiBi."""
+    assert backend("refattn").capabilities.alibi
+    assert not backend("ownattn", paged_attention=ref_ops.paged_attention).capabilities.alibi
+    assert resolve_config(EngineConfig(), backend("refattn"), replace(INFO, alibi=True)).block_size == 16
 
 
 def test_kv_cache_dtype_is_checked():

@@ -4,7 +4,8 @@
 Falcon: transformers' GGUF config keeps only what Falcon-7B's layout needs (multi-query, parallel attention,
 ffn = 4 x hidden); a GGUF with several KV heads (Falcon-40B/180B, reordered q/k/v in llama.cpp's converter) is
 refused by name rather than read wrongly. DeepSeek-V2/V3 (``deepseek2``) and GLM-4 (``glm4``): transformers has no
-GGUF config for them, so they are refused (``docs/models.md``'s GGUF column says so)."""
+GGUF config for them, so they are refused (``docs/models.md``'s GGUF column says so). Gemma 2 / Gemma 3: RMSNorm
+weights stored as ``1 + w`` by llama.cpp's converter, undone at load as transformers does."""
 
 from __future__ import annotations
 
@@ -134,3 +135,69 @@ def test_falcon_gguf_with_grouped_kv_is_refused(tmp_path):
     path = write_falcon_gguf(tmp_path, kv_heads=2)
     with pytest.raises(UnsupportedModelError, match="falcon GGUF with 2 KV heads"):
         load_config(path)
+
+
+def write_gemma_gguf(out_dir, name: str) -> str:
+    """Gemma 2 / Gemma 3 text as llama.cpp's converter writes them: RMSNorm weights stored as ``1 + w``, head_dim as
+    key/value length, the sliding window; 2-D weights Q8_0. transformers' GGUF config for gemma2/gemma3 carries no
+    soft-capping, query_pre_attn_scalar or per-layer rope, so the HF checkpoint uses the config defaults (what HF
+    reading the GGUF assumes too)."""
+    import gguf
+    from gguf.quants import quantize
+
+    arch = {"gemma2": "gemma2", "gemma3": "gemma3"}[name]
+    drop = dict(attn_logit_softcapping=None, final_logit_softcapping=None, query_pre_attn_scalar=None)
+    if name == "gemma3":
+        drop.update(rope_parameters=None, sliding_window_pattern=None)
+    hf_dir = make_fallback_model(name, os.path.join(out_dir, "hf"), **drop)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    c = model.config
+    path = os.path.join(out_dir, f"tiny-{arch}.gguf")
+    w = gguf.GGUFWriter(path, arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_sliding_window(c.sliding_window)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    w.add_pad_token_id(c.pad_token_id)
+    arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
+    for hf_name, t in model.state_dict().items():
+        if hf_name == "lm_head.weight":
+            continue  # tied
+        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        data = t.numpy().astype(np.float32)
+        if hf_name.endswith("norm.weight"):
+            data = data + 1
+        if data.ndim == 2 and gname != "token_embd.weight" and data.shape[1] % 32 == 0:  # Q8_0 blocks of 32
+            w.add_tensor(gname, quantize(data, gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3"])
+def test_gemma_gguf_logits_match_hf(tmp_path, ref_backend, name):
+    """The ``1 + w`` norms are undone at load (a Gemma GGUF read without that is silently wrong: ~14 in logits)."""
+    path = write_gemma_gguf(tmp_path, name)
+    hf = _hf(path)
+    ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+    prompts = _prompts(hf.config.vocab_size)  # lengths past the sliding window of 8
+    with torch.inference_mode():
+        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
+        for schedule in (FULL_PREFILL, CHUNKED):
+            assert_logits_match(f"{name} gguf", run_schedule(ours, ref_backend, prompts, schedule), expected)

@@ -1,5 +1,7 @@
 """Remote-code layouts loaded by name mapping, never by running their code: Baichuan-7B is Llama with q/k/v fused
-in ``W_pack``. Oracle: the same weights re-laid as a Llama checkpoint, run by HF's Llama."""
+in ``W_pack``. Oracle: the same weights re-laid as a Llama checkpoint, run by HF's Llama. Baichuan-13B (ALiBi, no
+rotary): HF has no Baichuan, so the oracle is HF's Llama over the same weights with rotary removed and an ALiBi
+attention written from torch ops in this file."""
 
 from __future__ import annotations
 
@@ -78,12 +80,67 @@ def test_mapping_covers_every_tensor(pair, ref_backend, tmp_path):
         load_model(odd, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
 
 
-def test_baichuan_13b_alibi_and_fallback_are_refused(pair, tmp_path):
-    raw = json.loads((Path(pair[1]) / "config.json").read_text())
-    raw.update(architectures=["BaichuanForCausalLM"], hidden_size=5120)
-    (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(UnsupportedModelError, match="ALiBi"):
-        load_config(str(tmp_path))
+def _alibi_reference_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Baichuan-13B's attention written from torch ops (HF has no Baichuan): softmax(q.k * scaling +
+    slope_h * k_pos + causal mask) v, slopes from Baichuan's ``_get_interleave`` formula (the closed form below,
+    written out here rather than imported from pagedllm). Single unpadded sequences only, as the tests use it."""
+    import math
+
+    h, q_len, k_len = query.shape[1], query.shape[2], key.shape[2]
+
+    def slopes(n):
+        if math.log2(n).is_integer():
+            start = 2 ** (-2 ** -(math.log2(n) - 3))
+            return [start * start ** i for i in range(n)]
+        closest = 2 ** math.floor(math.log2(n))
+        return slopes(closest) + slopes(2 * closest)[0::2][: n - closest]
+
+    groups = h // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    k_pos = torch.arange(k_len)[None, :]
+    q_pos = torch.arange(k_len - q_len, k_len)[:, None]
+    bias = torch.tensor(slopes(h))[:, None, None] * k_pos.float()  # Baichuan adds slope * key position
+    bias = bias.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(query @ key.transpose(-1, -2) * scaling + bias, dim=-1)
+    return (probs @ value).transpose(1, 2).contiguous(), probs
+
+
+@pytest.fixture
+def baichuan13b_oracle(pair, monkeypatch):
+    """HF's Llama over the same weights with rotary removed and the ALiBi reference attention above."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("alibi_reference", _alibi_reference_attention)
+    monkeypatch.setattr("transformers.models.llama.modeling_llama.apply_rotary_pos_emb",
+                        lambda q, k, cos, sin, *a, **kw: (q, k))
+    return AutoModelForCausalLM.from_pretrained(pair[0], dtype=torch.float32,
+                                                attn_implementation="alibi_reference").eval()
+
+
+@pytest.fixture(scope="module")
+def baichuan13b(pair, tmp_path_factory):
+    """The pair's weights as a 13B-layout checkpoint (BaichuanForCausalLM, hidden size not 4096: ALiBi)."""
+    return baichuan_from_llama(pair[0], tmp_path_factory.mktemp("baichuan13b"), arch="BaichuanForCausalLM")
+
+
+def test_baichuan_13b_alibi_logits_match_reference(baichuan13b, baichuan13b_oracle, ref_backend):
+    from pagedllm.models.alibi import uses_alibi
+
+    assert uses_alibi(load_config(baichuan13b))
+    ours = load_model(baichuan13b, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+    assert ours.layers[0].self_attn.alibi
+    prompts = _prompts(500)
+    with torch.inference_mode():
+        expected = [baichuan13b_oracle(torch.tensor([p])).logits[0] for p in prompts]
+        for schedule in (FULL_PREFILL, CHUNKED):
+            assert_logits_match("baichuan13b", run_schedule(ours, ref_backend, prompts, schedule), expected)
+
+
+def test_baichuan_13b_alibi_greedy_parity_engine(baichuan13b, baichuan13b_oracle):
+    assert_engine_parity(baichuan13b, baichuan13b_oracle)
+
+
+def test_baichuan_fallback_is_refused(pair):
     from pagedllm import LLM
 
     with pytest.raises(UnsupportedModelError, match="BaiChuanForCausalLM.*transformers fallback cannot load it"):

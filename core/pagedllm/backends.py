@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -63,7 +63,9 @@ class Backend:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             kwargs.update(zip(spec_args, args))
-            return fn(**{a: kwargs[a] for a in wanted})
+            call_kwargs = {a: kwargs[a] for a in wanted}
+            call_kwargs.update((a, kwargs[a]) for a in impl.kwargnames if a in kwargs)  # optional keywords
+            return fn(**call_kwargs)
 
         return call
 
@@ -84,7 +86,10 @@ class Backend:
 
     @cached_property
     def capabilities(self) -> Capabilities:
-        return self._resolve("pagedllm_capabilities")()
+        caps = self._resolve("pagedllm_capabilities")()
+        if not caps.alibi and not self.implements("pagedllm_paged_attention"):
+            caps = replace(caps, alibi=True)  # core's reference attention runs, and it does ALiBi
+        return caps
 
     def device(self, index: Optional[int] = None) -> torch.device:
         return torch.device(self.info.device_type, index) if index is not None else torch.device(self.info.device_type)

@@ -93,6 +93,8 @@ class Capabilities:
     # MLA models (DeepSeek-V2/V3): the allocator honours ``KVCacheSpec.mla`` and the MLA hooks run on its caches.
     # A backend with its own KV layout says False until it does; core then refuses those models by name.
     mla: bool = True
+    # ALiBi position bias (``alibi_slopes`` of ``pagedllm_paged_attention``); ALiBi models are refused without it.
+    alibi: bool = False
     # vLLM quantization method names this backend runs (``gguf``...); weight types without a kernel from
     # ``pagedllm_quantized_linear`` run core's reference (dequantized at load). Others are refused.
     quantization: tuple[str, ...] = ()
@@ -149,6 +151,7 @@ class ModelInfo:
     max_model_len: int  # the model's max_position_embeddings
     sliding_window: Optional[int] = None  # set when any layer slides
     soft_cap: Optional[float] = None
+    alibi: bool = False  # ALiBi position bias instead of rotary (Falcon-RW, Baichuan-13B)
     quantization: Optional[str] = None  # e.g. "gguf"
     mla: bool = False  # the cache holds one latent row per token (num_kv_heads 1, head_size = latent width)
 
@@ -317,6 +320,7 @@ class BackendSpec:
         soft_cap: Optional[float],
         k_scale: float,
         v_scale: float,
+        alibi_slopes: Optional["torch.Tensor"] = None,
     ) -> "torch.Tensor":
         """Attention for a flat batch mixing decodes and prefill chunks with cached context.
 
@@ -327,7 +331,9 @@ class BackendSpec:
         head h uses kv head ``h // (num_heads // num_kv_heads)``. ``sliding_window`` W keeps keys with
         ``q_pos - k_pos < W``. ``soft_cap`` c maps scores s to ``c * tanh(s / c)``. An fp8 cache is read as
         ``stored * k_scale`` (keys) and ``stored * v_scale`` (values); other caches ignore the scales. Returns
-        ``[num_tokens, num_heads, head_size]`` in the query's dtype.
+        ``[num_tokens, num_heads, head_size]`` in the query's dtype. ``alibi_slopes`` (float32 ``[num_heads]``, optional keyword; only
+        passed to backends whose ``Capabilities.alibi`` is set) adds the ALiBi bias ``slope_h * (k_pos - q_pos)`` to head
+        h's scaled scores.
         """
 
     @hookspec(firstresult=True)

@@ -51,7 +51,7 @@ def swap_kv_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """See ``hookspec.pagedllm_paged_attention``. One sequence at a time, scores in float32; an fp8 cache is read as
     ``stored * k_scale`` / ``stored * v_scale``."""
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -79,6 +79,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
             scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos = torch.arange(seq_len - qlen, seq_len, device=query.device)[:, None]
         k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        if alibi_slopes is not None:
+            scores = scores + alibi_slopes.float().view(-1, 1, 1) * (k_pos - q_pos)[None]
         allowed = k_pos <= q_pos
         if sliding_window is not None:
             allowed &= (q_pos - k_pos) < sliding_window

@@ -77,8 +77,10 @@ def pagedllm_write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale) -> N
 
 
 @hookimpl(trylast=True)
-def pagedllm_paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale):
-    return ref_ops.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale)
+def pagedllm_paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale,
+                             alibi_slopes=None):
+    return ref_ops.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale,
+                                   alibi_slopes)
 
 
 @hookimpl(trylast=True)

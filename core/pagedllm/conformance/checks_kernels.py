@@ -82,8 +82,13 @@ def check_attention(ctx: CaseContext) -> None:
     scale = hs ** -0.5
     window, cap = p.get("sliding_window"), p.get("soft_cap")
     poison_allocator(query.numel(), ctx.dtype, ctx.device)
-    out = ctx.backend.paged_attention(query, cache, batch.meta, scale, window, cap, *kv_scales(ctx))
-    ref = ref_ops.paged_attention(query, ref_cache, batch.meta, scale, window, cap, *kv_scales(ctx))
+    alibi = {}
+    if p.get("alibi"):  # the slopes of this head count (non-power-of-two heads take the interleaved extras)
+        from pagedllm.models.alibi import alibi_slopes
+
+        alibi = dict(alibi_slopes=alibi_slopes(heads).to(ctx.device))
+    out = ctx.backend.paged_attention(query, cache, batch.meta, scale, window, cap, *kv_scales(ctx), **alibi)
+    ref = ref_ops.paged_attention(query, ref_cache, batch.meta, scale, window, cap, *kv_scales(ctx), **alibi)
     ctx.compare(out, ref, "attention output")
 
 

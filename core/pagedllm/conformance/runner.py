@@ -81,6 +81,10 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                               K.check_attention, dict(scenario="mixed", head_size=hs0, block_size=bs, gqa=g,
                                                       soft_cap=1.5, query_scale=3.0),
                               untested="" if caps.soft_cap else "capabilities do not declare soft_cap"))
+            cases.append(Case("attention", "paged_attention.alibi", f"hs{hs0}-bs{bs}-gqa{g}", dt,
+                              K.check_attention, dict(scenario="mixed", head_size=hs0, block_size=bs, gqa=g,
+                                                      alibi=True),
+                              untested="" if caps.alibi else "capabilities do not declare alibi"))
         for kvd in (k for k in caps.kv_cache_dtypes if k != "auto"):  # fp8 KV: scaled writes, reads, swaps
             bs = caps.block_sizes[0]
             fp8 = dict(head_size=hs0, block_size=bs, kv_cache_dtype=kvd, k_scale=0.05, v_scale=2.0)

@@ -24,9 +24,12 @@ def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: Any, slo
 
 @hookimpl
 def pagedllm_paged_attention(query: torch.Tensor, kv_cache: Any, meta, scale: float, sliding_window: Optional[int],
-                             soft_cap: Optional[float], k_scale: float, v_scale: float) -> torch.Tensor:
+                             soft_cap: Optional[float], k_scale: float, v_scale: float,
+                             alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     from pagedllm.kernels.attention import paged_attention
 
+    if alibi_slopes is not None:
+        raise NotImplementedError("this backend does not declare Capabilities.alibi")
     return paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale=k_scale,
                            v_scale=v_scale)
 

@@ -18,6 +18,7 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ArchSpec, hidden_act, kv_cache_shape, layer_sliding_windows
 from pagedllm.models.mla import MLAAttention
+from pagedllm.models.alibi import alibi_slopes
 from pagedllm.models.moe import DeepseekMoeBlock, SparseMoeBlock, is_moe_layer
 
 
@@ -76,6 +77,9 @@ class Attention(nn.Module):
         self.rotary, self.write_kv, self.paged_attention = backend.rotary, backend.write_kv, backend.paged_attention
         # FP8 KV cache scales (pagedllm.kv_quant): the checkpoint's k_scale / v_scale when it has them, else 1.0.
         self.k_scale, self.v_scale = 1.0, 1.0
+        # ALiBi instead of rotary (Baichuan-13B): slopes made on first use on the query's device (meta-device build).
+        self.alibi = bool(getattr(config, "pagedllm_alibi", False))
+        self.alibi_slopes: Optional[torch.Tensor] = None
         self.add_lora = getattr(backend, "add_lora", None)
         self.lora_qkv: Optional[tuple] = None  # (A, B) slot stacks, set by the LoRA manager
         self.lora_o: Optional[tuple] = None
@@ -95,10 +99,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_interleaved_dim:
             q, k = deinterleave(q, self.rope_interleaved_dim), deinterleave(k, self.rope_interleaved_dim)
-        q, k = self.rotary(positions, q, k, cos_sin_cache)
-        self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap, self.k_scale,
-                                   self.v_scale)
+        if self.alibi:
+            if self.alibi_slopes is None or self.alibi_slopes.device != q.device:
+                self.alibi_slopes = alibi_slopes(self.num_heads).to(q.device)
+            self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap, self.k_scale,
+                                       self.v_scale, alibi_slopes=self.alibi_slopes)
+        else:
+            q, k = self.rotary(positions, q, k, cos_sin_cache)
+            self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap, self.k_scale,
+                                       self.v_scale)
         out = out.reshape(t, self.num_heads * self.head_size)
         y = self.o_proj(out)
         if lora is not None:

@@ -5,7 +5,9 @@ Layouts of ``query_key_value`` (read as views, no re-layout at load, so checkpoi
 ``new_decoder_architecture`` (Falcon-40B/180B, Falcon 2): per KV group its queries, then its key and value, with two
 layernorms (``ln_attn``/``ln_mlp``) unless ``num_ln_in_parallel_attn`` is 1; ``multi_query`` (Falcon-7B): all queries,
 then one key and one value; else (Falcon-RW style) query, key, value interleaved per head. ALiBi (``alibi=True``,
-Falcon-RW) is refused: the paged attention hooks carry no position bias.
+Falcon-RW): no rotary; the slopes go to the paged attention hook pre-multiplied by ``1/sqrt(head_size)``, since HF's
+Falcon adds the bias before scaling the scores (as vLLM's Falcon does). HF computes the bias
+``slope * position`` in bfloat16 (legacy); we keep it in float32.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import nn
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.alibi import alibi_slopes
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
@@ -31,10 +34,6 @@ def falcon_kv_heads(config: Any) -> int:
 
 
 def check_falcon(config: Any) -> None:
-    if getattr(config, "alibi", False):
-        raise UnsupportedModelError("FalconForCausalLM with alibi=True (Falcon-RW) uses ALiBi position bias, which "
-                                    "pagedllm's paged attention does not implement; rotary Falcon models "
-                                    "(alibi=False: Falcon-7B/40B/180B, Falcon 2) run natively")
     if getattr(config, "activation", "gelu") not in _ACTIVATIONS:
         raise UnsupportedModelError(f"FalconForCausalLM activation {config.activation!r} is not implemented "
                                     f"(supported: {', '.join(_ACTIVATIONS)})")
@@ -53,6 +52,11 @@ class FalconAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(self.head_size)
         self.rotary, self.write_kv, self.paged_attention = backend.rotary, backend.write_kv, backend.paged_attention
         self.k_scale, self.v_scale = 1.0, 1.0  # fp8 KV cache scales (pagedllm.kv_quant)
+        # Made on first use, on the query's device (the module may be built on the meta device): float32 whatever
+        # the model dtype. Exact slopes as vLLM's Falcon; HF's build_alibi_tensor computes slope * position in bfloat16
+        # (the original Falcon code did), which moves fp32 logits by ~5e-3.
+        self.alibi = bool(getattr(config, "alibi", False))
+        self.alibi_slopes: Optional[torch.Tensor] = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -65,9 +69,16 @@ class FalconAttention(nn.Module):
             q, k, v = qkv.view(t, -1, d).split([self.num_heads, 1, 1], dim=1)
         else:
             q, k, v = qkv.view(t, self.num_heads, 3, d).unbind(2)
-        q, k = self.rotary(positions, q, k, cos_sin_cache)
-        self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = self.paged_attention(q, kv_cache, meta, self.scale, None, None, self.k_scale, self.v_scale)
+        if self.alibi:
+            if self.alibi_slopes is None or self.alibi_slopes.device != q.device:
+                self.alibi_slopes = (alibi_slopes(self.num_heads) * self.scale).to(q.device)
+            self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            out = self.paged_attention(q, kv_cache, meta, self.scale, None, None, self.k_scale, self.v_scale,
+                                       alibi_slopes=self.alibi_slopes)
+        else:
+            q, k = self.rotary(positions, q, k, cos_sin_cache)
+            self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            out = self.paged_attention(q, kv_cache, meta, self.scale, None, None, self.k_scale, self.v_scale)
         return self.dense(out.reshape(t, self.num_heads * d))
 
 

@@ -57,6 +57,10 @@ def read_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
     return header.architecture, tensors
 
 
+#: GGUF architectures whose converter writes RMSNorm weights as ``1 + w`` (Gemma's ``(1 + w)`` norm folded in).
+_ONE_PLUS_NORM_ARCHS = ("gemma", "gemma2", "gemma3")
+
+
 class GGUFWeights:
     """A ``WeightSource`` over a ``.gguf`` file (memory-mapped)."""
 
@@ -100,6 +104,8 @@ class GGUFWeights:
         t = self._tensor(name)
         data = t.data if t.tensor_type.name in ("F32",) else dequantize(t.data, t.tensor_type)
         data = np.asarray(data, dtype=np.float32)
+        if self.arch in _ONE_PLUS_NORM_ARCHS and t.name.endswith("norm.weight"):
+            data = data - 1  # stored as 1 + w (llama.cpp's converter), as transformers' Gemma2TensorProcessor undoes
         rows = self._rows(t.name, data.shape[0])
         return torch.from_numpy(data.copy() if rows is None else data[rows])  # owned: the mmap is read-only
 

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from pagedllm.hookspec import ModelInfo
+from pagedllm.models.alibi import uses_alibi
 from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
 from pagedllm.models.paths import is_gguf
 from pagedllm.models.transformers_impl import num_kv_heads_of
@@ -49,6 +50,7 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
         max_model_len=config.max_position_embeddings,
         sliding_window=max(windows) if windows else None,
         soft_cap=getattr(config, "attn_logit_softcapping", None),
+        alibi=uses_alibi(config),
         quantization="gguf" if is_gguf(model_path) else checkpoint_quantization(config),
         mla=bool(mla),
     )

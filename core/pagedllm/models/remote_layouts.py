@@ -2,7 +2,9 @@
 
 Baichuan-7B / Baichuan2-7B are Llama with q/k/v fused in ``self_attn.W_pack`` (rows q, k, v: exactly our fused
 ``qkv_proj``); Baichuan2 (vocab 125696) normalises ``lm_head`` rows at inference (NormHead), applied once at load as
-vLLM does. The 13B variants use ALiBi, which pagedllm does not implement, and are refused by name.
+vLLM does. The 13B variants (Baichuan-13B, Baichuan2-13B: ``BaichuanForCausalLM`` at a hidden size other than 4096,
+vLLM's rule) are the same layout without rotary, attending with ALiBi (unscaled slopes added after the
+``1/sqrt(head_size)`` scaling, as their remote code does): ``config.pagedllm_alibi``.
 
 ChatGLM2 / ChatGLM3 / GLM-4 (remote code, ``model_type`` ``chatglm``) are transformers' ``Glm``: q/k/v fused in
 ``query_key_value`` (rows q, k, v: our ``qkv_proj``), ``dense_h_to_4h`` = gate then up (our ``gate_up_proj``),
@@ -25,7 +27,8 @@ REMOTE_LAYOUTS: dict[str, str] = {
     "ChatGLMModel": "ChatGLM2/3, GLM-4 (remote code): Glm with query_key_value / dense_h_to_4h mapped by name; "
                     "ChatGLM-6B v1 refused",
     "BaiChuanForCausalLM": "Baichuan-7B: Llama with W_pack split",
-    "BaichuanForCausalLM": "Baichuan2-7B (hidden 4096): Llama with W_pack split, NormHead; 13B (ALiBi) refused",
+    "BaichuanForCausalLM": "Baichuan2-7B (hidden 4096): Llama with W_pack split, NormHead; 13B: the same with ALiBi "
+                           "instead of rotary",
 }
 
 
@@ -73,10 +76,7 @@ def remote_code_config(raw: dict) -> Optional[Any]:
         return None
     # vLLM's rule: BaiChuanForCausalLM is Baichuan-7B (rotary); BaichuanForCausalLM is rotary at hidden 4096
     # (Baichuan2-7B) and ALiBi otherwise (Baichuan-13B, Baichuan2-13B).
-    if "BaiChuanForCausalLM" not in archs and raw.get("hidden_size") != 4096:
-        raise UnsupportedModelError(f"{', '.join(archs) or 'baichuan'} with hidden_size {raw.get('hidden_size')} "
-                                    "is a 13B Baichuan variant with ALiBi attention, which pagedllm does not "
-                                    "implement; Baichuan-7B and Baichuan2-7B load as Llama")
+    alibi = "BaiChuanForCausalLM" not in archs and raw.get("hidden_size") != 4096
     from transformers import LlamaConfig
 
     heads = raw["num_attention_heads"]
@@ -89,6 +89,7 @@ def remote_code_config(raw: dict) -> Optional[Any]:
         pad_token_id=raw.get("pad_token_id"), tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         architectures=["LlamaForCausalLM"])
     config.pagedllm_layout = "baichuan"
+    config.pagedllm_alibi = alibi
     config.pagedllm_source_architecture = (archs or ["BaichuanForCausalLM"])[0]
     if raw.get("torch_dtype"):
         config.dtype = raw["torch_dtype"]

@@ -26,16 +26,20 @@ VERIFIED: dict[str, str] = {
     "Qwen2MoeForCausalLM": "tests/test_moe.py",
     "DeepseekV2ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
     "DeepseekV3ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
-    "FalconForCausalLM": "tests/test_falcon.py (grouped, multi-query and per-head layouts)",
+    "FalconForCausalLM": "tests/test_falcon.py (grouped, multi-query and per-head layouts; ALiBi)",
     "BaiChuanForCausalLM": "tests/test_remote_layouts.py (vs HF Llama on the same weights)",
+    "BaichuanForCausalLM": "13B ALiBi layout: tests/test_remote_layouts.py (vs HF Llama, rotary removed, torch-ops "
+                           "ALiBi attention); 7B mapping shared with the row above; NormHead unit-tested",
     "GlmForCausalLM": "tests/test_glm.py (transformers path: test_transformers_fallback.py)",
     "Glm4ForCausalLM": "tests/test_glm.py",
     "ChatGLMModel": "tests/test_glm.py (vs HF Glm on the same weights; every tensor name mapped)",
     "Olmo2ForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
 }
-# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon and Phi-3 Q8_0 (tests/test_gguf_families.py)
+# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon, Phi-3, Gemma 2/3 Q8_0 (tests/test_gguf_families.py)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tested)",
+                "Gemma2ForCausalLM": "yes (tested; GGUF has no soft-cap/query scalar: config defaults)",
+                "Gemma3ForCausalLM": "yes (tested; GGUF has no per-layer rope: config defaults)",
                 "FalconForCausalLM": "yes (tested; multi-query layout only, grouped KV refused)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 
@@ -49,7 +53,7 @@ def _features(name: str) -> str:
         out.append("MoE" + {"shared": " + shared expert", "deepseek": " (grouped top-k) + shared experts"}.get(
             spec.moe, ""))
     if spec.module == "falcon":
-        out.append("parallel attn+MLP, MQA/grouped KV, LayerNorm (ALiBi refused)")
+        out.append("parallel attn+MLP, MQA/grouped KV, LayerNorm, ALiBi (alibi=True, Falcon-RW)")
     if spec.sliding != "none":
         out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
     if spec.qk_norm:

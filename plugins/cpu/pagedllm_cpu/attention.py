@@ -8,7 +8,8 @@ Everything that depends only on the batch (gather indices, masks) is computed on
 ``meta.extra``, since the model calls attention once per layer with the same metadata. Soft-capping is not in SDPA:
 it takes a float32 matmul path. An fp8 cache (``kv_cache_dtype=fp8``) is gathered as fp8 (a quarter of the fp32 bytes),
 converted to the query's dtype in the reused buffer, and its scales are folded into the softmax scale (keys) and the
-output (values), so the attention itself is unchanged.
+output (values), so the attention itself is unchanged. ALiBi is an additive per-head float mask
+``slope_h * (k_pos - q_pos)`` on top of the causal one, built from the plan's relative positions (``rel``).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class _DecodeGroup:
     block_ids: torch.Tensor  # long [B * nblk]
     valid: torch.Tensor  # bool [B, S]
     nblk: int
+    rel: torch.Tensor  # float32 [B, S]: key position minus the query's (ALiBi)
     biases: dict = field(default_factory=dict)  # dtype -> additive mask [B, 1, 1, S] (0 / -inf)
     _chunks: dict = field(default_factory=dict)
 
@@ -93,6 +95,11 @@ class _DecodeGroup:
             b = self.biases[dtype] = torch.zeros(v.shape, dtype=dtype, device=v.device).masked_fill_(~v, float("-inf"))
         return b
 
+    def alibi_bias(self, dtype: torch.dtype, slopes: torch.Tensor) -> torch.Tensor:
+        """``[B, H, 1, S]``: the causal mask plus each head's ALiBi bias."""
+        b = self.rel.view(self.rel.shape[0], 1, 1, -1) * slopes.float().view(1, -1, 1, 1)
+        return b.masked_fill_(~self.valid.view(b.shape[0], 1, 1, -1), float("-inf")).to(dtype)
+
 
 @dataclass
 class _PrefillSeq:
@@ -104,6 +111,8 @@ class _PrefillSeq:
     skip: int  # rows of the first gathered block before k_lo
     num_keys: int  # seq_len - k_lo
     mask: Optional[torch.Tensor]  # bool [L, num_keys], None when plain causal with no cached context
+    q_lo: int = 0  # position of the first query token
+    k_lo: int = 0  # position of the first key
     biases: dict = field(default_factory=dict)  # dtype -> additive mask [1, 1, L, num_keys] (0 / -inf)
 
     def bias(self, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -115,6 +124,14 @@ class _PrefillSeq:
             b = self.biases[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
                 ~self.mask, float("-inf"))[None, None]
         return b
+
+    def alibi_bias(self, dtype: torch.dtype, slopes: torch.Tensor) -> torch.Tensor:
+        """``[1, H, L, num_keys]``: the causal (and window) mask plus each head's ALiBi bias."""
+        q_pos = torch.arange(self.q_lo, self.q_lo + self.end - self.start, device=slopes.device)[:, None]
+        k_pos = torch.arange(self.k_lo, self.k_lo + self.num_keys, device=slopes.device)[None, :]
+        mask = self.mask if self.mask is not None else k_pos <= q_pos
+        b = slopes.float().view(-1, 1, 1) * (k_pos - q_pos).float()[None]
+        return b.masked_fill_(~mask[None], float("-inf")).to(dtype)[None]
 
 
 @dataclass
@@ -151,7 +168,7 @@ def _decode_group(meta: AttentionMetadata, rows: Optional[list[int]], seq_lens: 
     block_ids = bt.gather(1, cols).clamp_(0, num_blocks - 1).reshape(-1)
     pos = first_blk[:, None] * bs + torch.arange(nblk * bs, device=bt.device)[None, :]
     valid = (pos < seq_lens[:, None]) & (pos >= first[:, None])
-    return _DecodeGroup(idx, block_ids, valid, nblk)
+    return _DecodeGroup(idx, block_ids, valid, nblk, (pos - (seq_lens[:, None] - 1)).float())
 
 
 def _plan_decodes(meta: AttentionMetadata, window: Optional[int], num_blocks: int) -> list[_DecodeGroup]:
@@ -189,7 +206,7 @@ def _plan_prefills(meta: AttentionMetadata, window: Optional[int]) -> list[_Pref
             if window is not None:
                 mask &= (q_pos - k_pos) < window
             mask = mask.to(block_ids.device)
-        out.append(_PrefillSeq(start, end, block_ids, k_lo - b0 * bs, seq_len - k_lo, mask))
+        out.append(_PrefillSeq(start, end, block_ids, k_lo - b0 * bs, seq_len - k_lo, mask, q_lo, k_lo))
     return out
 
 
@@ -215,7 +232,7 @@ def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int, dtype: torc
 
 
 def _decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float,
-            soft_cap: Optional[float], out: torch.Tensor) -> None:
+            soft_cap: Optional[float], out: torch.Tensor, alibi_slopes: Optional[torch.Tensor] = None) -> None:
     """Attention for one decode group: its query rows ``[B, H, D]`` -> ``out`` ``[B, H, D]``.
 
     Sequences go in chunks of about ``_CHUNK_BYTES`` of gathered K/V, so the attention reads its keys from cache
@@ -225,7 +242,8 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, sc
     s = group.nblk * bs
     dtype = query.dtype if is_fp8(kv_cache.dtype) else kv_cache.dtype
     per_seq = 2 * s * hkv * d * dtype.itemsize
-    bias = group.bias(query.dtype if soft_cap is None else torch.float32)
+    bias_dtype = query.dtype if soft_cap is None else torch.float32
+    bias = group.bias(bias_dtype) if alibi_slopes is None else group.alibi_bias(bias_dtype, alibi_slopes)
     for s0, s1, invalid_rows in group.chunks(max(1, _CHUNK_BYTES // per_seq)):
         n = s1 - s0
         kv = _gather(kv_cache, group.block_ids[s0 * group.nblk:s1 * group.nblk], n * group.nblk, dtype)
@@ -242,13 +260,13 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, sc
         g = h // hkv
         q = query[s0:s1].reshape(n, hkv, g, d).float()
         scores = torch.einsum("bkgd,bskd->bkgs", q, k.float()).mul_(scale / soft_cap).tanh_().mul_(soft_cap)
-        scores.add_(bias[s0:s1])
+        scores.add_(bias[s0:s1].view(n, hkv, -1, s) if alibi_slopes is not None else bias[s0:s1])
         probs = torch.softmax(scores, dim=-1)
         out[s0:s1] = torch.einsum("bkgs,bskd->bkgd", probs, v.float()).reshape(n, h, d)
 
 
 def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale: float,
-             soft_cap: Optional[float]) -> torch.Tensor:
+             soft_cap: Optional[float], alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     _, nb, bs, hkv, d = kv_cache.shape
     h = query.shape[1]
     n = p.block_ids.numel()
@@ -256,9 +274,12 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale:
     kv = kv.view(2, n * bs, hkv, d)[:, p.skip:p.skip + p.num_keys]
     k, v = kv[0], kv[1]
     q = query[p.start:p.end]  # [L, H, D]
+    if alibi_slopes is not None and soft_cap is not None:
+        raise NotImplementedError("ALiBi together with soft-capping is not implemented (no model uses both)")
     if soft_cap is None:  # 4-D: torch's fused CPU kernel takes only 4-D inputs (3-D runs the slow math path)
+        bias = p.bias(q.dtype) if alibi_slopes is None else p.alibi_bias(q.dtype, alibi_slopes)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                                             attn_mask=p.bias(q.dtype), is_causal=p.mask is None, scale=scale,
+                                             attn_mask=bias, is_causal=bias is None, scale=scale,
                                              enable_gqa=True)
         return out[0].transpose(0, 1)
     g = h // hkv
@@ -279,26 +300,27 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale:
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Same semantics as ``pagedllm.ref_ops.paged_attention`` (see the hookspec); returns ``[T, H, D]``."""
     out = _attention(query, kv_cache, meta, scale * k_scale if is_fp8(kv_cache.dtype) else scale, sliding_window,
-                     soft_cap)
+                     soft_cap, alibi_slopes)
     if is_fp8(kv_cache.dtype) and v_scale != 1.0:  # softmax(.) @ (v * s) = s * (softmax(.) @ v)
         out.mul_(v_scale)
     return out
 
 
 def _attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-               sliding_window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
+               sliding_window: Optional[int], soft_cap: Optional[float],
+               alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     plan = _get_plan(meta, sliding_window, kv_cache.shape[1])
     out = torch.empty_like(query)
     for group in plan.decodes:
         if group.rows is None:
-            _decode(query[: meta.num_decodes], kv_cache, group, scale, soft_cap, out[: meta.num_decodes])
+            _decode(query[: meta.num_decodes], kv_cache, group, scale, soft_cap, out[: meta.num_decodes], alibi_slopes)
         else:
             res = torch.empty((group.rows.numel(),) + query.shape[1:], dtype=query.dtype, device=query.device)
-            _decode(query.index_select(0, group.rows), kv_cache, group, scale, soft_cap, res)
+            _decode(query.index_select(0, group.rows), kv_cache, group, scale, soft_cap, res, alibi_slopes)
             out.index_copy_(0, group.rows, res)
     for p in plan.prefills:
-        out[p.start:p.end] = _prefill(query, kv_cache, p, scale, soft_cap)
+        out[p.start:p.end] = _prefill(query, kv_cache, p, scale, soft_cap, alibi_slopes)
     return out

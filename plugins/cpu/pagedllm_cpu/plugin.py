@@ -45,6 +45,7 @@ def pagedllm_capabilities() -> Capabilities:
         graph_capture=graph.CAPTURE_LEVEL,
         sliding_window=True,
         soft_cap=True,
+        alibi=True,
         # kernels: quant.py (fp8: dequantized once at load onto the dense path); the rest: core reference
         quantization=("gguf", "gptq", "awq", "compressed-tensors", "fp8"),
     )
@@ -88,8 +89,9 @@ def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 @hookimpl
 def pagedllm_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float,
                              sliding_window: Optional[int], soft_cap: Optional[float], k_scale: float,
-                             v_scale: float) -> torch.Tensor:
-    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale)
+                             v_scale: float, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale,
+                                     alibi_slopes)
 
 
 @hookimpl

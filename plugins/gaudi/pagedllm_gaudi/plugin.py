@@ -158,7 +158,10 @@ def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: Any, slo
 
 @hookimpl
 def pagedllm_paged_attention(query: torch.Tensor, kv_cache: Any, meta: Any, scale: float,
-                             sliding_window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
+                             sliding_window: Optional[int], soft_cap: Optional[float],
+                             alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if alibi_slopes is not None:
+        raise NotImplementedError("this backend does not declare Capabilities.alibi")
     return flat_pa.paged_attention(query, kv_cache[0], kv_cache[1], meta, scale, sliding_window, soft_cap)
 
 

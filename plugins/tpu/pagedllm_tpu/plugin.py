@@ -169,8 +169,11 @@ def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: Any, slo
 
 @hookimpl
 def pagedllm_paged_attention(query: torch.Tensor, kv_cache: Any, meta: Any, scale: float,
-                             sliding_window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
+                             sliding_window: Optional[int], soft_cap: Optional[float],
+                             alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The runner's ragged paged attention on core's metadata (``block_tables`` are the page indices)."""
+    if alibi_slopes is not None:
+        raise NotImplementedError("this backend does not declare Capabilities.alibi")
     out = _jit("attention", scale, sliding_window, soft_cap)(
         kvc.to_jax(query), kv_cache.array, kvc.to_jax(meta.seq_lens.to(torch.int32)),
         kvc.to_jax(meta.block_tables.to(torch.int32)), kvc.to_jax(meta.query_start_loc.to(torch.int32)))

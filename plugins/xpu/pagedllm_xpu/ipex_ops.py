@@ -75,13 +75,16 @@ def _head_mapping(num_heads: int, num_kv_heads: int) -> torch.Tensor:
 
 @hookimpl
 def pagedllm_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float,
-                             sliding_window: Optional[int], soft_cap: Optional[float]) -> torch.Tensor:
+                             sliding_window: Optional[int], soft_cap: Optional[float],
+                             alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Decodes (the first ``meta.num_decodes`` sequences) through ``single_query_cached_kv_attention``, the prefill
     chunks after them through ``flash_attn_varlen_func`` over the paged cache, both writing into one output.
 
     Sliding window and soft cap are not declared (vllm/_ipex_ops.py: "IPEX CPU does not support logits_soft_cap",
     and asserts ``window_size_left < 0`` on CPU), so core refuses such models before this is reached.
     """
+    if alibi_slopes is not None:
+        raise NotImplementedError("this backend does not declare Capabilities.alibi")
     if sliding_window is not None or soft_cap is not None:
         raise NotImplementedError("the ipex backend declares neither sliding_window nor soft_cap")
     ops = ipex_guard.paged_attention_ops()
