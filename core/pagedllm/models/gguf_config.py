@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,13 +40,16 @@ def load_gguf_config(path: str) -> Any:
     if (cached / "config.json").is_file():
         return AutoConfig.from_pretrained(cached)
     config = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    tmp = None
     try:  # best effort: a read-only home only costs the next start the parse again
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.mkdtemp(dir=cached.parent)
         config.save_pretrained(tmp)
-        os.replace(tmp, cached)
+        os.replace(tmp, cached)  # atomic; fails harmlessly when a concurrent start got there first
     except OSError as e:
         logger.debug("GGUF config cache not written (%s)", e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return config
 
 
