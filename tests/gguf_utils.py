@@ -20,6 +20,30 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def add_model_header(w, c, ffn: int = None, kv_heads: int = None) -> None:
+    """The hyper-parameters every tiny GGUF here carries, under llama.cpp's keys (norm epsilon and arch-specific
+    keys are the caller's)."""
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(ffn if ffn is not None else c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(kv_heads if kv_heads is not None else c.num_key_value_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(c.vocab_size)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+
+
+def finish(w, path: str) -> str:
+    """Write header, metadata and tensors of GGUFWriter ``w`` to ``path`` and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def write_tiny_gguf(out_dir: str | os.PathLike, qtype: str, seed: int = 0) -> str:
     """A 2-layer tiny Llama as ``<out_dir>/tiny-<qtype>.gguf``: every linear weight (and the untied lm_head) in
     ``qtype`` (K-quants, which gguf-py cannot quantize: random valid blocks), embeddings and norms in F32. Returns the
@@ -34,17 +58,8 @@ def write_tiny_gguf(out_dir: str | os.PathLike, qtype: str, seed: int = 0) -> st
     path = os.path.join(out_dir, f"tiny-{qtype}.gguf")
     w = gguf.GGUFWriter(path, "llama")
     w.add_name("tiny-llama")
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_model_header(w, c)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(c.vocab_size)
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
     qt = gguf.GGMLQuantizationType[qtype]
     rng = np.random.default_rng(seed)
@@ -60,8 +75,4 @@ def write_tiny_gguf(out_dir: str | os.PathLike, qtype: str, seed: int = 0) -> st
             w.add_tensor(name, raw, raw_dtype=qt)
         else:
             w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from gguf_utils import add_model_header, finish
 from model_parity import NEW_TOKENS, mixed_batch
 import hf_oracle
 from pagedllm import LLM, SamplingParams
@@ -39,21 +40,12 @@ def write_gguf(arch: str, hf_dir: str, out_dir, kv_heads: int, ffn: int, eps_rms
     c = model.config
     path = os.path.join(out_dir, f"tiny-{arch}.gguf")
     w = gguf.GGUFWriter(path, arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(ffn)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(kv_heads)
+    add_model_header(w, c, ffn=ffn, kv_heads=kv_heads)
     if eps_rms:
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
         w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     else:
         w.add_layer_norm_eps(c.layer_norm_epsilon)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(c.vocab_size)
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
     w.add_pad_token_id(c.pad_token_id)
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
@@ -67,11 +59,7 @@ def write_gguf(arch: str, hf_dir: str, out_dir, kv_heads: int, ffn: int, eps_rms
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(name, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 def write_falcon_gguf(out_dir, kv_heads: int = 1) -> str:
@@ -154,20 +142,11 @@ def write_gemma_gguf(out_dir, name: str) -> str:
     c = model.config
     path = os.path.join(out_dir, f"tiny-{arch}.gguf")
     w = gguf.GGUFWriter(path, arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    add_model_header(w, c)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_sliding_window(c.sliding_window)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(c.vocab_size)
-    w.add_bos_token_id(c.bos_token_id)
-    w.add_eos_token_id(c.eos_token_id)
     w.add_pad_token_id(c.pad_token_id)
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
@@ -183,11 +162,7 @@ def write_gemma_gguf(out_dir, name: str) -> str:
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             w.add_tensor(gname, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return finish(w, path)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
