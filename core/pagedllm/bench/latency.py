@@ -83,16 +83,11 @@ def stream_ours(engine, prompt: list[int], max_tokens: int) -> list[float]:
 
 def hf_streamer(model_path: str):
     """An HF model and a function timing each new token of ``generate`` (a stopping criterion is called per token)."""
-    import os
+    from transformers import StoppingCriteria, StoppingCriteriaList
 
-    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+    from pagedllm.bench.throughput import hf_fp32_model
 
-    if model_path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path),
-                                                     gguf_file=os.path.basename(model_path), dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.eval()
+    model = hf_fp32_model(model_path)
 
     class Stamp(StoppingCriteria):
         def __init__(self, t0: float, stamps: list[float]):

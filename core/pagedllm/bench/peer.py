@@ -23,11 +23,13 @@ def hf_folder(model_path: str) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    cache = Path(os.environ.get("PAGEDLLM_CACHE", Path.home() / ".cache" / "pagedllm")) / "peer-models"
-    out = cache / (Path(model_path).stem + "-fp32")
+    from pagedllm.bench.throughput import hf_fp32_model
+    from pagedllm.models.gguf_config import cache_root
+
+    out = cache_root() / "peer-models" / (Path(model_path).stem + "-fp32")
     if not (out / "config.json").exists():
         d, f = os.path.dirname(model_path), os.path.basename(model_path)
-        gguf_model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        gguf_model = hf_fp32_model(model_path)
         config = gguf_model.config
         if hasattr(config, "quantization_config"):  # dequantized already; a GGUF-marked model refuses to save
             del config.quantization_config

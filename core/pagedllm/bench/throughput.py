@@ -77,18 +77,21 @@ def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 
             for _ in range(num)]
 
 
-def run_hf(model_path: str, prompts: list[list[int]], output_len: int, repeats: int) -> list[float]:
-    """HF transformers ``generate`` on the same prompts in one batch (equal lengths: no padding), fp32 greedy."""
+def hf_fp32_model(model_path: str) -> torch.nn.Module:
+    """HF transformers' float32 model of a folder or a ``.gguf`` file (dequantized by transformers), in eval mode."""
     import os
 
     from transformers import AutoModelForCausalLM
 
     if model_path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path),
-                                                     gguf_file=os.path.basename(model_path), dtype=torch.float32)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    model.eval()
+        return AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
+                                                    dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+def run_hf(model_path: str, prompts: list[list[int]], output_len: int, repeats: int) -> list[float]:
+    """HF transformers ``generate`` on the same prompts in one batch (equal lengths: no padding), fp32 greedy."""
+    model = hf_fp32_model(model_path)
     ids = torch.tensor(prompts)
     kw = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
     with torch.inference_mode():
