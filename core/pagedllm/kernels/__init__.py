@@ -6,7 +6,7 @@ imported when a kernel runs. Submodules:
 
 - ``kv_write``: store new keys/values into paged cache slots.
 - ``attention``: one varlen paged-attention kernel for decodes and prefill chunks (causal, GQA, sliding window,
-  soft cap), with a split-K (flash-decoding) mode and its reduce kernel for decode-only batches.
+  soft cap, ALiBi), with a split-K (flash-decoding) mode and its reduce kernel for decode-only batches.
 - ``fused_ops``: RMSNorm, neox rotary, SiLU-and-mul.
 - ``ops_plugin``: pluggy hook implementations mapping the contract's op hooks onto those kernels.
 - ``torch_cuda``: probe, memory, capabilities and graph-runner hooks shared by the cuda and rocm plugins.

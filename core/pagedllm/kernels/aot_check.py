@@ -12,7 +12,8 @@ import time
 from typing import Any
 
 _INT_PTRS = {"block_tables_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32", "slot_ptr": "i64",
-             "pos_ptr": "i64", "part_acc_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32"}
+             "pos_ptr": "i64", "part_acc_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32",
+             "alibi_ptr": "fp32"}
 _FLOATS = {"scale", "soft_cap", "eps", "v_scale", "inv_k_scale", "inv_v_scale"}
 
 
@@ -38,15 +39,15 @@ def configs() -> list[tuple[str, Any, str, dict]]:
     for dt in ("fp16", "bf16", "fp32"):
         for segs, extras in ((1, True), (16, False)):
             cx = dict(HEAD_PAD=128, BLOCK_M=16, TILE=32, NUM_SEGMENTS=segs, USE_WINDOW=extras, USE_SOFT_CAP=extras,
-                      UPCAST=False, FP32_DOT=dt == "fp32")
-            out.append((f"paged_attention {dt} segments={segs} window/cap={extras}",
+                      USE_ALIBI=extras, UPCAST=False, FP32_DOT=dt == "fp32")
+            out.append((f"paged_attention {dt} segments={segs} window/cap/alibi={extras}",
                         attention._paged_attention_kernel, dt, cx))
     out.append(("paged_attention fp16 head 256 gqa 32", attention._paged_attention_kernel, "fp16",
                 dict(HEAD_PAD=256, BLOCK_M=32, TILE=16, NUM_SEGMENTS=1, USE_WINDOW=False, USE_SOFT_CAP=False,
-                     UPCAST=False, FP32_DOT=False)))
+                     USE_ALIBI=False, UPCAST=False, FP32_DOT=False)))
     out.append(("paged_attention bf16 fp8 KV (e4m3)", attention._paged_attention_kernel, "bf16",
                 dict(HEAD_PAD=128, BLOCK_M=16, TILE=32, NUM_SEGMENTS=16, USE_WINDOW=False, USE_SOFT_CAP=False,
-                     UPCAST=False, FP32_DOT=False, KV_FP8=True, MANT=3, BIAS=7)))
+                     USE_ALIBI=False, UPCAST=False, FP32_DOT=False, KV_FP8=True, MANT=3, BIAS=7)))
     out.append(("reduce_segments bf16", attention._reduce_segments_kernel, "bf16", dict(HEAD_PAD=128, NUM_SEGMENTS=16)))
     out.append(("write_kv bf16", kv_write._write_kv_kernel, "bf16", dict(HEADS_PAD=8, HEAD_PAD=128)))
     out.append(("write_kv bf16 fp8 KV (e5m2)", kv_write._write_kv_kernel, "bf16",

@@ -44,13 +44,13 @@ def _find_seq(qsl_ptr, q_block, num_seqs, block_q):
 @triton.jit(do_not_specialize=["num_seqs"])  # it seeds a loop-carried value in _find_seq: keep it a runtime i32
 def _paged_attention_kernel(
         out_ptr, q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
-        part_acc_ptr, part_max_ptr, part_sum_ptr,
+        part_acc_ptr, part_max_ptr, part_sum_ptr, alibi_ptr,
         scale, soft_cap, window, v_scale,
         num_seqs, num_heads, group, head_size, block_size, block_q,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv, stride_blk, stride_slot, stride_ch, stride_bt,
         HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TILE: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-        USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
+        USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, USE_ALIBI: tl.constexpr, UPCAST: tl.constexpr, FP32_DOT: tl.constexpr,
         KV_FP8: tl.constexpr = False, MANT: tl.constexpr = 3, BIAS: tl.constexpr = 7):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -76,6 +76,8 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = ctx + q_idx
+    if USE_ALIBI:  # per-row slope; the bias slope * (k_pos - q_pos) is added after the soft cap, as the reference does
+        slope = tl.load(alibi_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
 
     # Keys visible to this q block: [k_lo, k_hi), split evenly in tiles across segments.
     k_hi = tl.minimum(ctx + (local + 1) * block_q, seq_len)
@@ -114,6 +116,8 @@ def _paged_attention_kernel(
             s = tl.dot(q, kt) * scale
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
+        if USE_ALIBI:
+            s = s + slope[:, None] * (k_pos[None, :] - q_pos[:, None]).to(tl.float32)
         allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if USE_WINDOW:
             allowed = allowed & (q_pos[:, None] - k_pos[None, :] < window)
@@ -176,9 +180,10 @@ def default_num_segments(meta: AttentionMetadata, num_kv_heads: int) -> int:
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None,
-                    num_segments: Optional[int] = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    num_segments: Optional[int] = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``pagedllm_paged_attention`` semantics (see hookspec) on ``[2, blocks, block_size, Hkv, D]`` caches (fp8
-    caches read as ``stored * scale``).
+    caches read as ``stored * scale``; ``alibi_slopes`` float32 ``[num_heads]``).
 
     ``num_segments`` (a power of two) forces the split-K path; default: :func:`default_num_segments`.
     """
@@ -212,14 +217,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         scale, kv_cache = scale * k_scale, kv_cache.view(torch.uint8)
     _paged_attention_kernel[grid](
         out, query, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-        part_acc, part_max, part_sum,
+        part_acc, part_max, part_sum, alibi_slopes if alibi_slopes is not None else out,
         float(scale), float(soft_cap or 0.0), int(sliding_window or 0), float(v_scale),
         num_seqs, num_heads, group, head_size, kv_cache.shape[2], block_q,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         HEAD_PAD=head_pad, BLOCK_M=block_m, TILE=tile, NUM_SEGMENTS=segments,
         USE_WINDOW=sliding_window is not None, USE_SOFT_CAP=soft_cap is not None,
-        UPCAST=upcast, FP32_DOT=upcast or query.dtype == torch.float32, **fp8)
+        USE_ALIBI=alibi_slopes is not None, UPCAST=upcast, FP32_DOT=upcast or query.dtype == torch.float32, **fp8)
     if segments > 1:
         _reduce_segments_kernel[(num_tokens, num_heads)](
             out, part_acc, part_max, part_sum, num_heads, head_size, out.stride(0), out.stride(1),

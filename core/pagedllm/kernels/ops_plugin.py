@@ -28,10 +28,8 @@ def pagedllm_paged_attention(query: torch.Tensor, kv_cache: Any, meta, scale: fl
                              alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     from pagedllm.kernels.attention import paged_attention
 
-    if alibi_slopes is not None:
-        raise NotImplementedError("this backend does not declare Capabilities.alibi")
     return paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale=k_scale,
-                           v_scale=v_scale)
+                           v_scale=v_scale, alibi_slopes=alibi_slopes)
 
 
 @hookimpl
