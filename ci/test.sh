@@ -10,4 +10,4 @@ if ! command -v tmux >/dev/null; then
 fi
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-python -m pytest -q "$@"
+python -m pytest -q --durations=30 "$@"

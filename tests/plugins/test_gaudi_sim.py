@@ -112,8 +112,10 @@ def _no_failures(rows: list) -> None:
 
 @pytest.mark.slow
 def test_full_conformance_kernel_and_runtime_sweep_on_the_simulation():
-    """Every kernel and runtime case of the suite (e2e left to the engine tests below), in one run."""
-    res = _child("child_conformance(None, ['e2e'])", timeout=1800)
+    """Every kernel and runtime case of the suite, in one run. The engine-level cases (e2e greedy parity, static
+    shapes) are left to the engine tests below, which assert the same against HF and the declared buckets directly
+    (the static-shapes case alone took 97 s of this sweep's 115 s)."""
+    res = _child("child_conformance(None, ['e2e', 'buckets_only_and_equal_to_dynamic'])", timeout=1800)
     rows = res["rows"]
     _no_failures(rows)
     passing = {i for i, _, s, _ in rows if s == "passing"}
