@@ -115,6 +115,43 @@ def test_dp2_expert_parallel_matches_dp1(moe_models, name):
     print(f"{name}: {stats[0].dp_steps} lock-step forwards, replica 1 dummies {stats[1].dp_dummy_steps}")
 
 
+def test_dp_expert_parallel_replica_death_fails_both(moe_models):
+    """SIGKILL of one replica mid-generation: the survivor's next exchange fails (gloo sees the closed connection),
+    so every in-flight request on both replicas ends with EngineDeadError, and nothing hangs."""
+    import signal
+
+    from pagedllm.entrypoints.async_engine import EngineDeadError
+
+    dp = DataParallelEngine(config(moe_models["mixtral"], enable_expert_parallel=True, distributed_timeout_s=30),
+                            [None, None])
+    long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+
+    async def run():
+        await dp.start()
+        streams = [await r.add_request(f"long{r.index}", {"prompt_token_ids": PROMPTS[1]}, long)
+                   for r in dp.replicas]
+        first = [await s.__anext__() for s in streams]  # both are generating
+        os.kill(dp.replicas[1].pid, signal.SIGKILL)
+
+        async def drain(s):
+            try:
+                async for _ in s:
+                    pass
+            except EngineDeadError as e:
+                return e
+            return None
+
+        return first, await asyncio.wait_for(asyncio.gather(*(drain(s) for s in streams)), 60)
+
+    try:
+        first, errors = asyncio.run(run())
+    finally:
+        dp.shutdown(timeout=10)
+    assert all(not f.finished for f in first)
+    assert all(isinstance(e, EngineDeadError) for e in errors), errors
+    assert dp.error is not None and not dp.is_running
+
+
 def test_dp_expert_parallel_refusals(moe_models):
     cpus = [None, None]
     dense = tiny_chat_model()
