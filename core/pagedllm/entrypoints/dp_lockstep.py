@@ -50,6 +50,7 @@ def lockstep_loop(engine: Any, commands: Connection, outputs: Connection) -> Non
         if running:
             any_work, any_stop = lock.sync(engine.has_unfinished_requests(), stop)
             if any_stop:
+                _log_summary(st)
                 finish(engine, outputs)
                 return
             if any_work:
@@ -58,7 +59,17 @@ def lockstep_loop(engine: Any, commands: Connection, outputs: Connection) -> Non
                 st.wave += 1
                 running = False
         elif stop:
+            _log_summary(st)
             finish(engine, outputs)
             return
         engine.stats.dp_steps, engine.stats.dp_dummy_steps = st.steps, st.dummy_steps
         outputs.send(("out", items, engine.get_stats()))
+
+
+def _log_summary(st: Any) -> None:
+    """The exchange's cost, for benchmarks: time this replica spent in the MoE collectives (waiting for the slower
+    replica included) per lock-step forward."""
+    wait = getattr(st.comm, "wait_s", None)
+    per = f", {1e3 * wait / st.steps:.2f} ms per forward in MoE exchanges" if wait is not None and st.steps else ""
+    logger.info("DP+EP replica %d: %d lock-step forwards (%d dummy), experts %s of %d%s", st.rank, st.steps,
+                st.dummy_steps, st.experts[:2], st.experts[2], per)

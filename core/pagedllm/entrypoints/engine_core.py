@@ -11,6 +11,8 @@ lora_request)``, ``("remove_lora", rid, lora_int_id)`` (answered like an add), `
 something, where ``items`` are ``(rid, x)`` with ``x`` :data:`ACCEPTED`, an exception (the add was rejected) or a
 RequestOutput (deltas: the server asks for ``output_kind="delta"`` and accumulates); and ``("dead", message)`` if the
 engine hit a bug. The loop blocks on the pipe whenever no request is unfinished: an idle engine burns no CPU.
+A DP+EP replica (``dp_lockstep.py``) also sends ``("wave", w)`` when it starts lock-step wave ``w`` and takes
+``("wake", w)`` to join one another replica started.
 """
 
 from __future__ import annotations
