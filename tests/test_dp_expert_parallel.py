@@ -99,7 +99,10 @@ def test_dp2_expert_parallel_matches_dp1(moe_models, name):
             both = [r.num_requests for r in dp.replicas]
             before = [r.stats().dp_dummy_steps for r in dp.replicas]
             one_side = await generate(dp, PROMPTS, replica=0)
-            await asyncio.sleep(0.2)  # the final "out" of the idle wave end
+            for _ in range(200):  # replica 1's last dummy step reports just after replica 0's final output
+                if dp.replicas[0].stats().dp_steps == dp.replicas[1].stats().dp_steps:
+                    break
+                await asyncio.sleep(0.05)
             return spread, both, before, one_side, [r.stats() for r in dp.replicas]
 
         spread, both, before, one_side, stats = asyncio.run(run())
