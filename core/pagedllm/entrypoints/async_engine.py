@@ -89,7 +89,8 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, stream_interval: int = 1,
                  engine_cpus: Optional[frozenset[int]] = None, lora_modules: Sequence[LoRARequest] = (),
-                 load_tokenizer: bool = True, index: int = 0, dp_ep: Any = None):
+                 load_tokenizer: bool = True, index: int = 0, dp_ep: Any = None,
+                 on_spawn: Optional[Callable[[Any], None]] = None):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ParamError("stream_interval", f"must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
@@ -106,6 +107,8 @@ class AsyncEngine:
                                  args=(config, child_in, child_out, logging.getLogger().getEffectiveLevel(),
                                        engine_cpus, list(lora_modules), dp_ep))
         self._proc.start()
+        if on_spawn is not None:  # the process, before its start-up is waited for (data parallel: to stop it early)
+            on_spawn(self._proc)
         child_in.close()
         child_out.close()
         self._writer: Optional[asyncio.WriteTransport] = None

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
 from typing import Callable, Optional, Sequence
@@ -72,17 +71,19 @@ class DataParallelEngine:
         if self.expert_parallel:  # the replica engines themselves run one rank each; eager (collectives inside)
             config = replace(config, enable_expert_parallel=False, enforce_eager=True)
 
+        procs: list = []  # the replica processes as they start
+
         def start(i: int) -> AsyncEngine:
             return AsyncEngine(config, stream_interval, replica_cpus[i], lora_modules, load_tokenizer=i == 0,
-                               index=i, dp_ep=dp_ep[i])
+                               index=i, dp_ep=dp_ep[i], on_spawn=procs.append)
 
         with ThreadPoolExecutor(n) as pool:
             futures = [pool.submit(start, i) for i in range(n)]
             for f in as_completed(futures):
                 if f.exception() is not None and self.expert_parallel:
                     # The others wait for it in the rendezvous or an exchange: stop them now, not at a timeout.
-                    for p in multiprocessing.active_children():
-                        if p.name.startswith("pagedllm-engine-"):
+                    for p in list(procs):
+                        if p.is_alive():
                             p.kill()
                     break
         failed = [f.exception() for f in futures if f.exception() is not None]
