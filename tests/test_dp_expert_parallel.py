@@ -155,6 +155,18 @@ def test_dp_expert_parallel_replica_death_fails_both(moe_models):
     assert dp.error is not None and not dp.is_running
 
 
+def test_dp_expert_parallel_start_failure_stops_the_sibling(moe_models):
+    """A replica that fails before the rendezvous (here: pinned to a CPU that does not exist) must not leave the other
+    waiting there for the start-up timeout: the start fails at once with the failing replica's own error."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(OSError):
+        DataParallelEngine(config(moe_models["mixtral"], enable_expert_parallel=True),
+                           [None, frozenset({100_000})])
+    assert time.monotonic() - t0 < 60
+
+
 def test_dp_expert_parallel_refusals(moe_models):
     cpus = [None, None]
     dense = tiny_chat_model()

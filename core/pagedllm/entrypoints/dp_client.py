@@ -77,10 +77,13 @@ class DataParallelEngine:
             return AsyncEngine(config, stream_interval, replica_cpus[i], lora_modules, load_tokenizer=i == 0,
                                index=i, dp_ep=dp_ep[i], on_spawn=procs.append)
 
+        first_error: Optional[BaseException] = None  # the root cause (siblings stopped for it fail after it)
         with ThreadPoolExecutor(n) as pool:
             futures = [pool.submit(start, i) for i in range(n)]
             for f in as_completed(futures):
-                if f.exception() is not None and self.expert_parallel:
+                if f.exception() is not None and first_error is None:
+                    first_error = f.exception()
+                if first_error is not None and self.expert_parallel:
                     # The others wait for it in the rendezvous or an exchange: stop them now, not at a timeout.
                     for p in list(procs):
                         if p.is_alive():
@@ -91,7 +94,7 @@ class DataParallelEngine:
             for f in futures:
                 if f.exception() is None:
                     f.result().shutdown()
-            raise failed[0]
+            raise first_error if first_error is not None else failed[0]
         self.replicas: list[AsyncEngine] = [f.result() for f in futures]
         first = self.replicas[0]
         self.tokenizer = first.tokenizer
