@@ -157,16 +157,18 @@ class ExpertExchange:
         most, total = max(sizes), sum(sizes)
         if total == 0:
             return x.new_zeros(x.shape)
-        k = topk_ids.shape[1]
-        # Router outputs travel as one float32 tensor: the weights, then the expert ids (exact below 2**24).
+        k, h = topk_ids.shape[1], x.shape[1]
+        # One gather per layer: each row is the hidden state, then the router's float32 weights and expert ids
+        # (exact below 2**24) reinterpreted bit for bit as the hidden dtype.
         routes = torch.cat([topk_weights.float(), topk_ids.float()], dim=1)
+        rows = torch.cat([x, routes.view(x.dtype)], dim=1)
         if n < most:
-            x = torch.cat([x, x.new_zeros(most - n, x.shape[1])])
-            routes = torch.cat([routes, routes.new_zeros(most - n, 2 * k)])
-        xs, rs = comm.all_gather(x, dim=0), comm.all_gather(routes, dim=0)
+            rows = torch.cat([rows, rows.new_zeros(most - n, rows.shape[1])])
+        gathered = comm.all_gather(rows, dim=0)
         if total < most * st.size:  # drop the padding rows before the experts see them
             keep = torch.cat([torch.arange(i * most, i * most + s, device=x.device) for i, s in enumerate(sizes)])
-            xs, rs = xs.index_select(0, keep), rs.index_select(0, keep)
+            gathered = gathered.index_select(0, keep)
+        xs, rs = gathered[:, :h].contiguous(), gathered[:, h:].contiguous().view(torch.float32)
         out = self._local(xs, w13, w2, rs[:, :k].to(topk_weights.dtype), rs[:, k:].long())
         comm.all_reduce(out)  # every replica's experts summed (gloo has no reduce-scatter)
         first = sum(sizes[:st.rank])
