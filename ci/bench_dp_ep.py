@@ -74,9 +74,12 @@ def run_one(model: str, name: str, bench: list[str]) -> dict:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
     r = json.load(open(js))
+    text = open(log.name).read()
+    os.unlink(js)
+    os.unlink(log.name)
     return dict(tok_s=r["output_throughput"], ttft_ms=r["median_ttft_ms"], tpot_ms=r["median_tpot_ms"],
                 failed=r["failed"], rss_mb=[round(x) for x in rss],
-                exchange_ms_per_forward=[float(m[3]) for m in EXCHANGE.findall(open(log.name).read())])
+                exchange_ms_per_forward=[float(m[3]) for m in EXCHANGE.findall(text)])
 
 
 def main() -> None:
