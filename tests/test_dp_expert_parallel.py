@@ -118,6 +118,49 @@ def test_dp2_expert_parallel_matches_dp1(moe_models, name):
     print(f"{name}: {stats[0].dp_steps} lock-step forwards, replica 1 dummies {stats[1].dp_dummy_steps}")
 
 
+def test_dp_expert_parallel_many_short_waves(moe_models):
+    """Waves start and end many times, from either replica or both at once, with requests arriving while a wave
+    ends (stale wakes): every request finishes (a replica waiting for a wave the other never runs would hang until
+    the timeout) and both replicas ran the same forwards."""
+    import random
+
+    rng = random.Random(0)
+    dp = DataParallelEngine(config(moe_models["mixtral"], enable_expert_parallel=True, distributed_timeout_s=30),
+                            [None, None])
+
+    async def one(i: int, replica: int) -> int:
+        sp = SamplingParams(temperature=0, max_tokens=rng.randint(1, 3), ignore_eos=True)
+        n = 0
+        async for out in await dp.replicas[replica].add_request(f"w{i}", {"prompt_token_ids": PROMPTS[i % 8]}, sp):
+            n = len(out.outputs[0].token_ids)
+        return n
+
+    async def run():
+        await dp.start()
+        tasks = []
+        for i in range(40):
+            tasks.append(asyncio.ensure_future(one(i, rng.randrange(2))))
+            await asyncio.sleep(rng.choice([0, 0, 0.005, 0.02, 0.05]))
+        done = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        for _ in range(200):
+            a, b = (r.stats() for r in dp.replicas)
+            if (a.dp_steps, a.dp_waves) == (b.dp_steps, b.dp_waves):
+                break
+            await asyncio.sleep(0.05)
+        return done, [r.stats() for r in dp.replicas]
+
+    try:
+        done, stats = asyncio.run(run())
+    finally:
+        dp.shutdown()
+    assert all(n >= 1 for n in done)
+    assert stats[0].dp_steps == stats[1].dp_steps > 0
+    assert stats[0].dp_waves == stats[1].dp_waves >= 5  # the group went idle and restarted many times
+    assert stats[0].dp_dummy_steps > 0 and stats[1].dp_dummy_steps > 0
+    print(f"{stats[0].dp_waves} waves, {stats[0].dp_steps} lock-step forwards, dummies "
+          f"{stats[0].dp_dummy_steps} + {stats[1].dp_dummy_steps}")
+
+
 def test_dp_expert_parallel_replica_death_fails_both(moe_models):
     """SIGKILL of one replica mid-generation: the survivor's next exchange fails (gloo sees the closed connection),
     so every in-flight request on both replicas ends with EngineDeadError, and nothing hangs."""

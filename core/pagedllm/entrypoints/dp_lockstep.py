@@ -62,7 +62,7 @@ def lockstep_loop(engine: Any, commands: Connection, outputs: Connection) -> Non
             _log_summary(st)
             finish(engine, outputs)
             return
-        engine.stats.dp_steps, engine.stats.dp_dummy_steps = st.steps, st.dummy_steps
+        engine.stats.dp_steps, engine.stats.dp_dummy_steps, engine.stats.dp_waves = st.steps, st.dummy_steps, st.wave
         outputs.send(("out", items, engine.get_stats()))
 
 
