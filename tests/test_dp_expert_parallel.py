@@ -2,8 +2,8 @@
 against one engine holding every expert (DP=1, the offline LLM; itself checked against HF in test_moe.py).
 
 Two replica processes, one core and one torch thread each, one gloo group: each loads half of the experts (the tiny
-Mixtral's 5 go 3 + 2, Qwen2-MoE's 6 go 3 + 3, read from the replicas' models), and every MoE layer exchanges tokens
-between them. Greedy tokens must equal DP=1's and the sampled tokens' logprobs agree within 1e-5, both with prompts
+Mixtral's 5 go 3 + 2, Qwen2-MoE's 6 and DeepSeek-V3's 8 routed experts split evenly, read from the replicas'
+models), and every MoE layer exchanges tokens between them. Greedy tokens must equal DP=1's and the sampled tokens' logprobs agree within 1e-5, both with prompts
 spread over both replicas (both step with their own requests) and with every prompt on one replica (the other runs
 dummy forwards in lock step), and through the real server with the official openai client.
 """
@@ -26,7 +26,7 @@ from pagedllm.sampling_params import ParamError
 
 MAX_TOKENS = 8
 PROMPTS = [[3 + (11 * i + 17 * j) % 490 for j in range(2 + (5 * i) % 19)] for i in range(8)]
-EXPERTS = {"mixtral": 5, "qwen2_moe": 6}
+EXPERTS = {"mixtral": 5, "qwen2_moe": 6, "deepseek_v3": 8}
 
 
 @pytest.fixture(scope="module")
