@@ -190,3 +190,24 @@ def make_tiny_model(arch: str, out_dir: str | os.PathLike, seed: int = 0, **over
 def make_bench_llama(out_dir: str | os.PathLike, seed: int = 0) -> str:
     """DESIGN.md's benchmark model: ~19M-parameter Llama (hidden 256, 4 layers, 8/4 heads, vocab 32000)."""
     return save_random_model(BENCH_LLAMA, out_dir, seed)
+
+
+# DP+EP benchmark MoE (docs/distributed.md): Mixtral layout, experts ~80% of the weights (16 x 4 layers x 3 MiB fp32)
+# so that splitting them over replicas shows in memory; SmolLM2's vocabulary so a server can load its tokenizer.
+BENCH_MIXTRAL = dict(model_type="mixtral", vocab_size=49152, hidden_size=256, intermediate_size=1024,
+                     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, num_local_experts=16,
+                     num_experts_per_tok=2, max_position_embeddings=512, initializer_range=0.1, rms_norm_eps=1e-6,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+
+
+def make_bench_mixtral(out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike, seed: int = 0) -> str:
+    """:data:`BENCH_MIXTRAL` with the tokenizer files of ``tokenizer_dir`` (e.g. ``server_utils.tiny_chat_model()``)
+    copied in; returns the path."""
+    import shutil
+
+    path = save_random_model(BENCH_MIXTRAL, out_dir, seed)
+    for f in os.listdir(tokenizer_dir):
+        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(tokenizer_dir, f), path)
+    return path
+

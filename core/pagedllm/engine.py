@@ -67,6 +67,11 @@ class EngineStats:
     spec_decode_num_accepted_tokens: int = 0  # of which accepted
     spec_decode_acceptance_rate: float = 0.0  # accepted / proposed
     spec_decode_mean_accepted_length: float = 0.0  # tokens emitted per verification (1 + accepted / drafts)
+    # DP+EP replicas (entrypoints/dp_lockstep.py): lock-step forwards, of them the dummy ones (no own requests), and
+    # the lock-step waves completed (equal on every replica)
+    dp_steps: int = 0
+    dp_dummy_steps: int = 0
+    dp_waves: int = 0
 
 
 class LLMEngine:

@@ -55,7 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="how the ranks start: worker processes on this host (mp, default) or Ray actors (ray)")
     p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="MoE models: split the experts across the tensor-parallel ranks (docs/distributed.md)")
+                   help="MoE models: split the experts across the tensor-parallel ranks, or with serve "
+                        "--data-parallel-size N across the N replicas (vLLM's DP+EP; docs/distributed.md)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

@@ -89,7 +89,8 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, stream_interval: int = 1,
                  engine_cpus: Optional[frozenset[int]] = None, lora_modules: Sequence[LoRARequest] = (),
-                 load_tokenizer: bool = True, index: int = 0):
+                 load_tokenizer: bool = True, index: int = 0, dp_ep: Any = None,
+                 on_spawn: Optional[Callable[[Any], None]] = None):
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ParamError("stream_interval", f"must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
@@ -104,8 +105,10 @@ class AsyncEngine:
         child_in, self._cmd_conn = ctx.Pipe(duplex=False)  # server -> engine
         self._proc = ctx.Process(target=run_engine_core, name=f"pagedllm-engine-{index}", daemon=True,
                                  args=(config, child_in, child_out, logging.getLogger().getEffectiveLevel(),
-                                       engine_cpus, list(lora_modules)))
+                                       engine_cpus, list(lora_modules), dp_ep))
         self._proc.start()
+        if on_spawn is not None:  # the process, before its start-up is waited for (data parallel: to stop it early)
+            on_spawn(self._proc)
         child_in.close()
         child_out.close()
         self._writer: Optional[asyncio.WriteTransport] = None
@@ -138,6 +141,10 @@ class AsyncEngine:
         self.model_path: str = info["model_path"]
         self.vocab_size: int = info["vocab_size"]
         self._stats: EngineStats = info["stats"]
+        #: DP+EP replicas: the experts this replica's model holds (``dp_lockstep.expert_info``); None otherwise.
+        self.expert_parallel: Optional[dict] = info.get("expert_parallel")
+        #: DP+EP: called with ``w`` when this replica starts lock-step wave ``w`` (the others must be woken).
+        self.on_wave: Optional[Callable[[int], None]] = None
         #: Adapters clients may select by ``model=`` name (``--lora-modules`` and runtime loads).
         self.loras: dict[str, LoRARequest] = {r.lora_name: r for r in lora_modules}
         self._control_ids = itertools.count()
@@ -298,10 +305,18 @@ class AsyncEngine:
         self._die(EngineDeadError("engine shut down" if self._stopping else "engine process exited unexpectedly"
                                   + (f" (exit code {code})" if code is not None else "")))
 
+    def wake(self, wave: int) -> None:
+        """DP+EP: join lock-step wave ``wave`` if not already past it (``dp_lockstep.py``)."""
+        if not self._stopping:
+            self._send(("wake", wave))
+
     def _on_message(self, msg: tuple) -> None:
         if msg[0] == "out":
             self._route(msg[1])
             self._stats = msg[2]
+        elif msg[0] == "wave":
+            if self.on_wave is not None:
+                self.on_wave(msg[1])
         else:  # "dead"
             self._die(EngineDeadError(f"engine error: {msg[1]}"))
 

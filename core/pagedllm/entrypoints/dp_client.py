@@ -10,13 +10,19 @@ A replica that dies fails its own in-flight requests (EngineDeadError, as one en
 refuses new requests with 503 and ``/health`` answers 503. With ``--exit-on-engine-failure`` (the default) every
 other replica's requests get the same error too and the server exits for a supervisor to restart it; without it the
 other replicas finish what they hold.
+
+With ``--enable-expert-parallel`` on an MoE model (vLLM's DP+EP) the replicas are one expert-parallel group: each
+loads 1/N of the experts and they step in lock step, exchanging tokens in every MoE layer (``dp_lockstep.py``,
+``distributed/dp_ep.py``); this client forwards a replica's "wave started" to the others. One replica dying then
+stops them all (their next exchange fails), as in vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
 from pagedllm.config import EngineConfig
@@ -59,18 +65,36 @@ class DataParallelEngine:
         if n < 1:
             raise ParamError("data_parallel_size", f"must be >= 1, got {n}")
 
+        #: DP+EP (``--enable-expert-parallel`` with an MoE model): one expert-parallel group over the replicas.
+        self.expert_parallel = bool(config.enable_expert_parallel) and n > 1
+        dp_ep = self._expert_parallel_configs(config, n) if self.expert_parallel else [None] * n
+        if self.expert_parallel:  # the replica engines themselves run one rank each; eager (collectives inside)
+            config = replace(config, enable_expert_parallel=False, enforce_eager=True)
+
+        procs: list = []  # the replica processes as they start
+
         def start(i: int) -> AsyncEngine:
             return AsyncEngine(config, stream_interval, replica_cpus[i], lora_modules, load_tokenizer=i == 0,
-                               index=i)
+                               index=i, dp_ep=dp_ep[i], on_spawn=procs.append)
 
+        first_error: Optional[BaseException] = None  # the root cause (siblings stopped for it fail after it)
         with ThreadPoolExecutor(n) as pool:
             futures = [pool.submit(start, i) for i in range(n)]
+            for f in as_completed(futures):
+                if f.exception() is not None and first_error is None:
+                    first_error = f.exception()
+                if first_error is not None and self.expert_parallel:
+                    # The others wait for it in the rendezvous or an exchange: stop them now, not at a timeout.
+                    for p in list(procs):
+                        if p.is_alive():
+                            p.kill()
+                    break
         failed = [f.exception() for f in futures if f.exception() is not None]
         if failed:
             for f in futures:
                 if f.exception() is None:
                     f.result().shutdown()
-            raise failed[0]
+            raise first_error if first_error is not None else failed[0]
         self.replicas: list[AsyncEngine] = [f.result() for f in futures]
         first = self.replicas[0]
         self.tokenizer = first.tokenizer
@@ -82,9 +106,29 @@ class DataParallelEngine:
         self._rr = 0  # round-robin pointer for ties
         for r in self.replicas:
             r.on_dead = self._replica_dead
+            if self.expert_parallel:
+                r.on_wave = lambda wave, i=r.index: self._wake_others(i, wave)
             logger.info("data parallel: engine %d is process %d%s", r.index, r.pid,
                         f" on CPUs {','.join(map(str, sorted(replica_cpus[r.index])))}" if replica_cpus[r.index]
                         else "")
+
+    @staticmethod
+    def _expert_parallel_configs(config: EngineConfig, n: int) -> list:
+        """One DPEPConfig per replica (checked first: a replica that fails to start would keep the others waiting
+        in the rendezvous)."""
+        from pagedllm.distributed.dp_ep import DPEPConfig, check_dp_ep
+        from pagedllm.executor.base import free_port
+        from pagedllm.models import load_config, resolve_model_path
+
+        check_dp_ep(load_config(resolve_model_path(config.model)), config, n)
+        init = f"tcp://127.0.0.1:{free_port()}"
+        return [DPEPConfig(i, n, init, config.distributed_timeout_s) for i in range(n)]
+
+    def _wake_others(self, index: int, wave: int) -> None:
+        """DP+EP: replica ``index`` started lock-step wave ``wave``; the others must step with it."""
+        for r in self.replicas:
+            if r.index != index:
+                r.wake(wave)
 
     @property
     def pids(self) -> list[int]:

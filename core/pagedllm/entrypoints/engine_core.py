@@ -11,6 +11,8 @@ lora_request)``, ``("remove_lora", rid, lora_int_id)`` (answered like an add), `
 something, where ``items`` are ``(rid, x)`` with ``x`` :data:`ACCEPTED`, an exception (the add was rejected) or a
 RequestOutput (deltas: the server asks for ``output_kind="delta"`` and accumulates); and ``("dead", message)`` if the
 engine hit a bug. The loop blocks on the pipe whenever no request is unfinished: an idle engine burns no CPU.
+A DP+EP replica (``dp_lockstep.py``) also sends ``("wave", w)`` when it starts lock-step wave ``w`` and takes
+``("wake", w)`` to join one another replica started.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pickle
 import signal
 import sys
 from multiprocessing.connection import Connection
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from pagedllm.config import EngineConfig
 from pagedllm.entrypoints.cpu_split import pin_engine
@@ -43,7 +45,7 @@ def _portable(e: BaseException) -> BaseException:
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
                     log_level: int = logging.INFO, cpus: Optional[frozenset[int]] = None,
-                    lora_modules: Sequence = ()) -> None:
+                    lora_modules: Sequence = (), dp_ep: Any = None) -> None:
     """Process entry point (spawned by :class:`~pagedllm.entrypoints.async_engine.AsyncEngine`).
 
     Ends with ``os._exit``: the process holds nothing that needs interpreter finalization (its pipes close with
@@ -52,7 +54,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
     """
     code = 1
     try:
-        _run(config, commands, outputs, log_level, cpus, lora_modules)
+        _run(config, commands, outputs, log_level, cpus, lora_modules, dp_ep)
         code = 0
     finally:
         logging.shutdown()
@@ -62,7 +64,7 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
 
 
 def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int,
-         cpus: Optional[frozenset[int]], lora_modules: Sequence) -> None:
+         cpus: Optional[frozenset[int]], lora_modules: Sequence, dp_ep: Any = None) -> None:
     # The server process owns shutdown (it drains, then sends "stop"); a terminal's Ctrl-C or a service manager's
     # SIGTERM to the whole process group must not kill requests mid-flight. If the server dies, the pipe closes
     # and this loop exits.
@@ -75,6 +77,11 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
         if cpus:
             threads = pin_engine(cpus)
             logger.info("engine process on CPUs %s, %d torch threads", ",".join(map(str, sorted(cpus))), threads)
+        if dp_ep is not None:  # a DP+EP replica: join the other replicas before the model (and its experts) loads
+            from pagedllm.backends import get_backend
+            from pagedllm.distributed.dp_ep import init_dp_ep
+
+            init_dp_ep(dp_ep, get_backend(config.device))
         engine = LLMEngine(config)
         for lora in lora_modules:  # --lora-modules: a bad folder fails the start, naming it
             engine.add_lora(lora)
@@ -83,10 +90,15 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
         return
     gc.collect()
     gc.freeze()  # the model and its imports live for good: keep them out of GC passes during the step loop
-    outputs.send(("ready", {"max_model_len": engine.max_model_len, "model_path": engine.model_path,
-                         "vocab_size": engine.model.vocab_size, "stats": engine.get_stats()}))
+    info = {"max_model_len": engine.max_model_len, "model_path": engine.model_path,
+            "vocab_size": engine.model.vocab_size, "stats": engine.get_stats()}
+    if dp_ep is not None:
+        from pagedllm.entrypoints.dp_lockstep import expert_info, lockstep_loop
+
+        info["expert_parallel"] = expert_info(engine)
+    outputs.send(("ready", info))
     try:
-        _loop(engine, commands, outputs)
+        (_loop if dp_ep is None else lockstep_loop)(engine, commands, outputs)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("server process went away; engine exiting")
     except BaseException as e:  # noqa: BLE001 - a bug in the engine: tell the server, then exit
@@ -97,41 +109,54 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
             pass
 
 
+def drain(engine, commands: Connection, items: list[tuple[str, object]]) -> tuple[bool, list[int]]:
+    """Run every command waiting on the pipe (replies appended to ``items``); returns (stop asked, the waves of
+    any DP+EP "wake" commands)."""
+    stop, wakes = False, []
+    while commands.poll():
+        cmd = commands.recv()
+        kind = cmd[0]
+        if kind in ("add", "add_lora", "remove_lora"):
+            rid = cmd[1]
+            try:
+                if kind == "add":
+                    _, rid, prompt, params, arrival, priority, lora = cmd
+                    engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority,
+                                       lora_request=lora)
+                elif kind == "add_lora":
+                    engine.add_lora(cmd[2])
+                else:
+                    engine.remove_lora(cmd[2])
+            except Exception as e:  # ParamError and friends go back to that request only
+                items.append((rid, _portable(e)))
+                continue
+            items.append((rid, ACCEPTED))
+        elif kind == "abort":
+            engine.abort_request(cmd[1])
+        elif kind == "wake":
+            wakes.append(cmd[1])
+        elif kind == "stop":
+            stop = True
+    return stop, wakes
+
+
+def finish(engine, outputs: Connection) -> None:
+    """Abort what is left and send the final stats (a "stop" command)."""
+    st = engine.get_stats()
+    logger.info("engine stopping: %d steps, %d prompt and %d generated tokens, %d unfinished requests aborted",
+                st.num_steps, st.prompt_tokens, st.generation_tokens, len(engine.parents))
+    engine.abort_request(list(engine.parents))
+    outputs.send(("out", [], engine.get_stats()))
+
+
 def _loop(engine, commands: Connection, outputs: Connection) -> None:
     while True:
         if not engine.has_unfinished_requests():
             commands.poll(None)  # sleep until a command (or EOF) arrives
         items: list[tuple[str, object]] = []
-        stop = False
-        while commands.poll():
-            cmd = commands.recv()
-            kind = cmd[0]
-            if kind in ("add", "add_lora", "remove_lora"):
-                rid = cmd[1]
-                try:
-                    if kind == "add":
-                        _, rid, prompt, params, arrival, priority, lora = cmd
-                        engine.add_request(rid, prompt, params, arrival_time=arrival, priority=priority,
-                                           lora_request=lora)
-                    elif kind == "add_lora":
-                        engine.add_lora(cmd[2])
-                    else:
-                        engine.remove_lora(cmd[2])
-                except Exception as e:  # ParamError and friends go back to that request only
-                    items.append((rid, _portable(e)))
-                    continue
-                items.append((rid, ACCEPTED))
-            elif kind == "abort":
-                engine.abort_request(cmd[1])
-            elif kind == "stop":
-                stop = True
+        stop, _ = drain(engine, commands, items)
         if stop:
-            st = engine.get_stats()
-            logger.info("engine stopping: %d steps, %d prompt and %d generated tokens, %d unfinished requests aborted",
-                        st.num_steps, st.prompt_tokens, st.generation_tokens, len(engine.parents))
-            ids = list(engine.parents)
-            engine.abort_request(ids)
-            outputs.send(("out", [], engine.get_stats()))
+            finish(engine, outputs)
             return
         if engine.has_unfinished_requests():
             items.extend((o.request_id, o) for o in engine.step())

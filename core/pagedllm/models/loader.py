@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch
 
+from pagedllm.distributed.dp_ep import get_dp_ep_state, shard_expert_weights, shard_experts
 from pagedllm.distributed.parallel_state import get_parallel_state
 from pagedllm.distributed.sharding import local_config, parallelize, shard_state_dict
 from pagedllm.errors import UnsupportedModelError
@@ -121,6 +122,9 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
             if spec.module == "falcon":
                 raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel does not shard Falcon layouts yet")
             parallelize(model, full_config, par)
+        dp_ep = get_dp_ep_state()
+        if dp_ep is not None:  # a DP+EP replica: this replica's experts only (distributed/dp_ep.py)
+            shard_experts(model, dp_ep)
     fp8_checkpoint = is_fp8_checkpoint(config)
     qc = None if is_gguf(path) else checkpoint_quant_config(config)
     if is_gguf(path):
@@ -137,6 +141,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     sd = fused_state_dict(model, weights, dtype, device)
     if par is not None:
         sd = shard_state_dict(sd, full_config, par)
+    if dp_ep is not None:
+        sd = shard_expert_weights(sd, dp_ep)
     model.load_state_dict(sd, strict=True, assign=True)
     del sd
     attentions = [getattr(layer, "self_attn", None) for layer in getattr(model, "layers", [])]
