@@ -76,3 +76,67 @@ def write_tiny_gguf(out_dir: str | os.PathLike, qtype: str, seed: int = 0) -> st
         else:
             w.add_tensor(name, data)
     return finish(w, path)
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF per-expert tensors (``mlp.experts.J.gate_proj.weight``) stacked as llama.cpp's converter stacks them
+    (``mlp.experts.gate_proj`` -> ``ffn_gate_exps``, ``[experts, out, in]``); other tensors unchanged."""
+    import re
+
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
+        else:
+            out[name] = t
+    for name, by_index in experts.items():
+        out[name] = torch.stack([by_index[j] for j in sorted(by_index)])
+    return out
+
+
+def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name: str = "tiny") -> str:
+    """The safetensors checkpoint in ``hf_dir`` as llama.cpp's converter lays it out in ``path``: metadata under
+    ``arch``'s keys, q/k rows permuted for arch "llama" (Llama, Mistral), MoE experts stacked, the shared-expert gate
+    as ``[hidden]``, a tied head left out. Weights whose rows split into ``qtype`` blocks are quantized (reference
+    quantizers of ``gguf.quants``), the rest F32. ``name`` is ``general.name`` (transformers reads a "llama" file
+    named "mistral" as Mistral)."""
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(hf_dir)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(name)
+    add_model_header(w, c)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if getattr(c, "num_experts", None):  # Qwen2-MoE, as convert_hf_to_gguf's Qwen2MoeModel writes it
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
+    qt = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    for hf_name, t in _stack_experts(load_file(os.path.join(hf_dir, "model.safetensors"))).items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        data = t.numpy().astype(np.float32)
+        if arch == "llama" and gname.endswith("attn_q.weight"):
+            data = _permute(data, c.num_attention_heads)
+        elif arch == "llama" and gname.endswith("attn_k.weight"):
+            data = _permute(data, c.num_key_value_heads)
+        elif gname.endswith("ffn_gate_inp_shexp.weight"):
+            data = data.reshape(-1)
+        if qtype != "F32" and data.ndim >= 2 and gname != "token_embd.weight" and data.shape[-1] % block == 0:
+            w.add_tensor(gname, quantize(data, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, data)
+    return finish(w, path)
