@@ -87,7 +87,7 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name, t in tensors.items():
         m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
         if m:
-            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
+            experts.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = t
         else:
             out[name] = t
     for name, by_index in experts.items():
@@ -95,15 +95,19 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name: str = "tiny") -> str:
+def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name: str = "tiny",
+                     dequantized_dir: str | None = None) -> str:
     """The safetensors checkpoint in ``hf_dir`` as llama.cpp's converter lays it out in ``path``: metadata under
     ``arch``'s keys, q/k rows permuted for arch "llama" (Llama, Mistral), MoE experts stacked, the shared-expert gate
-    as ``[hidden]``, a tied head left out. Weights whose rows split into ``qtype`` blocks are quantized (reference
+    as ``[hidden]``, a tied head left out. 2-D weights whose rows split into ``qtype`` blocks are quantized (reference
     quantizers of ``gguf.quants``), the rest F32. ``name`` is ``general.name`` (transformers reads a "llama" file
-    named "mistral" as Mistral)."""
+    named "mistral" as Mistral). ``dequantized_dir``: also save the HF checkpoint with each quantized weight replaced
+    by its dequantized blocks (the oracle's weights; row permutes and stacking commute with row-block quantization)."""
+    import shutil
+
     import gguf
-    from gguf.quants import quantize
-    from safetensors.torch import load_file
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file, save_file
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(hf_dir)
@@ -120,11 +124,19 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
-    names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
     qt = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[qt][0]
-    for hf_name, t in _stack_experts(load_file(os.path.join(hf_dir, "model.safetensors"))).items():
+    hf = load_file(os.path.join(hf_dir, "model.safetensors"))
+    quantized = {n for n, t in hf.items() if qtype != "F32" and t.ndim == 2 and "embed_tokens" not in n
+                 and not n.endswith("shared_expert_gate.weight") and t.shape[-1] % block == 0}
+    if dequantized_dir is not None:
+        shutil.copytree(hf_dir, dequantized_dir)
+        save_file({n: torch.from_numpy(dequantize(quantize(t.numpy(), qt), qt).copy()) if n in quantized else t
+                   for n, t in hf.items()}, os.path.join(dequantized_dir, "model.safetensors"))
+    arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
+    stacked = _stack_experts(hf)
+    for hf_name, t in stacked.items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
@@ -135,7 +147,8 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
             data = _permute(data, c.num_key_value_heads)
         elif gname.endswith("ffn_gate_inp_shexp.weight"):
             data = data.reshape(-1)
-        if qtype != "F32" and data.ndim >= 2 and gname != "token_embd.weight" and data.shape[-1] % block == 0:
+        if hf_name in quantized or (".experts." in hf_name and qtype != "F32"
+                                    and data.shape[-1] % block == 0):  # stacked experts
             w.add_tensor(gname, quantize(data, qt), raw_dtype=qt)
         else:
             w.add_tensor(gname, data)

@@ -97,7 +97,7 @@ class GGUFWeights:
     def gguf_name(self, name: str) -> Optional[str]:
         m = _EXPERT.fullmatch(name)
         if m:  # one expert of a stacked tensor
-            return self._map.get_name(f"{m[1]}.{m[3]}")
+            return self._map.get_name(f"{m[1]}.{m[3]}.weight", try_suffixes=(".weight",))
         return self._map.get_name(name, try_suffixes=(".weight", ".bias"))
 
     def __contains__(self, name: str) -> bool:
