@@ -119,9 +119,11 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
     w.add_rope_dimension_count(head_dim)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    if getattr(c, "num_experts", None):  # Qwen2-MoE, as convert_hf_to_gguf's Qwen2MoeModel writes it
-        w.add_expert_count(c.num_experts)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if experts:  # as convert_hf_to_gguf writes Mixtral (LlamaModel) and Qwen2-MoE (Qwen2MoeModel)
+        w.add_expert_count(experts)
         w.add_expert_used_count(c.num_experts_per_tok)
+    if getattr(c, "moe_intermediate_size", None):
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     qt = gguf.GGMLQuantizationType[qtype]

@@ -1,7 +1,9 @@
 """GGUF for Mistral, Qwen2, Qwen3 and Qwen2-MoE: tiny checkpoints laid out as llama.cpp's converter writes them
 (``gguf_utils.write_hf_as_gguf``) load natively and match HF on the same weights.
 
-Mistral: llama.cpp writes it as arch "llama" (q/k rows permuted); transformers reads such a file as Mistral when
+Mixtral: llama.cpp writes it as arch "llama" with stacked experts; transformers derives a dense Llama config from
+it, which ``gguf_moe.complete_moe_config`` turns into Mixtral's (experts from the tensor shapes, top-k from
+``llama.expert_used_count``). Mistral: llama.cpp writes it as arch "llama" (q/k rows permuted); transformers reads such a file as Mistral when
 ``general.name`` is "mistral" (else as Llama: the same network). Its GGUF keys carry no sliding window, so the tiny
 model has none (transformers' Mistral default, 4096, is past every prompt here). Qwen2-MoE: experts stacked
 (``ffn_{gate,up,down}_exps``), shared expert ``ffn_*_shexp`` and its gate ``ffn_gate_inp_shexp`` (``[hidden]``);
@@ -22,22 +24,26 @@ from gguf_utils import write_hf_as_gguf
 from model_parity import NEW_TOKENS, mixed_batch
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_config, load_model
+from pagedllm.models.gguf_config import load_gguf_config
 from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
 from tiny_models import make_fallback_model, make_tiny_model
 
 #: Qwen2-MoE as llama.cpp can run it: every layer sparse, top-3 of 6 not renormalised, a gated shared expert; rows
 #: that split into Q8_0 blocks (hidden 256, 8 heads of 32).
 QWEN2_MOE_GGUF = dict(mlp_only_layers=[], norm_topk_prob=False, hidden_size=256, num_attention_heads=8, head_dim=32)
-#: family -> (GGUF architecture, HF model_type transformers derives)
+#: Mixtral as llama.cpp writes it (arch "llama"): no sliding window, rope base 10000 (the header writer's).
+MIXTRAL_GGUF = dict(sliding_window=None, hidden_size=256, num_attention_heads=8, head_dim=32,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+#: family -> (GGUF architecture, HF model_type of the config the file loads with)
 ARCH = {"mistral": ("llama", "mistral"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"),
-        "qwen2_moe": ("qwen2moe", "qwen2_moe")}
+        "qwen2_moe": ("qwen2moe", "qwen2_moe"), "mixtral": ("llama", "mixtral")}
 
 
 def write_family_gguf(family: str, out_dir: str, qtype: str) -> tuple[str, str]:
     """(GGUF path, HF folder with the weights the GGUF holds)."""
     hf_dir = os.path.join(out_dir, "hf")
-    if family == "qwen2_moe":
-        make_fallback_model("qwen2_moe", hf_dir, **QWEN2_MOE_GGUF)
+    if family in ("qwen2_moe", "mixtral"):
+        make_fallback_model(family, hf_dir, **(QWEN2_MOE_GGUF if family == "qwen2_moe" else MIXTRAL_GGUF))
     else:
         make_tiny_model(family, hf_dir, **({"sliding_window": None} if family == "mistral" else {}))
     oracle = os.path.join(out_dir, "dequantized") if qtype != "F32" else None
@@ -52,11 +58,15 @@ def _hf(folder: str):
 
 @pytest.mark.parametrize("family,qtype", [("mistral", "F32"), ("qwen2", "F32"), ("qwen3", "F32"),
                                           ("qwen2_moe", "F32"), ("mistral", "Q8_0"), ("qwen2", "Q8_0"),
-                                          ("qwen3", "Q8_0"), ("qwen2_moe", "Q8_0")])
+                                          ("qwen3", "Q8_0"), ("qwen2_moe", "Q8_0"), ("mixtral", "F32"),
+                                          ("mixtral", "Q8_0")])
 def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
     path, oracle = write_family_gguf(family, str(tmp_path), qtype)
     config = load_config(path)
     assert config.model_type == ARCH[family][1]
+    if family == "mixtral":  # transformers alone derives a dense Llama config; the expert tensors complete it
+        assert load_gguf_config(path).model_type == "llama"
+        assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (5, 2, 96)
     hf = _hf(oracle)
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     prompts = _prompts(hf.config.vocab_size)
@@ -67,7 +77,7 @@ def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
                                 expected)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "mistral"])
 def test_gguf_engine_greedy_matches_hf(tmp_path, family):
     """Through the engine: chunked prefill (16-token budget), prefix caching, a mixed batch of 8 (lengths 1-37)."""
     path, oracle = write_family_gguf(family, str(tmp_path), "Q8_0")

@@ -64,19 +64,6 @@ def read_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
 _EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
 
-def moe_sizes(path: str) -> dict[str, int]:
-    """The expert sizes transformers' GGUF config leaves at its defaults (its qwen2moe key map has no
-    ``expert_feed_forward_length``), read from the tensor shapes: ``moe_intermediate_size`` from the stacked experts,
-    ``shared_expert_intermediate_size`` from the shared expert. Empty for a dense model."""
-    sizes = {}
-    for t in read_tensors(path)[1]:
-        if t.name == "blk.0.ffn_gate_exps.weight":
-            sizes["moe_intermediate_size"] = int(t.shape[1])  # innermost first: (hidden, intermediate, experts)
-        elif t.name == "blk.0.ffn_gate_shexp.weight":
-            sizes["shared_expert_intermediate_size"] = int(t.shape[1])  # (hidden, intermediate)
-    return sizes
-
-
 #: GGUF architectures whose converter writes RMSNorm weights as ``1 + w`` (Gemma's ``(1 + w)`` norm folded in).
 _ONE_PLUS_NORM_ARCHS = ("gemma", "gemma2", "gemma3")
 
