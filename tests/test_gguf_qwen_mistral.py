@@ -10,7 +10,7 @@ stacked (``ffn_{gate,up,down}_exps``), shared expert ``ffn_*_shexp`` and its gat
 (``[hidden]``); llama.cpp's qwen2moe graph makes every layer sparse and never renormalises the top-k, so the tiny
 model does neither. F32 files: logits within 1e-4 of HF on the original checkpoint; Q8_0 files (2-D and stacked
 weights whose rows split into blocks of 32): of HF on the dequantized weights (a ``gguf.quants`` round trip,
-independent of our reader).
+independent of our reader)."""
 
 from __future__ import annotations
 
