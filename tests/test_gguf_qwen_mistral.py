@@ -1,13 +1,13 @@
 """GGUF for Mistral, Qwen2, Qwen3, Qwen2-MoE and Mixtral: tiny checkpoints laid out as llama.cpp's converter writes
 them (``gguf_utils.write_hf_as_gguf``) load natively and match HF on the same weights.
 
-Mixtral: llama.cpp writes it as arch "llama" with stacked experts; transformers derives a dense Llama config from
-it, which ``gguf_moe.complete_moe_config`` turns into Mixtral's (experts from the tensor shapes, top-k from
-``llama.expert_used_count``). Mistral: arch "llama" too (q/k rows permuted); transformers reads such a file as
-Mistral when ``general.name`` is "mistral" (else as Llama: the same network), but its tensor loader then fails
-("Unknown gguf model_type: mistral in gguf-py"); ours reads the tensors through gguf's llama name map. Its GGUF keys carry no sliding window,
-so the tiny model has none (transformers' Mistral default, 4096, is past every prompt here). Qwen2-MoE: experts
-stacked (``ffn_{gate,up,down}_exps``), shared expert ``ffn_*_shexp`` and its gate ``ffn_gate_inp_shexp``
+Mixtral: llama.cpp writes it as arch "llama" with stacked experts; transformers derives a dense Llama config from it,
+which ``gguf_moe.complete_moe_config`` turns into Mixtral's (experts from the tensor shapes, top-k from
+``llama.expert_used_count``). Mistral: arch "llama" too (q/k rows permuted); transformers reads such a file as Mistral
+when ``general.name`` is "mistral" (else as Llama: the same network), but its tensor loader then fails ("Unknown gguf
+model_type: mistral in gguf-py"); ours reads the tensors through gguf's llama name map. Its GGUF keys carry no sliding
+window, so the tiny model has none (transformers' Mistral default, 4096, is past every prompt here). Qwen2-MoE:
+experts stacked (``ffn_{gate,up,down}_exps``), shared expert ``ffn_*_shexp`` and its gate ``ffn_gate_inp_shexp``
 (``[hidden]``); llama.cpp's qwen2moe graph makes every layer sparse and never renormalises the top-k, so the tiny
 model does neither. F32 files: logits within 1e-4 of HF on the original checkpoint; Q8_0 files (2-D and stacked
 weights whose rows split into blocks of 32): of HF on the dequantized weights (a ``gguf.quants`` round trip,
