@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 from pagedllm.models.gguf_weights import read_tensors
@@ -21,6 +23,14 @@ def _expert_shapes(path: str) -> dict[str, tuple[int, ...]]:
 
 
 def _metadata_int(path: str, key: str) -> int:
+    st = os.stat(path)
+    return _metadata_int_cached(os.path.realpath(path), key, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _metadata_int_cached(path: str, key: str, size: int, mtime_ns: int) -> int:
+    """Once per file and process: ``GGUFReader`` parses every metadata array (seconds for a 32k vocabulary), and
+    the config is read by the engine, the executor and each worker."""
     import gguf
 
     field = gguf.GGUFReader(path).fields.get(key)
