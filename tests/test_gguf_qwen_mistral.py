@@ -96,3 +96,13 @@ def test_gguf_engine_greedy_matches_hf(tmp_path, family):
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     for p, o in zip(wave, outs):
         assert list(o.outputs[0].token_ids) == hf_oracle.hf_greedy(hf, p, NEW_TOKENS)
+
+
+def test_mixtral_gguf_without_expert_used_count_is_refused(tmp_path, monkeypatch):
+    """A llama-arch file with expert tensors but no top-k: refused naming the missing key, not run as top-1."""
+    import gguf
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_expert_used_count", lambda self, n: None)
+    path, _ = write_family_gguf("mixtral", str(tmp_path), "F32")
+    with pytest.raises(ValueError, match="llama.expert_used_count"):
+        load_config(path)
