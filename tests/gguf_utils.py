@@ -76,3 +76,82 @@ def write_tiny_gguf(out_dir: str | os.PathLike, qtype: str, seed: int = 0) -> st
         else:
             w.add_tensor(name, data)
     return finish(w, path)
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF per-expert tensors (``mlp.experts.J.gate_proj.weight``) stacked as llama.cpp's converter stacks them
+    (``mlp.experts.gate_proj`` -> ``ffn_gate_exps``, ``[experts, out, in]``); other tensors unchanged."""
+    import re
+
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name)
+        if m:
+            experts.setdefault(f"{m[1]}.{m[3]}.weight", {})[int(m[2])] = t
+        else:
+            out[name] = t
+    for name, by_index in experts.items():
+        out[name] = torch.stack([by_index[j] for j in sorted(by_index)])
+    return out
+
+
+def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name: str = "tiny",
+                     dequantized_dir: str | None = None) -> str:
+    """The safetensors checkpoint in ``hf_dir`` as llama.cpp's converter lays it out in ``path``: metadata under
+    ``arch``'s keys, q/k rows permuted for arch "llama" (Llama, Mistral), MoE experts stacked, the shared-expert gate
+    as ``[hidden]``, a tied head left out. 2-D weights whose rows split into ``qtype`` blocks are quantized (reference
+    quantizers of ``gguf.quants``), the rest F32. ``name`` is ``general.name`` (transformers reads a "llama" file
+    named "mistral" as Mistral). ``dequantized_dir``: also save the HF checkpoint with each quantized weight replaced
+    by its dequantized blocks (the oracle's weights; row permutes and stacking commute with row-block quantization)."""
+    import shutil
+
+    import gguf
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(hf_dir)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(name)
+    add_model_header(w, c)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if experts:  # as convert_hf_to_gguf writes Mixtral (LlamaModel) and Qwen2-MoE (Qwen2MoeModel)
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    if getattr(c, "moe_intermediate_size", None):
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    qt = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    hf = load_file(os.path.join(hf_dir, "model.safetensors"))
+    quantized = {n for n, t in hf.items() if qtype != "F32" and t.ndim == 2 and "embed_tokens" not in n
+                 and not n.endswith("shared_expert_gate.weight") and t.shape[-1] % block == 0}
+    if dequantized_dir is not None:
+        shutil.copytree(hf_dir, dequantized_dir)
+        save_file({n: torch.from_numpy(dequantize(quantize(t.numpy(), qt), qt).copy()) if n in quantized else t
+                   for n, t in hf.items()}, os.path.join(dequantized_dir, "model.safetensors"))
+    arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
+    stacked = _stack_experts(hf)
+    for hf_name, t in stacked.items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        data = t.numpy().astype(np.float32)
+        if arch == "llama" and gname.endswith("attn_q.weight"):
+            data = _permute(data, c.num_attention_heads)
+        elif arch == "llama" and gname.endswith("attn_k.weight"):
+            data = _permute(data, c.num_key_value_heads)
+        elif gname.endswith("ffn_gate_inp_shexp.weight"):
+            data = data.reshape(-1)
+        if hf_name in quantized or (".experts." in hf_name and qtype != "F32"
+                                    and data.shape[-1] % block == 0):  # stacked experts
+            w.add_tensor(gname, quantize(data, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, data)
+    return finish(w, path)

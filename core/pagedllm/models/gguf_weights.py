@@ -2,10 +2,13 @@
 
 llama.cpp's converter permutes the rows of Llama q/k projections (its rotary layout); rows are undone here, on the
 packed blocks or the dense tensor alike (a row permutation never splits a block, blocks run along a row).
+MoE experts are stacked in GGUF (``blk.N.ffn_{gate,up,down}_exps``: ``[experts, out, in]``); an HF per-expert name
+(``mlp.experts.J.gate_proj.weight``) reads expert J of the stack.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -57,6 +60,10 @@ def read_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
     return header.architecture, tensors
 
 
+#: An HF per-expert tensor name: (stacked module, expert index, projection).
+_EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
+
+
 #: GGUF architectures whose converter writes RMSNorm weights as ``1 + w`` (Gemma's ``(1 + w)`` norm folded in).
 _ONE_PLUS_NORM_ARCHS = ("gemma", "gemma2", "gemma3")
 
@@ -75,16 +82,25 @@ class GGUFWeights:
         self._heads = {"attn_q": heads, "attn_k": getattr(config, "num_key_value_heads", None) or heads}
 
     def gguf_name(self, name: str) -> Optional[str]:
+        m = _EXPERT.fullmatch(name)
+        if m:  # one expert of a stacked tensor
+            return self._map.get_name(f"{m[1]}.{m[3]}.weight", try_suffixes=(".weight",))
         return self._map.get_name(name, try_suffixes=(".weight", ".bias"))
 
     def __contains__(self, name: str) -> bool:
         g = self.gguf_name(name)
-        return g is not None and g in self._tensors
+        if g is None or g not in self._tensors:
+            return False
+        m = _EXPERT.fullmatch(name)
+        return m is None or int(m[2]) < self._tensors[g].data.shape[0]
 
-    def _tensor(self, name: str) -> Any:
+    def _tensor(self, name: str) -> GGUFTensor:
+        """The GGUF tensor holding ``name``; for one expert, that expert's slice of the stack."""
         if name not in self:
             raise KeyError(f"checkpoint lacks tensor {name!r}")
-        return self._tensors[self.gguf_name(name)]
+        t = self._tensors[self.gguf_name(name)]
+        m = _EXPERT.fullmatch(name)
+        return t if m is None else GGUFTensor(t.name, t.tensor_type, t.shape[:-1], t.data[int(m[2])])
 
     def _rows(self, gname: str, n: int) -> Optional[np.ndarray]:
         """The row order undoing llama.cpp's q/k permute (None: rows are already in HF order)."""
@@ -106,6 +122,8 @@ class GGUFWeights:
         data = np.asarray(data, dtype=np.float32)
         if self.arch in _ONE_PLUS_NORM_ARCHS and t.name.endswith("norm.weight"):
             data = data - 1  # stored as 1 + w (llama.cpp's converter), as transformers' Gemma2TensorProcessor undoes
+        if t.name.endswith("ffn_gate_inp_shexp.weight") and data.ndim == 1:
+            data = data[None]  # llama.cpp stores the shared-expert gate as [hidden]; HF's is [1, hidden]
         rows = self._rows(t.name, data.shape[0])
         return torch.from_numpy(data.copy() if rows is None else data[rows])  # owned: the mmap is read-only
 

@@ -17,6 +17,7 @@ from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_i
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
+from pagedllm.models.gguf_moe import complete_moe_config
 from pagedllm.models.gguf_weights import GGUFWeights
 from pagedllm.models.paths import is_gguf, resolve_model_path
 from pagedllm.models.quantized_checkpoint import QuantizedCheckpoint
@@ -46,7 +47,7 @@ def load_config(model_path: str) -> Any:
             raise UnsupportedModelError(f"falcon GGUF with {kv} KV heads (Falcon-40B/180B: grouped KV, "
                                         "new_decoder_architecture) cannot be described by transformers' GGUF config; "
                                         "load the safetensors checkpoint (multi-query Falcon GGUF files load)")
-        return config
+        return complete_moe_config(model_path, config)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=False)
     except (ValueError, KeyError) as e:  # a model_type transformers does not know: remote code only (ChatGLM...)

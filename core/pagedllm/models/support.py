@@ -16,14 +16,14 @@ from pagedllm.models.remote_layouts import REMOTE_LAYOUTS
 VERIFIED: dict[str, str] = {
     "LlamaForCausalLM": "tests/test_models.py, test_engine_parity.py, test_smollm2.py (GGUF); Yi in "
                         "test_native_families.py",
-    "MistralForCausalLM": "tests/test_models.py, test_engine_parity.py",
-    "Qwen2ForCausalLM": "tests/test_models.py, test_engine_parity.py",
-    "Qwen3ForCausalLM": "tests/test_models.py, test_engine_parity.py",
+    "MistralForCausalLM": "tests/test_models.py, test_engine_parity.py; GGUF: test_gguf_qwen_mistral.py",
+    "Qwen2ForCausalLM": "tests/test_models.py, test_engine_parity.py; GGUF: test_gguf_qwen_mistral.py",
+    "Qwen3ForCausalLM": "tests/test_models.py, test_engine_parity.py; GGUF: test_gguf_qwen_mistral.py",
     "Phi3ForCausalLM": "tests/test_native_families.py",
     "Gemma2ForCausalLM": "tests/test_native_families.py",
     "Gemma3ForCausalLM": "tests/test_native_families.py",
-    "MixtralForCausalLM": "tests/test_moe.py",
-    "Qwen2MoeForCausalLM": "tests/test_moe.py",
+    "MixtralForCausalLM": "tests/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
+    "Qwen2MoeForCausalLM": "tests/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
     "DeepseekV2ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
     "DeepseekV3ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
     "FalconForCausalLM": "tests/test_falcon.py (grouped, multi-query and per-head layouts; ALiBi)",
@@ -36,8 +36,15 @@ VERIFIED: dict[str, str] = {
     "Olmo2ForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
 }
-# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon, Phi-3, Gemma 2/3 Q8_0 (tests/test_gguf_families.py)
+# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon, Phi-3, Gemma 2/3 Q8_0 (tests/test_gguf_families.py); Mistral,
+# Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/test_gguf_qwen_mistral.py)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tested)",
+                "MistralForCausalLM": "yes (tested; arch llama named mistral; GGUF has no sliding window: "
+                                      "transformers' default 4096)",
+                "Qwen2ForCausalLM": "yes (tested)", "Qwen3ForCausalLM": "yes (tested)",
+                "Qwen2MoeForCausalLM": "yes (tested; every layer sparse, top-k not renormalised, as llama.cpp)",
+                "MixtralForCausalLM": "yes (tested; arch llama with expert tensors, read by our loader, not "
+                                      "transformers)",
                 "Gemma2ForCausalLM": "yes (tested; GGUF has no soft-cap/query scalar: config defaults)",
                 "Gemma3ForCausalLM": "yes (tested; GGUF has no per-layer rope: config defaults)",
                 "FalconForCausalLM": "yes (tested; multi-query layout only, grouped KV refused)"}
