@@ -171,7 +171,7 @@ def test_disabled_by_environment(op, cpu, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["qwen2_swa", "gemma2"])
-def test_engine_greedy_parity_on_the_kernel(op, tiny_model_dirs, tmp_path, name):
+def test_engine_greedy_parity_on_the_kernel(op, tiny_model_dirs, tmp_path, monkeypatch, name):
     """End to end: the engine (decodes on the kernel) stays token-identical to HF greedy; qwen2_swa has a sliding
     window of 8, the gemma2 fallback soft cap, alternating windows, head size 48 and GQA 5:1."""
     import hf_oracle
@@ -180,6 +180,8 @@ def test_engine_greedy_parity_on_the_kernel(op, tiny_model_dirs, tmp_path, name)
 
     from pagedllm import LLM, SamplingParams
 
+    calls = []
+    monkeypatch.setattr(paged_decode, "_op", lambda *args: (calls.append(1), op(*args)))
     path = tiny_model_dirs[name] if name in tiny_model_dirs else tiny_models.make_fallback_model(name, tmp_path / name)
     llm = LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
     g = torch.Generator().manual_seed(4)
@@ -188,3 +190,4 @@ def test_engine_greedy_parity_on_the_kernel(op, tiny_model_dirs, tmp_path, name)
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert [o.outputs[0].token_ids for o in outs] == [hf_oracle.hf_greedy(hf, p, 12) for p in prompts]
+    assert len(calls) >= 11 * hf.config.num_hidden_layers  # every decode step, layer
