@@ -27,15 +27,6 @@ inline Vec load_f(const T* p) {
   return out;
 }
 
-// acc[i] += w * row[i] for i < d
-template <typename T>
-inline void axpy(float* acc, float w, const T* row, int64_t d) {
-  const Vec wv(w);
-  int64_t i = 0;
-  for (; i + kW <= d; i += kW) at::vec::fmadd(wv, load_f(row + i), Vec::loadu(acc + i)).store(acc + i);
-  for (; i < d; ++i) acc[i] += w * static_cast<float>(row[i]);
-}
-
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
@@ -104,14 +95,26 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
           for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sc[t]);
           const float corr = std::exp(m[j] - mx);
           float sum = 0.f;
-          for (int64_t t = t0; t < t1; ++t) sum += (sc[t] = std::exp(sc[t] - mx));
+          for (int64_t t = t0; t < t1; t += kW) {  // exp_u20: ATen's vectorised exp (no Sleef symbols needed)
+            const int64_t n = std::min(kW, t1 - t);
+            const Vec e = (Vec::loadu(sc + t, n) - Vec(mx)).exp_u20();
+            e.store(sc + t, n);
+            for (int64_t i = 0; i < n; ++i) sum += sc[t + i];
+          }
           l[j] = l[j] * corr + sum;
           m[j] = mx;
           if (corr != 1.f) at::vec::map([corr](Vec x) { return x * Vec(corr); }, &acc[j * D], &acc[j * D], D);
         }
-        for (int64_t t = t0; t < t1; ++t) {
-          const T* v = vblk + t * tok_s;
-          for (int64_t j = 0; j < g; ++j) axpy(&acc[j * D], scores[j * bs + t], v, D);
+        for (int64_t j = 0; j < g; ++j) {  // acc += p . V: each accumulator chunk stays in a register per block
+          const float* p = &scores[j * bs];
+          float* a = &acc[j * D];
+          for (int64_t i = 0; i < dv; i += kW) {
+            Vec av = Vec::loadu(a + i);
+            for (int64_t t = t0; t < t1; ++t) av = at::vec::fmadd(Vec(p[t]), load_f(vblk + t * tok_s + i), av);
+            av.store(a + i);
+          }
+          for (int64_t i = dv; i < D; ++i)
+            for (int64_t t = t0; t < t1; ++t) a[i] += p[t] * static_cast<float>(vblk[t * tok_s + i]);
         }
       }
       for (int64_t j = 0; j < g; ++j) {
