@@ -22,7 +22,8 @@ _DEFAULT_KV_FRACTION = 0.4
 @hookimpl
 def pagedllm_backend_info() -> BackendInfo:
     return BackendInfo(name="cpu", device_type="cpu", priority=10, api_version=API_VERSION, extra="cpu",
-                       description="host CPU: decodes on an in-place paged kernel, prefill on torch SDPA (fp32 fast path)")
+                       description="host CPU: decodes on an in-place paged kernel, prefill on torch SDPA "
+                                   "(fp32 fast path)")
 
 
 @hookimpl
