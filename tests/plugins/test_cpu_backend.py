@@ -130,6 +130,13 @@ def test_write_kv_all_padding_and_empty(cpu):
 
 
 # ---- paged attention ---------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def gather_path(monkeypatch):
+    """These tests cover the gather + SDPA decode path (fp8 caches, no compiler, kernel not built yet) whatever the
+    C++ decode kernel's state; test_cpu_paged_decode.py runs the same shapes on the kernel."""
+    monkeypatch.setenv("PAGEDLLM_CPU_PAGED_DECODE", "0")
+
+
 def make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, seed=0):
     """Random non-contiguous block tables (block 0 reserved as padding), a NaN-poisoned cache holding each
     sequence's context, and random queries."""

@@ -10,6 +10,9 @@ it takes a float32 matmul path. An fp8 cache (``kv_cache_dtype=fp8``) is gathere
 converted to the query's dtype in the reused buffer, and its scales are folded into the softmax scale (keys) and the
 output (values), so the attention itself is unchanged. ALiBi is an additive per-head float mask
 ``slope_h * (k_pos - q_pos)`` on top of the causal one, built from the plan's relative positions (``rel``).
+
+When the C++ kernel (``paged_decode.py``) is built, decodes skip the gather altogether: it reads keys and values in
+place through the block table. The gather + SDPA path above stays for fp8 caches and until (or unless) it is built.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.kv_quant import is_fp8, quantize_kv
+from pagedllm_cpu import paged_decode
 
 _PLAN_KEY = "pagedllm_cpu.plan"
 _SPLIT_MIN_BLOCKS = 8  # decode batches whose longest context fits in this many blocks stay one group
@@ -210,12 +214,21 @@ def _plan_prefills(meta: AttentionMetadata, window: Optional[int]) -> list[_Pref
     return out
 
 
-def _get_plan(meta: AttentionMetadata, window: Optional[int], num_blocks: int) -> _Plan:
+def _get_plan(meta: AttentionMetadata, window: Optional[int], num_blocks: int, decodes: bool = True) -> _Plan:
+    """The step's plan for one window; ``decodes=False`` when the kernel attends them (nothing to gather)."""
     plans = meta.extra.setdefault(_PLAN_KEY, {})
-    plan = plans.get(window)
+    plan = plans.get((window, decodes))
     if plan is None:
-        plan = plans[window] = _Plan(_plan_decodes(meta, window, num_blocks), _plan_prefills(meta, window))
+        plan = plans[(window, decodes)] = _Plan(_plan_decodes(meta, window, num_blocks) if decodes else [],
+                                                _plan_prefills(meta, window))
     return plan
+
+
+def _decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata):
+    """The in-place decode kernel when it is built and takes this call (same dtype for query and cache, not fp8)."""
+    if meta.num_decodes == 0 or is_fp8(kv_cache.dtype) or kv_cache.dtype != query.dtype:
+        return None
+    return paged_decode.get()
 
 
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -312,8 +325,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
 def _attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                sliding_window: Optional[int], soft_cap: Optional[float],
                alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
-    plan = _get_plan(meta, sliding_window, kv_cache.shape[1])
+    kernel = _decode_kernel(query, kv_cache, meta)
+    plan = _get_plan(meta, sliding_window, kv_cache.shape[1], decodes=kernel is None)
     out = torch.empty_like(query)
+    if kernel is not None:
+        nd = meta.num_decodes
+        kernel(out[:nd], query[:nd], kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window or 0,
+               soft_cap or 0.0, alibi_slopes)
     for group in plan.decodes:
         if group.rows is None:
             _decode(query[: meta.num_decodes], kv_cache, group, scale, soft_cap, out[: meta.num_decodes], alibi_slopes)

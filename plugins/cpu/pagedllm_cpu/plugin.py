@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, QuantizedLinearKernel, hookimpl)
-from pagedllm_cpu import attention, graph, lora, moe, ops, platform, quant
+from pagedllm_cpu import attention, graph, lora, moe, ops, paged_decode, platform, quant
 
 #: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
 _DEFAULT_KV_BYTES = 4 << 30
@@ -22,7 +22,8 @@ _DEFAULT_KV_FRACTION = 0.4
 @hookimpl
 def pagedllm_backend_info() -> BackendInfo:
     return BackendInfo(name="cpu", device_type="cpu", priority=10, api_version=API_VERSION, extra="cpu",
-                       description="host CPU: paged attention through torch SDPA (fp32 fast path)")
+                       description="host CPU: decodes on an in-place paged kernel, prefill on torch SDPA "
+                                   "(fp32 fast path)")
 
 
 @hookimpl
@@ -55,6 +56,7 @@ def pagedllm_capabilities() -> Capabilities:
 def pagedllm_update_config(config: Any, model_info: ModelInfo) -> Optional[dict]:
     """``dtype="auto"`` runs float32 whatever the checkpoint's dtype: it is the exact path on every x86 kind and the
     fast one without AMX (bf16 is opt-in: ``--dtype bfloat16``, 1.9x faster on AMX machines; docs/benchmarks.md)."""
+    paged_decode.start_build()  # engine start: the decode kernel loads (or builds) while the model loads
     return {"dtype": "float32"} if config.dtype == "auto" else None
 
 

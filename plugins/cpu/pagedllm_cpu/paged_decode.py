@@ -1,0 +1,122 @@
+"""The C++ paged decode-attention kernel (``csrc/paged_decode.cpp``): built on first use, cached on disk, optional.
+
+Built with ``torch.utils.cpp_extension`` (g++, ninja) for the SIMD level ATen itself detected
+(``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, or the portable default), never by the machine's name.
+The build (30-90 s) runs in a background thread started at engine start, so a cold start is not slowed: until it is
+ready, or when no compiler is available, decodes take the gather + SDPA path, and the reason is logged once. Each
+process builds in its own temporary folder and renames the result into the cache, so an interrupted build never
+leaves a lock that blocks the next process. ``PAGEDLLM_CPU_PAGED_DECODE=0`` turns the kernel off (benchmarks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from pagedllm.models.gguf_config import cache_root
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_ENV = "PAGEDLLM_CPU_PAGED_DECODE"
+#: Compiler flags per ATen CPU capability: the macros select at::vec's implementation, -m flags allow its instructions.
+_ISA_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2"],
+}
+
+_lock = threading.Lock()
+_thread: Optional[threading.Thread] = None
+_op: Optional[Callable] = None
+_error: Optional[str] = None
+
+
+def enabled() -> bool:
+    return os.environ.get(_ENV, "1") not in ("0", "false", "off")
+
+
+def _capability() -> str:
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in _ISA_FLAGS else "DEFAULT"
+
+
+def _build_key(cap: str) -> str:
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    h.update(f"{torch.__version__}:{sys.version_info[:2]}:{cap}".encode())
+    return h.hexdigest()[:20]
+
+
+def library_path() -> Path:
+    """Where the built kernel for this torch, Python and capability lives (``PAGEDLLM_CACHE`` moves it)."""
+    cap = _capability()
+    return cache_root() / "torch-ext" / f"paged_decode-{cap.lower()}-{_build_key(cap)}.so"
+
+
+def _compile(target: Path) -> None:
+    from torch.utils import cpp_extension
+
+    cap = _capability()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
+    try:
+        name = f"pagedllm_cpu_paged_decode_{cap.lower()}"
+        cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(tmp), is_python_module=False,
+                           extra_cflags=["-O3", "-fopenmp", f"-DCPU_CAPABILITY={cap}"] + _ISA_FLAGS.get(cap, []),
+                           extra_ldflags=["-fopenmp"], verbose=False)
+        os.replace(tmp / f"{name}.so", target)  # atomic: another process sees the whole file or none
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load() -> None:
+    global _op, _error
+    try:
+        target = library_path()
+        if target.is_file():
+            torch.ops.load_library(str(target))
+        else:  # _compile loads the freshly built library into this process
+            _compile(target)
+        _op = torch.ops.pagedllm_cpu.paged_decode_attention
+        logger.info("CPU paged decode kernel ready (%s, %s)", _capability(), target)
+    except Exception as e:  # no compiler, no ninja, no headers, read-only cache...: the SDPA path stays
+        lines = str(e).strip().splitlines() or [""]
+        _error = f"{type(e).__name__}: {next((x for x in lines if 'error' in x), lines[-1]).strip()}"
+        logger.warning("CPU paged decode kernel unavailable (%s); decodes use the gather + SDPA path", _error)
+
+
+def start_build() -> None:
+    """Load the kernel from the cache, or build it, in a background thread (once per process; no-op when off)."""
+    global _thread
+    if not enabled():
+        return
+    with _lock:
+        if _thread is None:
+            _thread = threading.Thread(target=_load, name="pagedllm-cpu-kernel-build", daemon=True)
+            _thread.start()
+
+
+def get(wait: bool = False, timeout: Optional[float] = None) -> Optional[Callable]:
+    """The op ``paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap,
+    alibi_slopes)`` if it is ready, else None; starts the build if nobody has. ``wait`` blocks until it is done."""
+    if not enabled():
+        return None
+    if _op is not None:
+        return _op
+    start_build()
+    if wait and _thread is not None:
+        _thread.join(timeout)
+    return _op
+
+
+def error() -> Optional[str]:
+    """Why the kernel could not be loaded, or None."""
+    return _error
