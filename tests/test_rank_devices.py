@@ -7,6 +7,7 @@ simulated backend registered as an entry point."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -22,7 +23,8 @@ from pagedllm.config import EngineConfig
 SIM = str(Path(__file__).resolve().parent / "sim" / "multidev")  # not tests/sim: transformers would import its torch_npu
 
 PROBE = """
-import json, torch, simdev
+import json, logging, torch, simdev
+logging.basicConfig(level=logging.INFO)
 from pagedllm import LLM, SamplingParams
 llm = LLM(MODEL, device="simdev", dtype="float32", max_model_len=128, num_gpu_blocks_override=32,
           skip_tokenizer_init=True, enable_prefix_caching=True, **KW)
@@ -51,7 +53,7 @@ def run_sim(tmp_path: Path, model: str, **kw) -> dict:
     code = PROBE.replace("MODEL", repr(model)).replace("KW", repr(kw))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    return json.loads(res.stdout.split("RESULT ", 1)[1])
+    return dict(json.loads(res.stdout.split("RESULT ", 1)[1]), log=res.stderr)
 
 
 def test_cpu_ranks_keep_the_one_device():
@@ -73,3 +75,8 @@ def test_replica_and_ranks_select_their_simulated_device(tmp_path):
     replica = run_sim(tmp_path, model, data_parallel_rank=1)  # what the DP server gives replica 1
     assert replica["device"] == "simdev:1" and set(replica["set_device"]) == {1}
     assert replica["weights"] == ["simdev:1"] and replica["kv"] == ["simdev:1"] and replica["tokens"] == want
+
+    tp = run_sim(tmp_path, model, tensor_parallel_size=2, data_parallel_rank=1)  # replica 1 of a TP=2 server
+    assert tp["device"] == "simdev:2" and set(tp["set_device"]) == {2}  # rank 0, in this process
+    assert tp["weights"] == ["simdev:2"] and tp["kv"] == ["simdev:2"] and tp["tokens"] == want
+    assert re.search(r"rank 1 \(tp 1, pp 0\) on simdev:3", tp["log"]), tp["log"][-3000:]  # the worker process

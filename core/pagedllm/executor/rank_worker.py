@@ -4,9 +4,13 @@ processes (``python -m pagedllm.executor FD``) and by the Ray executor's actors 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import pickle
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.communicator import init_world
@@ -50,14 +54,33 @@ class RankWorker:
                     self.worker.num_blocks)
 
     def execute(self, payload: bytes) -> None:
-        """A non-driver rank's step (the driver's broadcast, pickled once)."""
-        run_step(self.worker.model, self.par, pickle.loads(payload))
+        """A non-driver rank's step (the driver's broadcast, pickled once). Unpickled tensors keep the driver's
+        device index: on an indexed device they move to this rank's first."""
+        mbs = pickle.loads(payload)
+        device = self.worker.device
+        run_step(self.worker.model, self.par, mbs if device.type == "cpu" else to_device(mbs, device))
 
     def node_id(self) -> str:
         """The Ray node this rank runs on (Ray executor), for placement checks."""
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """``x`` (tensors inside dataclasses, lists, tuples, dicts) with every tensor on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x if x.device == device else x.to(device)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        out = copy.copy(x)
+        for f in dataclasses.fields(x):
+            object.__setattr__(out, f.name, to_device(getattr(x, f.name), device))
+        return out
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    return x
 
 
 def _main(fd: int) -> int:
