@@ -2,8 +2,8 @@
 
 The oracle is the one-rank engine (itself checked against HF in test_engine_parity.py): TP=2 must give the same
 greedy tokens and every step's float32 logits within the bounds in dist_utils (float32 summation order of the
-row-parallel split: TP=2 equals that split done in one process), on a workload that batches decodes with chunked prefills
-and hits the prefix cache. The models carry the shapes sharding must handle: a vocabulary two ranks do not divide
+row-parallel split: TP=2 equals that split done in one process), on a workload that batches decodes with chunked
+prefills and hits the prefix cache. The models carry the shapes sharding must handle: a vocabulary two ranks do not divide
 (Llama, 509) and one kv head for two ranks (Qwen3: the kv head is replicated).
 """
 

@@ -17,10 +17,12 @@ import torch
 
 from dist_utils import engine, make_dist_model
 from pagedllm.backends import get_backend
-from pagedllm.executor.binding import local_device, local_index
+from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
+from pagedllm.executor.binding import local_device, local_index
 
-SIM = str(Path(__file__).resolve().parent / "sim" / "multidev")  # not tests/sim: transformers would import its torch_npu
+# Not tests/sim itself: transformers imports the torch_npu it would find there.
+SIM = str(Path(__file__).resolve().parent / "sim" / "multidev")
 
 PROBE = """
 import json, logging, torch, simdev
@@ -42,7 +44,7 @@ if ex is not None:
 
 
 def run_sim(tmp_path: Path, model: str, **kw) -> dict:
-    """PROBE in a subprocess with tests/sim on PYTHONPATH and the simdev backend registered (a dist-info folder)."""
+    """PROBE in a subprocess with tests/sim/multidev on PYTHONPATH and the simdev backend registered (a dist-info folder)."""
     reg = tmp_path / "reg"
     info = reg / "pagedllm_simdev-0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
@@ -66,8 +68,7 @@ def test_cpu_ranks_keep_the_one_device():
 def test_replica_and_ranks_select_their_simulated_device(tmp_path):
     model = make_dist_model("llama", tmp_path / "models")
     want = engine(model).generate([{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [5, 6, 7]}],
-                                  __import__("pagedllm").SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                                  use_tqdm=False)
+                                  SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     want = [list(o.outputs[0].token_ids) for o in want]
     one = run_sim(tmp_path, model)  # a lone engine: replica 0's device
     assert one["device"] == "simdev:0" and one["set_device"] == [0]
@@ -79,4 +80,6 @@ def test_replica_and_ranks_select_their_simulated_device(tmp_path):
     tp = run_sim(tmp_path, model, tensor_parallel_size=2, data_parallel_rank=1)  # replica 1 of a TP=2 server
     assert tp["device"] == "simdev:2" and set(tp["set_device"]) == {2}  # rank 0, in this process
     assert tp["weights"] == ["simdev:2"] and tp["kv"] == ["simdev:2"] and tp["tokens"] == want
-    assert re.search(r"rank 1 \(tp 1, pp 0\) on simdev:3", tp["log"]), tp["log"][-3000:]  # the worker process
+    # Rank 1 (the worker process) on simdev:3: had its weights or KV been elsewhere, the simulated device would have
+    # refused the first op mixing indices (the step's tensors move to the rank's device).
+    assert re.search(r"rank 1 \(tp 1, pp 0\) on simdev:3", tp["log"]), tp["log"][-3000:]
