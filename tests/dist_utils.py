@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 import torch
+from safetensors.torch import load_file
+from torch import nn
 
 import tiny_models
 from pagedllm import LLM, SamplingParams
@@ -63,3 +65,51 @@ def run_capturing_logits(llm: LLM, prompts: list[list[int]], max_tokens: int = 6
         runner.forward_logits = inner
     assert llm.llm_engine.kv.num_used_blocks == 0, "KV blocks leaked"
     return [o.outputs[0].token_ids for o in outs], logits
+
+
+# What TP=2 must reproduce: TP=1 vs TP=2 logits differ only by float32 summation order (docs/distributed.md).
+TP_LOGITS_ABS = 5e-5  # measured up to 3.2e-5 (tiny Llama), 1.3e-5 (tiny Qwen3) over 8 workloads
+TP_LOGITS_REL = 5e-6  # of the largest |logit| of the run: measured up to 3.0e-6 (Llama), 1.6e-6 (Qwen3)
+
+
+class RowSplitLinear(nn.Module):
+    """A row-parallel split done in one process: the weight's input columns in ``tp`` equal parts, each part's
+    product on ``kernel`` (the backend's dense kernel, as every rank runs it), the partial sums added in rank order —
+    what ``RowParallelLinear`` + an all-reduce computes, without a second process."""
+
+    def __init__(self, weight: torch.Tensor, kernel, tp: int = 2):
+        super().__init__()
+        from pagedllm.models.dense_linears import dense_weight
+
+        self.k = weight.shape[1] // tp
+        self.kernel = kernel
+        self.states = [kernel.prepare(dense_weight(w.contiguous()), weight.dtype, weight.device)
+                       for w in weight.split(self.k, dim=1)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [self.kernel.apply(st, xi.contiguous(), None) for st, xi in zip(self.states, x.split(self.k, dim=-1))]
+        out = parts[0]
+        for p in parts[1:]:
+            out = out + p
+        return out
+
+
+def row_split_engine(path: str, tp: int = 2) -> LLM:
+    """The one-rank engine with every ``o_proj`` / ``down_proj`` (the row-parallel layers) computed as
+    :class:`RowSplitLinear`: column-parallel layers and the vocab-parallel LM head stay whole."""
+    llm = engine(path)
+    model = llm.llm_engine.model
+    kernel = llm.llm_engine.worker.backend.quantized_linear("unquantized", "float32")
+    assert kernel is not None, "the backend has no float32 dense kernel"
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(path)):
+        if f.endswith(".safetensors"):
+            sd.update(load_file(os.path.join(path, f)))
+    for i, layer in enumerate(model.layers):
+        layer.self_attn.o_proj = RowSplitLinear(sd[f"model.layers.{i}.self_attn.o_proj.weight"].float(), kernel, tp)
+        layer.mlp.down_proj = RowSplitLinear(sd[f"model.layers.{i}.mlp.down_proj.weight"].float(), kernel, tp)
+    return llm
+
+
+def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))

@@ -55,6 +55,9 @@ class EngineConfig:
     distributed_executor_backend: Optional[str] = None  # mp (default when more than one rank) | ray
     enable_expert_parallel: bool = False
     distributed_timeout_s: float = 300.0  # the longest any collective waits for a peer before the engine fails
+    # This engine's number among data-parallel replicas on its host (the DP server sets it per replica): its ranks
+    # use device indices [data_parallel_rank * tp * pp, ...) on backends whose devices are indexed (not CPU).
+    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -73,6 +76,8 @@ class EngineConfig:
             raise ParamError("kv_cache_memory", f"must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ParamError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.data_parallel_rank, int) or self.data_parallel_rank < 0:
+            raise ParamError("data_parallel_rank", f"must be an integer >= 0, got {self.data_parallel_rank!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ParamError("scheduling_policy", f"must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):

@@ -37,11 +37,15 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, backend: Any, model_path: str, hf_config: Any, info: ModelInfo):
+    def __init__(self, config: EngineConfig, backend: Any, model_path: str, hf_config: Any, info: ModelInfo,
+                 device: Optional[torch.device] = None):
         """``config`` is resolved (``config.resolve_config``): dtype, block size, max_model_len and the token budget
-        are final, and the backend's capabilities were checked against the checkpoint."""
+        are final, and the backend's capabilities were checked against the checkpoint. ``device``: this rank's
+        (distributed engines); default: data-parallel replica ``config.data_parallel_rank``'s device."""
+        from pagedllm.executor.binding import local_device
+
         self.config, self.backend, self.info = config, backend, info
-        self.device = backend.device()
+        self.device = device if device is not None else local_device(backend, config.data_parallel_rank)
         backend.set_device(self.device)
         torch.manual_seed(config.seed)
         self.dtype = DTYPES[config.dtype]

@@ -91,8 +91,10 @@ def init_dp_ep(cfg: DPEPConfig, backend: Any) -> DPEPState:
     global _STATE
     from pagedllm.distributed.communicator import TorchCommunicator, init_world
     from pagedllm.distributed.parallel_state import STARTUP_TIMEOUT_S
+    from pagedllm.executor.binding import local_device
 
-    device = backend.device()
+    device = local_device(backend, cfg.dp_rank)  # the replica's own device where devices are indexed
+    backend.set_device(device)
     init_world(cfg.dp_rank, cfg.dp_size, cfg.init_method, "gloo", max(cfg.timeout_s, STARTUP_TIMEOUT_S))
     ranks = list(range(cfg.dp_size))
     comm = backend.communicator(ranks, device, backend.distributed_backend(), cfg.timeout_s)

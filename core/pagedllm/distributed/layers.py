@@ -6,7 +6,7 @@ the local heads / columns. These are the ones that communicate.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -15,15 +15,33 @@ from torch import nn
 
 class RowParallelLinear(nn.Linear):
     """``o_proj`` / ``down_proj``: input features split across ranks; the partial products are all-reduced, then the
-    (unsplit) bias is added once."""
+    (unsplit) bias is added once. The local product runs on the backend's dense kernel when the loader hands one
+    over (:meth:`use_dense_kernel`), the kernel every other linear of the model runs on, else on ``F.linear``."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, comm: Any):
         super().__init__(in_features, out_features, bias=bias)
         self.comm = comm
+        self.dense: Optional[tuple[Callable[..., torch.Tensor], Any]] = None  # (kernel.apply, packed state)
+
+    def use_dense_kernel(self, apply: Callable[..., torch.Tensor], state: Any) -> None:
+        """Run the local product as ``apply(state, x, None)``; the unpacked weight is dropped (the kernel's copy is
+        the one kept, as ``DenseKernelLinear`` does at one rank)."""
+        self.dense = (apply, state)
+        self.weight = None  # type: ignore[assignment]
+
+    def local_product(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum ``x @ W_r^T`` (no bias)."""
+        if self.dense is not None:
+            apply, state = self.dense
+            return apply(state, x, None)
+        return F.linear(x, self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = self.comm.all_reduce(self.local_product(x))
         return y.add_(self.bias) if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, dense_kernel={self.dense is not None}"
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -74,8 +74,9 @@ class DataParallelEngine:
         procs: list = []  # the replica processes as they start
 
         def start(i: int) -> AsyncEngine:
-            return AsyncEngine(config, stream_interval, replica_cpus[i], lora_modules, load_tokenizer=i == 0,
-                               index=i, dp_ep=dp_ep[i], on_spawn=procs.append)
+            # replica i: its own device where devices are indexed (config.data_parallel_rank)
+            return AsyncEngine(replace(config, data_parallel_rank=i), stream_interval, replica_cpus[i], lora_modules,
+                               load_tokenizer=i == 0, index=i, dp_ep=dp_ep[i], on_spawn=procs.append)
 
         first_error: Optional[BaseException] = None  # the root cause (siblings stopped for it fail after it)
         with ThreadPoolExecutor(n) as pool:

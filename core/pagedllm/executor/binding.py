@@ -1,10 +1,11 @@
-"""Per-rank thread binding on a host: each rank of a CPU engine gets its own cores, one torch thread per core, so
-ranks never fight over cores (and their OpenMP teams never wait on each other's slices)."""
+"""Per-rank binding on a host: each rank of a CPU engine gets its own cores, one torch thread per core, so ranks
+never fight over cores (and their OpenMP teams never wait on each other's slices); on an accelerator each rank and
+each data-parallel replica gets its own device."""
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -30,3 +31,17 @@ def bind_rank(cpus: Optional[frozenset[int]]) -> int:
     else:
         torch.set_num_threads(1)
     return torch.get_num_threads()
+
+
+def local_device(backend: Any, local_index: int) -> torch.device:
+    """The device of this host's rank / replica number ``local_index``: ``torch.device(type, local_index)`` where the
+    backend's device type is indexed (every accelerator), the backend's one device on CPU (all ranks share it)."""
+    device = backend.device()
+    return device if device.type == "cpu" else backend.device(local_index)
+
+
+def local_index(config: Any, rank: int) -> int:
+    """Rank ``rank`` of data-parallel replica ``config.data_parallel_rank`` on one host: replica ``d``'s ranks take
+    devices ``[d * world, (d + 1) * world)`` (vLLM's order)."""
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    return config.data_parallel_rank * world + rank

@@ -4,14 +4,18 @@ processes (``python -m pagedllm.executor FD``) and by the Ray executor's actors 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import logging
 import pickle
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.communicator import init_world
 from pagedllm.distributed.parallel_state import STARTUP_TIMEOUT_S, ParallelConfig, initialize_model_parallel
-from pagedllm.executor.binding import bind_rank
+from pagedllm.executor.binding import bind_rank, local_device, local_index
 from pagedllm.executor.step import run_step
 
 logger = logging.getLogger(__name__)
@@ -26,7 +30,9 @@ class RankWorker:
     """One rank: its parallel state and its ``Worker`` (model shard, KV pool)."""
 
     def __init__(self, rank: int, config: EngineConfig, model_path: str, init_method: str,
-                 cpus: Optional[frozenset[int]] = None):
+                 cpus: Optional[frozenset[int]] = None, local_rank: Optional[int] = None):
+        """``local_rank``: this rank's device index on its host; None: every rank on this host (the mp executor,
+        the driver), so ``local_index(config, rank)``."""
         from pagedllm.backends import get_backend
         from pagedllm.models import load_config
         from pagedllm.models.info import read_model_info
@@ -35,26 +41,46 @@ class RankWorker:
         self.rank = rank
         self.threads = bind_rank(cpus)
         backend = get_backend(config.device)
-        device = backend.device()
+        device = local_device(backend, local_index(config, rank) if local_rank is None else local_rank)
+        backend.set_device(device)  # before the communicator: a device collective library binds to it
         pc = parallel_config(config)
         init_world(rank, pc.world_size, init_method, "gloo", max(config.distributed_timeout_s, STARTUP_TIMEOUT_S))
         self.par = initialize_model_parallel(rank, pc, backend, device, config.distributed_timeout_s)
         hf_config = load_config(model_path)
         info = read_model_info(model_path, hf_config, config.model_impl)
-        self.worker = Worker(config, backend, model_path, hf_config, info)
-        logger.info("rank %d (tp %d, pp %d): %d torch threads%s, %d KV blocks", rank, self.par.tp_rank,
-                    self.par.pp_rank, self.threads, f" on CPUs {sorted(cpus)}" if cpus else "",
+        self.worker = Worker(config, backend, model_path, hf_config, info, device=device)
+        logger.info("rank %d (tp %d, pp %d) on %s: %d torch threads%s, %d KV blocks", rank, self.par.tp_rank,
+                    self.par.pp_rank, device, self.threads, f" on CPUs {sorted(cpus)}" if cpus else "",
                     self.worker.num_blocks)
 
     def execute(self, payload: bytes) -> None:
-        """A non-driver rank's step (the driver's broadcast, pickled once)."""
-        run_step(self.worker.model, self.par, pickle.loads(payload))
+        """A non-driver rank's step (the driver's broadcast, pickled once). Unpickled tensors keep the driver's
+        device index: on an indexed device they move to this rank's first."""
+        mbs = pickle.loads(payload)
+        device = self.worker.device
+        run_step(self.worker.model, self.par, mbs if device.type == "cpu" else to_device(mbs, device))
 
     def node_id(self) -> str:
         """The Ray node this rank runs on (Ray executor), for placement checks."""
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+
+def to_device(x: Any, device: torch.device) -> Any:
+    """``x`` (tensors inside dataclasses, lists, tuples, dicts) with every tensor on ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x if x.device == device else x.to(device)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        out = copy.copy(x)
+        for f in dataclasses.fields(x):
+            object.__setattr__(out, f.name, to_device(getattr(x, f.name), device))
+        return out
+    if isinstance(x, (list, tuple)):
+        return type(x)(to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    return x
 
 
 def _main(fd: int) -> int:

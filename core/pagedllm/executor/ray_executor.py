@@ -62,7 +62,7 @@ class RayExecutor(DistributedExecutor):
         actor_cls = ray.remote(num_cpus=1 if res == "CPU" else 0, num_gpus=1 if res == "GPU" else 0)(RankWorker)
         self.actors = [actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.pg, placement_group_bundle_index=b), max_concurrency=1).remote(
-                rank, self.config, self.model_path, init_method, None)
+                rank, self.config, self.model_path, init_method, None, 0)  # Ray makes its one device index 0
             for rank, b in enumerate(others, start=1)]
         self.refs: list[Any] = []
         return init_method, None

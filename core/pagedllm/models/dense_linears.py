@@ -58,6 +58,11 @@ def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, devic
         return 0
     swapped = 0
     for name, module in list(model.named_modules()):
+        if hasattr(module, "use_dense_kernel") and module.weight is not None and module.weight.dtype == dtype:
+            # a linear that communicates (tensor parallel's row-parallel layers): its local product on the kernel
+            module.use_dense_kernel(kernel.apply, kernel.prepare(dense_weight(module.weight), dtype, device))
+            swapped += 1
+            continue
         if type(module) is not nn.Linear or name == "lm_head" or module.weight.dtype != dtype:
             continue
         packed = DenseKernelLinear(module, kernel, kernel.prepare(dense_weight(module.weight), dtype, device))
