@@ -84,3 +84,28 @@ def test_gguf_engine_greedy_matches_hf(tmp_path, family):
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     for p, o in zip(wave, outs):
         assert list(o.outputs[0].token_ids) == hf_oracle.hf_greedy(hf, p, NEW_TOKENS)
+
+
+def test_baichuan_13b_gguf_runs_alibi(tmp_path, ref_backend, monkeypatch):
+    """40 layers is Baichuan-13B to llama.cpp: ALiBi, no rotary. Oracle: HF Llama on the same weights with rotary
+    removed and the torch-ops ALiBi attention of tests/test_remote_layouts.py."""
+    from transformers import AttentionInterface
+
+    from pagedllm.models.alibi import uses_alibi
+    from test_remote_layouts import _alibi_reference_attention
+
+    hf_dir = make_tiny_model("llama", str(tmp_path / "hf"), num_key_value_heads=4, num_hidden_layers=40,
+                             hidden_size=128, intermediate_size=128)
+    path = write_hf_as_gguf(hf_dir, str(tmp_path / "tiny-baichuan13b.gguf"), "baichuan")
+    config = load_config(path)
+    assert uses_alibi(config) and config.num_hidden_layers == 40
+    AttentionInterface.register("alibi_reference", _alibi_reference_attention)
+    monkeypatch.setattr("transformers.models.llama.modeling_llama.apply_rotary_pos_emb",
+                        lambda q, k, cos, sin, *a, **kw: (q, k))
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="alibi_reference")
+    ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+    assert ours.layers[0].self_attn.alibi
+    prompts = _prompts(hf.config.vocab_size)
+    with torch.inference_mode():
+        expected = [hf.eval()(torch.tensor([p])).logits[0] for p in prompts]
+        assert_logits_match("baichuan13b gguf", run_schedule(ours, ref_backend, prompts, CHUNKED), expected)
