@@ -108,4 +108,6 @@ def test_baichuan_13b_gguf_runs_alibi(tmp_path, ref_backend, monkeypatch):
     prompts = _prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf.eval()(torch.tensor([p])).logits[0] for p in prompts]
-        assert_logits_match("baichuan13b gguf", run_schedule(ours, ref_backend, prompts, CHUNKED), expected)
+        # one prefill step: 40 layers of the reference ALiBi attention per decode step are slow (chunked ALiBi is
+        # covered by tests/test_remote_layouts.py on the same model code)
+        assert_logits_match("baichuan13b gguf", run_schedule(ours, ref_backend, prompts, FULL_PREFILL), expected)
