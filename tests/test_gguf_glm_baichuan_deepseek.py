@@ -111,3 +111,12 @@ def test_baichuan_13b_gguf_runs_alibi(tmp_path, ref_backend, monkeypatch):
         # one prefill step: 40 layers of the reference ALiBi attention per decode step are slow (chunked ALiBi is
         # covered by tests/test_remote_layouts.py on the same model code)
         assert_logits_match("baichuan13b gguf", run_schedule(ours, ref_backend, prompts, FULL_PREFILL), expected)
+
+
+def test_glm4_gguf_tokenizer_is_refused_clearly(tmp_path):
+    """transformers cannot read a glm4 GGUF's tokenizer: the engine says so, naming the arch and the way out."""
+    from pagedllm.errors import UnsupportedModelError
+
+    path, _ = write_family_gguf("glm4", str(tmp_path), "F32")
+    with pytest.raises(UnsupportedModelError, match="'glm4'.*skip_tokenizer_init"):
+        LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
