@@ -20,6 +20,10 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+#: GGUF architectures whose converter permutes q/k rows (Llama, Mistral, Mixtral; Baichuan after splitting W_pack).
+PERMUTED_QK_ARCHS = ("llama", "baichuan")
+
+
 def add_model_header(w, c, ffn: int = None, kv_heads: int = None) -> None:
     """The hyper-parameters every tiny GGUF here carries, under llama.cpp's keys (norm epsilon and arch-specific
     keys are the caller's)."""
@@ -116,7 +120,8 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
     add_model_header(w, c)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    w.add_rope_dimension_count(head_dim)
+    rotary = (getattr(c, "rope_parameters", None) or {}).get("partial_rotary_factor") or 1.0
+    w.add_rope_dimension_count(int(head_dim * rotary))  # GLM-4: the rotary part of the head, as its converter
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
@@ -143,9 +148,9 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
             continue
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         data = t.numpy().astype(np.float32)
-        if arch == "llama" and gname.endswith("attn_q.weight"):
+        if arch in PERMUTED_QK_ARCHS and gname.endswith("attn_q.weight"):
             data = _permute(data, c.num_attention_heads)
-        elif arch == "llama" and gname.endswith("attn_k.weight"):
+        elif arch in PERMUTED_QK_ARCHS and gname.endswith("attn_k.weight"):
             data = _permute(data, c.num_key_value_heads)
         elif gname.endswith("ffn_gate_inp_shexp.weight"):
             data = data.reshape(-1)

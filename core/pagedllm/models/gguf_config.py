@@ -56,6 +56,15 @@ def load_gguf_config(path: str) -> Any:
 def load_gguf_tokenizer(path: str, config: Any) -> Any:
     """The tokenizer ``AutoTokenizer`` would build for this GGUF, without re-deriving its config first."""
     from transformers import TokenizersBackend
+
+    from pagedllm.errors import UnsupportedModelError
+    from pagedllm.models.gguf_archs import OWN_CONFIG_ARCHS, gguf_architecture
+
+    arch = gguf_architecture(path)
+    if arch in OWN_CONFIG_ARCHS:  # transformers' GGUF tokenizer loader refuses the arch before reading the vocab
+        raise UnsupportedModelError(f"model: the tokenizer of a GGUF file of architecture {arch!r} cannot be read "
+                                    "(transformers' GGUF loader does not know the arch); run it with "
+                                    "skip_tokenizer_init=True and token ids")
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
 
     name = TOKENIZER_MAPPING_NAMES.get(getattr(config, "model_type", None))

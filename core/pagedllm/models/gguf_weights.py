@@ -64,6 +64,10 @@ def read_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
 _EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
 
+#: GGUF architectures whose converter permutes q/k rows (HF rotate_half layout -> GGML's interleaved pairs).
+_PERMUTED_QK_ARCHS = ("llama", "baichuan")
+
+
 #: GGUF architectures whose converter writes RMSNorm weights as ``1 + w`` (Gemma's ``(1 + w)`` norm folded in).
 _ONE_PLUS_NORM_ARCHS = ("gemma", "gemma2", "gemma3")
 
@@ -105,7 +109,7 @@ class GGUFWeights:
     def _rows(self, gname: str, n: int) -> Optional[np.ndarray]:
         """The row order undoing llama.cpp's q/k permute (None: rows are already in HF order)."""
         kind = gname.split(".")[-2] if gname.startswith("blk.") else ""
-        if self.arch != "llama" or kind not in self._heads:
+        if self.arch not in _PERMUTED_QK_ARCHS or kind not in self._heads:
             return None
         h = self._heads[kind]
         return np.arange(n).reshape(h, n // h // 2, 2).swapaxes(2, 1).reshape(n)

@@ -39,8 +39,12 @@ def load_config(model_path: str) -> Any:
     from transformers import AutoConfig
 
     if is_gguf(model_path):
+        from pagedllm.models.gguf_archs import OWN_CONFIG_ARCHS, gguf_architecture, own_gguf_config
         from pagedllm.models.gguf_config import load_gguf_config
 
+        arch = gguf_architecture(model_path)
+        if arch in OWN_CONFIG_ARCHS:  # transformers' GGUF config mapping has no entry for these
+            return own_gguf_config(model_path, arch)
         config = load_gguf_config(model_path)
         kv = vars(config).get("num_key_value_heads", 1)
         if config.model_type == "falcon" and kv != 1:  # transformers' GGUF config can only say Falcon-7B's layout

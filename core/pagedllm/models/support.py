@@ -31,13 +31,14 @@ VERIFIED: dict[str, str] = {
     "BaichuanForCausalLM": "13B ALiBi layout: tests/test_remote_layouts.py (vs HF Llama, rotary removed, torch-ops "
                            "ALiBi attention); 7B mapping shared with the row above; NormHead unit-tested",
     "GlmForCausalLM": "tests/test_glm.py (transformers path: test_transformers_fallback.py)",
-    "Glm4ForCausalLM": "tests/test_glm.py",
+    "Glm4ForCausalLM": "tests/test_glm.py; GGUF: test_gguf_glm_baichuan_deepseek.py",
     "ChatGLMModel": "tests/test_glm.py (vs HF Glm on the same weights; every tensor name mapped)",
     "Olmo2ForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
 }
 # SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon, Phi-3, Gemma 2/3 Q8_0 (tests/test_gguf_families.py); Mistral,
-# Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/test_gguf_qwen_mistral.py)
+# Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/test_gguf_qwen_mistral.py); GLM-4, Baichuan F32 and Q8_0
+# (tests/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by models/gguf_archs.py)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tested)",
                 "MistralForCausalLM": "yes (tested; arch llama named mistral; GGUF has no sliding window: "
                                       "transformers' default 4096)",
@@ -47,7 +48,13 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tes
                                       "transformers)",
                 "Gemma2ForCausalLM": "yes (tested; GGUF has no soft-cap/query scalar: config defaults)",
                 "Gemma3ForCausalLM": "yes (tested; GGUF has no per-layer rope: config defaults)",
-                "FalconForCausalLM": "yes (tested; multi-query layout only, grouped KV refused)"}
+                "FalconForCausalLM": "yes (tested; multi-query layout only, grouped KV refused)",
+                "Glm4ForCausalLM": "yes (tested; arch glm4, config from its metadata by pagedllm; no tokenizer: "
+                                   "transformers cannot read a glm4 GGUF's)",
+                "BaiChuanForCausalLM": "yes (tested; arch baichuan, config from its metadata by pagedllm, run as "
+                                       "Llama; no tokenizer: transformers cannot read a baichuan GGUF's)",
+                "BaichuanForCausalLM": "yes (tested; arch baichuan: 40 layers run as 13B with ALiBi, as llama.cpp; "
+                                       "other depths as 7B; no tokenizer)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 
 
@@ -110,7 +117,7 @@ def rows() -> list[dict[str, Any]]:
                     "verified": VERIFIED.get(name, "-")})
     for name, what in REMOTE_LAYOUTS.items():
         out.append({"architecture": name, "path": "native, remote-code layout mapped by name", "features": what,
-                    "gguf": "no", "lora": "untested",
+                    "gguf": _GGUF_TESTED.get(name, "no"), "lora": "untested",
                     "verified": VERIFIED.get(name, "mapping shared with the row above; NormHead unit-tested")})
     for name in sorted(n for n in VERIFIED if n not in ARCHITECTURES and n not in REMOTE_LAYOUTS):
         model_type = name.removesuffix("ForCausalLM").lower()
