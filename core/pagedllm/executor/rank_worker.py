@@ -63,7 +63,8 @@ class RankWorker:
         device index: on an indexed device they move to this rank's first."""
         mbs = pickle.loads(payload)
         device = self.worker.device
-        self._sends.append(run_step(self.worker.model, self.par, mbs if device.type == "cpu" else to_device(mbs, device)))
+        mbs = mbs if device.type == "cpu" else to_device(mbs, device)
+        self._sends.append(run_step(self.worker.model, self.par, mbs))
         while len(self._sends) >= self.par.pp_size:
             self._sends.popleft()()
 
