@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from dist_utils import engine, make_dist_model, workload
 from pagedllm import SamplingParams
@@ -24,9 +25,11 @@ def setup(tmp_path_factory):
     path = make_dist_model("llama", tmp_path_factory.mktemp("pp_overlap"))
     prompts = workload(seed=11, num=16)  # more requests than one batch: max_num_seqs=8, 48-token budget
     want = tokens_of(engine(path), prompts)
+    threads = torch.get_num_threads()
     llm = engine(path, pp=2)
     yield path, prompts, want, llm
     llm.llm_engine.shutdown()
+    torch.set_num_threads(threads)  # later tests in this process compare against in-process arithmetic
 
 
 def tokens_of(llm, prompts, params=GREEDY) -> list[list[int]]:
