@@ -151,7 +151,7 @@ class Scheduler:
     def schedule(self, max_seqs: Optional[int] = None) -> SchedulerOutput:
         """The next step: at most ``max_seqs`` requests (the batch queue's share), skipping those in flight."""
         out = SchedulerOutput()
-        max_seqs = self.max_num_seqs if max_seqs is None else max_seqs
+        max_seqs = max_seqs if max_seqs is not None else 1 << 62  # (no share: max_num_seqs bounds running alone)
         budget = self.max_num_batched_tokens
         if self.policy == "priority":
             self.running.sort(key=self._rank)
