@@ -113,3 +113,39 @@ def row_split_engine(path: str, tp: int = 2) -> LLM:
 
 def max_abs_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def run_capturing_keyed_logits(llm: LLM, prompts: list[list[int]], max_tokens: int = 6):
+    """Like :func:`run_capturing_logits`, but every float32 logits row is keyed by (request, position) instead of
+    listed by step: a pipeline-parallel engine schedules its steps differently (batches in flight), yet each
+    request's logits at each position must be the same."""
+    worker = llm.llm_engine.worker
+    inner, rows = worker.finish_model, {}
+
+    def capture(pending):
+        step = pending.result()  # (idempotent: finish_model asks again)
+        for i, req in enumerate(step.requests):  # one sampled row per request (no speculation here)
+            rows[(req.request_id, req.num_tokens)] = step.logits[i].clone()
+        for req, first, plogits in step.prompt_logits:
+            for j in range(plogits.shape[0]):
+                rows[(req.request_id, "prompt", first + j)] = plogits[j].clone()
+        return inner(pending)
+
+    worker.finish_model = capture
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=1),
+                            use_tqdm=False)
+        outs += llm.generate([{"prompt_token_ids": p} for p in prefix_workload(prompts)],
+                             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    finally:
+        del worker.finish_model
+    assert llm.llm_engine.kv.num_used_blocks == 0, "KV blocks leaked"
+    return [o.outputs[0].token_ids for o in outs], rows
+
+
+def max_keyed_diff(got: dict, want: dict) -> tuple[float, float]:
+    """(largest |difference|, largest |logit|) over the same (request, position) keys."""
+    assert got.keys() == want.keys()
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    return worst, max(v.abs().max().item() for v in want.values())

@@ -1,16 +1,15 @@
-"""Pipeline parallel (2 stages x 1 thread): layers split across ranks, hidden states sent stage to stage, each step
-cut into micro-batches so the second stage works on one while the first runs the next. Oracle: the one-rank engine
-(same greedy tokens, same float32 logits)."""
+"""Pipeline parallel (2 stages x 1 thread): layers split across ranks, hidden states sent stage to stage, two steps
+of disjoint requests in flight so the second stage works on one while the first runs the next. Oracle: the one-rank
+engine (same greedy tokens, same float32 logits)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dist_utils import engine, make_dist_model, run_capturing_logits, workload
+from dist_utils import engine, make_dist_model, max_keyed_diff, run_capturing_keyed_logits, workload
 from pagedllm.attention import AttentionMetadata
 from pagedllm.distributed.sharding import pp_layer_range
-from pagedllm.executor import base as executor_base
 from pagedllm.executor.step import split_micro_batches
 
 
@@ -37,31 +36,22 @@ def test_layer_split_and_micro_batches():
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_pp2_tokens_and_logits_match_one_rank(tmp_path_factory, name, monkeypatch):
+def test_pp2_tokens_and_logits_match_one_rank(tmp_path_factory, name):
     path = make_dist_model(name, tmp_path_factory.mktemp(f"pp_{name}"))
     prompts = workload(seed=3)
-    want_tokens, want_logits = run_capturing_logits(engine(path), prompts)
-    splits: list[int] = []
-
-    def counting_split(*args):
-        mbs, order = split_micro_batches(*args)
-        splits.append(len(mbs))
-        return mbs, order
-
-    monkeypatch.setattr(executor_base, "split_micro_batches", counting_split)
+    want_tokens, want_logits = run_capturing_keyed_logits(engine(path), prompts)
     llm = engine(path, pp=2)
     try:
         model = llm.llm_engine.model
         assert (model.start_layer, model.end_layer, model.num_layers) == (0, 1, 1)  # rank 0 holds layer 0 only
         assert len(llm.llm_engine.kv_caches) == 1
-        tokens, logits = run_capturing_logits(llm, prompts)
+        tokens, logits = run_capturing_keyed_logits(llm, prompts)
+        ex = llm.llm_engine.executor
     finally:
         llm.llm_engine.shutdown()
     assert tokens == want_tokens
-    assert max(splits) == 2  # steps with several sequences ran as two micro-batches in flight
-    # Micro-batches are smaller matmuls than the one-rank step's, so float32 rounding differs in the last bits.
-    worst = max((a - b).abs().max().item() for a, b in zip(logits, want_logits, strict=True))
-    scale = max(b.abs().max().item() for b in want_logits)
-    print(f"{name}: max |logit PP=2 - PP=1| = {worst:.2e} (logits up to {scale:.1f}) over {len(logits)} steps, "
-          f"micro-batches {splits}")
+    assert ex.max_in_flight == 2  # two steps of disjoint requests in flight (tests/test_pipeline_overlap.py)
+    # Smaller batches are smaller matmuls than the one-rank step's, so float32 rounding differs in the last bits.
+    worst, scale = max_keyed_diff(logits, want_logits)
+    print(f"{name}: max |logit PP=2 - PP=1| = {worst:.2e} (logits up to {scale:.1f}) over {len(logits)} rows")
     assert worst <= 1e-5 * max(1.0, scale)

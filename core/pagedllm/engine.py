@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -16,12 +17,14 @@ from pagedllm.executor.base import make_executor
 from pagedllm.kv_manager import BlockPool, KVCacheManager
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models import load_config, load_tokenizer, resolve_model_path
+from pagedllm.model_runner import PendingStep, StepOutput
 from pagedllm.models.info import read_model_info
 from pagedllm.outputs import RequestOutput
 from pagedllm.output_processor import OutputProcessor, ParentRequest
 from pagedllm.request import Request, RequestStatus
+from pagedllm.sampler import SamplerOutput
 from pagedllm.sampling_params import ParamError, SamplingParams
-from pagedllm.scheduler import Scheduler
+from pagedllm.scheduler import Scheduler, SchedulerOutput
 from pagedllm.spec_decode.manager import build as build_spec_decoder
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.worker import Worker
@@ -107,6 +110,8 @@ class LLMEngine:
         self.stats = EngineStats(num_blocks=self.num_blocks)
         self._ids = itertools.count()
         self._warned_spaces = False
+        # Pipeline parallel: (step, submitted model step) in flight, newest first (``_step_with_batch_queue``)
+        self.batch_queue: deque[tuple[SchedulerOutput, PendingStep]] = deque()
         self.init_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.2fs: backend=%s dtype=%s block_size=%d blocks=%d max_model_len=%d graph=%s",
                     self.init_seconds, self.backend.name, config.dtype, config.block_size, self.num_blocks,
@@ -258,7 +263,7 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.batch_queue)  # (a batch of aborted requests drains)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
@@ -266,20 +271,58 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration; returns a (cumulative) RequestOutput for every request that advanced or finished."""
+        if self.executor is not None and (self.executor.max_concurrent_batches > 1 or self.batch_queue):
+            return self._step_with_batch_queue()
+        sched, outputs = self._schedule()
+        if sched is None:
+            return outputs
+        step, sampled = self.worker.execute_model(sched.scheduled)
+        return self._update(sched, step, sampled)
+
+    def _step_with_batch_queue(self) -> list[RequestOutput]:
+        """Pipeline parallel (vLLM's ``step_with_batch_queue``): keep up to ``max_concurrent_batches`` steps of
+        disjoint requests in flight. Submit a new batch while the queue has room (returning at once if it still
+        has), else complete the oldest: wait for its logits, sample, update. The first stage thus runs batch k + 1
+        while the later stages run batch k, and no stage waits for the driver's sampling."""
+        q, depth = self.batch_queue, self.executor.max_concurrent_batches
+        outputs: list[RequestOutput] = []
+        if len(q) < depth:
+            # An equal share of what is runnable per free slot, so the batches in flight are about the same size.
+            share = -(-self.scheduler.num_schedulable // (depth - len(q)))
+            sched, outputs = self._schedule(max(1, share), idle_wait=not q)
+            if sched is not None:
+                pending = self.worker.submit_model(sched.scheduled)
+                self.scheduler.in_flight.update(s.request.request_id for s in sched.scheduled)
+                q.appendleft((sched, pending))
+                if len(q) < depth and self.scheduler.num_schedulable:
+                    return outputs
+        if not q:
+            return outputs
+        sched, pending = q.pop()
+        try:
+            step, sampled = self.worker.finish_model(pending)
+        finally:
+            self.scheduler.in_flight.difference_update(s.request.request_id for s in sched.scheduled)
+        return outputs + self._update(sched, step, sampled)
+
+    def _schedule(self, max_seqs: Optional[int] = None,
+                  idle_wait: bool = True) -> tuple[Optional[SchedulerOutput], list[RequestOutput]]:
+        """Schedule the next step and run what precedes the model (swaps, drafts); returns it (None: nothing to
+        run) and the outputs of requests that finished without running."""
         failed = self._drop_failed_grammars()
         if self.spec is not None:
             self.spec.plan(self.scheduler.running)
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(max_seqs)
         if failed or not sched:
             outputs = [p.output() for p in failed]
             for p in failed:
                 self._retire(p)
             if outputs:
-                return outputs
+                return None, outputs
             pending = [r.structured for r in self.scheduler.waiting if r.structured is not None]
-            if pending:  # nothing runnable until a grammar compiles: sleep on it instead of spinning
+            if pending and idle_wait:  # nothing runnable until a grammar compiles: sleep on it instead of spinning
                 self.structured.wait(pending, timeout=0.05)
-            return []
+            return None, []
         for s in sched.scheduled:
             r = s.request
             prompt_left = r.num_prompt_tokens - s.num_computed_tokens
@@ -293,17 +336,25 @@ class LLMEngine:
             self.spec.propose(sched.scheduled)
         self._sample_slot_usage(sched)
         if not sched.scheduled:
-            return []
-        step, sampled = self.worker.execute_model(sched.scheduled)
+            return None, []
+        return sched, []
+
+    def _update(self, sched: SchedulerOutput, step: StepOutput,
+                sampled: Optional[SamplerOutput]) -> list[RequestOutput]:
+        """Apply a completed step: advance the requests, append and check their tokens, emit outputs. A request
+        aborted while its batch was in flight is skipped (its blocks were freed at the abort)."""
         generated = self.stats.generation_tokens
         self.stats.num_steps += 1
         self.scheduler.update(sched)
         for req, first, plogits in step.prompt_logits:
-            self.output_processor.record_prompt_logprobs(req, first, plogits)
+            if not req.is_finished:
+                self.output_processor.record_prompt_logprobs(req, first, plogits)
         touched: dict[str, ParentRequest] = {}
         if step.requests:
             now = time.time()
             for i, req in enumerate(step.requests):
+                if req.is_finished:
+                    continue
                 parent = self.requests[req.request_id][0]
                 # A speculative row emits its accepted drafts plus one token; stop conditions apply per token.
                 tokens = sampled.spec_token_ids[i] if sampled.spec_token_ids is not None else [sampled.token_ids[i]]

@@ -9,7 +9,7 @@ to the bucket width, ``query_start_loc`` repeats its last value. Kernels therefo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -52,6 +52,9 @@ class ModelRunner:
         self.sample = sample  # GraphRunner.sample: forward + logits + sampling in the backend's region
         self.lora = lora  # pagedllm.lora.slots.LoRAManager when LoRA is enabled
         self.keep_hidden = False  # return the target's hidden states (an EAGLE head drafts from them)
+        # A pipeline-parallel executor's non-blocking forward (executor/base.py): returns a callable that waits for
+        # the logits, so the engine can run the next batch's first stage meanwhile. None: ``forward_logits``.
+        self.submit_logits: Optional[Callable[..., Callable[[], Optional[torch.Tensor]]]] = None
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -118,9 +121,14 @@ class ModelRunner:
         per_token[: len(row)] = req_slot[row]
         return LoRAMapping.build(per_token, self.device)
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepOutput:
         """Run one step: float32 logits for the requests that sample, plus prompt-position logits where asked."""
+        return self.submit(scheduled).result()
+
+    @torch.inference_mode()
+    def submit(self, scheduled: list[ScheduledRequest]) -> "PendingStep":
+        """Start one step; ``result()`` of the returned object completes it (at once, unless ``submit_logits``
+        left the logits in flight)."""
         # Decodes first (stable); with LoRA, then by adapter slot, so an adapter's tokens are contiguous runs in
         # slot order (the LoRA op can then slice its slot stacks instead of gathering them).
         if self.lora is not None:
@@ -145,7 +153,7 @@ class ModelRunner:
             out.requests = reqs
             ids = tokens[:len(rows)].tolist()
             out.sampled = SamplerOutput(ids, [None] * len(ids), [0.0] * len(ids))
-            return out
+            return PendingStep(out)
         spans = list(prompt_logit_spans(batch, meta.query_start_loc_cpu))
         idx: list[int] = []
         if rows:
@@ -166,15 +174,11 @@ class ModelRunner:
             out.hidden_spans = [(s.request, s.num_computed_tokens, meta.query_start_loc_cpu[i], s.num_new_tokens,
                                  len(s.spec_token_ids)) for i, s in enumerate(batch)]
             logits = logits_of(self.model, hidden, idx)
+        elif self.submit_logits is not None:
+            return PendingStep(out, self.submit_logits(input_ids, positions, meta, idx), num_sampled, spans)
         else:
             logits = self.forward_logits(input_ids, positions, meta, idx)
-        if rows:
-            out.logits = logits[:num_sampled]
-        off = num_sampled
-        for r, lo, start, stop in spans:
-            out.prompt_logits.append((r, lo, logits[off:off + stop - start]))
-            off += stop - start
-        return out
+        return PendingStep(out, lambda: logits, num_sampled, spans)
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        idx: list[int]) -> Optional[torch.Tensor]:
@@ -189,6 +193,30 @@ def logits_of(model: Any, hidden: torch.Tensor, idx: list[int]) -> Optional[torc
         return None
     rows = torch.tensor(idx, dtype=torch.long, device=hidden.device)
     return model.compute_logits(hidden.index_select(0, rows)).float()
+
+
+@dataclass
+class PendingStep:
+    """A submitted step: ``result()`` waits for its logits (if still in flight) and hands them out by request."""
+
+    out: "StepOutput"
+    wait: Optional[Callable[[], Optional[torch.Tensor]]] = None  # None: ``out`` is complete
+    num_sampled: int = 0  # leading logits rows that are sampled; the prompt-logprob spans follow
+    spans: list = field(default_factory=list)
+
+    @torch.inference_mode()
+    def result(self) -> "StepOutput":
+        out = self.out
+        if self.wait is None:
+            return out
+        logits, self.wait = self.wait(), None
+        if out.requests:
+            out.logits = logits[:self.num_sampled]
+        off = self.num_sampled
+        for r, lo, start, stop in self.spans:
+            out.prompt_logits.append((r, lo, logits[off:off + stop - start]))
+            off += stop - start
+        return out
 
 
 @dataclass

@@ -66,6 +66,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.max_loras = max_loras  # distinct adapters running at once (0: LoRA off)
+        # Requests of batches still in flight (pipeline parallel: the engine's batch queue). They are not scheduled
+        # again, nor preempted, until their batch's output returns (vLLM: batches of disjoint requests).
+        self.in_flight: set[str] = set()
 
     # ---- queue -----------------------------------------------------------------------------------
     def _rank(self, req: Request) -> tuple:
@@ -82,6 +85,15 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_schedulable(self) -> int:
+        """Requests a step could take now: waiting ones and running ones not in flight."""
+        return len(self.waiting) + len(self.running) - len(self.in_flight.intersection(
+            r.request_id for r in self.running))
+
+    def _preemptible(self) -> list[Request]:
+        return [r for r in self.running if r.request_id not in self.in_flight]
 
     # ---- one step --------------------------------------------------------------------------------
     def _preempt(self, req: Request, out: SchedulerOutput, allow_swap: bool = True) -> None:
@@ -136,20 +148,25 @@ class Scheduler:
         out.scheduled.append(ScheduledRequest(req, n))
         return n
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: Optional[int] = None) -> SchedulerOutput:
+        """The next step: at most ``max_seqs`` requests (the batch queue's share), skipping those in flight."""
         out = SchedulerOutput()
+        max_seqs = max_seqs if max_seqs is not None else 1 << 62  # (no share: max_num_seqs bounds running alone)
         budget = self.max_num_batched_tokens
         if self.policy == "priority":
             self.running.sort(key=self._rank)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             req = self.running[i]
+            if req.request_id in self.in_flight:
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             # Speculation: a decoding request reserves its lookahead slots too (spec_decode plans num_lookahead).
             la = min(req.num_lookahead, budget - 1) if n == 1 and req.num_lookahead > 0 else 0
             n += la
             while not self.kv.allocate_slots(req, n):
-                victim = max(self.running, key=self._rank)
+                victim = max(self._preemptible(), key=self._rank)  # (req itself is one)
                 before = self.running.index(victim) < i
                 self._preempt(victim, out)
                 if victim is req:
@@ -167,7 +184,7 @@ class Scheduler:
             return out
         skipped: list[Request] = []  # waiting requests whose adapter has no free slot this step (vLLM's rule)
         loras = {r.lora_int_id for r in self.running} - {0}
-        while self.waiting and budget > 0:
+        while self.waiting and budget > 0 and len(out.scheduled) < max_seqs:
             req = next((r for r in self.waiting if r.structured is None or r.structured.ready), None)
             if req is None:
                 break  # every waiting request still waits for its grammar to compile
@@ -177,9 +194,9 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             n = self._admit(req, out, budget) if len(self.running) < self.max_num_seqs else 0
-            if n == 0 and self.policy == "priority" and self.running:
+            if n == 0 and self.policy == "priority" and self._preemptible():
                 # A more urgent request preempts the least urgent running one (recompute: no swap ordering issue).
-                victim = max(self.running, key=self._rank)
+                victim = max(self._preemptible(), key=self._rank)
                 if self._rank(victim) <= self._rank(req):
                     break
                 for k, s in enumerate(out.scheduled):

@@ -25,7 +25,7 @@ from pagedllm.hookspec import KVCacheSpec, ModelInfo, RunnerContext
 from pagedllm.kv_manager import KVCacheManager
 from pagedllm.kv_quant import kv_torch_dtype
 from pagedllm.lora.slots import LoRAManager
-from pagedllm.model_runner import ModelRunner, StepOutput
+from pagedllm.model_runner import ModelRunner, PendingStep, StepOutput
 from pagedllm.models import load_model
 from pagedllm.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import ParamError
@@ -275,7 +275,19 @@ class Worker:
     # ---- the step --------------------------------------------------------------------------------------------
     def execute_model(self, scheduled: list[ScheduledRequest]) -> tuple[StepOutput, Optional[SamplerOutput]]:
         """Run one scheduled step; returns the runner's output and the sampled tokens of the rows that sample."""
-        step = self.runner.execute(scheduled)
+        return self.finish_model(self.submit_model(scheduled))
+
+    def submit_model(self, scheduled: list[ScheduledRequest]) -> PendingStep:
+        """Start one step (a pipeline-parallel runner returns before the last stage is done: the engine's batch
+        queue); ``finish_model`` completes it."""
+        submit = getattr(self.runner, "submit", None)
+        if submit is None:  # a backend's own model runner: one step at a time
+            return PendingStep(self.runner.execute(scheduled))
+        return submit(scheduled)
+
+    def finish_model(self, pending: PendingStep) -> tuple[StepOutput, Optional[SamplerOutput]]:
+        """Wait for a submitted step's logits and sample them (grammar masks apply to the matchers' state now)."""
+        step = pending.result()
         sampled = None
         if step.sampled is not None:
             sampled = step.sampled

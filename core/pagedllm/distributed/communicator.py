@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,21 @@ class Communicator:
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
         """Receive a tensor of ``shape``/``dtype`` from rank ``src`` of this group."""
         raise NotImplementedError
+
+    def recv_async(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> Callable[[], torch.Tensor]:
+        """Post a receive and return at once; calling the result waits for the tensor. Lets the pipeline's driver
+        start its next batch while the last stage still works on this one. Default: receive now (no overlap)."""
+        t = self.recv(shape, dtype, src)
+        return lambda: t
+
+    def wait_sends(self) -> None:
+        """Wait for every send made so far (default: sends are synchronous, nothing to wait for)."""
+
+    def detach_sends(self) -> Callable[[], None]:
+        """The sends made so far, to be waited for later by calling the result (a stage need not wait for the next
+        stage to take its hidden states before it runs its next batch)."""
+        self.wait_sends()
+        return lambda: None
 
     def barrier(self) -> None:
         raise NotImplementedError
@@ -107,14 +122,27 @@ class TorchCommunicator(Communicator):
         self.send_works.append((dist.isend(t, self.ranks[dst], group=self.group), t))
 
     def wait_sends(self) -> None:
+        self.detach_sends()()
+
+    def detach_sends(self) -> Callable[[], None]:
         works, self.send_works = self.send_works, []
-        for w, _ in works:
-            self._wait(w, "send")
+
+        def wait() -> None:
+            for w, _ in works:
+                self._wait(w, "send")
+        return wait
 
     def recv(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> torch.Tensor:
+        return self.recv_async(shape, dtype, src)()
+
+    def recv_async(self, shape: Sequence[int], dtype: torch.dtype, src: int) -> Callable[[], torch.Tensor]:
         t = torch.empty(tuple(shape), dtype=dtype, device=self.device)
-        self._wait(dist.irecv(t, self.ranks[src], group=self.group), "recv")
-        return t
+        work = dist.irecv(t, self.ranks[src], group=self.group)
+
+        def wait() -> torch.Tensor:
+            self._wait(work, "recv")
+            return t
+        return wait
 
     def barrier(self) -> None:
         if self.world_size > 1:

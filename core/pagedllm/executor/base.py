@@ -11,7 +11,7 @@ import pickle
 import socket
 import time
 import weakref
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -51,6 +51,11 @@ class DistributedExecutor:
         self.config, self.model_path = config, model_path
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size
         self.num_steps = 0
+        # vLLM's Executor.max_concurrent_batches: steps the engine may keep in flight (one per pipeline stage);
+        # 1 turns the batch queue off (each step is then cut into micro-batches instead).
+        self.max_concurrent_batches = config.pipeline_parallel_size
+        self.num_in_flight = self.max_in_flight = 0  # steps submitted and not yet collected; the most at once
+        self.num_overlapped_submits = 0  # steps submitted while an earlier one was still in flight
         self._saved_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self._saved_threads = torch.get_num_threads()
         self._closed = False
@@ -83,38 +88,64 @@ class DistributedExecutor:
         return bind_rank(self.driver_cpus)
 
     def attach(self, runner: Any) -> None:
-        """Route the driver's model runner through every rank."""
+        """Route the driver's model runner through every rank (under pipeline parallelism without waiting for the
+        last stage: ``submit_logits``)."""
         runner.forward_logits = self.forward_logits
+        if self.par.pp_size > 1:
+            runner.submit_logits = self.submit_logits
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                        idx: list[int]) -> Optional[torch.Tensor]:
-        """One step on every rank: one broadcast of the prepared tensors, then this rank's part; the logits of rows
-        ``idx`` (float32, in ``idx`` order)."""
+        """One step on every rank; the logits of rows ``idx`` (float32, in ``idx`` order)."""
+        return self.submit_logits(input_ids, positions, meta, idx)()
+
+    def submit_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                      idx: list[int]) -> Callable[[], Optional[torch.Tensor]]:
+        """Start one step on every rank: one broadcast of the prepared tensors, then this rank's part. Returns at
+        once under pipeline parallelism (the later stages still run it); calling the result waits for the logits
+        of rows ``idx``. Steps must be waited for in the order they were submitted."""
         if self._closed:
             raise WorkerDiedError("the distributed engine was shut down")
         dead = self._dead_ranks()
         if dead:
             raise WorkerDiedError(f"distributed engine: {dead}")
-        mbs, order = split_micro_batches(input_ids, positions, meta, idx, self.config.pipeline_parallel_size)
+        # Several batches in flight already keep every stage busy; one at a time, cut it into micro-batches.
+        n = self.config.pipeline_parallel_size if self.max_concurrent_batches == 1 else 1
+        mbs, order = split_micro_batches(input_ids, positions, meta, idx, n)
         payload = pickle.dumps(mbs, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self._broadcast(payload)
-            logits = run_step(self.driver.worker.model, self.par, mbs)
-            self._after_step()
+            handle = self._broadcast(payload)
+            wait = run_step(self.driver.worker.model, self.par, mbs)
         except Exception as e:
+            raise self._failure(e) from e
+        self.num_in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
+        self.num_overlapped_submits += self.num_in_flight > 1
+
+        def result() -> Optional[torch.Tensor]:
+            try:
+                logits = wait()
+                self._after_step(handle)
+            except Exception as e:
+                raise self._failure(e) from e
+            finally:
+                self.num_in_flight -= 1
+            self.num_steps += 1
+            if logits is None or order == list(range(len(order))):
+                return logits
+            out = torch.empty_like(logits)
+            out[torch.tensor(order, dtype=torch.long)] = logits
+            return out
+        return result
+
+    def _failure(self, e: Exception) -> WorkerDiedError:
+        dead = self._dead_ranks()
+        deadline = time.monotonic() + self.failure_grace_s  # a reset connection can beat the exit status
+        while not dead and time.monotonic() < deadline:
+            time.sleep(0.05)
             dead = self._dead_ranks()
-            deadline = time.monotonic() + self.failure_grace_s  # a reset connection can beat the exit status
-            while not dead and time.monotonic() < deadline:
-                time.sleep(0.05)
-                dead = self._dead_ranks()
-            raise WorkerDiedError(f"distributed step failed: {dead or 'a rank stopped answering'} "
-                                  f"({type(e).__name__}: {e})") from e
-        self.num_steps += 1
-        if logits is None or order == list(range(len(order))):
-            return logits
-        out = torch.empty_like(logits)
-        out[torch.tensor(order, dtype=torch.long)] = logits
-        return out
+        return WorkerDiedError(f"distributed step failed: {dead or 'a rank stopped answering'} "
+                               f"({type(e).__name__}: {e})")
 
     def shutdown(self) -> None:
         """Stop every rank, leave the process group, give this process its CPUs and threads back."""
@@ -145,11 +176,12 @@ class DistributedExecutor:
     def _wait_ready(self) -> None:
         raise NotImplementedError
 
-    def _broadcast(self, payload: bytes) -> None:
+    def _broadcast(self, payload: bytes) -> Any:
+        """Send the step to ranks 1..N-1; returns what ``_after_step`` needs to wait for them."""
         raise NotImplementedError
 
-    def _after_step(self) -> None:
-        pass
+    def _after_step(self, handle: Any) -> None:
+        """Wait for the other ranks' part of a step (called when its logits are collected)."""
 
     def _dead_ranks(self) -> str:
         """A description of the ranks that died ('' if none)."""

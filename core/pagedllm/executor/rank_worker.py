@@ -8,7 +8,8 @@ import copy
 import dataclasses
 import logging
 import pickle
-from typing import Any, Optional
+from collections import deque
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -52,13 +53,20 @@ class RankWorker:
         logger.info("rank %d (tp %d, pp %d) on %s: %d torch threads%s, %d KV blocks", rank, self.par.tp_rank,
                     self.par.pp_rank, device, self.threads, f" on CPUs {sorted(cpus)}" if cpus else "",
                     self.worker.num_blocks)
+        # Sends of the last pp - 1 steps still travelling: a stage goes on to its next batch without waiting for the
+        # next stage to take this one's hidden states. The driver submits step k only after the last stage
+        # returned step k - pp, so every stage has by then received the sends of step k - pp and older.
+        self._sends: deque[Callable[[], None]] = deque()
 
     def execute(self, payload: bytes) -> None:
         """A non-driver rank's step (the driver's broadcast, pickled once). Unpickled tensors keep the driver's
         device index: on an indexed device they move to this rank's first."""
         mbs = pickle.loads(payload)
         device = self.worker.device
-        run_step(self.worker.model, self.par, mbs if device.type == "cpu" else to_device(mbs, device))
+        mbs = mbs if device.type == "cpu" else to_device(mbs, device)
+        self._sends.append(run_step(self.worker.model, self.par, mbs))
+        while len(self._sends) >= self.par.pp_size:
+            self._sends.popleft()()
 
     def node_id(self) -> str:
         """The Ray node this rank runs on (Ray executor), for placement checks."""

@@ -6,7 +6,8 @@ One placement group reserves a bundle of ``{"CPU": 1}`` (or ``{"GPU": 1}`` on a 
 strategy as vLLM's; the bundle on the driver's own node is rank 0's, the others' actors go to the remaining bundles,
 on whichever nodes Ray placed them. The engine joins the cluster ``RAY_ADDRESS`` names (``ray start --head`` ...), or
 starts a local one. A step is ``ray.put`` once and every actor gets the same object (one broadcast); the driver then
-waits for every actor's step to finish, so an actor's error or death surfaces in the step it happened in.
+waits for every actor's step to finish when it collects that step's logits, so an actor's error or death surfaces in
+the step it happened in (under pipeline parallelism up to ``pp`` steps are in flight, each with its own refs).
 """
 
 from __future__ import annotations
@@ -64,7 +65,6 @@ class RayExecutor(DistributedExecutor):
             self.pg, placement_group_bundle_index=b), max_concurrency=1).remote(
                 rank, self.config, self.model_path, init_method, None, 0)  # Ray makes its one device index 0
             for rank, b in enumerate(others, start=1)]
-        self.refs: list[Any] = []
         return init_method, None
 
     def _wait_ready(self) -> None:
@@ -76,12 +76,11 @@ class RayExecutor(DistributedExecutor):
         logger.info("ray executor: rank 0 on node %s, ranks 1..%d on nodes %s", self.driver_node[:8],
                     self.world_size - 1, [n[:8] for n in self.actor_nodes])
 
-    def _broadcast(self, payload: bytes) -> None:
+    def _broadcast(self, payload: bytes) -> list[Any]:
         ref = self._ray.put(payload)
-        self.refs = [a.execute.remote(ref) for a in self.actors]
+        return [a.execute.remote(ref) for a in self.actors]  # an actor runs its calls in order (max_concurrency=1)
 
-    def _after_step(self) -> None:
-        refs, self.refs = self.refs, []
+    def _after_step(self, refs: list[Any]) -> None:
         self._ray.get(refs, timeout=self.config.distributed_timeout_s)
 
     def _stop_ranks(self) -> None:

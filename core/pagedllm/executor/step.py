@@ -2,15 +2,17 @@
 
 The driver (rank 0) prepares the step's flat tensors once; the broadcast carries them — input ids, positions, the
 attention metadata (block tables, slot mapping) and the hidden rows whose logits are wanted — so the other ranks need
-no scheduler, KV manager or request state of their own. Under pipeline parallelism the step is cut into micro-batches
-of whole sequences; each stage runs one while the next stage runs the previous one (hidden states go stage to stage
-by asynchronous send), and the last stage sends the logits back to the driver.
+no scheduler, KV manager or request state of their own. Under pipeline parallelism hidden states go stage to stage
+by asynchronous send and the last stage sends the logits back to the driver, which does not wait for them inside the
+step: the engine keeps up to ``pp`` steps (batches of disjoint requests) in flight, so stage 1 runs batch k while the
+driver runs its stage of batch k + 1 (``engine.py``'s batch queue, vLLM's ``step_with_batch_queue``). With one batch
+in flight at a time the step is instead cut into ``pp`` micro-batches of whole sequences (overlap within the step).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -61,16 +63,19 @@ def split_micro_batches(input_ids: torch.Tensor, positions: torch.Tensor, meta: 
     return mbs, order
 
 
-def run_step(model: Any, par: Any, mbs: list[MicroBatch]) -> Optional[torch.Tensor]:
-    """This rank's part of one step; on the driver, the float32 logits of every micro-batch's ``idx`` rows in
-    micro-batch order (None where no row wants logits). Other ranks return None."""
+def run_step(model: Any, par: Any, mbs: list[MicroBatch]) -> Callable[[], Optional[torch.Tensor]]:
+    """Run this rank's part of one step now; returns what is left to wait for. On the driver that is the float32
+    logits of every micro-batch's ``idx`` rows in micro-batch order (None where no row wants logits): under pipeline
+    parallelism their receives from the last stage are only posted, so the driver can schedule and run its stage of
+    the next batch while the later stages finish this one. Every rank's asynchronous sends are waited for in it too;
+    other ranks' results return None."""
     driver = par.rank == 0
     if par.pp_size == 1:
         with torch.inference_mode():
             logits = logits_of(model, model(mbs[0].input_ids, mbs[0].positions, mbs[0].meta), mbs[0].idx)
-        return logits if driver else None
+        return lambda: logits if driver else None
     pp = par.pp_group
-    out: list[torch.Tensor] = []
+    recvs: list[Callable[[], torch.Tensor]] = []
     with torch.inference_mode():
         for mb in mbs:
             hidden_in = None
@@ -85,6 +90,12 @@ def run_step(model: Any, par: Any, mbs: list[MicroBatch]) -> Optional[torch.Tens
                     pp.send(logits, 0)
         if driver:
             vocab = model.vocab_size
-            out = [pp.recv((len(mb.idx), vocab), torch.float32, par.pp_size - 1) for mb in mbs if mb.idx]
-        pp.wait_sends()
-    return torch.cat(out) if out else None
+            recvs = [pp.recv_async((len(mb.idx), vocab), torch.float32, par.pp_size - 1) for mb in mbs if mb.idx]
+    sends = pp.detach_sends()
+
+    def wait() -> Optional[torch.Tensor]:
+        with torch.inference_mode():
+            out = [r() for r in recvs]
+            sends()
+            return torch.cat(out) if out else None
+    return wait
