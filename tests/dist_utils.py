@@ -43,6 +43,18 @@ def engine(path: str, tp: int = 1, pp: int = 1, **kw) -> LLM:
                tensor_parallel_size=tp, pipeline_parallel_size=pp, **kw)
 
 
+def _generate_workload(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list:
+    """Greedy ``prompts`` with prompt logprobs (every prompt position's logits), then prompts that hit the prefix
+    cache; no KV block may stay used."""
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=1),
+                        use_tqdm=False)
+    outs += llm.generate([{"prompt_token_ids": p} for p in prefix_workload(prompts)],
+                         SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    assert llm.llm_engine.kv.num_used_blocks == 0, "KV blocks leaked"
+    return outs
+
+
 def run_capturing_logits(llm: LLM, prompts: list[list[int]], max_tokens: int = 6):
     """Greedy outputs, and every step's float32 logits as the driver's runner received them."""
     runner = llm.llm_engine.worker.runner
@@ -55,15 +67,10 @@ def run_capturing_logits(llm: LLM, prompts: list[list[int]], max_tokens: int = 6
         return out
 
     runner.forward_logits = capture
-    try:  # with prompt logprobs (every prompt position's logits), then prompts that hit the prefix cache
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=1),
-                            use_tqdm=False)
-        outs += llm.generate([{"prompt_token_ids": p} for p in prefix_workload(prompts)],
-                             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    try:
+        outs = _generate_workload(llm, prompts, max_tokens)
     finally:
         runner.forward_logits = inner
-    assert llm.llm_engine.kv.num_used_blocks == 0, "KV blocks leaked"
     return [o.outputs[0].token_ids for o in outs], logits
 
 
@@ -133,14 +140,9 @@ def run_capturing_keyed_logits(llm: LLM, prompts: list[list[int]], max_tokens: i
 
     worker.finish_model = capture
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=1),
-                            use_tqdm=False)
-        outs += llm.generate([{"prompt_token_ids": p} for p in prefix_workload(prompts)],
-                             SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        outs = _generate_workload(llm, prompts, max_tokens)
     finally:
         del worker.finish_model
-    assert llm.llm_engine.kv.num_used_blocks == 0, "KV blocks leaked"
     return [o.outputs[0].token_ids for o in outs], rows
 
 

@@ -160,3 +160,19 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
         else:
             w.add_tensor(gname, data)
     return finish(w, path)
+
+
+def gguf_with_oracle(hf_dir: str, out_dir: str, family: str, arch: str, qtype: str) -> tuple[str, str]:
+    """(GGUF of ``hf_dir`` in ``qtype``, HF folder with the weights the GGUF holds: ``hf_dir`` itself for F32, else
+    gguf's own quantize/dequantize round trip of it)."""
+    oracle = os.path.join(out_dir, "dequantized") if qtype != "F32" else None
+    path = write_hf_as_gguf(hf_dir, os.path.join(out_dir, f"tiny-{family}-{qtype}.gguf"), arch, qtype, name=family,
+                            dequantized_dir=oracle)
+    return path, oracle or hf_dir
+
+
+def hf_eager(folder: str):
+    """HF transformers' float32 model of ``folder`` with eager attention: the logits oracle."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()

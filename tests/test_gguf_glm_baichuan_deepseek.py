@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_oracle
-from gguf_utils import write_hf_as_gguf
+from gguf_utils import gguf_with_oracle, hf_eager, write_hf_as_gguf
 from model_parity import NEW_TOKENS, mixed_batch
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_config, load_model
@@ -38,21 +38,14 @@ def write_family_gguf(family: str, out_dir: str, qtype: str) -> tuple[str, str]:
         make_fallback_model("glm4", hf_dir, **GLM4_GGUF)
     else:  # Baichuan: multi-head attention (W_pack holds as many k/v heads as q heads)
         make_tiny_model("llama", hf_dir, num_key_value_heads=4)
-    oracle = os.path.join(out_dir, "dequantized") if qtype != "F32" else None
-    path = write_hf_as_gguf(hf_dir, os.path.join(out_dir, f"tiny-{family}-{qtype}.gguf"), ARCH[family][0], qtype,
-                            name=family, dequantized_dir=oracle)
-    return path, oracle or hf_dir
-
-
-def _hf(folder: str):
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    return gguf_with_oracle(hf_dir, out_dir, family, ARCH[family][0], qtype)
 
 
 @pytest.mark.parametrize("family,qtype", [("glm4", "F32"), ("glm4", "Q8_0"), ("baichuan", "F32"),
                                           ("baichuan", "Q8_0")])
 def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
     path, oracle = write_family_gguf(family, str(tmp_path), qtype)
-    hf = _hf(oracle)
+    hf = hf_eager(oracle)
     config = load_config(path)
     assert (config.model_type, config.architectures) == (ARCH[family][1], [ARCH[family][2]])
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -76,7 +69,7 @@ def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
 def test_gguf_engine_greedy_matches_hf(tmp_path, family):
     """Through the engine: chunked prefill (16-token budget), prefix caching, a mixed batch of 8 (lengths 1-37)."""
     path, oracle = write_family_gguf(family, str(tmp_path), "Q8_0")
-    hf = _hf(oracle)
+    hf = hf_eager(oracle)
     llm = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=128,
               kv_cache_memory=16 << 20, max_num_batched_tokens=16, enable_prefix_caching=True)
     wave = mixed_batch(hf.config.vocab_size)[0]

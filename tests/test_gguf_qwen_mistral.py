@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_oracle
-from gguf_utils import write_hf_as_gguf
+from gguf_utils import gguf_with_oracle, hf_eager
 from model_parity import NEW_TOKENS, mixed_batch
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_config, load_model
@@ -48,14 +48,7 @@ def write_family_gguf(family: str, out_dir: str, qtype: str) -> tuple[str, str]:
         make_fallback_model(family, hf_dir, **(QWEN2_MOE_GGUF if family == "qwen2_moe" else MIXTRAL_GGUF))
     else:
         make_tiny_model(family, hf_dir, **({"sliding_window": None} if family == "mistral" else {}))
-    oracle = os.path.join(out_dir, "dequantized") if qtype != "F32" else None
-    path = write_hf_as_gguf(hf_dir, os.path.join(out_dir, f"tiny-{family}-{qtype}.gguf"), ARCH[family][0], qtype,
-                            name=family, dequantized_dir=oracle)
-    return path, oracle or hf_dir
-
-
-def _hf(folder: str):
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    return gguf_with_oracle(hf_dir, out_dir, family, ARCH[family][0], qtype)
 
 
 @pytest.mark.parametrize("family,qtype", [("mistral", "F32"), ("qwen2", "F32"), ("qwen3", "F32"),
@@ -69,7 +62,7 @@ def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
     if family == "mixtral":  # transformers alone derives a dense Llama config; the expert tensors complete it
         assert load_gguf_config(path).model_type == "llama"
         assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (5, 2, 96)
-    hf = _hf(oracle)
+    hf = hf_eager(oracle)
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     prompts = _prompts(hf.config.vocab_size)
     with torch.inference_mode():
@@ -88,7 +81,7 @@ def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
 def test_gguf_engine_greedy_matches_hf(tmp_path, family):
     """Through the engine: chunked prefill (16-token budget), prefix caching, a mixed batch of 8 (lengths 1-37)."""
     path, oracle = write_family_gguf(family, str(tmp_path), "Q8_0")
-    hf = _hf(oracle)
+    hf = hf_eager(oracle)
     llm = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=128,
               kv_cache_memory=16 << 20, max_num_batched_tokens=16, enable_prefix_caching=True)
     wave = mixed_batch(hf.config.vocab_size)[0]
