@@ -141,6 +141,9 @@ def test_dp_expert_parallel_many_short_waves(moe_models):
         for i in range(40):
             tasks.append(asyncio.ensure_future(one(i, rng.randrange(2))))
             await asyncio.sleep(rng.choice([0, 0, 0.005, 0.02, 0.05]))
+            if i % 5 == 4:  # 8 bursts: each finishes and the group goes idle, however slow the machine is
+                await asyncio.wait_for(asyncio.gather(*tasks), 120)
+                await asyncio.sleep(0.3)
         done = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         for _ in range(200):
             a, b = (r.stats() for r in dp.replicas)

@@ -94,7 +94,9 @@ def _load() -> None:
 
 
 def start_build() -> None:
-    """Load the kernel from the cache, or build it, in a background thread (once per process; no-op when off)."""
+    """Load the kernel from the cache now (milliseconds), or build it in a background thread (once per process;
+    no-op when off). Loading a cached build synchronously keeps every step of a process on one path: decodes of
+    processes that compare logits (TP ranks, DP replicas, a reference engine) must not switch mid-run."""
     global _thread
     if not enabled():
         return
@@ -102,6 +104,8 @@ def start_build() -> None:
         if _thread is None:
             _thread = threading.Thread(target=_load, name="pagedllm-cpu-kernel-build", daemon=True)
             _thread.start()
+            if library_path().is_file():
+                _thread.join()
 
 
 def get(wait: bool = False, timeout: Optional[float] = None) -> Optional[Callable]:
