@@ -176,3 +176,20 @@ def hf_eager(folder: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def assert_engine_greedy_matches_hf(path: str, oracle: str) -> None:
+    """The GGUF at ``path`` through the engine (chunked prefill with a 16-token budget, prefix caching, a mixed
+    batch of 8 prompts of lengths 1-37): greedy tokens equal HF's on ``oracle``."""
+    import hf_oracle
+    from model_parity import NEW_TOKENS, mixed_batch
+    from pagedllm import LLM, SamplingParams
+
+    hf = hf_eager(oracle)
+    llm = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+              kv_cache_memory=16 << 20, max_num_batched_tokens=16, enable_prefix_caching=True)
+    wave = mixed_batch(hf.config.vocab_size)[0]
+    outs = llm.generate([{"prompt_token_ids": p} for p in wave],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(wave, outs):
+        assert list(o.outputs[0].token_ids) == hf_oracle.hf_greedy(hf, p, NEW_TOKENS)

@@ -21,10 +21,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import hf_oracle
-from gguf_utils import gguf_with_oracle, hf_eager
-from model_parity import NEW_TOKENS, mixed_batch
-from pagedllm import LLM, SamplingParams
+from gguf_utils import assert_engine_greedy_matches_hf, gguf_with_oracle, hf_eager
 from pagedllm.models import load_config, load_model
 from pagedllm.models.gguf_config import load_gguf_config
 from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
@@ -81,14 +78,7 @@ def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
 def test_gguf_engine_greedy_matches_hf(tmp_path, family):
     """Through the engine: chunked prefill (16-token budget), prefix caching, a mixed batch of 8 (lengths 1-37)."""
     path, oracle = write_family_gguf(family, str(tmp_path), "Q8_0")
-    hf = hf_eager(oracle)
-    llm = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=128,
-              kv_cache_memory=16 << 20, max_num_batched_tokens=16, enable_prefix_caching=True)
-    wave = mixed_batch(hf.config.vocab_size)[0]
-    outs = llm.generate([{"prompt_token_ids": p} for p in wave],
-                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(wave, outs):
-        assert list(o.outputs[0].token_ids) == hf_oracle.hf_greedy(hf, p, NEW_TOKENS)
+    assert_engine_greedy_matches_hf(path, oracle)
 
 
 def test_mixtral_gguf_without_expert_used_count_is_refused(tmp_path, monkeypatch):
