@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.spec_decode.throttle import EXPLORE_CLOSE, EXPLORE_FAR, WARMUP, BatchThrottle
+from pagedllm.spec_decode.throttle import EXPLORE_CLOSE, EXPLORE_FAR, EXPLORE_FIRST, WARMUP, BatchThrottle
 from eagle_utils import make_bigram_llama
 
 BASE = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=512)
@@ -23,25 +23,54 @@ def _drive(t: BatchThrottle, batch: int, steps: int, on_cost: float, on_tokens: 
     return out
 
 
+def _probes(cap: int, steps: int) -> list[int]:
+    """Step indices (after both warm-ups) of the probes of a side that keeps losing: gaps 8, 16, ... up to ``cap``."""
+    out, at, gap = [], 0, EXPLORE_FIRST
+    while at + min(gap, cap) <= steps:
+        at += min(gap, cap)
+        out.append(at - 1)
+        gap = 2 * min(gap, cap)
+    return out
+
+
 def test_throttle_follows_the_measured_rates_per_bucket():
     t = BatchThrottle()
-    # Batch 1: speculation emits 3 tokens for 1.2 s -> 2.5x the plain rate: on, with an off probe every EXPLORE_FAR.
-    d = _drive(t, 1, 2 * WARMUP + 2 * EXPLORE_FAR, on_cost=1.2, on_tokens=3)
+    # Batch 1: speculation emits 3 tokens for 1.2 s -> 2.5x the plain rate: on, with off probes after 8, 16, 32, 64
+    # steps and then every EXPLORE_FAR.
+    n = 2 * EXPLORE_FAR
+    d = _drive(t, 1, 2 * WARMUP + n, on_cost=1.2, on_tokens=3)
     assert d[:WARMUP] == [True] * WARMUP and d[WARMUP:2 * WARMUP] == [False] * WARMUP
-    assert d[2 * WARMUP:].count(False) == 2
-    # Batch 64 (another bucket): 80 tokens for 1.5 s loses to 64 tokens in 1 s: off, probing on every
-    # EXPLORE_CLOSE while the rates are within 10% of each other... here they are not (53 vs 64 tok/s): EXPLORE_FAR.
-    d = _drive(t, 64, 2 * WARMUP + 2 * EXPLORE_FAR, on_cost=1.5, on_tokens=80)
-    assert d[2 * WARMUP:].count(True) == 2
-    # A near tie (62 vs 64 tok/s): probes every EXPLORE_CLOSE steps.
-    d = _drive(t, 16, 2 * WARMUP + 4 * EXPLORE_CLOSE, on_cost=1.0, on_tokens=15)  # bucket of 16: plain 16 tok/s
-    assert d[2 * WARMUP:].count(True) == 4
+    assert [i for i, on in enumerate(d[2 * WARMUP:]) if not on] == _probes(EXPLORE_FAR, n) == [7, 23, 55, 119, 247]
+    # Batch 64 (another bucket): 80 tokens for 1.5 s loses to 64 tokens in 1 s (53 vs 64 tok/s): off, same probes.
+    d = _drive(t, 64, 2 * WARMUP + n, on_cost=1.5, on_tokens=80)
+    assert [i for i, on in enumerate(d[2 * WARMUP:]) if on] == _probes(EXPLORE_FAR, n)
+    # A near tie (15 vs 16 tok/s in the bucket of 16): the gap stops growing at EXPLORE_CLOSE.
+    n = 4 * EXPLORE_CLOSE
+    d = _drive(t, 16, 2 * WARMUP + n, on_cost=1.0, on_tokens=15)
+    assert [i for i, on in enumerate(d[2 * WARMUP:]) if on] == _probes(EXPLORE_CLOSE, n) == [7, 23, 55, 87, 119]
     assert set(t.rates()) == {1, 5, 7}
     # Steps with prefill work are not compared; the decision of a dropped step leaves the estimates alone.
     before = t.rates()
     t.allow(1)
     t.observe(100, 0.01, decode_only=False)
     assert t.rates() == before
+
+
+def test_throttle_is_robust_to_stalls_and_follows_a_workload_change():
+    """One step stalled 50x (the OS, a garbage collection) does not flip the decision; when the losing side starts to
+    win (text that begins to repeat, so n-gram drafts are accepted), a probe that beats the leader is repeated at
+    once and the side takes over within a few steps."""
+    t = BatchThrottle()
+    _drive(t, 1, 2 * WARMUP, on_cost=1.25, on_tokens=1)  # warm-up: nothing to draft yet, proposing costs 25%
+    assert t.allow(1) is False
+    t.observe(1, 50.0, decode_only=True)  # a stalled plain step
+    assert t.rates()[1] == (0.8, 1.0)
+    d = _drive(t, 1, 2 * EXPLORE_FIRST + 6, on_cost=1.1, on_tokens=5)  # drafts now land: 4.5x the plain rate
+    # Speculation is probed EXPLORE_FIRST steps after the warm-up (the stalled step was the first of them), re-probed
+    # while it wins (4 probes: then half of its window of 8 is new and its median leads), and from then on leads,
+    # with the plain side probed EXPLORE_FIRST steps later.
+    first = d.index(True)
+    assert first == EXPLORE_FIRST - 2 and d[first:] == [True] * (4 + EXPLORE_FIRST - 1) + [False] + [True] * 4
 
 
 def test_measured_throttle_keeps_paying_speculation_on(tmp_path):
