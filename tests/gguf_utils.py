@@ -99,14 +99,136 @@ def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _deepseek2_header(w, c, split_kv_b: bool) -> None:
+    """As llama.cpp's ``DeepseekV2Model.set_gguf_parameters`` on top of ``TextModel``'s. ``split_kv_b``: a converter
+    that splits ``kv_b_proj`` (MLA as one-KV-head MQA over the latent, per-head sizes under ``*_mla``, expert groups
+    and gating function written); else an older one (per-head sizes as key/value length, none of those keys)."""
+    import gguf
+
+    add_model_header(w, c, kv_heads=1 if split_kv_b else c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    if c.q_lora_rank is not None:
+        w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    qk_head_dim = c.qk_nope_head_dim + c.qk_rope_head_dim
+    if split_kv_b:
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(qk_head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if c.model_type == "deepseek_v3"
+                                 else gguf.ExpertGatingFuncType.SOFTMAX)
+    else:
+        w.add_key_length(qk_head_dim)
+        w.add_value_length(c.v_head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    if c.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+
+def _chatglm_header(w, c) -> None:
+    """As llama.cpp's ``ChatGLMModel.set_gguf_parameters``: no head size, the rotary part as half of
+    ``hidden / heads``, rope base ``10000 * rope_ratio``."""
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads // 2)
+    w.add_add_bos_token(False)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+
+
+def _as_chatglm(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A HF Glm state dict under ChatGLM2/3's names (``transformer.`` dropped, as llama.cpp's converter does):
+    q/k/v (and biases) fused into ``query_key_value``, ``gate_up_proj`` as ``dense_h_to_4h``."""
+    import re
+
+    out = {"embedding.word_embeddings.weight": hf.pop("model.embed_tokens.weight"),
+           "encoder.final_layernorm.weight": hf.pop("model.norm.weight"),
+           "output_layer.weight": hf.pop("lm_head.weight")}
+    layers = {int(m[1]) for n in hf if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    for i in sorted(layers):
+        p, q = f"model.layers.{i}.", f"encoder.layers.{i}."
+        for leaf in ("weight", "bias"):
+            out[f"{q}self_attention.query_key_value.{leaf}"] = torch.cat(
+                [hf.pop(f"{p}self_attn.{x}_proj.{leaf}") for x in "qkv"])
+        out[f"{q}self_attention.dense.weight"] = hf.pop(f"{p}self_attn.o_proj.weight")
+        out[f"{q}mlp.dense_h_to_4h.weight"] = hf.pop(f"{p}mlp.gate_up_proj.weight")
+        out[f"{q}mlp.dense_4h_to_h.weight"] = hf.pop(f"{p}mlp.down_proj.weight")
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{q}{norm}.weight"] = hf.pop(f"{p}{norm}.weight")
+    assert not hf, f"ChatGLM re-lay missed {sorted(hf)}"
+    return out
+
+
+def _split_kv_b(name: str, t: torch.Tensor, c) -> list[tuple[str, torch.Tensor]]:
+    """llama.cpp's DeepseekV2Model: ``kv_b_proj`` -> ``k_b_proj`` (per head, transposed: ``[heads, kv_lora, nope]``)
+    and ``v_b_proj`` (``[heads, v, kv_lora]``)."""
+    kv_b = t.view(c.num_key_value_heads, c.qk_nope_head_dim + c.v_head_dim, t.shape[-1])
+    k_b, v_b = torch.split(kv_b, [c.qk_nope_head_dim, c.v_head_dim], dim=1)
+    return [(name.replace("kv_b_proj", "k_b_proj"), k_b.transpose(1, 2)), (name.replace("kv_b_proj", "v_b_proj"), v_b)]
+
+
+def add_bpe_vocab(w, tokenizer_dir: str, pre: str, vocab_size: int) -> None:
+    """A HF BPE tokenizer as llama.cpp's converter writes it (``TextModel._set_vocab_gpt2`` / ``get_vocab_base``):
+    every id's token (``[PAD<i>]`` past the tokenizer), added tokens CONTROL when special else USER_DEFINED, merges
+    and special ids by gguf-py's ``SpecialVocab``; ``pre`` is what the converter's pre-tokenizer hash names."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    reverse = {i: t for t, i in tok.get_vocab().items()}
+    added, decoder = tok.get_added_vocab(), tok.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        tokens.append(reverse[i])
+        types.append(gguf.TokenType.NORMAL if reverse[i] not in added else
+                     gguf.TokenType.CONTROL if decoder[i].special else gguf.TokenType.USER_DEFINED)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    gguf.SpecialVocab(tokenizer_dir, load_merges=True).add_to_gguf(w)
+
+
 def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name: str = "tiny",
-                     dequantized_dir: str | None = None) -> str:
+                     dequantized_dir: str | None = None, split_kv_b: bool = True,
+                     tokenizer: tuple[str, str] | None = None) -> str:
     """The safetensors checkpoint in ``hf_dir`` as llama.cpp's converter lays it out in ``path``: metadata under
     ``arch``'s keys, q/k rows permuted for arch "llama" (Llama, Mistral), MoE experts stacked, the shared-expert gate
-    as ``[hidden]``, a tied head left out. 2-D weights whose rows split into ``qtype`` blocks are quantized (reference
-    quantizers of ``gguf.quants``), the rest F32. ``name`` is ``general.name`` (transformers reads a "llama" file
-    named "mistral" as Mistral). ``dequantized_dir``: also save the HF checkpoint with each quantized weight replaced
-    by its dequantized blocks (the oracle's weights; row permutes and stacking commute with row-block quantization)."""
+    as ``[hidden]``, a tied head left out; "chatglm" from a HF Glm checkpoint re-laid as ChatGLM2/3; "deepseek2" with
+    ``kv_b_proj`` split into ``attn_k_b`` / ``attn_v_b`` (``split_kv_b``, newer converters) or kept as ``attn_kv_b``.
+    Weights of 2+ dims whose rows split into ``qtype`` blocks are quantized (reference quantizers of
+    ``gguf.quants``), the rest F32. ``name`` is ``general.name`` (transformers reads a "llama" file named "mistral"
+    as Mistral). ``dequantized_dir``: also save the HF checkpoint with the weights the GGUF holds, dequantized (the
+    oracle's; row permutes, fusing and stacking commute with row-block quantization, a split ``kv_b_proj`` is
+    rebuilt from its dequantized parts). ``tokenizer``: (HF tokenizer folder, pre-tokenizer name) written by
+    ``add_bpe_vocab``."""
     import shutil
 
     import gguf
@@ -117,35 +239,43 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
     c = AutoConfig.from_pretrained(hf_dir)
     w = gguf.GGUFWriter(path, arch)
     w.add_name(name)
-    add_model_header(w, c)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    rotary = (getattr(c, "rope_parameters", None) or {}).get("partial_rotary_factor") or 1.0
-    w.add_rope_dimension_count(int(head_dim * rotary))  # GLM-4: the rotary part of the head, as its converter
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
-    if experts:  # as convert_hf_to_gguf writes Mixtral (LlamaModel) and Qwen2-MoE (Qwen2MoeModel)
-        w.add_expert_count(experts)
-        w.add_expert_used_count(c.num_experts_per_tok)
-    if getattr(c, "moe_intermediate_size", None):
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    if arch == "deepseek2":
+        _deepseek2_header(w, c, split_kv_b)
+    elif arch == "chatglm":
+        _chatglm_header(w, c)
+    else:
+        add_model_header(w, c)
+        w.add_layer_norm_rms_eps(c.rms_norm_eps)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        rotary = (getattr(c, "rope_parameters", None) or {}).get("partial_rotary_factor") or 1.0
+        w.add_rope_dimension_count(int(head_dim * rotary))  # GLM-4: the rotary part of the head, as its converter
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+        if experts:  # as convert_hf_to_gguf writes Mixtral (LlamaModel) and Qwen2-MoE (Qwen2MoeModel)
+            w.add_expert_count(experts)
+            w.add_expert_used_count(c.num_experts_per_tok)
+        if getattr(c, "moe_intermediate_size", None):
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     qt = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[qt][0]
+    round_trip = lambda t: torch.from_numpy(dequantize(quantize(t.numpy(), qt), qt).copy())  # noqa: E731
     hf = load_file(os.path.join(hf_dir, "model.safetensors"))
-    quantized = {n for n, t in hf.items() if qtype != "F32" and t.ndim == 2 and "embed_tokens" not in n
-                 and not n.endswith("shared_expert_gate.weight") and t.shape[-1] % block == 0}
-    if dequantized_dir is not None:
-        shutil.copytree(hf_dir, dequantized_dir)
-        save_file({n: torch.from_numpy(dequantize(quantize(t.numpy(), qt), qt).copy()) if n in quantized else t
-                   for n, t in hf.items()}, os.path.join(dequantized_dir, "model.safetensors"))
-    arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
-    names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
-    stacked = _stack_experts(hf)
-    for hf_name, t in stacked.items():
+    tensors: list[tuple[str, torch.Tensor]] = []  # (HF-style name gguf-py maps, tensor) in the converter's layout
+    for hf_name, t in (_as_chatglm(dict(hf)) if arch == "chatglm" else _stack_experts(hf)).items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
+        if hf_name.endswith("e_score_correction_bias"):  # the converter's rename, mapped to exp_probs_b.bias
+            hf_name = hf_name.removesuffix("_bias") + ".bias"
+        tensors += _split_kv_b(hf_name, t, c) if split_kv_b and hf_name.endswith("kv_b_proj.weight") else \
+            [(hf_name, t)]
+    quantized = lambda gname, t: (qtype != "F32" and t.ndim >= 2 and gname != "token_embd.weight"  # noqa: E731
+                                  and t.shape[-1] % block == 0)
+    arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
+    names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
+    held: dict[str, torch.Tensor] = {}  # the split kv_b parts as the file holds them, dequantized
+    for hf_name, t in tensors:
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         data = t.numpy().astype(np.float32)
         if arch in PERMUTED_QK_ARCHS and gname.endswith("attn_q.weight"):
@@ -154,20 +284,34 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
             data = _permute(data, c.num_key_value_heads)
         elif gname.endswith("ffn_gate_inp_shexp.weight"):
             data = data.reshape(-1)
-        if hf_name in quantized or (".experts." in hf_name and qtype != "F32"
-                                    and data.shape[-1] % block == 0):  # stacked experts
+        if quantized(gname, data):
             w.add_tensor(gname, quantize(data, qt), raw_dtype=qt)
         else:
             w.add_tensor(gname, data)
+        if gname.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+            held[hf_name] = round_trip(t.contiguous()) if quantized(gname, data) else t
+    if dequantized_dir is not None:
+        shutil.copytree(hf_dir, dequantized_dir)
+        oracle = {}
+        for n, t in hf.items():  # quantization runs along rows, so each HF tensor round-trips on its own
+            oracle[n] = round_trip(t) if (quantized("", t) and "embed_tokens" not in n and t.ndim == 2
+                                          and not n.endswith("shared_expert_gate.weight")) else t
+            if split_kv_b and n.endswith("kv_b_proj.weight"):
+                k_b, v_b = held[n.replace("kv_b_proj", "k_b_proj")], held[n.replace("kv_b_proj", "v_b_proj")]
+                oracle[n] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(t.shape).contiguous()
+        save_file(oracle, os.path.join(dequantized_dir, "model.safetensors"))
+    if tokenizer is not None:
+        add_bpe_vocab(w, *tokenizer, vocab_size=c.vocab_size)
     return finish(w, path)
 
 
-def gguf_with_oracle(hf_dir: str, out_dir: str, family: str, arch: str, qtype: str) -> tuple[str, str]:
+def gguf_with_oracle(hf_dir: str, out_dir: str, family: str, arch: str, qtype: str,
+                     **kwargs) -> tuple[str, str]:
     """(GGUF of ``hf_dir`` in ``qtype``, HF folder with the weights the GGUF holds: ``hf_dir`` itself for F32, else
-    gguf's own quantize/dequantize round trip of it)."""
+    gguf's own quantize/dequantize round trip of it). ``kwargs``: of ``write_hf_as_gguf``."""
     oracle = os.path.join(out_dir, "dequantized") if qtype != "F32" else None
     path = write_hf_as_gguf(hf_dir, os.path.join(out_dir, f"tiny-{family}-{qtype}.gguf"), arch, qtype, name=family,
-                            dequantized_dir=oracle)
+                            dequantized_dir=oracle, **kwargs)
     return path, oracle or hf_dir
 
 

@@ -3,8 +3,9 @@
 
 Falcon: transformers' GGUF config keeps only what Falcon-7B's layout needs (multi-query, parallel attention,
 ffn = 4 x hidden); a GGUF with several KV heads (Falcon-40B/180B, reordered q/k/v in llama.cpp's converter) is
-refused by name rather than read wrongly. DeepSeek-V2/V3 (``deepseek2``) and GLM-4 (``glm4``): transformers has no
-GGUF config for them, so they are refused (``docs/models.md``'s GGUF column says so). Gemma 2 / Gemma 3: RMSNorm
+refused by name rather than read wrongly. DeepSeek-V2/V3 (``deepseek2``), GLM-4, ChatGLM and Baichuan: transformers has
+no GGUF config for them; pagedllm builds it from the metadata (tests/test_gguf_glm_baichuan_deepseek.py). Gemma 2 /
+Gemma 3: RMSNorm
 weights stored as ``1 + w`` by llama.cpp's converter, undone at load as transformers does."""
 
 from __future__ import annotations

@@ -9,6 +9,16 @@ tensor names, so only the config is ours. Keys are those llama.cpp's ``convert_h
   as ``post_attention_norm`` / ``post_ffw_norm``.
 - ``baichuan``: Llama with ``W_pack`` split into q/k/v (q/k rows permuted like Llama's); llama.cpp runs a 40-layer
   file as Baichuan-13B (ALiBi, no rotary) and any other depth as 7B (rotary), and so does this.
+- ``chatglm`` (ChatGLM2/3 and remote-code GLM-4, llama.cpp's ``ChatGLMModel``): transformers' ``Glm``; q/k/v fused in
+  ``attn_qkv`` (with bias), ``dense_h_to_4h`` (gate then up) as ``ffn_up``, nothing permuted; the converter writes no
+  head size, so it comes from the ``attn_qkv`` rows, and ``rope.dimension_count`` is the rotary part (half).
+- ``deepseek2`` (DeepSeek-V2/V3, llama.cpp's ``DeepseekV2Model``): MLA written as one-KV-head MQA (``key_length`` /
+  ``value_length`` are the latent sizes; the per-head sizes are ``key_length_mla`` / ``value_length_mla``, or
+  ``key_length`` / ``value_length`` in files from before the split ``attn_k_b`` / ``attn_v_b``). Sigmoid gating is
+  DeepSeek-V3 (``exp_probs_b`` = ``e_score_correction_bias``, group-limited top-k over the top-2 sums), softmax or no
+  gating key DeepSeek-V2 (group-limited greedy when ``expert_group_count`` > 1, as the source model routes). YaRN's
+  ``mscale`` and ``mscale_all_dim`` are both ``yarn_log_multiplier / 0.1`` (the converter writes only the latter;
+  llama.cpp's graph is HF's when the two are equal).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ import os
 from typing import Any
 
 #: GGUF architectures whose config is built here (the rest go through transformers).
-OWN_CONFIG_ARCHS = ("glm4", "baichuan")
+OWN_CONFIG_ARCHS = ("glm4", "baichuan", "chatglm", "deepseek2")
 
 
 def gguf_architecture(path: str) -> str:
@@ -83,6 +93,69 @@ def baichuan_config(path: str) -> Any:
     return config
 
 
+def chatglm_config(path: str) -> Any:
+    from transformers import GlmConfig
+
+    meta, fields, shapes = _common(path, "chatglm")
+    if "blk.0.attn_qkv.weight" not in shapes:
+        raise ValueError(f"chatglm GGUF file {path} lacks tensor 'blk.0.attn_qkv.weight' (fused q/k/v)")
+    heads, kv = fields["num_attention_heads"], fields["num_key_value_heads"]
+    head_dim = int(shapes["blk.0.attn_qkv.weight"][1]) // (heads + 2 * kv)
+    rotary = int(meta.get("chatglm.rope.dimension_count", head_dim // 2))
+    config = GlmConfig(**fields, head_dim=head_dim, partial_rotary_factor=rotary / head_dim, hidden_act="silu",
+                       attention_bias="blk.0.attn_qkv.bias" in shapes, architectures=["GlmForCausalLM"])
+    config.pagedllm_source_architecture = "ChatGLMModel"
+    return config
+
+
+def _deepseek2_rope(meta: dict, path: str, theta: float) -> dict[str, Any]:
+    kind = meta.get("deepseek2.rope.scaling.type", "none")
+    if kind == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if kind != "yarn":
+        raise ValueError(f"deepseek2 GGUF file {path}: rope scaling {kind!r} is not mapped (only yarn)")
+    k = lambda key: _require(meta, f"deepseek2.rope.scaling.{key}", path)  # noqa: E731
+    if float(meta.get("deepseek2.rope.scaling.yarn_attn_factor", 1.0)) != 1.0:
+        raise ValueError(f"deepseek2 GGUF file {path}: rope.scaling.yarn_attn_factor != 1 is not mapped")
+    mscale = float(k("yarn_log_multiplier")) / 0.1
+    return {"rope_type": "yarn", "rope_theta": theta, "factor": float(k("factor")),
+            "original_max_position_embeddings": int(k("original_context_length")),
+            "beta_fast": float(meta.get("deepseek2.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta.get("deepseek2.rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": mscale, "mscale_all_dim": mscale}
+
+
+def deepseek2_config(path: str) -> Any:
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    meta, fields, _ = _common(path, "deepseek2")
+    rope_parameters = _deepseek2_rope(meta, path, fields.pop("rope_theta"))
+    k = lambda key: _require(meta, f"deepseek2.{key}", path)  # noqa: E731
+    opt = lambda key, default: meta.get(f"deepseek2.{key}", default)  # noqa: E731
+    rope = int(k("rope.dimension_count"))
+    mla = "deepseek2.attention.key_length_mla" in meta  # absent: a file from before the attn_k_b/attn_v_b split
+    key_len = int(k("attention.key_length_mla" if mla else "attention.key_length"))
+    value_len = int(k("attention.value_length_mla" if mla else "attention.value_length"))
+    n_group = int(opt("expert_group_count", 1))
+    sigmoid = int(opt("expert_gating_func", 1)) == 2  # gguf ExpertGatingFuncType: 1 softmax, 2 sigmoid
+    q_lora = opt("attention.q_lora_rank", None)
+    fields.update(num_key_value_heads=fields["num_attention_heads"], head_dim=rope,
+                  q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(k("attention.kv_lora_rank")),
+                  qk_rope_head_dim=rope, qk_nope_head_dim=key_len - rope, v_head_dim=value_len,
+                  moe_intermediate_size=int(k("expert_feed_forward_length")), n_routed_experts=int(k("expert_count")),
+                  num_experts_per_tok=int(k("expert_used_count")), n_shared_experts=int(k("expert_shared_count")),
+                  first_k_dense_replace=int(k("leading_dense_block_count")),
+                  routed_scaling_factor=float(opt("expert_weights_scale", 1.0)),
+                  norm_topk_prob=bool(opt("expert_weights_norm", False)), n_group=n_group,
+                  topk_group=int(opt("expert_group_used_count", 1)),
+                  rope_parameters=rope_parameters)
+    if sigmoid:
+        return DeepseekV3Config(**fields, architectures=["DeepseekV3ForCausalLM"])
+    return DeepseekV2Config(**fields, topk_method="group_limited_greedy" if n_group > 1 else "greedy",
+                            architectures=["DeepseekV2ForCausalLM"])
+
+
 def own_gguf_config(path: str, arch: str) -> Any:
     """The HF config of a GGUF file of an ``OWN_CONFIG_ARCHS`` architecture."""
-    return {"glm4": glm4_config, "baichuan": baichuan_config}[arch](path)
+    return {"glm4": glm4_config, "baichuan": baichuan_config, "chatglm": chatglm_config,
+            "deepseek2": deepseek2_config}[arch](path)

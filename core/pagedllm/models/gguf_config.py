@@ -54,19 +54,15 @@ def load_gguf_config(path: str) -> Any:
 
 
 def load_gguf_tokenizer(path: str, config: Any) -> Any:
-    """The tokenizer ``AutoTokenizer`` would build for this GGUF, without re-deriving its config first."""
+    """The tokenizer ``AutoTokenizer`` would build for this GGUF, without re-deriving its config first. Files of
+    ``OWN_CONFIG_ARCHS`` (no transformers config) go through transformers' GGUF tokenizer conversion as well."""
     from transformers import TokenizersBackend
-
-    from pagedllm.errors import UnsupportedModelError
-    from pagedllm.models.gguf_archs import OWN_CONFIG_ARCHS, gguf_architecture
-
-    arch = gguf_architecture(path)
-    if arch in OWN_CONFIG_ARCHS:  # transformers' GGUF tokenizer loader refuses the arch before reading the vocab
-        raise UnsupportedModelError(f"model: the tokenizer of a GGUF file of architecture {arch!r} cannot be read "
-                                    "(transformers' GGUF loader does not know the arch); run it with "
-                                    "skip_tokenizer_init=True and token ids")
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+
+    from pagedllm.models.gguf_archs import OWN_CONFIG_ARCHS, gguf_architecture
 
     name = TOKENIZER_MAPPING_NAMES.get(getattr(config, "model_type", None))
     cls = (tokenizer_class_from_name(name) if isinstance(name, str) else None) or TokenizersBackend
+    if gguf_architecture(path) in OWN_CONFIG_ARCHS:  # the file's tokenizer model ("gpt2" BPE, "llama" SPM) decides,
+        cls = TokenizersBackend  # not the model type's class: transformers' GGUF conversion builds the backend
     return cls.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))

@@ -4,6 +4,8 @@ llama.cpp's converter permutes the rows of Llama q/k projections (its rotary lay
 packed blocks or the dense tensor alike (a row permutation never splits a block, blocks run along a row).
 MoE experts are stacked in GGUF (``blk.N.ffn_{gate,up,down}_exps``: ``[experts, out, in]``); an HF per-expert name
 (``mlp.experts.J.gate_proj.weight``) reads expert J of the stack.
+DeepSeek (``deepseek2``): newer converters split ``kv_b_proj`` per head into ``attn_k_b`` (transposed: ``[heads,
+kv_lora_rank, nope]``) and ``attn_v_b`` (``[heads, v, kv_lora_rank]``); ``kv_b_proj`` is rebuilt from the two.
 """
 
 from __future__ import annotations
@@ -86,15 +88,25 @@ class GGUFWeights:
         self._heads = {"attn_q": heads, "attn_k": getattr(config, "num_key_value_heads", None) or heads}
 
     def gguf_name(self, name: str) -> Optional[str]:
+        if name.endswith("e_score_correction_bias"):  # the converter writes it as ``...e_score_correction.bias``
+            name = name.removesuffix("_bias") + ".bias"
         m = _EXPERT.fullmatch(name)
         if m:  # one expert of a stacked tensor
             return self._map.get_name(f"{m[1]}.{m[3]}.weight", try_suffixes=(".weight",))
         return self._map.get_name(name, try_suffixes=(".weight", ".bias"))
 
+    def _split_kv_b(self, name: str) -> Optional[tuple[GGUFTensor, GGUFTensor]]:
+        """(attn_k_b, attn_v_b) when ``name`` is a ``kv_b_proj`` the file holds only split."""
+        g = self.gguf_name(name) if name.endswith("self_attn.kv_b_proj.weight") else None
+        if g is None or g in self._tensors:
+            return None
+        parts = [self._tensors.get(g.replace("attn_kv_b", kind)) for kind in ("attn_k_b", "attn_v_b")]
+        return None if None in parts else tuple(parts)
+
     def __contains__(self, name: str) -> bool:
         g = self.gguf_name(name)
         if g is None or g not in self._tensors:
-            return False
+            return self._split_kv_b(name) is not None
         m = _EXPERT.fullmatch(name)
         return m is None or int(m[2]) < self._tensors[g].data.shape[0]
 
@@ -121,6 +133,11 @@ class GGUFWeights:
         """Dense float32 (block types dequantized by ``gguf.quants``)."""
         from gguf.quants import dequantize
 
+        split = self._split_kv_b(name)
+        if split is not None:  # [heads, nope + v, kv_lora_rank] from k_b transposed back and v_b
+            k_b, v_b = (np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in split)
+            kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+            return torch.from_numpy(np.ascontiguousarray(kv_b.reshape(-1, kv_b.shape[-1])))
         t = self._tensor(name)
         data = t.data if t.tensor_type.name in ("F32",) else dequantize(t.data, t.tensor_type)
         data = np.asarray(data, dtype=np.float32)
@@ -133,6 +150,8 @@ class GGUFWeights:
 
     def quantized(self, name: str) -> Optional[QuantizedWeight]:
         """The packed blocks of a 2-D block-quantized tensor, rows in HF order; None for dense tensors."""
+        if self._split_kv_b(name) is not None:
+            return None
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2:
             return None

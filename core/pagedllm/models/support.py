@@ -24,21 +24,25 @@ VERIFIED: dict[str, str] = {
     "Gemma3ForCausalLM": "tests/test_native_families.py",
     "MixtralForCausalLM": "tests/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
     "Qwen2MoeForCausalLM": "tests/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
-    "DeepseekV2ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
-    "DeepseekV3ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator)",
+    "DeepseekV2ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator); "
+                             "GGUF: test_gguf_glm_baichuan_deepseek.py",
+    "DeepseekV3ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator); "
+                             "GGUF: test_gguf_glm_baichuan_deepseek.py",
     "FalconForCausalLM": "tests/test_falcon.py (grouped, multi-query and per-head layouts; ALiBi)",
     "BaiChuanForCausalLM": "tests/test_remote_layouts.py (vs HF Llama on the same weights)",
     "BaichuanForCausalLM": "13B ALiBi layout: tests/test_remote_layouts.py (vs HF Llama, rotary removed, torch-ops "
                            "ALiBi attention); 7B mapping shared with the row above; NormHead unit-tested",
     "GlmForCausalLM": "tests/test_glm.py (transformers path: test_transformers_fallback.py)",
     "Glm4ForCausalLM": "tests/test_glm.py; GGUF: test_gguf_glm_baichuan_deepseek.py",
-    "ChatGLMModel": "tests/test_glm.py (vs HF Glm on the same weights; every tensor name mapped)",
+    "ChatGLMModel": "tests/test_glm.py (vs HF Glm on the same weights; every tensor name mapped); GGUF: "
+                    "test_gguf_glm_baichuan_deepseek.py",
     "Olmo2ForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
 }
 # SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon, Phi-3, Gemma 2/3 Q8_0 (tests/test_gguf_families.py); Mistral,
-# Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/test_gguf_qwen_mistral.py); GLM-4, Baichuan F32 and Q8_0
-# (tests/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by models/gguf_archs.py)
+# Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
+# DeepSeek-V2/V3 F32 and Q8_0 (tests/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
+# models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tested)",
                 "MistralForCausalLM": "yes (tested; arch llama named mistral; GGUF has no sliding window: "
                                       "transformers' default 4096)",
@@ -49,12 +53,17 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tes
                 "Gemma2ForCausalLM": "yes (tested; GGUF has no soft-cap/query scalar: config defaults)",
                 "Gemma3ForCausalLM": "yes (tested; GGUF has no per-layer rope: config defaults)",
                 "FalconForCausalLM": "yes (tested; multi-query layout only, grouped KV refused)",
-                "Glm4ForCausalLM": "yes (tested; arch glm4, config from its metadata by pagedllm; no tokenizer: "
-                                   "transformers cannot read a glm4 GGUF's)",
+                "Glm4ForCausalLM": "yes (tested; arch glm4, config from its metadata by pagedllm; BPE tokenizer "
+                                   "tested)",
                 "BaiChuanForCausalLM": "yes (tested; arch baichuan, config from its metadata by pagedllm, run as "
-                                       "Llama; no tokenizer: transformers cannot read a baichuan GGUF's)",
+                                       "Llama; tokenizer read, untested)",
                 "BaichuanForCausalLM": "yes (tested; arch baichuan: 40 layers run as 13B with ALiBi, as llama.cpp; "
-                                       "other depths as 7B; no tokenizer)"}
+                                       "other depths as 7B; tokenizer read, untested)",
+                "DeepseekV2ForCausalLM": "yes (tested; arch deepseek2 with softmax gating, config from its metadata "
+                                         "by pagedllm; attn_kv_b whole or split into attn_k_b/attn_v_b)",
+                "DeepseekV3ForCausalLM": "yes (tested; arch deepseek2 with sigmoid gating and exp_probs_b, config "
+                                         "from its metadata by pagedllm; YaRN with mscale = mscale_all_dim)",
+                "ChatGLMModel": "yes (tested; arch chatglm, config from its metadata by pagedllm, run as Glm)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 
 
