@@ -216,9 +216,38 @@ def add_bpe_vocab(w, tokenizer_dir: str, pre: str, vocab_size: int) -> None:
     gguf.SpecialVocab(tokenizer_dir, load_merges=True).add_to_gguf(w)
 
 
+def spm_pieces(words: list[str]) -> list[tuple[str, float, int]]:
+    """A small SentencePiece ("llama") vocabulary: <unk> <s> </s>, the 256 byte-fallback tokens, then every prefix of
+    each "▁word" and its letters, scored so that longer pieces win (id, token, score and type as in a real one)."""
+    import gguf
+
+    out = [("<unk>", 0.0, gguf.TokenType.UNKNOWN), ("<s>", 0.0, gguf.TokenType.CONTROL),
+           ("</s>", 0.0, gguf.TokenType.CONTROL)] + [(f"<0x{b:02X}>", 0.0, gguf.TokenType.BYTE) for b in range(256)]
+    seen = {t for t, _, _ in out}
+    for word in words:
+        for piece in ["▁" + word[:i] for i in range(len(word) + 1)] + list(word):
+            if piece not in seen:
+                seen.add(piece)
+                out.append((piece, -100.0 / len(piece), gguf.TokenType.NORMAL))
+    return out
+
+
+def add_spm_vocab(w, pieces: list[tuple[str, float, int]]) -> None:
+    """A SentencePiece vocabulary as llama.cpp's converter writes it (``_set_vocab_sentencepiece``): tokens, scores,
+    types, the <unk> id, BOS added (the <s> / </s> ids, 1 and 2, come from the model's config)."""
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _, _ in pieces])
+    w.add_token_scores([s for _, s, _ in pieces])
+    w.add_token_types([k for _, _, k in pieces])
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+
 def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name: str = "tiny",
                      dequantized_dir: str | None = None, split_kv_b: bool = True,
-                     tokenizer: tuple[str, str] | None = None) -> str:
+                     tokenizer: tuple[str, str] | list | None = None) -> str:
     """The safetensors checkpoint in ``hf_dir`` as llama.cpp's converter lays it out in ``path``: metadata under
     ``arch``'s keys, q/k rows permuted for arch "llama" (Llama, Mistral), MoE experts stacked, the shared-expert gate
     as ``[hidden]``, a tied head left out; "chatglm" from a HF Glm checkpoint re-laid as ChatGLM2/3; "deepseek2" with
@@ -228,7 +257,7 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
     as Mistral). ``dequantized_dir``: also save the HF checkpoint with the weights the GGUF holds, dequantized (the
     oracle's; row permutes, fusing and stacking commute with row-block quantization, a split ``kv_b_proj`` is
     rebuilt from its dequantized parts). ``tokenizer``: (HF tokenizer folder, pre-tokenizer name) written by
-    ``add_bpe_vocab``."""
+    ``add_bpe_vocab``, or SentencePiece pieces (``spm_pieces``) written by ``add_spm_vocab``."""
     import shutil
 
     import gguf
@@ -300,7 +329,9 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
                 k_b, v_b = held[n.replace("kv_b_proj", "k_b_proj")], held[n.replace("kv_b_proj", "v_b_proj")]
                 oracle[n] = torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(t.shape).contiguous()
         save_file(oracle, os.path.join(dequantized_dir, "model.safetensors"))
-    if tokenizer is not None:
+    if isinstance(tokenizer, list):
+        add_spm_vocab(w, tokenizer)
+    elif tokenizer is not None:
         add_bpe_vocab(w, *tokenizer, vocab_size=c.vocab_size)
     return finish(w, path)
 

@@ -180,6 +180,31 @@ def test_glm4_gguf_tokenizer_matches_hf(tmp_path):
     assert out.text == hf_tok.decode(list(out.token_ids))
 
 
+def test_baichuan_gguf_sentencepiece_tokenizer_matches_transformers(tmp_path):
+    """A baichuan file carrying a SentencePiece ("llama") vocabulary, as Baichuan's and ChatGLM3's are: its
+    tokenizer encodes and decodes as transformers' own GGUF tokenizer of the same vocabulary in a llama file (an arch
+    transformers reads), byte fallback included; the engine serves text with it."""
+    from transformers import AutoTokenizer
+
+    from gguf_utils import spm_pieces
+
+    pieces = spm_pieces(["Hello", "world", "the", "is", "tiny", "model"])
+    hf_dir = make_tiny_model("llama", tmp_path / "hf", num_key_value_heads=4, vocab_size=len(pieces))
+    path = write_hf_as_gguf(hf_dir, str(tmp_path / "tiny-baichuan.gguf"), "baichuan", tokenizer=pieces)
+    write_hf_as_gguf(hf_dir, str(tmp_path / "tiny-llama.gguf"), "llama", tokenizer=pieces)
+    want = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny-llama.gguf")
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
+    tok = llm.get_tokenizer()
+    for text in ["Hello world", "the tiny model is the model", "Helloworld!  two", "日本 and é"]:
+        ids = want.encode(text)
+        assert tok.encode(text) == ids and ids[0] == 1
+        assert tok.decode(ids) == want.decode(ids)
+    assert any(3 <= i < 259 for i in want.encode("日本"))  # byte fallback pieces
+    out = llm.generate(["Hello world"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == want.encode("Hello world") and len(out.outputs[0].token_ids) == 4
+
+
 def test_deepseek2_gguf_without_a_key_is_refused_naming_it(tmp_path):
     """A deepseek2 file lacking a key the config needs is refused naming the key, and so is a rope scaling the
     mapping does not know."""

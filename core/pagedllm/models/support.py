@@ -56,9 +56,9 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tes
                 "Glm4ForCausalLM": "yes (tested; arch glm4, config from its metadata by pagedllm; BPE tokenizer "
                                    "tested)",
                 "BaiChuanForCausalLM": "yes (tested; arch baichuan, config from its metadata by pagedllm, run as "
-                                       "Llama; tokenizer read, untested)",
+                                       "Llama; SentencePiece tokenizer tested)",
                 "BaichuanForCausalLM": "yes (tested; arch baichuan: 40 layers run as 13B with ALiBi, as llama.cpp; "
-                                       "other depths as 7B; tokenizer read, untested)",
+                                       "other depths as 7B; SentencePiece tokenizer tested)",
                 "DeepseekV2ForCausalLM": "yes (tested; arch deepseek2 with softmax gating, config from its metadata "
                                          "by pagedllm; attn_kv_b whole or split into attn_k_b/attn_v_b)",
                 "DeepseekV3ForCausalLM": "yes (tested; arch deepseek2 with sigmoid gating and exp_probs_b, config "
