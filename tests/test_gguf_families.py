@@ -2,11 +2,12 @@
 ``gguf.GGUFWriter`` (linear weights Q8_0, the rest F32) loads natively and matches HF reading the same file.
 
 Falcon: transformers' GGUF config keeps only what Falcon-7B's layout needs (multi-query, parallel attention,
-ffn = 4 x hidden); a GGUF with several KV heads (Falcon-40B/180B, reordered q/k/v in llama.cpp's converter) is
-refused by name rather than read wrongly. DeepSeek-V2/V3 (``deepseek2``), GLM-4, ChatGLM and Baichuan: transformers has
-no GGUF config for them; pagedllm builds it from the metadata (tests/test_gguf_glm_baichuan_deepseek.py). Gemma 2 /
-Gemma 3: RMSNorm
-weights stored as ``1 + w`` by llama.cpp's converter, undone at load as transformers does."""
+ffn = 4 x hidden); a Falcon-40B/180B-style file (several KV heads, ``ln_attn`` / ``ln_mlp`` as ``attn_norm_2`` /
+``attn_norm``, q/k/v reordered by llama.cpp's converter) is completed from the file and matches HF Falcon on the
+original checkpoint (transformers cannot read it). DeepSeek-V2/V3 (``deepseek2``), GLM-4, ChatGLM and Baichuan:
+transformers has no GGUF config for them; pagedllm builds it from the metadata
+(tests/test_gguf_glm_baichuan_deepseek.py). Gemma 2 / Gemma 3: RMSNorm weights stored as ``1 + w`` by llama.cpp's
+converter, undone at load as transformers does."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ from gguf_utils import add_model_header, finish
 from model_parity import NEW_TOKENS, mixed_batch
 import hf_oracle
 from pagedllm import LLM, SamplingParams
-from pagedllm.errors import UnsupportedModelError
 from pagedllm.models import load_config, load_model
 from pagedllm.models.falcon import FalconCausalLM
 from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
@@ -31,9 +31,19 @@ from tiny_models import FALCON_CONFIGS, make_fallback_model
 FALCON_7B_LIKE = dict(ffn_hidden_size=4 * 480, layer_norm_epsilon=1e-5)
 
 
-def write_gguf(arch: str, hf_dir: str, out_dir, kv_heads: int, ffn: int, eps_rms: bool) -> str:
+def falcon_qkv_as_converter(t: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
+    """llama.cpp's Falcon q/k/v reorder (``FalconModel.modify_tensors``): per KV group ``[q.., k, v]`` -> all queries,
+    all keys, all values."""
+    d = t.shape[-1] // heads
+    qkv = t.view(kv_heads, heads // kv_heads + 2, d, -1)
+    q = qkv[:, :-2].reshape(heads * d, -1)
+    k, v = (qkv[:, [i]].reshape(kv_heads * d, -1) for i in (-2, -1))
+    return torch.cat((q, k, v)).reshape_as(t)
+
+
+def write_gguf(arch: str, hf_dir: str, out_dir, kv_heads: int, ffn: int, eps_rms: bool, qtype: str = "Q8_0") -> str:
     """``hf_dir``'s weights as ``<out_dir>/tiny-<arch>.gguf``: metadata as llama.cpp's converter writes it, 2-D
-    weights Q8_0 (dequantized at load, ``gguf.quants``), the rest F32, a tied head left out."""
+    weights ``qtype`` (Q8_0: dequantized at load, ``gguf.quants``), the rest F32, a tied head left out."""
     import gguf
     from gguf.quants import quantize
 
@@ -54,8 +64,10 @@ def write_gguf(arch: str, hf_dir: str, out_dir, kv_heads: int, ffn: int, eps_rms
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if arch == "falcon" and "query_key_value" in hf_name:
+            t = falcon_qkv_as_converter(t, c.num_attention_heads, kv_heads)
         data = t.numpy().astype(np.float32)
-        if data.ndim == 2 and name != "token_embd.weight":
+        if data.ndim == 2 and name != "token_embd.weight" and qtype == "Q8_0":
             w.add_tensor(name, quantize(data, gguf.GGMLQuantizationType.Q8_0),
                          raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -120,10 +132,29 @@ def test_phi3_gguf_logits_match_hf(phi3_gguf, ref_backend):
             assert_logits_match("phi3 gguf", run_schedule(ours, ref_backend, prompts, schedule), expected)
 
 
-def test_falcon_gguf_with_grouped_kv_is_refused(tmp_path):
-    path = write_falcon_gguf(tmp_path, kv_heads=2)
-    with pytest.raises(UnsupportedModelError, match="falcon GGUF with 2 KV heads"):
-        load_config(path)
+def test_falcon_40b_layout_gguf_matches_hf(tmp_path, ref_backend):
+    """Falcon-40B's layout (new decoder architecture: 2 KV groups of 5 queries, two layernorms, ffn 320 while the
+    converter writes 4 x hidden) as llama.cpp writes it, F32: logits and the engine's greedy tokens match HF Falcon on
+    the original checkpoint."""
+    hf_dir = make_fallback_model("falcon_new_arch", os.path.join(tmp_path, "hf"))
+    path = write_gguf("falcon", hf_dir, tmp_path, 2, 4 * 480, eps_rms=False, qtype="F32")
+    config = load_config(path)
+    assert (config.new_decoder_architecture, config.num_kv_heads, config.num_ln_in_parallel_attn,
+            config.ffn_hidden_size) == (True, 2, 2, 320)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(ours, FalconCausalLM) and ours.num_kv_heads == 2
+    prompts = _prompts(hf.config.vocab_size)
+    with torch.inference_mode():
+        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
+        assert_logits_match("falcon-40b gguf", run_schedule(ours, ref_backend, prompts, CHUNKED), expected)
+    llm = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=128,
+              kv_cache_memory=16 << 20, max_num_batched_tokens=16, enable_prefix_caching=True)
+    wave = mixed_batch(hf.config.vocab_size)[0]
+    outs = llm.generate([{"prompt_token_ids": p} for p in wave],
+                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(wave, outs):
+        assert list(o.outputs[0].token_ids) == hf_oracle.hf_greedy(hf, p, NEW_TOKENS)
 
 
 def write_gemma_gguf(out_dir, name: str) -> str:

@@ -19,6 +19,13 @@ tensor names, so only the config is ours. Keys are those llama.cpp's ``convert_h
   gating key DeepSeek-V2 (group-limited greedy when ``expert_group_count`` > 1, as the source model routes). YaRN's
   ``mscale`` and ``mscale_all_dim`` are both ``yarn_log_multiplier / 0.1`` (the converter writes only the latter;
   llama.cpp's graph is HF's when the two are equal).
+
+Falcon goes through transformers' GGUF config, which can only say Falcon-7B's layout (multi-query, one layernorm);
+``complete_falcon_config`` adds what a Falcon-40B/180B / Falcon 2 file means (llama.cpp's rule): a second layernorm
+tensor (``attn_norm_2``: HF ``ln_attn``) or several KV heads make it ``new_decoder_architecture``, with
+``num_ln_in_parallel_attn`` 2 or 1, the MLP width comes from ``ffn_up`` (the converter always writes 4 x hidden) and
+the head is tied unless the file has ``output``.
+The converter's q/k/v reorder of ``attn_qkv`` is undone by the weight reader (``gguf_weights``).
 """
 
 from __future__ import annotations
@@ -153,6 +160,21 @@ def deepseek2_config(path: str) -> Any:
         return DeepseekV3Config(**fields, architectures=["DeepseekV3ForCausalLM"])
     return DeepseekV2Config(**fields, topk_method="group_limited_greedy" if n_group > 1 else "greedy",
                             architectures=["DeepseekV2ForCausalLM"])
+
+
+def complete_falcon_config(path: str, config: Any) -> Any:
+    """transformers' Falcon config of the GGUF at ``path`` with the new-decoder layout when the file has it."""
+    st = os.stat(path)
+    _, shapes = _metadata(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    two_norms = "blk.0.attn_norm_2.weight" in shapes
+    kv = vars(config).get("num_key_value_heads") or 1  # head_count_kv, under the name transformers' key map gives it
+    if two_norms or kv > 1:
+        config.new_decoder_architecture, config.num_kv_heads = True, kv
+        config.num_ln_in_parallel_attn = 2 if two_norms else 1
+    if "blk.0.ffn_up.weight" in shapes:
+        config.ffn_hidden_size = int(shapes["blk.0.ffn_up.weight"][1])
+    config.tie_word_embeddings = "output.weight" not in shapes  # Falcon 2 (11B) unties the head
+    return config
 
 
 def own_gguf_config(path: str, arch: str) -> Any:

@@ -6,6 +6,8 @@ MoE experts are stacked in GGUF (``blk.N.ffn_{gate,up,down}_exps``: ``[experts, 
 (``mlp.experts.J.gate_proj.weight``) reads expert J of the stack.
 DeepSeek (``deepseek2``): newer converters split ``kv_b_proj`` per head into ``attn_k_b`` (transposed: ``[heads,
 kv_lora_rank, nope]``) and ``attn_v_b`` (``[heads, v, kv_lora_rank]``); ``kv_b_proj`` is rebuilt from the two.
+Falcon: the converter reorders ``query_key_value`` from HF's per-KV-group ``[q.., k, v]`` to all queries, then all
+keys, then all values (identity for multi-query Falcon-7B); rows are put back per group here.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ class GGUFWeights:
         self._tensors = {t.name: t for t in tensors}
         heads = config.num_attention_heads
         self._heads = {"attn_q": heads, "attn_k": getattr(config, "num_key_value_heads", None) or heads}
+        self._falcon_groups = (config.num_kv_heads if getattr(config, "new_decoder_architecture", False) else 1)
 
     def gguf_name(self, name: str) -> Optional[str]:
         if name.endswith("e_score_correction_bias"):  # the converter writes it as ``...e_score_correction.bias``
@@ -121,6 +124,12 @@ class GGUFWeights:
     def _rows(self, gname: str, n: int) -> Optional[np.ndarray]:
         """The row order undoing llama.cpp's q/k permute (None: rows are already in HF order)."""
         kind = gname.split(".")[-2] if gname.startswith("blk.") else ""
+        if self.arch == "falcon" and kind == "attn_qkv" and self._falcon_groups > 1:
+            g, d = self._falcon_groups, n // (self._heads["attn_q"] + 2 * self._falcon_groups)
+            r = self._heads["attn_q"] // g  # queries per group
+            q = np.arange(g * r * d).reshape(g, r * d)
+            k, v = (g * r * d + np.arange(g * d).reshape(g, d) + i * g * d for i in (0, 1))
+            return np.concatenate([q, k, v], axis=1).reshape(n)
         if self.arch not in _PERMUTED_QK_ARCHS or kind not in self._heads:
             return None
         h = self._heads[kind]

@@ -46,11 +46,10 @@ def load_config(model_path: str) -> Any:
         if arch in OWN_CONFIG_ARCHS:  # transformers' GGUF config mapping has no entry for these
             return own_gguf_config(model_path, arch)
         config = load_gguf_config(model_path)
-        kv = vars(config).get("num_key_value_heads", 1)
-        if config.model_type == "falcon" and kv != 1:  # transformers' GGUF config can only say Falcon-7B's layout
-            raise UnsupportedModelError(f"falcon GGUF with {kv} KV heads (Falcon-40B/180B: grouped KV, "
-                                        "new_decoder_architecture) cannot be described by transformers' GGUF config; "
-                                        "load the safetensors checkpoint (multi-query Falcon GGUF files load)")
+        if config.model_type == "falcon":  # transformers' GGUF config can only say Falcon-7B's layout
+            from pagedllm.models.gguf_archs import complete_falcon_config
+
+            return complete_falcon_config(model_path, config)
         return complete_moe_config(model_path, config)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=False)

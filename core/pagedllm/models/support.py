@@ -39,7 +39,8 @@ VERIFIED: dict[str, str] = {
     "Olmo2ForCausalLM": "tests/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
 }
-# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon, Phi-3, Gemma 2/3 Q8_0 (tests/test_gguf_families.py); Mistral,
+# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
+# (tests/test_gguf_families.py); Mistral,
 # Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
 # DeepSeek-V2/V3 F32 and Q8_0 (tests/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
 # models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion)
@@ -52,7 +53,7 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tes
                                       "transformers)",
                 "Gemma2ForCausalLM": "yes (tested; GGUF has no soft-cap/query scalar: config defaults)",
                 "Gemma3ForCausalLM": "yes (tested; GGUF has no per-layer rope: config defaults)",
-                "FalconForCausalLM": "yes (tested; multi-query layout only, grouped KV refused)",
+                "FalconForCausalLM": "yes (tested; Falcon-7B multi-query and Falcon-40B grouped layouts)",
                 "Glm4ForCausalLM": "yes (tested; arch glm4, config from its metadata by pagedllm; BPE tokenizer "
                                    "tested)",
                 "BaiChuanForCausalLM": "yes (tested; arch baichuan, config from its metadata by pagedllm, run as "
