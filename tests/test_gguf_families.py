@@ -11,6 +11,7 @@ converter, undone at load as transformers does."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -52,12 +53,20 @@ def write_gguf(arch: str, hf_dir: str, out_dir, kv_heads: int, ffn: int, eps_rms
     path = os.path.join(out_dir, f"tiny-{arch}.gguf")
     w = gguf.GGUFWriter(path, arch)
     add_model_header(w, c, ffn=ffn, kv_heads=kv_heads)
+    rp = getattr(c, "rope_parameters", None) or {}
     if eps_rms:
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
-        w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+        w.add_rope_dimension_count(int(rp.get("partial_rotary_factor", 1.0) * c.hidden_size) // c.num_attention_heads)
     else:
         w.add_layer_norm_eps(c.layer_norm_epsilon)
     w.add_pad_token_id(c.pad_token_id)
+    if rp.get("rope_type") == "longrope":  # as Phi3MiniModel writes it: the factors as tensors, the lengths as keys
+        orig = rp["original_max_position_embeddings"]
+        scale = c.max_position_embeddings / orig
+        w.add_rope_scaling_orig_ctx_len(orig)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rp["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rp["short_factor"], dtype=np.float32))
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
     for hf_name, t in model.state_dict().items():
@@ -80,10 +89,10 @@ def write_falcon_gguf(out_dir, kv_heads: int = 1) -> str:
     return write_gguf("falcon", hf_dir, out_dir, kv_heads, FALCON_7B_LIKE["ffn_hidden_size"], eps_rms=False)
 
 
-def write_phi3_gguf(out_dir) -> str:
+def write_phi3_gguf(out_dir, name: str = "phi3") -> str:
     """Phi-3 (fused qkv_proj / gate_up_proj: GGUF's attn_qkv / ffn_up), no sliding window: transformers' GGUF
     config for phi3 carries none."""
-    hf_dir = make_fallback_model("phi3", os.path.join(out_dir, "hf"), sliding_window=None)
+    hf_dir = make_fallback_model(name, os.path.join(out_dir, "hf"), sliding_window=None)
     return write_gguf("phi3", hf_dir, out_dir, 2, 320, eps_rms=True)
 
 
@@ -130,6 +139,33 @@ def test_phi3_gguf_logits_match_hf(phi3_gguf, ref_backend):
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):
             assert_logits_match("phi3 gguf", run_schedule(ours, ref_backend, prompts, schedule), expected)
+
+
+def test_phi3_longrope_gguf_short_and_long_factors(tmp_path, ref_backend):
+    """A Phi-3-128k-style file (LongRoPE factors as tensors, original length and attention factor as keys; partial
+    rotary 0.75, as Phi-4-mini): up to the original 64 positions the short factors, past them the long ones, each
+    matching HF Phi-3 reading the same file with the completed config (transformers' own GGUF config drops the
+    factors and the partial rotary)."""
+    path = write_phi3_gguf(tmp_path, "phi3_longrope")
+    config = load_config(path)
+    assert config.rope_parameters["rope_type"] == "longrope" and config.original_max_position_embeddings == 64
+    assert config.partial_rotary_factor == 0.75
+    from transformers import AutoConfig
+
+    want = AutoConfig.from_pretrained(os.path.join(tmp_path, "hf")).rope_parameters  # what the converter was given
+    for key in ("long_factor", "short_factor"):
+        np.testing.assert_allclose(config.rope_parameters[key], want[key], rtol=1e-6)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), config=config,
+                                              dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = _prompts(hf.config.vocab_size)
+    long_prompt = [[(7 * i) % 400 + 3 for i in range(90)]]
+    with torch.inference_mode():
+        short = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"), max_model_len=64)
+        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
+        assert_logits_match("phi3 longrope gguf short", run_schedule(short, ref_backend, prompts, CHUNKED), expected)
+        long = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+        got = run_schedule(long, ref_backend, long_prompt, [[(0, 90)]])
+        assert_logits_match("phi3 longrope gguf long", got, [hf(torch.tensor(long_prompt)).logits[0]])
 
 
 def test_falcon_40b_layout_gguf_matches_hf(tmp_path, ref_backend):

@@ -26,6 +26,12 @@ tensor (``attn_norm_2``: HF ``ln_attn``) or several KV heads make it ``new_decod
 ``num_ln_in_parallel_attn`` 2 or 1, the MLP width comes from ``ffn_up`` (the converter always writes 4 x hidden) and
 the head is tied unless the file has ``output``.
 The converter's q/k/v reorder of ``attn_qkv`` is undone by the weight reader (``gguf_weights``).
+
+Phi-3 also goes through transformers' GGUF config, which has no rope scaling: a LongRoPE file (Phi-3-*-128k: the
+converter writes ``rope_factors_long`` / ``rope_factors_short`` tensors, ``rope.scaling.original_context_length``
+and ``rope.scaling.attn_factor``) gets its ``longrope`` rope parameters back from them in ``complete_phi3_config``,
+and a partial rotary (``rope.dimension_count`` below the head size: Phi-4-mini) its ``partial_rotary_factor``;
+without them both would be silently dropped.
 """
 
 from __future__ import annotations
@@ -174,6 +180,33 @@ def complete_falcon_config(path: str, config: Any) -> Any:
     if "blk.0.ffn_up.weight" in shapes:
         config.ffn_hidden_size = int(shapes["blk.0.ffn_up.weight"][1])
     config.tie_word_embeddings = "output.weight" not in shapes  # Falcon 2 (11B) unties the head
+    return config
+
+
+def complete_phi3_config(path: str, config: Any) -> Any:
+    """transformers' Phi-3 config of the GGUF at ``path`` with the file's LongRoPE parameters, when it has them."""
+    from pagedllm.models.gguf_weights import read_tensors
+
+    st = os.stat(path)
+    meta, shapes = _metadata(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    head_dim = config.hidden_size // config.num_attention_heads
+    rot = int(meta.get("phi3.rope.dimension_count", head_dim))
+    if rot != head_dim:  # partial rotary (Phi-4-mini: 0.75), which transformers' key map also drops
+        params["partial_rotary_factor"] = config.partial_rotary_factor = rot / head_dim
+        config.rope_parameters = params
+    if "rope_factors_long.weight" not in shapes:
+        return config
+    factors = {t.name: [float(x) for x in t.data] for t in read_tensors(path)[1]
+               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    original = int(_require(meta, "phi3.rope.scaling.original_context_length", path))
+    params.update(rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
+                  short_factor=_require(factors, "rope_factors_short.weight", path),
+                  original_max_position_embeddings=original)
+    if "phi3.rope.scaling.attn_factor" in meta:  # what llama.cpp scales by; HF derives the same from the lengths
+        params["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
+    config.rope_parameters = params
+    config.original_max_position_embeddings = original
     return config
 
 

@@ -46,10 +46,11 @@ def load_config(model_path: str) -> Any:
         if arch in OWN_CONFIG_ARCHS:  # transformers' GGUF config mapping has no entry for these
             return own_gguf_config(model_path, arch)
         config = load_gguf_config(model_path)
-        if config.model_type == "falcon":  # transformers' GGUF config can only say Falcon-7B's layout
-            from pagedllm.models.gguf_archs import complete_falcon_config
+        if config.model_type in ("falcon", "phi3"):  # layouts and rope scaling transformers' GGUF config cannot say
+            from pagedllm.models.gguf_archs import complete_falcon_config, complete_phi3_config
 
-            return complete_falcon_config(model_path, config)
+            return (complete_falcon_config if config.model_type == "falcon" else complete_phi3_config)(model_path,
+                                                                                                        config)
         return complete_moe_config(model_path, config)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=False)

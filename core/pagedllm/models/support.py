@@ -44,7 +44,7 @@ VERIFIED: dict[str, str] = {
 # Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
 # DeepSeek-V2/V3 F32 and Q8_0 (tests/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
 # models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion)
-_GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tested)",
+_GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tested; LongRoPE factors and partial rotary read from the file)",
                 "MistralForCausalLM": "yes (tested; arch llama named mistral; GGUF has no sliding window: "
                                       "transformers' default 4096)",
                 "Qwen2ForCausalLM": "yes (tested)", "Qwen3ForCausalLM": "yes (tested)",
