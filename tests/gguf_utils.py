@@ -24,7 +24,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 PERMUTED_QK_ARCHS = ("llama", "baichuan")
 
 
-def add_model_header(w, c, ffn: int = None, kv_heads: int = None) -> None:
+def add_model_header(w, c, ffn: int = None, kv_heads: int = None, rope_theta: float = 10000.0) -> None:
     """The hyper-parameters every tiny GGUF here carries, under llama.cpp's keys (norm epsilon and arch-specific
     keys are the caller's)."""
     w.add_context_length(c.max_position_embeddings)
@@ -33,7 +33,7 @@ def add_model_header(w, c, ffn: int = None, kv_heads: int = None) -> None:
     w.add_feed_forward_length(ffn if ffn is not None else c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(kv_heads if kv_heads is not None else c.num_key_value_heads)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(rope_theta)
     w.add_vocab_size(c.vocab_size)
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)

@@ -195,27 +195,34 @@ def test_falcon_40b_layout_gguf_matches_hf(tmp_path, ref_backend):
 
 def write_gemma_gguf(out_dir, name: str) -> str:
     """Gemma 2 / Gemma 3 text as llama.cpp's converter writes them: RMSNorm weights stored as ``1 + w``, head_dim as
-    key/value length, the sliding window; 2-D weights Q8_0. transformers' GGUF config for gemma2/gemma3 carries no
-    soft-capping, query_pre_attn_scalar or per-layer rope, so the HF checkpoint uses the config defaults (what HF
-    reading the GGUF assumes too)."""
+    key/value length, the sliding window, Gemma 2's soft-capping keys, Gemma 3's global rope base and linear scaling;
+    2-D weights Q8_0. The HF checkpoint holds what such a file can mean as llama.cpp runs it: query scale
+    ``1/sqrt(head_dim)`` (not a 27B depth), Gemma 3's sliding pattern 6 and local rope base 10000."""
     import gguf
     from gguf.quants import quantize
 
     arch = {"gemma2": "gemma2", "gemma3": "gemma3"}[name]
-    drop = dict(attn_logit_softcapping=None, final_logit_softcapping=None, query_pre_attn_scalar=None)
+    over = dict(query_pre_attn_scalar=48)  # = head_dim
     if name == "gemma3":
-        drop.update(rope_parameters=None, sliding_window_pattern=None)
-    hf_dir = make_fallback_model(name, os.path.join(out_dir, "hf"), **drop)
+        over.update(num_hidden_layers=6, sliding_window_pattern=6)  # layers 0-4 sliding, 5 global
+    hf_dir = make_fallback_model(name, os.path.join(out_dir, "hf"), **over)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     c = model.config
     path = os.path.join(out_dir, f"tiny-{arch}.gguf")
     w = gguf.GGUFWriter(path, arch)
-    add_model_header(w, c)
+    full = (c.rope_parameters or {}).get("full_attention", {})
+    add_model_header(w, c, rope_theta=full.get("rope_theta", 10000.0))
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_sliding_window(c.sliding_window)
     w.add_pad_token_id(c.pad_token_id)
+    if name == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
+    elif full.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(full["factor"])
     arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch]
     names = gguf.get_tensor_name_map(arch_id, c.num_hidden_layers)
     for hf_name, t in model.state_dict().items():
@@ -235,9 +242,18 @@ def write_gemma_gguf(out_dir, name: str) -> str:
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
 def test_gemma_gguf_logits_match_hf(tmp_path, ref_backend, name):
-    """The ``1 + w`` norms are undone at load (a Gemma GGUF read without that is silently wrong: ~14 in logits)."""
+    """The ``1 + w`` norms are undone at load (a Gemma GGUF read without that is silently wrong: ~14 in logits), and
+    the config transformers' GGUF mapping leaves out (soft-capping, query scale, Gemma 3's per-layer rope) is the
+    original checkpoint's; HF reading the same file with that config is the oracle."""
+    from transformers import AutoConfig
+
     path = write_gemma_gguf(tmp_path, name)
-    hf = _hf(path)
+    config, want = load_config(path), AutoConfig.from_pretrained(os.path.join(tmp_path, "hf"))
+    keys = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
+            "layer_types", "rope_parameters")
+    assert {k: getattr(config, k) for k in keys} == {k: getattr(want, k) for k in keys}
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), config=config,
+                                              dtype=torch.float32, attn_implementation="eager").eval()
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     prompts = _prompts(hf.config.vocab_size)  # lengths past the sliding window of 8
     with torch.inference_mode():

@@ -32,6 +32,12 @@ converter writes ``rope_factors_long`` / ``rope_factors_short`` tensors, ``rope.
 and ``rope.scaling.attn_factor``) gets its ``longrope`` rope parameters back from them in ``complete_phi3_config``,
 and a partial rotary (``rope.dimension_count`` below the head size: Phi-4-mini) its ``partial_rotary_factor``;
 without them both would be silently dropped.
+
+Gemma 2 / Gemma 3 go through transformers' GGUF config too, which keeps the sliding window and head size but not
+what llama.cpp's graph takes from elsewhere; ``complete_gemma_config`` applies llama.cpp's rules: Gemma 2's
+``attn_logit_softcapping`` / ``final_logit_softcapping`` keys (50 / 30 when absent), the query scale
+``1/sqrt(head_dim)`` except for the 27B depths (46 / 62 layers: ``1/sqrt(hidden / heads)``), and Gemma 3's linear
+rope scaling (``rope.scaling.type`` / ``factor``) on the global layers only (local layers: base 10000, unscaled).
 """
 
 from __future__ import annotations
@@ -207,6 +213,29 @@ def complete_phi3_config(path: str, config: Any) -> Any:
         params["attention_factor"] = float(meta["phi3.rope.scaling.attn_factor"])
     config.rope_parameters = params
     config.original_max_position_embeddings = original
+    return config
+
+
+def complete_gemma_config(path: str, config: Any) -> Any:
+    """transformers' Gemma 2 / Gemma 3 config of the GGUF at ``path`` with what llama.cpp's graph computes."""
+    arch = "gemma2" if config.model_type == "gemma2" else "gemma3"
+    st = os.stat(path)
+    meta, _ = _metadata(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    big = config.num_hidden_layers == {"gemma2": 46, "gemma3": 62}[arch]  # llama.cpp's 27B rule
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else config.head_dim
+    if arch == "gemma2":
+        config.attn_logit_softcapping = float(meta.get("gemma2.attn_logit_softcapping", 50.0))
+        config.final_logit_softcapping = float(meta.get("gemma2.final_logit_softcapping", 30.0))
+        return config
+    kind = meta.get("gemma3.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise ValueError(f"GGUF file {path}: gemma3.rope.scaling.type {kind!r} is not one llama.cpp's gemma3 runs")
+    params = {k: dict(v) for k, v in (getattr(config, "rope_parameters", None) or {}).items()}
+    if kind == "linear":
+        params["full_attention"].update(rope_type="linear",
+                                        factor=float(_require(meta, "gemma3.rope.scaling.factor", path)))
+    params["sliding_attention"] = {"rope_type": "default", "rope_theta": 10000.0}
+    config.rope_parameters = params
     return config
 
 

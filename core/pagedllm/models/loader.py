@@ -46,12 +46,11 @@ def load_config(model_path: str) -> Any:
         if arch in OWN_CONFIG_ARCHS:  # transformers' GGUF config mapping has no entry for these
             return own_gguf_config(model_path, arch)
         config = load_gguf_config(model_path)
-        if config.model_type in ("falcon", "phi3"):  # layouts and rope scaling transformers' GGUF config cannot say
-            from pagedllm.models.gguf_archs import complete_falcon_config, complete_phi3_config
+        from pagedllm.models.gguf_archs import complete_falcon_config, complete_gemma_config, complete_phi3_config
 
-            return (complete_falcon_config if config.model_type == "falcon" else complete_phi3_config)(model_path,
-                                                                                                        config)
-        return complete_moe_config(model_path, config)
+        complete = {"falcon": complete_falcon_config, "phi3": complete_phi3_config,  # what transformers' GGUF
+                    "gemma2": complete_gemma_config, "gemma3_text": complete_gemma_config}  # config cannot say
+        return complete.get(config.model_type, complete_moe_config)(model_path, config)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=False)
     except (ValueError, KeyError) as e:  # a model_type transformers does not know: remote code only (ChatGLM...)

@@ -51,8 +51,8 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tes
                 "Qwen2MoeForCausalLM": "yes (tested; every layer sparse, top-k not renormalised, as llama.cpp)",
                 "MixtralForCausalLM": "yes (tested; arch llama with expert tensors, read by our loader, not "
                                       "transformers)",
-                "Gemma2ForCausalLM": "yes (tested; GGUF has no soft-cap/query scalar: config defaults)",
-                "Gemma3ForCausalLM": "yes (tested; GGUF has no per-layer rope: config defaults)",
+                "Gemma2ForCausalLM": "yes (tested; soft-capping keys and query scale read as llama.cpp does)",
+                "Gemma3ForCausalLM": "yes (tested; global-layer linear rope scaling and query scale read as llama.cpp does)",
                 "FalconForCausalLM": "yes (tested; Falcon-7B multi-query and Falcon-40B grouped layouts)",
                 "Glm4ForCausalLM": "yes (tested; arch glm4, config from its metadata by pagedllm; BPE tokenizer "
                                    "tested)",
