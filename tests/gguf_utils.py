@@ -247,7 +247,7 @@ def add_spm_vocab(w, pieces: list[tuple[str, float, int]]) -> None:
 
 def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name: str = "tiny",
                      dequantized_dir: str | None = None, split_kv_b: bool = True,
-                     tokenizer: tuple[str, str] | list | None = None) -> str:
+                     tokenizer: tuple[str, str] | list | None = None, relay_chatglm: bool = True) -> str:
     """The safetensors checkpoint in ``hf_dir`` as llama.cpp's converter lays it out in ``path``: metadata under
     ``arch``'s keys, q/k rows permuted for arch "llama" (Llama, Mistral), MoE experts stacked, the shared-expert gate
     as ``[hidden]``, a tied head left out; "chatglm" from a HF Glm checkpoint re-laid as ChatGLM2/3; "deepseek2" with
@@ -257,7 +257,9 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
     as Mistral). ``dequantized_dir``: also save the HF checkpoint with the weights the GGUF holds, dequantized (the
     oracle's; row permutes, fusing and stacking commute with row-block quantization, a split ``kv_b_proj`` is
     rebuilt from its dequantized parts). ``tokenizer``: (HF tokenizer folder, pre-tokenizer name) written by
-    ``add_bpe_vocab``, or SentencePiece pieces (``spm_pieces``) written by ``add_spm_vocab``."""
+    ``add_bpe_vocab``, or SentencePiece pieces (``spm_pieces``) written by ``add_spm_vocab``. ``relay_chatglm``
+    False: a HF ``GlmForCausalLM`` checkpoint under its own names, as the converter writes that class to arch
+    "chatglm" (separate q/k/v)."""
     import shutil
 
     import gguf
@@ -292,7 +294,7 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
     round_trip = lambda t: torch.from_numpy(dequantize(quantize(t.numpy(), qt), qt).copy())  # noqa: E731
     hf = load_file(os.path.join(hf_dir, "model.safetensors"))
     tensors: list[tuple[str, torch.Tensor]] = []  # (HF-style name gguf-py maps, tensor) in the converter's layout
-    for hf_name, t in (_as_chatglm(dict(hf)) if arch == "chatglm" else _stack_experts(hf)).items():
+    for hf_name, t in (_as_chatglm(dict(hf)) if arch == "chatglm" and relay_chatglm else _stack_experts(hf)).items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         if hf_name.endswith("e_score_correction_bias"):  # the converter's rename, mapped to exp_probs_b.bias

@@ -44,7 +44,7 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
         "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
 #: family -> (GGUF architecture, HF model_type of the config the file loads with, HF architecture)
 ARCH = {"glm4": ("glm4", "glm4", "Glm4ForCausalLM"), "baichuan": ("baichuan", "llama", "LlamaForCausalLM"),
-        "chatglm": ("chatglm", "glm", "GlmForCausalLM"),
+        "chatglm": ("chatglm", "glm", "GlmForCausalLM"), "glm": ("chatglm", "glm", "GlmForCausalLM"),
         "deepseek_v2": ("deepseek2", "deepseek_v2", "DeepseekV2ForCausalLM"),
         "deepseek_v2_lite": ("deepseek2", "deepseek_v2", "DeepseekV2ForCausalLM"),
         "deepseek_v3": ("deepseek2", "deepseek_v3", "DeepseekV3ForCausalLM")}
@@ -58,6 +58,9 @@ def write_family_gguf(family: str, out_dir: str, qtype: str) -> tuple[str, str]:
         make_fallback_model("glm4", hf_dir, **GLM4_GGUF)
     elif family == "chatglm":
         make_fallback_model("glm", hf_dir, **CHATGLM_GGUF)
+    elif family == "glm":  # transformers' GlmForCausalLM (GLM-4-9B-hf), which llama.cpp also writes as arch chatglm
+        make_fallback_model("glm", hf_dir, **CHATGLM_GGUF)
+        kwargs["relay_chatglm"] = False
     elif family == "deepseek_v2":
         make_fallback_model("deepseek_v2", hf_dir)
     elif family == "deepseek_v2_lite":  # an older converter's file: attn_kv_b whole, no groups / gating keys
@@ -92,6 +95,7 @@ def assert_config_matches(config, want) -> None:
 
 @pytest.mark.parametrize("family,qtype", [("glm4", "F32"), ("glm4", "Q8_0"), ("baichuan", "F32"),
                                           ("baichuan", "Q8_0"), ("chatglm", "F32"), ("chatglm", "Q8_0"),
+                                          ("glm", "Q8_0"),
                                           ("deepseek_v2", "F32"), ("deepseek_v2_lite", "F32"),
                                           ("deepseek_v3", "F32"), ("deepseek_v3", "Q8_0")])
 def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
@@ -104,7 +108,7 @@ def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
         tensors = {t.name for t in read_tensors(path)[1]}
         assert ("blk.0.attn_kv_b.weight" in tensors) == (family == "deepseek_v2_lite")
         assert ("blk.1.exp_probs_b.bias" in tensors) == (family == "deepseek_v3")
-    elif family == "chatglm":
+    elif family in ("chatglm", "glm"):
         assert config.attention_bias and config.rope_parameters["partial_rotary_factor"] == 0.5
     elif family == "glm4":
         assert config.attention_bias and config.rope_parameters["partial_rotary_factor"] == 0.75

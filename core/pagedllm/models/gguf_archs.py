@@ -9,9 +9,11 @@ tensor names, so only the config is ours. Keys are those llama.cpp's ``convert_h
   as ``post_attention_norm`` / ``post_ffw_norm``.
 - ``baichuan``: Llama with ``W_pack`` split into q/k/v (q/k rows permuted like Llama's); llama.cpp runs a 40-layer
   file as Baichuan-13B (ALiBi, no rotary) and any other depth as 7B (rotary), and so does this.
-- ``chatglm`` (ChatGLM2/3 and remote-code GLM-4, llama.cpp's ``ChatGLMModel``): transformers' ``Glm``; q/k/v fused in
-  ``attn_qkv`` (with bias), ``dense_h_to_4h`` (gate then up) as ``ffn_up``, nothing permuted; the converter writes no
-  head size, so it comes from the ``attn_qkv`` rows, and ``rope.dimension_count`` is the rotary part (half).
+- ``chatglm`` (ChatGLM2/3 and remote-code GLM-4, llama.cpp's ``ChatGLMModel``, which also writes transformers'
+  ``GlmForCausalLM`` with q/k/v apart): transformers' ``Glm``; q/k/v fused in ``attn_qkv`` (with bias) or
+  separate, ``dense_h_to_4h`` / ``gate_up_proj`` (gate then up) as ``ffn_up``, nothing permuted; the converter
+  writes no head size, so it comes from the ``attn_qkv`` (or ``attn_q``) rows, and ``rope.dimension_count`` is the
+  rotary part (half).
 - ``deepseek2`` (DeepSeek-V2/V3, llama.cpp's ``DeepseekV2Model``): MLA written as one-KV-head MQA (``key_length`` /
   ``value_length`` are the latent sizes; the per-head sizes are ``key_length_mla`` / ``value_length_mla``, or
   ``key_length`` / ``value_length`` in files from before the split ``attn_k_b`` / ``attn_v_b``). Sigmoid gating is
@@ -116,14 +118,18 @@ def chatglm_config(path: str) -> Any:
     from transformers import GlmConfig
 
     meta, fields, shapes = _common(path, "chatglm")
-    if "blk.0.attn_qkv.weight" not in shapes:
-        raise ValueError(f"chatglm GGUF file {path} lacks tensor 'blk.0.attn_qkv.weight' (fused q/k/v)")
     heads, kv = fields["num_attention_heads"], fields["num_key_value_heads"]
-    head_dim = int(shapes["blk.0.attn_qkv.weight"][1]) // (heads + 2 * kv)
+    fused = "blk.0.attn_qkv.weight" in shapes  # ChatGLM2/3's query_key_value; GlmForCausalLM's q/k/v stay apart
+    if not fused and "blk.0.attn_q.weight" not in shapes:
+        raise ValueError(f"chatglm GGUF file {path} has neither 'blk.0.attn_qkv.weight' nor 'blk.0.attn_q.weight'")
+    head_dim = (int(shapes["blk.0.attn_qkv.weight"][1]) // (heads + 2 * kv) if fused
+                else int(shapes["blk.0.attn_q.weight"][1]) // heads)
     rotary = int(meta.get("chatglm.rope.dimension_count", head_dim // 2))
     config = GlmConfig(**fields, head_dim=head_dim, partial_rotary_factor=rotary / head_dim, hidden_act="silu",
-                       attention_bias="blk.0.attn_qkv.bias" in shapes, architectures=["GlmForCausalLM"])
-    config.pagedllm_source_architecture = "ChatGLMModel"
+                       attention_bias=f"blk.0.attn_{'qkv' if fused else 'q'}.bias" in shapes,
+                       architectures=["GlmForCausalLM"])
+    if fused:
+        config.pagedllm_source_architecture = "ChatGLMModel"
     return config
 
 

@@ -44,7 +44,8 @@ VERIFIED: dict[str, str] = {
 # Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
 # DeepSeek-V2/V3 F32 and Q8_0 (tests/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
 # models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion)
-_GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tested; LongRoPE factors and partial rotary read from the file)",
+_GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
+                "Phi3ForCausalLM": "yes (tested; LongRoPE factors and partial rotary read from the file)",
                 "MistralForCausalLM": "yes (tested; arch llama named mistral; GGUF has no sliding window: "
                                       "transformers' default 4096)",
                 "Qwen2ForCausalLM": "yes (tested)", "Qwen3ForCausalLM": "yes (tested)",
@@ -52,7 +53,8 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tes
                 "MixtralForCausalLM": "yes (tested; arch llama with expert tensors, read by our loader, not "
                                       "transformers)",
                 "Gemma2ForCausalLM": "yes (tested; soft-capping keys and query scale read as llama.cpp does)",
-                "Gemma3ForCausalLM": "yes (tested; global-layer linear rope scaling and query scale read as llama.cpp does)",
+                "Gemma3ForCausalLM": "yes (tested; global-layer linear rope scaling and query scale read as llama.cpp "
+                                     "does)",
                 "FalconForCausalLM": "yes (tested; Falcon-7B multi-query and Falcon-40B grouped layouts)",
                 "Glm4ForCausalLM": "yes (tested; arch glm4, config from its metadata by pagedllm; BPE tokenizer "
                                    "tested)",
@@ -64,7 +66,8 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)", "Phi3ForCausalLM": "yes (tes
                                          "by pagedllm; attn_kv_b whole or split into attn_k_b/attn_v_b)",
                 "DeepseekV3ForCausalLM": "yes (tested; arch deepseek2 with sigmoid gating and exp_probs_b, config "
                                          "from its metadata by pagedllm; YaRN with mscale = mscale_all_dim)",
-                "ChatGLMModel": "yes (tested; arch chatglm, config from its metadata by pagedllm, run as Glm)"}
+                "ChatGLMModel": "yes (tested; arch chatglm, config from its metadata by pagedllm, run as Glm)",
+                "GlmForCausalLM": "yes (tested; llama.cpp writes GLM as arch chatglm, which loads as Glm)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 
 
