@@ -28,14 +28,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
         self.op = op
-        self.fused_add_op = fused_add_op  # the backend's fused_add_rms_norm (decoder layer norms)
+        self.fused_add_op = fused_add_op  # the backend's own fused_add_rms_norm, else None (add_, then op)
         self.offset = offset  # Gemma stores w and scales by (1 + w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.weight + 1 if self.offset else self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x += residual`` (in place), then the norm of that sum: (normed, sum), in one backend call."""
+        """``x += residual`` (in place), then the norm of that sum: (normed, sum); one call where the backend fuses
+        them, else its ``rms_norm`` after the add (not core's reference, which would replace a backend's norm)."""
+        if self.fused_add_op is None:
+            return self(x.add_(residual)), x
         return self.fused_add_op(x, residual, self.weight + 1 if self.offset else self.weight, self.eps)
 
 
@@ -152,8 +155,9 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, spec: ArchSpec, backend: Any, sliding_window: Optional[int], index: int):
         super().__init__()
+        fused = backend.fused_add_rms_norm if backend.implements("pagedllm_fused_add_rms_norm") else None
         norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm, spec.gemma,  # noqa: E731
-                               backend.fused_add_rms_norm)
+                               fused)
         self.input_layernorm = norm()
         if spec.attention == "mla":
             self.self_attn = MLAAttention(config, backend, lambda d, eps: RMSNorm(d, eps, backend.rms_norm))
