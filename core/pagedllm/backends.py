@@ -119,6 +119,7 @@ class Backend:
         swap_kv_blocks: Callable[[list, list, torch.Tensor, torch.Tensor], None]
         graph_runner: Callable[..., GraphRunner]
         rms_norm: Callable[..., torch.Tensor]
+        fused_add_rms_norm: Callable[..., tuple]
         rotary: Callable[..., tuple]
         silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
         apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None]

@@ -380,6 +380,13 @@ class BackendSpec:
         """RMSNorm, computed in float32 and cast back, as HF does."""
 
     @hookspec(firstresult=True)
+    def pagedllm_fused_add_rms_norm(self, x: "torch.Tensor", residual: "torch.Tensor", weight: "torch.Tensor",
+                                    eps: float) -> tuple:
+        """vLLM's ``fused_add_rms_norm`` as the decoder uses it: ``x += residual`` in x's dtype (in place: x becomes
+        the residual stream), then ``rms_norm(x, weight, eps)``. Returns ``(normed, x)``; ``residual`` is not
+        written. ``[T, hidden]`` tensors. Reference: ``pagedllm.ref_ops.fused_add_rms_norm``."""
+
+    @hookspec(firstresult=True)
     def pagedllm_rotary(
         self, positions: "torch.Tensor", query: "torch.Tensor", key: "torch.Tensor", cos_sin_cache: "torch.Tensor"
     ) -> tuple:

@@ -119,6 +119,11 @@ def pagedllm_rms_norm(x, weight, eps):
 
 
 @hookimpl(trylast=True)
+def pagedllm_fused_add_rms_norm(x, residual, weight, eps):
+    return ref_ops.fused_add_rms_norm(x, residual, weight, eps)
+
+
+@hookimpl(trylast=True)
 def pagedllm_rotary(positions, query, key, cos_sin_cache):
     return ref_ops.rotary(positions, query, key, cos_sin_cache)
 

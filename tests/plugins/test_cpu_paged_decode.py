@@ -19,7 +19,7 @@ import torch
 import pagedllm.backends as backends
 from pagedllm import ref_ops
 from pagedllm_cpu import attention as cpu_attention
-from pagedllm_cpu import paged_decode
+from pagedllm_cpu import native
 from test_cpu_backend import MIXED, TOL, make_batch
 
 BUILD_TIMEOUT_S = 600  # a cold build takes 10 s on an idle 2-core machine, minutes when it is busy
@@ -27,8 +27,8 @@ BUILD_TIMEOUT_S = 600  # a cold build takes 10 s on an idle 2-core machine, minu
 
 @pytest.fixture(scope="module")
 def op():
-    got = paged_decode.get(wait=True, timeout=BUILD_TIMEOUT_S)
-    assert got is not None, f"the kernel did not build: {paged_decode.error()}"
+    got = native.get(wait=True, timeout=BUILD_TIMEOUT_S)
+    assert got is not None, f"the kernel did not build: {native.error()}"
     return got
 
 
@@ -127,15 +127,15 @@ _PROBE = textwrap.dedent("""
     import torch
     from pagedllm import ref_ops
     from pagedllm.attention import AttentionMetadata
-    from pagedllm_cpu import attention, paged_decode
-    op = paged_decode.get(wait=True)
+    from pagedllm_cpu import attention, native
+    op = native.get(wait=True)
     meta = AttentionMetadata.build([1, 1], [3, 20], [[1], [2, 3]], 16)
     cache = torch.randn(2, 4, 16, 2, 32)
     q = torch.randn(2, 4, 32)
     for _ in range(2):  # a second call must not log again
         got = attention.paged_attention(q, cache, meta, 0.3)
     torch.testing.assert_close(got, ref_ops.paged_attention(q, cache, meta, 0.3))
-    print("KERNEL", op is not None, paged_decode.error())
+    print("KERNEL", op is not None, native.error())
 """)
 
 
@@ -149,13 +149,13 @@ def test_no_compiler_keeps_the_sdpa_path_and_says_so_once(op, tmp_path):
     r = _probe(tmp_path, CXX=str(tmp_path / "no-such-compiler"))
     assert r.returncode == 0, r.stderr
     assert "KERNEL False" in r.stdout, r.stdout
-    warnings = [ln for ln in r.stdout.splitlines() if "paged decode kernel unavailable" in ln]
+    warnings = [ln for ln in r.stdout.splitlines() if "C++ kernels unavailable" in ln]
     assert len(warnings) == 1 and "gather + SDPA" in warnings[0], r.stdout
 
 
 def test_a_built_kernel_is_loaded_from_the_cache(op):
     """The build is cached per (source, torch, Python, capability): a new process loads it without compiling."""
-    path = paged_decode.library_path()
+    path = native.library_path()
     assert path.is_file() and torch.backends.cpu.get_cpu_capability().lower() in path.name
     r = _probe(path.parents[1], CXX="/no-such-compiler")
     assert r.returncode == 0 and "KERNEL True None" in r.stdout, r.stdout + r.stderr
@@ -163,7 +163,7 @@ def test_a_built_kernel_is_loaded_from_the_cache(op):
 
 def test_disabled_by_environment(op, cpu, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_PAGED_DECODE", "0")
-    assert paged_decode.get() is None
+    assert native.get() is None
     query, cache, meta = make_batch(*DECODES, 4, 2, 32, 16, torch.float32, seed=11)
     got = cpu.paged_attention(query, cache, meta, 0.2, None, None, 1.0, 1.0)
     assert (None, True) in meta.extra[cpu_attention._PLAN_KEY]
@@ -181,7 +181,7 @@ def test_engine_greedy_parity_on_the_kernel(op, tiny_model_dirs, tmp_path, monke
     from pagedllm import LLM, SamplingParams
 
     calls = []
-    monkeypatch.setattr(paged_decode, "_op", lambda *args: (calls.append(1), op(*args)))
+    monkeypatch.setattr(native, "_op", lambda *args: (calls.append(1), op(*args)))
     path = tiny_model_dirs[name] if name in tiny_model_dirs else tiny_models.make_fallback_model(name, tmp_path / name)
     llm = LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
     g = torch.Generator().manual_seed(4)

@@ -182,6 +182,19 @@ def check_rms_norm(ctx: CaseContext) -> None:
     ctx.compare(ctx.backend.rms_norm(x, w, 1e-6), ref_ops.rms_norm(x, w, 1e-6), "rms_norm output")
 
 
+def check_fused_add_rms_norm(ctx: CaseContext) -> None:
+    hidden = ctx.params["hidden"]
+    x, residual = ctx.randn(7, hidden, scale=3.0), ctx.randn(7, hidden, scale=3.0)
+    w = (1.0 + 0.1 * ctx.randn(hidden, dtype=torch.float32)).to(ctx.dtype)
+    want_norm, want_sum = ref_ops.fused_add_rms_norm(x.clone(), residual.clone(), w, 1e-6)
+    res0 = residual.clone()
+    poison_allocator(x.numel(), ctx.dtype, ctx.device)
+    normed, summed = ctx.backend.fused_add_rms_norm(x, residual, w, 1e-6)
+    ctx.compare(summed, want_sum, "fused_add_rms_norm residual sum", exact=True)
+    ctx.compare(normed, want_norm, "fused_add_rms_norm output")
+    ctx.compare(residual, res0, "fused_add_rms_norm leaves residual unchanged", exact=True)
+
+
 def check_silu_and_mul(ctx: CaseContext) -> None:
     x = ctx.randn(7, 2 * ctx.params["hidden"], scale=2.0)
     poison_allocator(x.numel() // 2, ctx.dtype, ctx.device)

@@ -94,6 +94,8 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                 cases.append(Case("attention", f"paged_attention.{kvd}.{scenario}", f"hs{hs0}-bs{bs}-gqa3", dt,
                                   K.check_attention, dict(fp8, scenario=scenario, gqa=3)))
         cases.append(Case("fused_ops", "rms_norm", "hidden576", dt, K.check_rms_norm, dict(hidden=576)))
+        cases.append(Case("fused_ops", "fused_add_rms_norm", "hidden576", dt, K.check_fused_add_rms_norm,
+                          dict(hidden=576)))
         cases.append(Case("fused_ops", "silu_and_mul", "d320", dt, K.check_silu_and_mul, dict(hidden=320)))
         for layout in ("uniform", "uniform_consecutive", "uneven"):
             cases.append(Case("fused_ops", "add_lora", layout, dt, K.check_add_lora, dict(layout=layout)))

@@ -23,15 +23,23 @@ from pagedllm.models.moe import DeepseekMoeBlock, SparseMoeBlock, is_moe_layer
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, op, offset: bool = False):
+    def __init__(self, dim: int, eps: float, op, offset: bool = False, fused_add_op=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
         self.eps = eps
         self.op = op
+        self.fused_add_op = fused_add_op  # the backend's own fused_add_rms_norm, else None (add_, then op)
         self.offset = offset  # Gemma stores w and scales by (1 + w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.op(x, self.weight + 1 if self.offset else self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x += residual`` (in place), then the norm of that sum: (normed, sum); one call where the backend fuses
+        them, else its ``rms_norm`` after the add (not core's reference, which would replace a backend's norm)."""
+        if self.fused_add_op is None:
+            return self(x.add_(residual)), x
+        return self.fused_add_op(x, residual, self.weight + 1 if self.offset else self.weight, self.eps)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +155,9 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, config: Any, spec: ArchSpec, backend: Any, sliding_window: Optional[int], index: int):
         super().__init__()
-        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm, spec.gemma)  # noqa: E731
+        fused = backend.fused_add_rms_norm if backend.implements("pagedllm_fused_add_rms_norm") else None
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm, spec.gemma,  # noqa: E731
+                               fused)
         self.input_layernorm = norm()
         if spec.attention == "mla":
             self.self_attn = MLAAttention(config, backend, lambda d, eps: RMSNorm(d, eps, backend.rms_norm))
@@ -173,16 +183,17 @@ class DecoderLayer(nn.Module):
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         if self.pre_feedforward_layernorm is not None:
             a = self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, cos_sin_cache)
-            h = self.post_attention_layernorm(a).add_(h)
-            m = self.mlp(self.pre_feedforward_layernorm(h), getattr(meta, "lora_mapping", None))
+            x, h = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(a), h)
+            m = self.mlp(x, getattr(meta, "lora_mapping", None))
             return self.post_feedforward_layernorm(m).add_(h)
         if self.post_self_attn_layernorm is not None:
             a = self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, cos_sin_cache)
-            h = self.post_self_attn_layernorm(a).add_(h)
-            m = self.mlp(self.post_attention_layernorm(h), getattr(meta, "lora_mapping", None))
+            x, h = self.post_attention_layernorm.add_and_norm(self.post_self_attn_layernorm(a), h)
+            m = self.mlp(x, getattr(meta, "lora_mapping", None))
             return self.post_mlp_layernorm(m).add_(h)
-        h = self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, cos_sin_cache).add_(h)
-        return self.mlp(self.post_attention_layernorm(h), getattr(meta, "lora_mapping", None)).add_(h)
+        a = self.self_attn(self.input_layernorm(h), positions, kv_cache, meta, cos_sin_cache)
+        x, h = self.post_attention_layernorm.add_and_norm(a, h)
+        return self.mlp(x, getattr(meta, "lora_mapping", None)).add_(h)
 
 
 class CausalLM(nn.Module):

@@ -11,7 +11,7 @@ converted to the query's dtype in the reused buffer, and its scales are folded i
 output (values), so the attention itself is unchanged. ALiBi is an additive per-head float mask
 ``slope_h * (k_pos - q_pos)`` on top of the causal one, built from the plan's relative positions (``rel``).
 
-When the C++ kernel (``paged_decode.py``) is built, decodes skip the gather altogether: it reads keys and values in
+When the C++ kernel (``native.py``) is built, decodes skip the gather altogether: it reads keys and values in
 place through the block table. The gather + SDPA path above stays for fp8 caches and until (or unless) it is built.
 """
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.kv_quant import is_fp8, quantize_kv
-from pagedllm_cpu import paged_decode
+from pagedllm_cpu import native
 
 _PLAN_KEY = "pagedllm_cpu.plan"
 _SPLIT_MIN_BLOCKS = 8  # decode batches whose longest context fits in this many blocks stay one group
@@ -49,9 +49,14 @@ def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Scatter ``[T, Hkv, D]`` keys/values into flat slots with ``index_copy_``; slots < 0 are skipped. fp8 caches
-    store ``saturate(x * (1 / scale))`` (``pagedllm.kv_quant.quantize_kv``), copied as bytes (torch has no fp8
-    ``index_copy_`` on CPU)."""
+    """Scatter ``[T, Hkv, D]`` keys/values into flat slots, slots < 0 skipped: one C++ call (``csrc/write_kv.cpp``)
+    when the cache has their dtype, else ``index_copy_``. fp8 caches store ``saturate(x * (1 / scale))``
+    (``pagedllm.kv_quant.quantize_kv``), copied as bytes (torch has no fp8 ``index_copy_`` on CPU)."""
+    lib = native.lib
+    if (lib is not None and key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype and kv_cache.is_contiguous()
+            and key.stride(-1) == 1 and value.stride(-1) == 1):
+        lib.write_kv(kv_cache, key, value, slot_mapping)
+        return
     _, nb, bs, h, d = kv_cache.shape
     slots = slot_mapping
     if slots.numel() and int(slots.min()) < 0:
@@ -228,7 +233,7 @@ def _decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionM
     """The in-place decode kernel when it is built and takes this call (same dtype for query and cache, not fp8)."""
     if meta.num_decodes == 0 or is_fp8(kv_cache.dtype) or kv_cache.dtype != query.dtype:
         return None
-    return paged_decode.get()
+    return native.get()
 
 
 def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Elementwise ops measured faster than core's reference on CPU."""
+"""Elementwise ops measured faster than core's reference on CPU: the C++ ones (``native.py``) once loaded, else
+torch paths (a cold build, no compiler, or a case the C++ op does not take)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,20 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm import ref_ops
+from pagedllm_cpu import native
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
            cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ref_ops.rotary`` bit for bit (x1*cos - x2*sin, x2*cos + x1*sin) without its cat/rotate_half temporaries;
-    1.3-1.6x faster on a 64-token decode step, 5x on a 1024-token prefill."""
+    """``ref_ops.rotary`` bit for bit (x1*cos - x2*sin, x2*cos + x1*sin): one C++ call (``csrc/rotary.cpp``), or
+    torch without the reference's cat/rotate_half temporaries (1.3-1.6x faster than it on a 64-token decode step,
+    5x on a 1024-token prefill)."""
+    lib = native.lib
+    if (lib is not None and query.dtype in _NATIVE_DTYPES and cos_sin_cache.dtype in (torch.float32, query.dtype)
+            and query.stride(-1) == 1 and key.stride(-1) == 1 and key.dtype == query.dtype):
+        return lib.rotary(positions, query, key, cos_sin_cache)
     cs = cos_sin_cache.index_select(0, positions.long())
     half = cs.shape[-1] // 2
     rot = 2 * half
@@ -29,12 +38,29 @@ def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     return apply(query), apply(key)
 
 
+def _native_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (native.lib is not None and x.dtype in _NATIVE_DTYPES and weight.dtype == x.dtype
+            and weight.is_contiguous() and x.numel() > 0)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32: torch's fused kernel (one pass instead of five ops, ~25% faster at decode sizes); other dtypes keep
-    the reference's HF order of casts."""
+    """One C++ call (``csrc/rms_norm.cpp``, HF's order of casts); else, fp32: torch's fused kernel (one pass
+    instead of five ops, ~25% faster at decode sizes), other dtypes the reference."""
+    if _native_norm(x, weight):
+        return native.lib.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return ref_ops.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x += residual`` then its RMSNorm in one C++ pass over the row; else the add, then ``rms_norm``."""
+    if (_native_norm(x, weight) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
+            and x.stride(-1) == 1 and residual.stride(-1) == 1):
+        return native.lib.fused_add_rms_norm(x, residual, weight, eps), x
+    x.add_(residual)
+    return rms_norm(x, weight, eps), x
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The CPU backend's hook implementations (entry point ``cpu`` in group ``pagedllm.backends``).
 
-KV caches use the canonical layout, so core's reference gather/copy/swap apply unchanged; rms_norm and silu_and_mul
-also stay on the reference ops, which were as fast as anything tried (see ``ops.py``).
+KV caches use the canonical layout, so core's reference gather/copy/swap apply unchanged; rms_norm, the fused residual
+add + rms_norm, rotary and KV writes run C++ ops once they are built (``native.py``), silu_and_mul stays on torch.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, QuantizedLinearKernel, hookimpl)
-from pagedllm_cpu import attention, graph, lora, moe, ops, paged_decode, platform, quant
+from pagedllm_cpu import attention, graph, lora, moe, native, ops, platform, quant
 
 #: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
 _DEFAULT_KV_BYTES = 4 << 30
@@ -56,7 +56,7 @@ def pagedllm_capabilities() -> Capabilities:
 def pagedllm_update_config(config: Any, model_info: ModelInfo) -> Optional[dict]:
     """``dtype="auto"`` runs float32 whatever the checkpoint's dtype: it is the exact path on every x86 kind and the
     fast one without AMX (bf16 is opt-in: ``--dtype bfloat16``, 1.9x faster on AMX machines; docs/benchmarks.md)."""
-    paged_decode.start_build()  # engine start: the decode kernel loads (or builds) while the model loads
+    native.start_build()  # engine start: the C++ ops load (or build) while the model loads
     return {"dtype": "float32"} if config.dtype == "auto" else None
 
 
@@ -105,6 +105,11 @@ def pagedllm_rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Ten
 @hookimpl
 def pagedllm_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return ops.rms_norm(x, weight, eps)
+
+
+@hookimpl
+def pagedllm_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
+    return ops.fused_add_rms_norm(x, residual, weight, eps)
 
 
 @hookimpl

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.hookspec import QuantizedLinearKernel, QuantizedWeight
+from pagedllm_cpu import native
 
 GROUP = 32
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
@@ -43,14 +44,23 @@ def _prepare(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple[
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
 
 
+def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """``x @ W.T`` in x's dtype, activations cast to bf16 around the kernel: one C++ call once ``native`` is loaded
+    (``csrc/int4_linear.cpp``, the same ATen ops without four Python dispatches), else those ops here."""
+    if native.lib is not None:
+        return native.lib.int4pack_linear(x, packed, group, scales_zeros)
+    shape = x.shape
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), packed, group,
+                                                   scales_zeros).to(x.dtype)
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
 def _apply(state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     packed, scales_zeros = state
-    shape = x.shape
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, shape[-1]).to(torch.bfloat16), packed, GROUP,
-                                                   scales_zeros).to(x.dtype)
+    y = _int4_mm(x, packed, GROUP, scales_zeros)
     if bias is not None:
         y.add_(bias)
-    return y.reshape(*shape[:-1], y.shape[-1])
+    return y
 
 
 INT4 = QuantizedLinearKernel(_prepare, _apply, name="cpu-int4pack")
@@ -85,14 +95,10 @@ def _apply_grouped(state: tuple, x: torch.Tensor, bias: Optional[torch.Tensor]) 
     if state[0] == "dense":
         return F.linear(x, state[1], bias)
     _, packed, scale_zero, size, perm = state
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    if perm is not None:
-        x2 = x2.index_select(1, perm)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16), packed, size, scale_zero).to(x.dtype)
+    y = _int4_mm(x if perm is None else x.index_select(-1, perm), packed, size, scale_zero)
     if bias is not None:
         y.add_(bias)
-    return y.reshape(*shape[:-1], y.shape[-1])
+    return y
 
 
 GROUPED_INT4 = QuantizedLinearKernel(_prepare_grouped, _apply_grouped, name="cpu-int4pack")

@@ -1,11 +1,15 @@
-"""The C++ paged decode-attention kernel (``csrc/paged_decode.cpp``): built on first use, cached on disk, optional.
+"""The CPU plugin's C++ ops (``csrc/*.cpp``, one library): built on first use, cached on disk, optional.
+
+``paged_decode.cpp`` attends decodes in place; ``rms_norm.cpp``, ``rotary.cpp`` and ``write_kv.cpp`` do in one op call
+what takes torch five to twenty at decode sizes, where dispatch costs more than the arithmetic (``ops.py`` and
+``attention.py`` call them when loaded, else their torch paths).
 
 Built with ``torch.utils.cpp_extension`` (g++, ninja) for the SIMD level ATen itself detected
 (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, or the portable default), never by the machine's name.
 The build (30-90 s) runs in a background thread started at engine start, so a cold start is not slowed: until it is
 ready, or when no compiler is available, decodes take the gather + SDPA path, and the reason is logged once. Each
 process builds in its own temporary folder and renames the result into the cache, so an interrupted build never
-leaves a lock that blocks the next process. ``PAGEDLLM_CPU_PAGED_DECODE=0`` turns the kernel off (benchmarks).
+leaves a lock that blocks the next process. ``PAGEDLLM_CPU_PAGED_DECODE=0`` turns the library off (benchmarks).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -26,7 +30,7 @@ from pagedllm.models.gguf_config import cache_root
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _ENV = "PAGEDLLM_CPU_PAGED_DECODE"
 #: Compiler flags per ATen CPU capability: the macros select at::vec's implementation, -m flags allow its instructions.
 _ISA_FLAGS = {
@@ -37,6 +41,8 @@ _ISA_FLAGS = {
 _lock = threading.Lock()
 _thread: Optional[threading.Thread] = None
 _op: Optional[Callable] = None
+#: ``torch.ops.pagedllm_cpu`` once the library is loaded (its ops: ``rms_norm``, ``rotary``, ``write_kv``...), else None.
+lib: Optional[Any] = None
 _error: Optional[str] = None
 
 
@@ -50,7 +56,9 @@ def _capability() -> str:
 
 
 def _build_key(cap: str) -> str:
-    h = hashlib.sha256(_SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.read_bytes())
     h.update(f"{torch.__version__}:{sys.version_info[:2]}:{cap}".encode())
     return h.hexdigest()[:20]
 
@@ -58,7 +66,7 @@ def _build_key(cap: str) -> str:
 def library_path() -> Path:
     """Where the built kernel for this torch, Python and capability lives (``PAGEDLLM_CACHE`` moves it)."""
     cap = _capability()
-    return cache_root() / "torch-ext" / f"paged_decode-{cap.lower()}-{_build_key(cap)}.so"
+    return cache_root() / "torch-ext" / f"pagedllm_cpu-{cap.lower()}-{_build_key(cap)}.so"
 
 
 def _compile(target: Path) -> None:
@@ -68,9 +76,10 @@ def _compile(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
     try:
-        name = f"pagedllm_cpu_paged_decode_{cap.lower()}"
-        cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(tmp), is_python_module=False,
-                           extra_cflags=["-O3", "-fopenmp", f"-DCPU_CAPABILITY={cap}"] + _ISA_FLAGS.get(cap, []),
+        name = f"pagedllm_cpu_ops_{cap.lower()}"
+        cflags = ["-O3", "-fopenmp", "-ffp-contract=off", f"-DCPU_CAPABILITY={cap}"] + _ISA_FLAGS.get(cap, [])
+        cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], build_directory=str(tmp),
+                           is_python_module=False, extra_cflags=cflags,
                            extra_ldflags=["-fopenmp"], verbose=False)
         os.replace(tmp / f"{name}.so", target)  # atomic: another process sees the whole file or none
     finally:
@@ -78,7 +87,7 @@ def _compile(target: Path) -> None:
 
 
 def _load() -> None:
-    global _op, _error
+    global _op, lib, _error
     try:
         target = library_path()
         if target.is_file():
@@ -86,15 +95,17 @@ def _load() -> None:
         else:  # _compile loads the freshly built library into this process
             _compile(target)
         _op = torch.ops.pagedllm_cpu.paged_decode_attention
-        logger.info("CPU paged decode kernel ready (%s, %s)", _capability(), target)
+        lib = torch.ops.pagedllm_cpu
+        logger.info("CPU C++ ops ready (%s, %s)", _capability(), target)
     except Exception as e:  # no compiler, no ninja, no headers, read-only cache...: the SDPA path stays
         lines = str(e).strip().splitlines() or [""]
         _error = f"{type(e).__name__}: {next((x for x in lines if 'error' in x), lines[-1]).strip()}"
-        logger.warning("CPU paged decode kernel unavailable (%s); decodes use the gather + SDPA path", _error)
+        logger.warning("CPU C++ kernels unavailable (%s); decodes use the gather + SDPA path, the other ops torch",
+                       _error)
 
 
 def start_build() -> None:
-    """Load the kernel from the cache now (milliseconds), or build it in a background thread (once per process;
+    """Load the library from the cache now (milliseconds), or build it in a background thread (once per process;
     no-op when off). Loading a cached build synchronously keeps every step of a process on one path: decodes of
     processes that compare logits (TP ranks, DP replicas, a reference engine) must not switch mid-run."""
     global _thread

@@ -1,0 +1,88 @@
+// Neox rotary embedding for the CPU backend in one op call: the cos/sin rows gathered by position inside, q and k
+// rotated into fresh contiguous outputs. The same arithmetic as core's reference (and ops.py's torch path): cos and
+// sin rounded to the activations' dtype, then x1*cos - x2*sin and x2*cos + x1*sin with each product and the sum
+// rounded to that dtype (the build uses -ffp-contract=off, so float32 is not fused into FMAs either).
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace {
+
+template <typename T, typename C>
+void rotate(at::Tensor& out, const at::Tensor& x, const int64_t* pos, const at::Tensor& cos_sin) {
+  const int64_t t = x.size(0), h = x.size(1), d = x.size(2);
+  const int64_t rot = cos_sin.size(1), half = rot / 2;
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), cs0 = cos_sin.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const C* cp = cos_sin.data_ptr<C>();
+  at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const C* cs = cp + pos[i] * cs0;
+      for (int64_t k = 0; k < h; ++k) {
+        const T* xi = xp + i * xs0 + k * xs1;
+        T* oi = op + (i * h + k) * d;
+        for (int64_t j = 0; j < half; ++j) {
+          const float c = static_cast<float>(static_cast<T>(cs[j]));
+          const float s = static_cast<float>(static_cast<T>(cs[half + j]));
+          const float x1 = static_cast<float>(xi[j]), x2 = static_cast<float>(xi[half + j]);
+          const float a = static_cast<float>(static_cast<T>(x1 * c)), b = static_cast<float>(static_cast<T>(x2 * s));
+          const float e = static_cast<float>(static_cast<T>(x2 * c)), f = static_cast<float>(static_cast<T>(x1 * s));
+          oi[j] = static_cast<T>(a - b);
+          oi[half + j] = static_cast<T>(e + f);
+        }
+        for (int64_t j = rot; j < d; ++j) oi[j] = xi[j];
+      }
+    }
+  });
+}
+
+template <typename T>
+void rotate_any(at::Tensor& out, const at::Tensor& x, const int64_t* pos, const at::Tensor& cos_sin) {
+  if (cos_sin.scalar_type() == at::kFloat) return rotate<T, float>(out, x, pos, cos_sin);
+  TORCH_CHECK(cos_sin.scalar_type() == x.scalar_type(), "rotary: cos_sin_cache must be float32 or the query's dtype");
+  return rotate<T, T>(out, x, pos, cos_sin);
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(at::Tensor positions, at::Tensor query, at::Tensor key,
+                                          at::Tensor cos_sin) {
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.stride(2) == 1 && key.stride(2) == 1,
+              "rotary: query and key must be [T, H, D] with a contiguous head dim");
+  at::Tensor q_out = at::empty(query.sizes(), query.options()), k_out = at::empty(key.sizes(), key.options());
+  TORCH_CHECK(cos_sin.dim() == 2 && cos_sin.stride(1) == 1 && cos_sin.size(1) % 2 == 0 &&
+                  cos_sin.size(1) <= query.size(2) && cos_sin.size(1) <= key.size(2),
+              "rotary: cos_sin_cache must be [max_pos, rot_dim] with an even rot_dim <= head_size");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "rotary: query and key must share a dtype");
+  const at::Tensor pos = positions.to(at::kLong).contiguous();
+  TORCH_CHECK(pos.numel() == query.size(0) && pos.numel() == key.size(0), "rotary: one position per token");
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t i = 0; i < pos.numel(); ++i)
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < cos_sin.size(0), "rotary: position ", pp[i], " outside the cos/sin cache");
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      rotate_any<float>(q_out, query, pp, cos_sin);
+      rotate_any<float>(k_out, key, pp, cos_sin);
+      break;
+    case at::kBFloat16:
+      rotate_any<at::BFloat16>(q_out, query, pp, cos_sin);
+      rotate_any<at::BFloat16>(k_out, key, pp, cos_sin);
+      break;
+    case at::kHalf:
+      rotate_any<at::Half>(q_out, query, pp, cos_sin);
+      rotate_any<at::Half>(k_out, key, pp, cos_sin);
+      break;
+    default:
+      TORCH_CHECK(false, "rotary: unsupported dtype ", query.scalar_type());
+  }
+  return {q_out, k_out};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("rotary(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("rotary", &rotary); }
