@@ -263,7 +263,7 @@ class CausalLM(nn.Module):
         if not self.tie_word_embeddings:
             return self.lm_head.weight
         e = self.embed_tokens
-        return torch.cat([part.clone() for part in e.dequantize(e.dtype)]) if isinstance(e, QuantizedEmbedding) else e.weight
+        return torch.cat(list(e.dequantize(e.dtype))) if isinstance(e, QuantizedEmbedding) else e.weight
 
     def lora_site_split(self, layer: int, site: str) -> tuple[int, list[int]]:
         """(in features, out features of each fused sub-projection) of a LoRA site of ``layer``."""

@@ -37,13 +37,12 @@ class QuantizedEmbedding(nn.Module):
         return self._dense(rows, self.dtype).reshape(*input_ids.shape, self.embedding_dim)
 
     def dequantize(self, dtype: torch.dtype, rows: int = 8192) -> Iterator[torch.Tensor]:
-        """The whole table in ``dtype``, ``rows`` rows at a time (one buffer, refilled: copy what you keep), each
-        dequantized through float32 1024 rows at a time, its file pages unmapped once read."""
+        """The whole table in ``dtype``, ``rows`` rows at a time, each dequantized through float32 1024 rows at a
+        time (small transients), its file pages unmapped once read."""
         from pagedllm.models.gguf_weights import drop_pages
 
-        buf = torch.empty(min(rows, self.num_embeddings), self.embedding_dim, dtype=dtype, device=self.device)
         for i in range(0, self.num_embeddings, rows):
-            out = buf[:min(rows, self.num_embeddings - i)]
+            out = torch.empty(min(rows, self.num_embeddings - i), self.embedding_dim, dtype=dtype, device=self.device)
             for j in range(0, out.shape[0], 1024):
                 part = self.blocks[i + j:i + j + 1024]
                 out[j:j + 1024] = self._dense(part, dtype)
