@@ -187,6 +187,8 @@ class GGUFWeights:
     def blocks(self, name: str) -> Optional[GGUFTensor]:
         """The file's own tensor for ``name`` (``data``: its read-only mapping, not copied) when it is a 2-D block
         type with rows in HF order; None otherwise."""
+        if name not in self:
+            return None
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2 or self._rows(t.name, t.data.shape[0]) is not None:
             return None
