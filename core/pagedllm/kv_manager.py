@@ -87,11 +87,15 @@ class BlockPool:
             block.ref_cnt += 1
 
     def release(self, blocks: Sequence[KVBlock]) -> None:
-        """Drop a reference; callers pass blocks tail-first so a sequence's last blocks are evicted first."""
+        """Drop a reference; callers pass blocks tail-first so a sequence's last blocks are evicted first. A block
+        the prefix cache does not hold goes to the front: it is reused before a never-written block, keeping the
+        pool's written (resident) pages few; the backends commit a cache page on its first write."""
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free[block.block_id] = block
+                if block.block_hash is None:
+                    self.free.move_to_end(block.block_id, last=False)
             elif block.ref_cnt < 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
 
@@ -221,6 +225,9 @@ class KVCacheManager:
         """Forget every cached block identity; only possible when no block is in use (like vLLM's)."""
         if self.num_used_blocks:
             return False
+        # all free and about to be empty: the cached (written) ones go first, the last released at the very front
+        for block in [b for b in self.pool.free.values() if b.block_hash is not None]:
+            self.pool.free.move_to_end(block.block_id, last=False)
         for block in self.pool.blocks:
             block.block_hash = block.token_ids = None
         self.pool.cached.clear()

@@ -20,6 +20,7 @@ from pagedllm.models.arch import ArchSpec, hidden_act, kv_cache_shape, layer_sli
 from pagedllm.models.mla import MLAAttention
 from pagedllm.models.alibi import alibi_slopes
 from pagedllm.models.moe import DeepseekMoeBlock, SparseMoeBlock, is_moe_layer
+from pagedllm.models.quantized_embedding import QuantizedEmbedding
 
 
 class RMSNorm(nn.Module):
@@ -247,15 +248,22 @@ class CausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        e = self.embed_tokens
+        return e.dtype if isinstance(e, QuantizedEmbedding) else e.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        e = self.embed_tokens
+        return e.device if isinstance(e, QuantizedEmbedding) else e.weight.device
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        """The dense LM head; a tied GGUF-packed embedding is dequantized here (the loader reads it once, to build
+        ``lm_head_kernel``)."""
+        if not self.tie_word_embeddings:
+            return self.lm_head.weight
+        e = self.embed_tokens
+        return torch.cat(list(e.dequantize(e.dtype))) if isinstance(e, QuantizedEmbedding) else e.weight
 
     def lora_site_split(self, layer: int, site: str) -> tuple[int, list[int]]:
         """(in features, out features of each fused sub-projection) of a LoRA site of ``layer``."""

@@ -11,9 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.hookspec import QuantizedLinearKernel, QuantizedWeight
+from pagedllm.models.heap import trim_heap
+from pagedllm.models.quantized_embedding import QuantizedEmbedding
 
 
 class DenseKernelLinear(nn.Module):
@@ -40,7 +43,8 @@ def dense_weight(weight: torch.Tensor) -> QuantizedWeight:
 def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, device: Any,
                        quantized: bool = False) -> int:
     """Swap every ``nn.Linear`` of ``model`` for the backend's dense kernel, and give ``compute_logits`` a packed
-    LM head (a copy: the tied embedding and ``lm_head_weight`` stay as they are). Returns how many were swapped.
+    LM head (a copy: the tied embedding and ``lm_head_weight`` stay as they are; a tied GGUF-packed embedding gets
+    its dense head here, also where the backend has no dense kernel). Returns how many were swapped.
 
     ``quantized``: the decoder's linears all run on the backend's quantized kernels, not core's exact reference
     (the CPU's take bf16 activations); a float32 LM
@@ -51,10 +55,11 @@ def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, devic
         head_kernel = backend.quantized_linear("unquantized", "bfloat16")
     kernel = backend.quantized_linear("unquantized", str(dtype).removeprefix("torch."))
     if head_kernel is not None:
-        bf16 = head_kernel
-        state = bf16.prepare(dense_weight(model.lm_head_weight.to(torch.bfloat16)), torch.bfloat16, device)
-        model.lm_head_kernel = (lambda st, x, b: bf16.apply(st, x.to(torch.bfloat16), b).to(x.dtype), state)
+        apply, state = _lm_head(model, head_kernel, torch.bfloat16, device)
+        model.lm_head_kernel = (lambda st, x, b: apply(st, x.to(torch.bfloat16), b).to(x.dtype), state)
     if kernel is None:
+        if model.lm_head_kernel is None and _packed_tied_embedding(model):  # F.linear on one dense copy
+            model.lm_head_kernel = (lambda w, x, b: F.linear(x, w, b), model.lm_head_weight)
         return 0
     swapped = 0
     for name, module in list(model.named_modules()):
@@ -69,8 +74,24 @@ def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, devic
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, packed)
         swapped += 1
-    head = model.lm_head_weight
-    if head.dtype == dtype and model.lm_head_kernel is None:
-        weight = dense_weight(head)
-        model.lm_head_kernel = (kernel.apply, kernel.prepare(weight, dtype, device))
+    if model.lm_head_kernel is None and (_packed_tied_embedding(model) or model.lm_head_weight.dtype == dtype):
+        model.lm_head_kernel = _lm_head(model, kernel, dtype, device)
     return swapped
+
+
+def _packed_tied_embedding(model: nn.Module) -> bool:
+    return bool(getattr(model, "tie_word_embeddings", False)) and isinstance(getattr(model, "embed_tokens", None),
+                                                                             QuantizedEmbedding)
+
+
+def _lm_head(model: nn.Module, kernel: QuantizedLinearKernel, dtype: torch.dtype, device: Any) -> tuple:
+    """(apply, state) of the LM head on ``kernel`` in ``dtype``. A tied GGUF-packed embedding is dequantized and
+    packed a slice of the vocabulary at a time, logits concatenated: only the kernel's copy of the table is ever
+    whole (a dense copy beside it was SmolLM2 Q4_1's peak RSS, +56 MB)."""
+    if not _packed_tied_embedding(model):
+        return kernel.apply, kernel.prepare(dense_weight(model.lm_head_weight.to(dtype)), dtype, device)
+    states = []
+    for part in model.embed_tokens.dequantize(dtype):
+        states.append(kernel.prepare(dense_weight(part), dtype, device))
+        trim_heap()  # each slice's transients, before the next slice's packed copy lands beyond them
+    return (lambda sts, x, b: torch.cat([kernel.apply(st, x, b) for st in sts], dim=-1)), states

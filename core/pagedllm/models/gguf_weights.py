@@ -12,6 +12,7 @@ keys, then all values (identity for multi-query Falcon-7B); rows are put back pe
 
 from __future__ import annotations
 
+import mmap
 import re
 from typing import Any, NamedTuple, Optional
 
@@ -62,6 +63,27 @@ def read_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
             data = raw.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)
         tensors.append(GGUFTensor(info.name, qtype, tuple(reversed(info.shape)), data))
     return header.architecture, tensors
+
+
+#: Dropped beyond each side of a tensor: the kernel maps the cached pages around a faulting one (fault-around, 64 KiB
+#: by default), so reading a tensor maps the tail of the one read before it again.
+_DROP_MARGIN = 1 << 20
+
+
+def drop_pages(data: np.ndarray) -> None:
+    """Unmap the file pages ``data`` (a view of the file's memmap) was read through, once it has been copied: they
+    count towards the process's RSS for as long as the mapping lives (the whole file, ~100 MB for SmolLM2, at the
+    load's peak), and stay in the page cache for a later read."""
+    root = data
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    mm = root.base
+    if not isinstance(mm, mmap.mmap) or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = data.ctypes.data - np.frombuffer(mm, dtype=np.uint8).ctypes.data
+    first = max(0, start - _DROP_MARGIN)
+    first -= first % mmap.PAGESIZE
+    mm.madvise(mmap.MADV_DONTNEED, first, min(start + data.nbytes + _DROP_MARGIN, len(mm)) - first)
 
 
 #: An HF per-expert tensor name: (stacked module, expert index, projection).
@@ -155,7 +177,22 @@ class GGUFWeights:
         if t.name.endswith("ffn_gate_inp_shexp.weight") and data.ndim == 1:
             data = data[None]  # llama.cpp stores the shared-expert gate as [hidden]; HF's is [1, hidden]
         rows = self._rows(t.name, data.shape[0])
-        return torch.from_numpy(data.copy() if rows is None else data[rows])  # owned: the mmap is read-only
+        if rows is not None:
+            data = data[rows]
+        elif not data.flags.writeable:  # still the read-only mmap (F32): own a copy; dequantized data is owned
+            data = data.copy()
+        drop_pages(t.data)
+        return torch.from_numpy(data)
+
+    def blocks(self, name: str) -> Optional[GGUFTensor]:
+        """The file's own tensor for ``name`` (``data``: its read-only mapping, not copied) when it is a 2-D block
+        type with rows in HF order; None otherwise."""
+        if name not in self:
+            return None
+        t = self._tensor(name)
+        if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2 or self._rows(t.name, t.data.shape[0]) is not None:
+            return None
+        return t
 
     def quantized(self, name: str) -> Optional[QuantizedWeight]:
         """The packed blocks of a 2-D block-quantized tensor, rows in HF order; None for dense tensors."""
@@ -167,5 +204,6 @@ class GGUFWeights:
         raw = np.asarray(t.data)
         rows = self._rows(t.name, raw.shape[0])
         raw = raw.copy() if rows is None else raw[rows]  # owned rows: the mmap is read-only
+        drop_pages(t.data)
         in_features, out_features = (int(d) for d in t.shape)  # GGUF lists dims innermost first
         return QuantizedWeight("gguf", t.tensor_type.name, torch.from_numpy(raw), (out_features, in_features))

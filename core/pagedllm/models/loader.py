@@ -19,8 +19,10 @@ from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
 from pagedllm.models.gguf_moe import complete_moe_config
 from pagedllm.models.gguf_weights import GGUFWeights
+from pagedllm.models.heap import trim_heap
 from pagedllm.models.paths import is_gguf, resolve_model_path
 from pagedllm.models.quantized_checkpoint import QuantizedCheckpoint
+from pagedllm.models.quantized_embedding import quantize_embedding
 from pagedllm.models.quantized_linears import quantize_linears
 from pagedllm.models.remote_layouts import check_covered, remote_code_config, wrap_weights
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
@@ -141,7 +143,9 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     if quantization == "fp8" or fp8_checkpoint:  # e4m3 weights + scales, or online quantization (quantization/fp8.py)
         weights = FP8Weights(weights, online=not fp8_checkpoint)
     if quantization is not None:
+        quantize_embedding(model, weights, dtype, device)
         quantize_linears(model, weights, backend, dtype, device)
+        trim_heap()
     sd = fused_state_dict(model, weights, dtype, device)
     if par is not None:
         sd = shard_state_dict(sd, full_config, par)
@@ -158,7 +162,9 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     packed = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     # fp8 weights count as exact: no backend here has an FP8 GEMM, they are dequantized at load (fp32 activations)
     on_kernels = bool(packed) and not any(m.kernel_name.startswith("reference") or m.method == "fp8" for m in packed)
+    trim_heap()
     pack_dense_linears(model, backend, dtype, device, quantized=on_kernels)
+    trim_heap()
     model.cos_sin_cache = build_cos_sin_cache(config, model.max_model_len, device, max_model_len)
     if per_layer_type(config):  # Gemma 3: each layer type has its own rotary base
         model.rope_caches = {t: build_cos_sin_cache(config, model.max_model_len, device, max_model_len, t)
