@@ -61,6 +61,14 @@ def pagedllm_update_config(config: Any, model_info: ModelInfo) -> Optional[dict]
 
 
 @hookimpl
+def pagedllm_set_device(device: torch.device) -> None:
+    """Every process that runs the model (the engine's worker, each TP/PP rank, each DP replica) calls this before
+    loading it: the C++ ops are loaded here, so all of a process's steps, and all ranks, take the same paths (a rank
+    that started on torch's RMSNorm and switched to the C++ one mid-run would disagree with its peers)."""
+    native.start_build()
+
+
+@hookimpl
 def pagedllm_memory_info(device: torch.device) -> MemoryInfo:
     total, avail = platform.memory_bytes()
     return MemoryInfo(total_bytes=total, free_bytes=avail, pinned_host=False,
