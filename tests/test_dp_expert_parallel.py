@@ -3,7 +3,9 @@ against one engine holding every expert (DP=1, the offline LLM; itself checked a
 
 Two replica processes, one core and one torch thread each, one gloo group: each loads half of the experts (the tiny
 Mixtral's 5 go 3 + 2, Qwen2-MoE's 6 and DeepSeek-V3's 8 routed experts split evenly, read from the replicas'
-models), and every MoE layer exchanges tokens between them. Greedy tokens must equal DP=1's and the sampled tokens' logprobs agree within 1e-5, both with prompts
+models), and every MoE layer exchanges tokens between them. Greedy tokens must equal DP=1's and the sampled tokens'
+logprobs agree within dist_utils' TP bound (5e-5: each token's expert outputs are summed across the replicas in
+another float32 order, as TP's row-parallel partial sums are; measured up to 1.2e-5), both with prompts
 spread over both replicas (both step with their own requests) and with every prompt on one replica (the other runs
 dummy forwards in lock step), and through the real server with the official openai client.
 """
@@ -17,6 +19,7 @@ import shutil
 import httpx
 import openai
 import pytest
+from dist_utils import TP_LOGITS_ABS
 from server_utils import ServerProcess, tiny_chat_model
 
 from pagedllm import LLM, SamplingParams
@@ -61,7 +64,7 @@ def assert_same(got, want, what: str) -> None:
     for i, ((tokens, lps), (want_tokens, want_lps)) in enumerate(zip(got, want, strict=True)):
         assert tokens == want_tokens, f"{what}: prompt {i}: {tokens} != {want_tokens}"
         worst = max(abs(a - b) for a, b in zip(lps, want_lps))
-        assert worst <= 1e-5, f"{what}: prompt {i}: logprobs differ by {worst:.2e}"
+        assert worst <= TP_LOGITS_ABS, f"{what}: prompt {i}: logprobs differ by {worst:.2e}"
 
 
 async def generate(dp: DataParallelEngine, prompts, replica=None) -> list:
