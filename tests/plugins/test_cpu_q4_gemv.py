@@ -1,6 +1,6 @@
 """The CPU plugin's GGUF Q4_0 / Q4_1 kernel (``pagedllm_cpu/csrc/q4_gemv.cpp``) against core's reference (the blocks
 dequantized with ``gguf.quants``, then an fp32 matmul): odd output widths (a zero-padded last group of 16 rows),
-several K, one row, the 4-row tile and a remainder, reduced-dtype activations; and the torch fallback's dequantize
+several K, one row, the 8-row tile and a remainder, reduced-dtype activations; and the torch fallback's dequantize
 of the repacked layout, which must be exact."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def test_repacked_layout_dequantizes_exactly(qtype, n, k):
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [(1,), (4,), (2, 5)])  # 10 rows: tiles of 4, 4, 2
+@pytest.mark.parametrize("rows", [(1,), (8,), (3, 5)])  # 15 rows: tiles of 8 and 7
 def test_gemv_matches_fp32_reference(lib, qtype, n, k, rows):
     w = _weight(qtype, n, k)
     state = quant._prepare(w, torch.float32, "cpu")

@@ -25,7 +25,7 @@ namespace {
 
 constexpr int64_t kRows = 16;   // output rows per group
 constexpr int64_t kBlock = 32;  // GGUF block along K
-constexpr int64_t kTile = 4;    // rows of x per pass over a group's weights
+constexpr int64_t kTile = 8;    // rows of x per pass over a group's weights
 
 int64_t block_bytes(bool has_min) { return kRows * 2 * (has_min ? 2 : 1) + kRows * kBlock / 2; }
 
@@ -109,7 +109,11 @@ void run_tile(int64_t mt, const Args& a) {
     case 1: return group_rows<1>(a);
     case 2: return group_rows<2>(a);
     case 3: return group_rows<3>(a);
-    default: return group_rows<4>(a);
+    case 4: return group_rows<4>(a);
+    case 5: return group_rows<5>(a);
+    case 6: return group_rows<6>(a);
+    case 7: return group_rows<7>(a);
+    default: return group_rows<8>(a);
   }
 }
 
