@@ -7,7 +7,8 @@
 // nibbles as 4 chunks of [16 rows][4 bytes]: chunk c's 32-bit word of row r holds weights 8c..8c+7 of the block at
 // bits 4j. One 64-byte load then gives a nibble of every row per 32-bit lane; a shift and a vpermps on the table
 // 0..15 turn it into 16 floats, one FMA per input element serves 16 output rows. Per block:
-// y += d * sum_j q_j x_j + m * sum_j x_j, the second sum computed once per row of x.
+// y += d * sum_j q_j x_j + m * sum_j x_j, the second sum computed once per row of x. AVX2 does the same on two
+// halves of 8 rows; other CPUs run a scalar loop over the same layout.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -17,7 +18,7 @@
 #include <cstdint>
 #include <vector>
 
-#ifdef CPU_CAPABILITY_AVX512
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -75,6 +76,50 @@ void group_rows(const Args& a) {
   }
   const __mmask16 mask = static_cast<__mmask16>((1u << a.valid) - 1u);
   for (int m = 0; m < MT; ++m) _mm512_mask_storeu_ps(a.y + m * a.ys, mask, acc[m]);
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// 8 lanes: a group's 16 rows are two halves; nibbles become floats by shift, mask and convert (no 16-entry vpermps).
+template <int MT>
+void group_rows(const Args& a) {
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  const int64_t bb = block_bytes(a.has_min);
+  __m256 acc[MT][2];
+  for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* p = a.w + b * bb;
+    const uint8_t* q = p + (a.has_min ? 64 : 32);
+    __m256 d[2], mn[2], s[MT][2];
+    for (int h = 0; h < 2; ++h) {
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+      mn[h] = a.has_min ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)))
+                        : _mm256_mul_ps(d[h], _mm256_set1_ps(-8.f));
+    }
+    for (int m = 0; m < MT; ++m) s[m][0] = s[m][1] = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
+      const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c + 32));
+      const float* xc = a.x + b * kBlock + c * 8;
+      for (int j = 0; j < 8; ++j) {
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v0, 4 * j), low4));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v1, 4 * j), low4));
+        for (int m = 0; m < MT; ++m) {
+          const __m256 xb = _mm256_set1_ps(xc[m * a.xs + j]);
+          s[m][0] = _mm256_fmadd_ps(w0, xb, s[m][0]);
+          s[m][1] = _mm256_fmadd_ps(w1, xb, s[m][1]);
+        }
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256 xs = _mm256_set1_ps(a.xsum[m * a.nb + b]);
+      for (int h = 0; h < 2; ++h) acc[m][h] = _mm256_fmadd_ps(mn[h], xs, _mm256_fmadd_ps(s[m][h], d[h], acc[m][h]));
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    float out[kRows];
+    _mm256_storeu_ps(out, acc[m][0]);
+    _mm256_storeu_ps(out + 8, acc[m][1]);
+    for (int64_t r = 0; r < a.valid; ++r) a.y[m * a.ys + r] = out[r];
+  }
 }
 #else
 template <int MT>
