@@ -1,7 +1,7 @@
 """The CPU plugin's GGUF Q4_0 / Q4_1 kernel (``pagedllm_cpu/csrc/q4_gemv.cpp``) against core's reference (the blocks
 dequantized with ``gguf.quants``, then an fp32 matmul): odd output widths (a zero-padded last group of 16 rows),
 several K, one row, the 8-row tile and a remainder, reduced-dtype activations; and the torch fallback's dequantize
-of the repacked layout, which must be exact."""
+of the repacked layout, which must be exact; and the path taken before the library is loaded."""
 
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ def _weight(qtype: str, n: int, k: int) -> QuantizedWeight:
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_repacked_layout_dequantizes_exactly(qtype, n, k):
     w = _weight(qtype, n, k)
-    packed, out, has_min = quant._prepare(w, torch.float32, "cpu")
-    assert packed.numel() == -(-n // 16) * 16 * w.data.shape[1]  # the GGUF bytes, rows padded to 16
-    torch.testing.assert_close(quant._dequantize(packed, out, has_min), dequantize(w).float(), rtol=0, atol=0)
+    state = quant._prepare(w, torch.float32, "cpu")
+    assert state.packed.numel() == -(-n // 16) * 16 * w.data.shape[1]  # the GGUF bytes, rows padded to 16
+    torch.testing.assert_close(quant._dequantize(state.packed, n, state.has_min), dequantize(w).float(), rtol=0,
+                               atol=0)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
@@ -60,3 +61,19 @@ def test_gemv_of_reduced_dtypes_rounds_the_fp32_result(lib, dtype):
     expected = (x.float() @ dequantize(w).float().T).to(dtype)
     assert got.dtype == dtype
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("n", [96, 37])  # torch's int4 kernel; dense where it cannot take the shape
+def test_path_before_the_library_is_loaded(monkeypatch, qtype, n):
+    """Until the library is loaded: torch's int4 kernel (bf16 activations and scales) on a copy made from the
+    repacked blocks at the first call, or dense fp32 where N is not a multiple of 16."""
+    monkeypatch.setattr(native, "lib", None)
+    w = _weight(qtype, n, 576)
+    state = quant._prepare(w, torch.float32, "cpu")
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(1))
+    expected = x @ dequantize(w).float().T
+    got = quant._apply(state, x, None)
+    assert (state.int4pack is not None) == (n % 16 == 0)
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel < (1e-2 if n % 16 == 0 else 1e-6), rel

@@ -1,11 +1,11 @@
 """4-bit linear layers on the CPU, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) on ``csrc/q4_gemv.cpp``,
-GPTQ / AWQ / compressed-tensors W4A16 (``grouped_int4``) on torch's int4 kernel; INT8 W8A8 is in ``int8.py``.
+GPTQ / AWQ / compressed-tensors W4A16 (``GROUPED_INT4``) on torch's int4 kernel; INT8 W8A8 is in ``int8.py``.
 
 GGUF Q4_1 stores ``W = d * q + m`` per block of 32 (q in 0..15), Q4_0 ``W = d * (q - 8)``. ``q4_gemv`` reads the
 blocks (repacked at load, same size: 16 output rows interleaved) and computes in fp32 from fp32 activations, so it
 matches the fp32 reference up to summation order; it beats ``_weight_int4pack_mm_for_cpu`` (bf16 activations and
-scales) at every batch measured (1.7x at one row, 1.17x at 64, docs/benchmarks.md), so it is the only copy kept.
-Until the library is loaded (or without a compiler) the same blocks are dequantized per call and run dense.
+scales) at every batch measured (1.7x at one row, 1.2x at 64, docs/cpu-backend.md), so it is the only copy kept.
+Until the library is loaded (or without a compiler) calls go to torch's int4 kernel on a copy made then.
 
 ``aten._weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with ``W[n, k] = (q - 8) * scale + zero`` per group; the
 kernel wants bf16 activations (fp32 ones measured 10-20x slower), so fp32 activations are cast around it.
@@ -14,6 +14,7 @@ kernel wants bf16 activations (fp32 ones measured 10-20x slower), so fp32 activa
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -43,35 +44,61 @@ def _repack(weight: QuantizedWeight) -> torch.Tensor:
     return torch.cat([scales.reshape(groups, nb, -1), nibbles], dim=-1).contiguous()
 
 
-def _dequantize(packed: torch.Tensor, n: int, has_min: bool) -> torch.Tensor:
-    """fp32 ``[N, K]`` from ``_repack``'s layout (the path until the library is loaded)."""
+def _unpack(packed: torch.Tensor, n: int, has_min: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 ``[N, K]`` in 0..15, d and m fp32 ``[N, K / 32]``) of ``_repack``'s layout."""
     groups, nb, _ = packed.shape
     scale_bytes = 4 * ROWS if has_min else 2 * ROWS
     scales = packed[..., :scale_bytes].contiguous().view(torch.float16).float().reshape(groups, nb, -1, ROWS)
+    scales = scales.permute(2, 0, 3, 1).reshape(-1, groups * ROWS, nb)[:, :n]
     nib = packed[..., scale_bytes:].reshape(groups, nb, 4, ROWS, 4)
     q = torch.stack([nib & 0xF, nib >> 4], dim=-1).reshape(groups, nb, 4, ROWS, 8)
-    q = q.permute(0, 3, 1, 2, 4).reshape(groups, ROWS, nb, GROUP).float()
-    d = scales[:, :, 0].transpose(1, 2).unsqueeze(-1)
-    m = scales[:, :, 1].transpose(1, 2).unsqueeze(-1) if has_min else -8 * d
-    return (d * q + m).reshape(groups * ROWS, nb * GROUP)[:n]
+    q = q.permute(0, 3, 1, 2, 4).reshape(groups * ROWS, nb * GROUP)[:n]
+    return q, scales[0], scales[1] if has_min else -8 * scales[0]
 
 
-def _prepare(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor, int, bool]:
-    return _repack(weight), weight.shape[0], weight.weight_type == "Q4_1"
+def _dequantize(packed: torch.Tensor, n: int, has_min: bool) -> torch.Tensor:
+    """fp32 ``[N, K]``: what ``_repack``'s layout means (``w = d q + m``)."""
+    q, d, m = _unpack(packed, n, has_min)
+    return (d.unsqueeze(-1) * q.reshape(n, -1, GROUP).float() + m.unsqueeze(-1)).reshape(n, -1)
 
 
-def _apply(state: tuple[torch.Tensor, int, bool], x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    packed, n, has_min = state
+@dataclass
+class Q4State:
+    """A GGUF Q4 weight in ``q4_gemv``'s layout; ``int4pack`` is torch's packed copy (bf16 scale and zero = m + 8d),
+    made only if a call comes before the library is loaded (its 30-90 s first build, or no compiler)."""
+
+    packed: torch.Tensor
+    n: int
+    has_min: bool
+    int4pack: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+
+def _prepare(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> Q4State:
+    return Q4State(_repack(weight), weight.shape[0], weight.weight_type == "Q4_1")
+
+
+def _without_library(state: Q4State, x: torch.Tensor) -> torch.Tensor:
+    if state.n % 16:  # not a shape torch's int4 kernel takes
+        return F.linear(x.float(), _dequantize(state.packed, state.n, state.has_min)).to(x.dtype)
+    if state.int4pack is None:
+        q, d, m = _unpack(state.packed, state.n, state.has_min)
+        scales_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        state.int4pack = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1), scales_zeros)
+    return _int4_mm(x, state.int4pack[0], GROUP, state.int4pack[1])
+
+
+def _apply(state: Q4State, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     if native.lib is not None:
-        y = native.lib.q4_gemv(x, packed, n, has_min)
+        y = native.lib.q4_gemv(x, state.packed, state.n, state.has_min)
     else:
-        y = F.linear(x.float(), _dequantize(packed, n, has_min)).to(x.dtype)
+        y = _without_library(state, x)
     if bias is not None:
         y.add_(bias)
     return y
 
 
 Q4 = QuantizedLinearKernel(_prepare, _apply, name="cpu-q4-gemv")
+
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` in x's dtype, activations cast to bf16 around the kernel: one C++ call once ``native`` is loaded
