@@ -1,16 +1,20 @@
-"""4-bit linear layers on torch's CPU int4 kernel, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) and
-GPTQ / AWQ / compressed-tensors W4A16 (``grouped_int4``); INT8 W8A8 is in ``int8.py``.
+"""4-bit linear layers on the CPU, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) on ``csrc/q4_gemv.cpp``,
+GPTQ / AWQ / compressed-tensors W4A16 (``GROUPED_INT4``) on torch's int4 kernel; INT8 W8A8 is in ``int8.py``.
 
-``aten._weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with ``W[n, k] = (q - 8) * scale + zero`` per group of
-32 along k. A GGUF Q4_1 block stores ``W = d * q + m`` (q in 0..15), so scale = d and zero = m + 8d; Q4_0 stores
-``W = d * (q - 8)``, so zero = 0. The nibbles map one to one; only d, m and the zeros are rounded to bf16 (the
-kernel's scale dtype), the difference from the reference the conformance suite bounds. The kernel wants bf16
-activations (fp32 ones measured 10-20x slower), so fp32 activations are cast around it.
+GGUF Q4_1 stores ``W = d * q + m`` per block of 32 (q in 0..15), Q4_0 ``W = d * (q - 8)``. ``q4_gemv`` reads the
+blocks (repacked at load, same size: 16 output rows interleaved) and computes in fp32 from fp32 activations, so it
+matches the fp32 reference up to summation order; it beats ``_weight_int4pack_mm_for_cpu`` (bf16 activations and
+scales) at every batch measured (1.7x at one row, 1.2x at 64, docs/cpu-backend.md), so it is the only copy kept.
+Until the library is loaded (or without a compiler) calls go to torch's int4 kernel on a copy made then.
+
+``aten._weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with ``W[n, k] = (q - 8) * scale + zero`` per group; the
+kernel wants bf16 activations (fp32 ones measured 10-20x slower), so fp32 activations are cast around it.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -21,27 +25,79 @@ from pagedllm_cpu import native
 
 GROUP = 32
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+ROWS = 16  # output rows interleaved per group of ``q4_gemv``'s layout
 
 
-def _unpack(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q int32 ``[N, K]`` in 0..15, scales_and_zeros bf16 ``[K / 32, N, 2]``) of a Q4_0/Q4_1 weight."""
+def _repack(weight: QuantizedWeight) -> torch.Tensor:
+    """The blocks in ``csrc/q4_gemv.cpp``'s layout: uint8 ``[ceil(N / 16), K / 32, bytes]``, per block of 16 output
+    rows d[16] fp16, m[16] fp16 (Q4_1), then the nibbles as 4 chunks of [16 rows][4 bytes] (weights 8c..8c+7 of
+    the block at bits 4j of chunk c's word), so one 64-byte load holds a nibble of all 16 rows per 32-bit lane."""
     n, k = weight.shape
-    size = _BLOCK_BYTES[weight.weight_type]
-    blocks = weight.data.reshape(n, k // GROUP, size)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    if weight.weight_type == "Q4_1":
-        m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-        zero, qs = m + 8 * d, blocks[..., 4:]
+    nb, scale_bytes = k // GROUP, 4 if weight.weight_type == "Q4_1" else 2
+    blocks = weight.data.reshape(n, nb, _BLOCK_BYTES[weight.weight_type])
+    groups = -(-n // ROWS)
+    blocks = F.pad(blocks, (0, 0, 0, 0, 0, groups * ROWS - n))  # zero rows: d = m = 0
+    qs = blocks[..., scale_bytes:]  # low nibbles: elements 0-15, high: 16-31 (ggml)
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(groups, ROWS, nb, 4, 8).permute(0, 2, 3, 1, 4)
+    nibbles = (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(groups, nb, ROWS * GROUP // 2)
+    scales = blocks[..., :scale_bytes].reshape(groups, ROWS, nb, scale_bytes // 2, 2).permute(0, 2, 3, 1, 4)
+    return torch.cat([scales.reshape(groups, nb, -1), nibbles], dim=-1).contiguous()
+
+
+def _unpack(packed: torch.Tensor, n: int, has_min: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q uint8 ``[N, K]`` in 0..15, d and m fp32 ``[N, K / 32]``) of ``_repack``'s layout."""
+    groups, nb, _ = packed.shape
+    scale_bytes = 4 * ROWS if has_min else 2 * ROWS
+    scales = packed[..., :scale_bytes].contiguous().view(torch.float16).float().reshape(groups, nb, -1, ROWS)
+    scales = scales.permute(2, 0, 3, 1).reshape(-1, groups * ROWS, nb)[:, :n]
+    nib = packed[..., scale_bytes:].reshape(groups, nb, 4, ROWS, 4)
+    q = torch.stack([nib & 0xF, nib >> 4], dim=-1).reshape(groups, nb, 4, ROWS, 8)
+    q = q.permute(0, 3, 1, 2, 4).reshape(groups * ROWS, nb * GROUP)[:n]
+    return q, scales[0], scales[1] if has_min else -8 * scales[0]
+
+
+def _dequantize(packed: torch.Tensor, n: int, has_min: bool) -> torch.Tensor:
+    """fp32 ``[N, K]``: what ``_repack``'s layout means (``w = d q + m``)."""
+    q, d, m = _unpack(packed, n, has_min)
+    return (d.unsqueeze(-1) * q.reshape(n, -1, GROUP).float() + m.unsqueeze(-1)).reshape(n, -1)
+
+
+@dataclass
+class Q4State:
+    """A GGUF Q4 weight in ``q4_gemv``'s layout; ``int4pack`` is torch's packed copy (bf16 scale and zero = m + 8d),
+    made only if a call comes before the library is loaded (its 30-90 s first build, or no compiler)."""
+
+    packed: torch.Tensor
+    n: int
+    has_min: bool
+    int4pack: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+
+def _prepare(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> Q4State:
+    return Q4State(_repack(weight), weight.shape[0], weight.weight_type == "Q4_1")
+
+
+def _without_library(state: Q4State, x: torch.Tensor) -> torch.Tensor:
+    if state.n % 16:  # not a shape torch's int4 kernel takes
+        return F.linear(x.float(), _dequantize(state.packed, state.n, state.has_min)).to(x.dtype)
+    if state.int4pack is None:
+        q, d, m = _unpack(state.packed, state.n, state.has_min)
+        scales_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        state.int4pack = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1), scales_zeros)
+    return _int4_mm(x, state.int4pack[0], GROUP, state.int4pack[1])
+
+
+def _apply(state: Q4State, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if native.lib is not None:
+        y = native.lib.q4_gemv(x, state.packed, state.n, state.has_min)
     else:
-        zero, qs = torch.zeros_like(d), blocks[..., 2:]
-    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(n, k).to(torch.int32)  # low nibbles first, as ggml
-    scales_zeros = torch.stack([d, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return q, scales_zeros
+        y = _without_library(state, x)
+    if bias is not None:
+        y.add_(bias)
+    return y
 
 
-def _prepare(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    q, scales_zeros = _unpack(weight)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), scales_zeros
+Q4 = QuantizedLinearKernel(_prepare, _apply, name="cpu-q4-gemv")
 
 
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
@@ -54,16 +110,6 @@ def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: to
                                                    scales_zeros).to(x.dtype)
     return y.reshape(*shape[:-1], y.shape[-1])
 
-
-def _apply(state: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    packed, scales_zeros = state
-    y = _int4_mm(x, packed, GROUP, scales_zeros)
-    if bias is not None:
-        y.add_(bias)
-    return y
-
-
-INT4 = QuantizedLinearKernel(_prepare, _apply, name="cpu-int4pack")
 
 logger = logging.getLogger(__name__)
 #: Group sizes ``_weight_int4pack_mm_for_cpu`` takes; it also wants out_features divisible by 16.
@@ -127,7 +173,7 @@ FP8 = QuantizedLinearKernel(_prepare_fp8, _apply_fp8, name="cpu-fp8-dequantized"
 
 
 def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
-    """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 and the 4-bit GPTQ / AWQ / compressed-tensors types on
+    """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 on ``q4_gemv``, the 4-bit GPTQ / AWQ / compressed-tensors types on
     the int4 kernel, W8A8 on ``int8.py``'s; fp8 dequantized at load onto the dense path; every other type is left to
     core's reference."""
     if method == "unquantized":
@@ -137,7 +183,7 @@ def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearK
     if method == "fp8":
         return FP8
     if method == "gguf" and weight_type in _BLOCK_BYTES:
-        return INT4
+        return Q4
     if (method, weight_type) in GROUPED_TYPES:
         return GROUPED_INT4
     if (method, weight_type) == ("compressed-tensors", "W8A8"):
