@@ -47,8 +47,7 @@ def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, devic
     its dense head here, also where the backend has no dense kernel). Returns how many were swapped.
 
     ``quantized``: the decoder's linears all run on the backend's quantized kernels, not core's exact reference
-    (the CPU's take bf16 activations); a float32 LM
-    head then runs in bf16 where the backend has a bf16 dense kernel, halving the bytes the largest single matrix
+    (the weights are already rounded to 4-8 bits); a float32 LM head then runs in bf16 where the backend has a bf16 dense kernel, halving the bytes the largest single matrix
     streams per token (SmolLM2's tied 49152 x 576 head was a quarter of a Q4_1 batch-1 step in fp32)."""
     head_kernel = None
     if quantized and dtype == torch.float32:
