@@ -159,9 +159,10 @@ def _chatglm_header(w, c) -> None:
     w.add_eos_token_id(c.eos_token_id)
 
 
-def _as_chatglm(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def as_chatglm(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A HF Glm state dict under ChatGLM2/3's names (``transformer.`` dropped, as llama.cpp's converter does):
-    q/k/v (and biases) fused into ``query_key_value``, ``gate_up_proj`` as ``dense_h_to_4h``."""
+    q/k/v (and biases) fused into ``query_key_value``, ``gate_up_proj`` as ``dense_h_to_4h``; consumes ``hf``
+    (tests/test_glm.py adds the prefix for the safetensors layout)."""
     import re
 
     out = {"embedding.word_embeddings.weight": hf.pop("model.embed_tokens.weight"),
@@ -294,7 +295,7 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
     round_trip = lambda t: torch.from_numpy(dequantize(quantize(t.numpy(), qt), qt).copy())  # noqa: E731
     hf = load_file(os.path.join(hf_dir, "model.safetensors"))
     tensors: list[tuple[str, torch.Tensor]] = []  # (HF-style name gguf-py maps, tensor) in the converter's layout
-    for hf_name, t in (_as_chatglm(dict(hf)) if arch == "chatglm" and relay_chatglm else _stack_experts(hf)).items():
+    for hf_name, t in (as_chatglm(dict(hf)) if arch == "chatglm" and relay_chatglm else _stack_experts(hf)).items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
         if hf_name.endswith("e_score_correction_bias"):  # the converter's rename, mapped to exp_probs_b.bias

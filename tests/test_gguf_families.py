@@ -19,7 +19,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gguf_utils import add_model_header, finish
+from gguf_utils import add_model_header, assert_engine_greedy_matches_hf, finish
 from model_parity import NEW_TOKENS, mixed_batch
 import hf_oracle
 from pagedllm import LLM, SamplingParams
@@ -184,13 +184,7 @@ def test_falcon_40b_layout_gguf_matches_hf(tmp_path, ref_backend):
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         assert_logits_match("falcon-40b gguf", run_schedule(ours, ref_backend, prompts, CHUNKED), expected)
-    llm = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=128,
-              kv_cache_memory=16 << 20, max_num_batched_tokens=16, enable_prefix_caching=True)
-    wave = mixed_batch(hf.config.vocab_size)[0]
-    outs = llm.generate([{"prompt_token_ids": p} for p in wave],
-                        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(wave, outs):
-        assert list(o.outputs[0].token_ids) == hf_oracle.hf_greedy(hf, p, NEW_TOKENS)
+    assert_engine_greedy_matches_hf(path, hf_dir)
 
 
 def write_gemma_gguf(out_dir, name: str) -> str:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from gguf_utils import as_chatglm
 from model_parity import assert_engine_parity
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models import CausalLM, load_config, load_model
@@ -39,23 +40,10 @@ def chatglm_from_glm(glm_dir: str, out: Path, extra: dict = None, **raw_override
     dense_h_to_4h, ChatGLM's names and config.json (plus the rotary inv_freq buffer ChatGLM checkpoints carry)."""
     cfg = json.loads((Path(glm_dir) / "config.json").read_text())
     src = load_file(str(Path(glm_dir) / "model.safetensors"))
-    sd = {"transformer.embedding.word_embeddings.weight": src.pop("model.embed_tokens.weight"),
-          "transformer.encoder.final_layernorm.weight": src.pop("model.norm.weight"),
-          "transformer.output_layer.weight": src.pop("lm_head.weight")}
+    sd = {f"transformer.{name}": t for name, t in as_chatglm(src).items()}
     assert cfg["rope_parameters"]["partial_rotary_factor"] == 0.5  # ChatGLM rotates half the head
     rot = cfg["head_dim"] // 2
     sd["transformer.rotary_pos_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
-    for i in range(cfg["num_hidden_layers"]):
-        p, q = f"model.layers.{i}.", f"transformer.encoder.layers.{i}."
-        for leaf in ("weight", "bias"):
-            sd[f"{q}self_attention.query_key_value.{leaf}"] = torch.cat(
-                [src.pop(f"{p}self_attn.{x}_proj.{leaf}") for x in "qkv"])
-        sd[f"{q}self_attention.dense.weight"] = src.pop(f"{p}self_attn.o_proj.weight")
-        sd[f"{q}mlp.dense_h_to_4h.weight"] = src.pop(f"{p}mlp.gate_up_proj.weight")
-        sd[f"{q}mlp.dense_4h_to_h.weight"] = src.pop(f"{p}mlp.down_proj.weight")
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            sd[f"{q}{norm}.weight"] = src.pop(f"{p}{norm}.weight")
-    assert not src, f"re-lay missed {sorted(src)}"
     sd.update(extra or {})
     out.mkdir(parents=True, exist_ok=True)
     save_file(sd, str(out / "model.safetensors"))
