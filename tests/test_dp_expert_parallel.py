@@ -19,6 +19,7 @@ import shutil
 import httpx
 import openai
 import pytest
+import torch
 from dist_utils import TP_LOGITS_ABS
 from server_utils import ServerProcess, tiny_chat_model
 
@@ -50,9 +51,16 @@ def config(path: str, **kw) -> EngineConfig:
 
 
 def reference(path: str) -> list[tuple[list[int], list[float]]]:
-    """DP=1: one engine, every expert; (greedy tokens, each sampled token's logprob) per prompt."""
-    llm = LLM(path, device="cpu", dtype="float32", max_model_len=128, skip_tokenizer_init=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params(), use_tqdm=False)
+    """DP=1: one engine, every expert; (greedy tokens, each sampled token's logprob) per prompt. Run at one torch
+    thread, as each replica is: oneDNN's summation order depends on the thread count, and at two threads DeepSeek-V3's
+    sigmoid group routing met a near-tie that picked another expert (a different token, not a logprob drift)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(path, device="cpu", dtype="float32", max_model_len=128, skip_tokenizer_init=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params(), use_tqdm=False)
+    finally:
+        torch.set_num_threads(saved)
     return [token_logprobs(o.outputs[0]) for o in outs]
 
 
