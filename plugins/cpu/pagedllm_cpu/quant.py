@@ -204,6 +204,7 @@ def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearK
     if method == "gguf" and weight_type in _BLOCK_BYTES:
         return Q4
     if (method, weight_type) == ("gguf", "Q8_0"):
+        native.start_build()  # a cached library loads now: every load of this process answers the same
         return Q8 if native.lib is not None else None
     if (method, weight_type) in GROUPED_TYPES:
         return GROUPED_INT4
