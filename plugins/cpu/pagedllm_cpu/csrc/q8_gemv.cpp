@@ -25,10 +25,10 @@ constexpr int64_t kBlock = 32;       // weights per block
 constexpr int64_t kBlockBytes = 34;  // fp16 d + 32 int8
 constexpr int64_t kTile = 8;         // rows of x per pass over a weight row
 
-inline float scale(const uint8_t* p) {
+inline uint16_t scale_bits(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
+  return bits;
 }
 
 // One output row (its nb blocks at w) for MT rows of x: y[m * ys] = sum_b d_b * sum_j q_bj x[m][32 b + j].
@@ -39,7 +39,7 @@ void row_dot(const uint8_t* w, int64_t nb, const float* x, int64_t xs, float* y,
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = w + b * kBlockBytes;
-    const __m512 d = _mm512_set1_ps(scale(p));
+    const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(scale_bits(p))));  // d in every lane
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2))));
     const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18))));
     for (int m = 0; m < MT; ++m) {
@@ -54,7 +54,7 @@ void row_dot(const uint8_t* w, int64_t nb, const float* x, int64_t xs, float* y,
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = w + b * kBlockBytes;
-    const __m256 d = _mm256_set1_ps(scale(p));
+    const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(scale_bits(p))));
     __m256 q[4];
     for (int c = 0; c < 4; ++c)
       q[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 + 8 * c))));
@@ -74,7 +74,7 @@ void row_dot(const uint8_t* w, int64_t nb, const float* x, int64_t xs, float* y,
   float acc[MT] = {};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = w + b * kBlockBytes;
-    const float d = scale(p);
+    const float d = c10::detail::fp16_ieee_to_fp32_value(scale_bits(p));
     const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
     for (int m = 0; m < MT; ++m) {
       const float* xb = x + m * xs + b * kBlock;
