@@ -39,6 +39,9 @@ def _smollm2(backend, quantization):
 
 
 def test_smollm2_embedding_is_the_files_q8_0_blocks_and_the_file_is_unmapped():
+    from pagedllm_cpu import native
+
+    assert native.get(wait=True, timeout=600) is not None, native.error()  # the Q8_0 head kernel is in the library
     path = resolve_model_path(None)
     model = _smollm2(get_backend("cpu"), "gguf")
     mapped = _mapped_rss(path)  # no page of the 98 MB file stays resident once loaded (before this test reads it)
@@ -54,7 +57,11 @@ def test_smollm2_embedding_is_the_files_q8_0_blocks_and_the_file_is_unmapped():
 
     table = torch.from_numpy(dequantize(token_embd.data, token_embd.tensor_type))
     assert torch.equal(emb(ids), table[ids])  # exact: the rows dequantize as the whole table does
-    assert isinstance(model.lm_head_kernel[1], list)  # the LM head: only the kernel's packed slices
+    head = model.lm_head_kernel[1]  # the tied LM head: the kernel reads the same blocks in place, no copy
+    assert head.data_ptr() == emb.blocks.ctypes.data and head.shape == emb.blocks.shape
+    x = torch.randn(2, 576, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(model.compute_logits(x).double(), x.double() @ table.double().T, rtol=1e-5,
+                               atol=1e-4)
     assert mapped < 2 * MiB, mapped
 
 

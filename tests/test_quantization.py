@@ -20,11 +20,13 @@ from pagedllm.models import load_model
 from pagedllm.quantization import QuantizedLinear
 from pagedllm.quantization import linear as qlinear
 from pagedllm.sampling_params import ParamError
+from pagedllm_cpu import native
 from plugin_factory import make_plugin
 from test_models import run_schedule
 
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-INT4_KERNEL = {"Q4_0", "Q4_1"}  # the CPU backend's q4_gemv kernel; the rest run core's reference
+#: The CPU backend's GGUF kernels (q4_gemv, q8_gemv); the other types run core's reference.
+KERNELS = {"Q4_0": "cpu-q4-gemv", "Q4_1": "cpu-q4-gemv", "Q8_0": "cpu-q8-gemv"}
 SCHEDULE = [[(0, 8), (1, 3)], [(0, 1), (1, 3)], [(0, 1), (1, 1)], [(0, 1), (1, 1)]]  # chunked prefill, decodes
 PROMPTS = [[5, 17, 301, 42, 7, 99, 3, 250, 11, 64, 8], [200, 9, 33, 401, 12, 77, 5, 6]]
 
@@ -43,22 +45,23 @@ def _hf(path: str):
 @pytest.mark.parametrize("qtype", GGUF_TYPES)
 def test_gguf_type_loads_packed_and_matches_hf(gguf_files, qtype):
     """Every linear stays a QuantizedLinear of the file's type; logits against HF's fp32 model of the same file:
-    exact (fp32 tolerance, same argmax) on the reference path; with the Q4 kernel the LM head runs in bf16, so within
-    bf16 rounding there."""
+    exact (fp32 tolerance, same argmax) on the reference path; with the Q4 / Q8_0 kernels the (untied) LM head runs
+    in bf16, so within bf16 rounding there."""
     path, cpu = gguf_files[qtype], get_backend("cpu")
+    assert native.get(wait=True, timeout=600) is not None, native.error()  # the kernels are in the library
     ours = load_model(path, backend=cpu, dtype=torch.float32, device=torch.device("cpu"), quantization="gguf")
     layers = [m for m in ours.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 4 * ours.num_layers and {m.weight_type for m in layers} == {qtype}
-    assert {m.kernel_name for m in layers} == {"cpu-q4-gemv" if qtype in INT4_KERNEL else "reference(gguf)"}
+    assert {m.kernel_name for m in layers} == {KERNELS.get(qtype, "reference(gguf)")}
     hf = _hf(path)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in PROMPTS]
         got = run_schedule(ours, cpu, PROMPTS, SCHEDULE)
-        if qtype in INT4_KERNEL:  # the bound: HF's own bf16 run of the same weights
+        if qtype in KERNELS:  # the bound: HF's own bf16 run of the same weights
             hf_bf16 = hf.to(torch.bfloat16)
             bf16 = [hf_bf16(torch.tensor([p])).logits[0].float() for p in PROMPTS]
     for i, (g, e) in enumerate(zip(got, expected)):
-        if qtype in INT4_KERNEL:  # the bf16 LM head: within twice HF-in-bf16's own error
+        if qtype in KERNELS:  # the bf16 LM head: within twice HF-in-bf16's own error
             rel, rel_bf16 = (((x - e).norm() / e.norm()).item() for x in (g, bf16[i]))
             agree = (g.argmax(-1) == e.argmax(-1)).float().mean().item()
             print(f"{qtype}: relative logit error {rel:.2e} (HF bf16: {rel_bf16:.2e}), argmax agreement {agree:.2f}")
@@ -115,10 +118,10 @@ def test_conformance_checks_cpu_quantized_kernels():
     report = run_conformance("cpu", allow=["quantized_linear.*"])
     rows = [r for r in report.results if r.kernel == "quantized_linear.gguf"]
     passed = {(r.model.split("-")[0], r.dtype) for r in rows if r.status == "passing"}
-    assert passed == {(t, d) for t in INT4_KERNEL for d in ("float32", "bfloat16", "float16")}, \
+    assert passed == {(t, d) for t in KERNELS for d in ("float32", "bfloat16", "float16")}, \
         [(r.model, r.dtype, r.status, r.error) for r in rows]
     assert all(r.status == "untested" and "reference serves it" in r.error for r in rows
-               if r.model.split("-")[0] not in INT4_KERNEL)
+               if r.model.split("-")[0] not in KERNELS)
 
 
 def test_backends_command_lists_methods():

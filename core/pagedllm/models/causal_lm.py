@@ -238,7 +238,8 @@ class CausalLM(nn.Module):
         self.logits_gather: Any = None  # tensor parallel: the vocab-parallel LM head's all-gather
         self.start_layer, self.end_layer = 0, self.num_layers  # pipeline parallel: this stage's layers
         self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
-        # (apply, state) of the backend's dense kernel over a packed copy of lm_head_weight (models/dense_linears.py)
+        # (apply, state) of the backend's dense kernel over a packed copy of lm_head_weight, or of its kernel for a
+        # tied GGUF embedding's own blocks (models/dense_linears.py)
         self.lm_head_kernel: Optional[tuple] = None
         # Gemma 3: per layer type rotary tables (set by the loader), else every layer reads cos_sin_cache.
         self.rope_caches: dict[str, torch.Tensor] = {}

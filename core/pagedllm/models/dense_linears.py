@@ -8,7 +8,8 @@ the model keeps ``nn.Linear`` (``F.linear``) unchanged.
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +45,15 @@ def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, devic
                        quantized: bool = False) -> int:
     """Swap every ``nn.Linear`` of ``model`` for the backend's dense kernel, and give ``compute_logits`` a packed
     LM head (a copy: the tied embedding and ``lm_head_weight`` stay as they are; a tied GGUF-packed embedding gets
-    its dense head here, also where the backend has no dense kernel). Returns how many were swapped.
+    its dense head here, also where the backend has no dense kernel, unless the backend has a kernel for its blocks
+    as they are: ``_block_head``). Returns how many were swapped.
 
     ``quantized``: the decoder's linears all run on the backend's quantized kernels, not core's exact reference
     (the weights are already rounded to 4-8 bits); a float32 LM head then runs in bf16 where the backend has a bf16 dense kernel, halving the bytes the largest single matrix
     streams per token (SmolLM2's tied 49152 x 576 head was a quarter of a Q4_1 batch-1 step in fp32)."""
     head_kernel = None
-    if quantized and dtype == torch.float32:
+    model.lm_head_kernel = _block_head(model, backend, dtype, device)
+    if model.lm_head_kernel is None and quantized and dtype == torch.float32:
         head_kernel = backend.quantized_linear("unquantized", "bfloat16")
     kernel = backend.quantized_linear("unquantized", str(dtype).removeprefix("torch."))
     if head_kernel is not None:
@@ -76,6 +79,23 @@ def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, devic
     if model.lm_head_kernel is None and (_packed_tied_embedding(model) or model.lm_head_weight.dtype == dtype):
         model.lm_head_kernel = _lm_head(model, kernel, dtype, device)
     return swapped
+
+
+def _block_head(model: nn.Module, backend: Any, dtype: torch.dtype, device: Any) -> Optional[tuple]:
+    """(apply, state) of a tied LM head on the backend's kernel for the embedding's own blocks (GGUF Q8_0: exact
+    dequantization, fp32 accumulation), reading them in the file's mapping: no dense copy at all. None where the
+    embedding is not such blocks or the backend has no kernel for them."""
+    if not _packed_tied_embedding(model) or model.embed_tokens.weight_type.name != "Q8_0":
+        return None
+    e = model.embed_tokens
+    kernel = backend.quantized_linear("gguf", e.weight_type.name)
+    if kernel is None:
+        return None
+    with warnings.catch_warnings():  # the mapping is read-only; kernels only read their weights
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(e.blocks)
+    weight = QuantizedWeight("gguf", e.weight_type.name, blocks, (e.num_embeddings, e.embedding_dim))
+    return kernel.apply, kernel.prepare(weight, dtype, device)
 
 
 def _packed_tied_embedding(model: nn.Module) -> bool:

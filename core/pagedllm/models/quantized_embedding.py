@@ -3,8 +3,9 @@
 GGUF files store ``token_embd`` block-quantized (SmolLM2's Q4_1 file: Q8_0, 29 MB, where the float32 table is
 113 MB). Blocks run along a row, so a row's bytes dequantize on their own, with ``gguf.quants`` (the format's
 oracle), to exactly the values the whole table would have. The blocks are not copied: like llama.cpp's mmap, only
-the pages of rows looked up become resident (file-backed, reclaimable). A tied LM head needs the dense table; the
-loader builds it once from ``dequantize`` (models/dense_linears.py) in the head kernel's dtype, a slice at a time.
+the pages of rows looked up become resident (file-backed, reclaimable). A tied LM head runs on the backend's kernel
+for these blocks where it has one (CPU: Q8_0), reading them in place; else the loader builds a dense table once from
+``dequantize`` (models/dense_linears.py) in the head kernel's dtype, a slice at a time.
 """
 
 from __future__ import annotations

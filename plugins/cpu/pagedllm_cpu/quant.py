@@ -1,4 +1,5 @@
-"""4-bit linear layers on the CPU, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) on ``csrc/q4_gemv.cpp``,
+"""Block-quantized linear layers on the CPU, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) on
+``csrc/q4_gemv.cpp``, GGUF Q8_0 on ``csrc/q8_gemv.cpp`` (the blocks as stored),
 GPTQ / AWQ / compressed-tensors W4A16 (``GROUPED_INT4``) on torch's int4 kernel; INT8 W8A8 is in ``int8.py``.
 
 GGUF Q4_1 stores ``W = d * q + m`` per block of 32 (q in 0..15), Q4_0 ``W = d * (q - 8)``. ``q4_gemv`` reads the
@@ -100,6 +101,23 @@ def _apply(state: Q4State, x: torch.Tensor, bias: Optional[torch.Tensor]) -> tor
 Q4 = QuantizedLinearKernel(_prepare, _apply, name="cpu-q4-gemv")
 
 
+def _prepare_q8(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """GGUF Q8_0 (``w = d * q``, fp16 d and 32 int8 q a block) needs no repack: ``q8_gemv`` reads the blocks where
+    they are (a tied LM head: the token embedding's blocks in the file's mapping, no copy)."""
+    return weight.data.reshape(weight.shape[0], -1)
+
+
+def _apply_q8(blocks: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    y = native.lib.q8_gemv(x, blocks)
+    if bias is not None:
+        y.add_(bias)
+    return y
+
+
+#: Offered only once the library is loaded (``quantized_linear``): it has no torch fallback.
+Q8 = QuantizedLinearKernel(_prepare_q8, _apply_q8, name="cpu-q8-gemv")
+
+
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` in x's dtype, activations cast to bf16 around the kernel: one C++ call once ``native`` is loaded
     (``csrc/int4_linear.cpp``, the same ATen ops without four Python dispatches), else those ops here."""
@@ -173,7 +191,8 @@ FP8 = QuantizedLinearKernel(_prepare_fp8, _apply_fp8, name="cpu-fp8-dequantized"
 
 
 def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
-    """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 on ``q4_gemv``, the 4-bit GPTQ / AWQ / compressed-tensors types on
+    """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 on ``q4_gemv``, Q8_0 on ``q8_gemv`` once the library is
+    loaded (else core's reference), the 4-bit GPTQ / AWQ / compressed-tensors types on
     the int4 kernel, W8A8 on ``int8.py``'s; fp8 dequantized at load onto the dense path; every other type is left to
     core's reference."""
     if method == "unquantized":
@@ -184,6 +203,9 @@ def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearK
         return FP8
     if method == "gguf" and weight_type in _BLOCK_BYTES:
         return Q4
+    if (method, weight_type) == ("gguf", "Q8_0"):
+        native.start_build()  # a cached library loads now: every load of this process answers the same
+        return Q8 if native.lib is not None else None
     if (method, weight_type) in GROUPED_TYPES:
         return GROUPED_INT4
     if (method, weight_type) == ("compressed-tensors", "W8A8"):
