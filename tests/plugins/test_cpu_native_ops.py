@@ -10,16 +10,13 @@ import torch
 
 import pagedllm.backends as backends
 from pagedllm import ref_ops
-from pagedllm_cpu import native
 
-BUILD_TIMEOUT_S = 600
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module")
-def cpu() -> backends.Backend:
-    assert native.get(wait=True, timeout=BUILD_TIMEOUT_S) is not None, f"the library did not build: {native.error()}"
-    assert native.lib is not None
+def cpu(lib) -> backends.Backend:
+    """The CPU backend with its C++ library loaded (``lib``: tests/plugins/conftest.py)."""
     return backends.get_backend("cpu")
 
 

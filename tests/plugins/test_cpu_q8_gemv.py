@@ -14,14 +14,7 @@ from pagedllm.quantization import dequantize
 from pagedllm.quantization.gguf import random_blocks
 from pagedllm_cpu import native, quant
 
-BUILD_TIMEOUT_S = 600
-SHAPES = [(37, 64), (96, 576), (19, 1536)]  # (out, in)
-
-
-@pytest.fixture(scope="module")
-def lib():
-    assert native.get(wait=True, timeout=BUILD_TIMEOUT_S) is not None, f"the library did not build: {native.error()}"
-    return native.lib
+SHAPES = [(37, 64), (96, 576), (19, 1536)]  # (out, in)  ("lib": tests/plugins/conftest.py)
 
 
 def _weight(n: int, k: int) -> QuantizedWeight:
