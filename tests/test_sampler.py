@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from pagedllm.greedy import greedy_token_ids
 from pagedllm.request import Request
 from pagedllm.sampler import Sampler, apply_penalties, top_k_top_p_cutoff
 from pagedllm.sampling_params import SamplingParams
@@ -44,6 +45,23 @@ def test_greedy_is_argmax_any_dtype():
         out = Sampler()(logits.to(dt), lp_reqs)
         ref = logits.to(dt).float().log_softmax(-1).gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
         assert out.sampled_logprob == pytest.approx(ref.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [509, 512, 32000, 49152])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_blocked_greedy_is_first_argmax(vocab, dtype):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(9, vocab, generator=g).to(dtype)
+    x[1, :] = 0.5  # all tied: the first index
+    x[2, 300] = x[2, vocab - 1] = 99.0  # a tie across blocks: the earlier one
+    x[3, 7] = x[3, 8] = 99.0  # a tie inside a block
+    x[4, vocab - 1] = 99.0  # the last index
+    x[5, 200] = float("nan")  # NaN counts as the maximum, as in argmax
+    x[6, :] = float("-inf")
+    wide = torch.randn(9, vocab + 64, generator=g).to(dtype)[:, 32:32 + vocab]  # rows with a stride, not contiguous
+    for logits in (x, wide, x[:1]):
+        assert torch.equal(greedy_token_ids(logits), logits.argmax(-1))
+    assert greedy_token_ids(x)[[1, 2, 3, 4, 5, 6]].tolist() == [0, 300, 7, vocab - 1, 200, 0]
 
 
 def test_greedy_rows_in_mixed_batch():

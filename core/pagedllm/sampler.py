@@ -15,6 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from pagedllm.greedy import greedy_token_ids
 from pagedllm.outputs import Logprob
 from pagedllm.request import Request
 
@@ -142,11 +143,11 @@ class Sampler:
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         if len(greedy) == n:
-            tokens = x.max(dim=-1).indices  # max() is faster than argmax() on CPU
+            tokens = greedy_token_ids(x)
         else:
             tokens = torch.empty(n, dtype=torch.long, device=dev)
             if greedy:
-                tokens[_rows(greedy, dev)] = _take_rows(x, greedy).max(dim=-1).indices
+                tokens[_rows(greedy, dev)] = greedy_token_ids(_take_rows(x, greedy))
             rand = [i for i, p in enumerate(params) if not p.greedy]
             tokens[_rows(rand, dev)] = self._sample(_take_rows(x, rand), [reqs[i] for i in rand])
         return self._outputs(raw, tokens, reqs)

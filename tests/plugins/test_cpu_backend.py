@@ -268,4 +268,6 @@ def test_rms_norm_and_silu_and_mul_match_reference(dtype):
     tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=0)
     torch.testing.assert_close(b.rms_norm(x, w, 1e-6), ref_ops.rms_norm(x, w, 1e-6), **tol)
     y = torch.randn(37, 512, generator=g).to(dtype)
-    torch.testing.assert_close(b.silu_and_mul(y), ref_ops.silu_and_mul(y), atol=0, rtol=0)
+    tol = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-3, rtol=2e-3) if dtype == torch.float16 \
+        else dict(atol=1e-6, rtol=2e-6)  # the C++ op's exp is not torch's (test_cpu_native_ops.py)
+    torch.testing.assert_close(b.silu_and_mul(y), ref_ops.silu_and_mul(y), **tol)

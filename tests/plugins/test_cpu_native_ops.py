@@ -1,4 +1,5 @@
-"""The CPU plugin's C++ elementwise ops (``pagedllm_cpu/csrc/rms_norm.cpp``, ``rotary.cpp``, ``write_kv.cpp``)
+"""The CPU plugin's C++ elementwise ops (``pagedllm_cpu/csrc/rms_norm.cpp``, ``rotary.cpp``, ``silu_and_mul.cpp``,
+``write_kv.cpp``)
 against core's reference ops, through the backend's hooks, on odd shapes and the strided views the decoder passes
 (q/k/v split out of one fused qkv). The library must build here (g++ is on the CI image), as for the decode kernel.
 """
@@ -33,6 +34,22 @@ def test_rms_norm_matches_reference(cpu, dtype, shape):
     x = (3 * torch.randn(*shape, generator=g)).to(dtype)
     w = (1 + 0.2 * torch.randn(shape[-1], generator=g)).to(dtype)
     torch.testing.assert_close(cpu.rms_norm(x, w, 1e-6), ref_ops.rms_norm(x, w, 1e-6), **tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (64, 2 * 1024), (5, 2 * 37)])
+def test_silu_and_mul_matches_reference(cpu, lib, dtype, shape):
+    """One C++ pass (ATen's exp_u20, not torch's Sleef exp): float32 within a few ulp; bfloat16 rounds the same
+    values exactly; float16 within one of its ulp. Rows with a stride (a gate_up slice of a wider buffer) too."""
+    g = torch.Generator().manual_seed(3)
+    x = (4 * torch.randn(shape[0], shape[1] + 6, generator=g)).to(dtype)[:, 3:3 + shape[1]]
+    want = ref_ops.silu_and_mul(x)
+    got = cpu.silu_and_mul(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    tols = {torch.float32: dict(atol=1e-6, rtol=2e-6), torch.bfloat16: dict(atol=0, rtol=0),
+            torch.float16: dict(atol=1e-3, rtol=2e-3)}
+    torch.testing.assert_close(got, want, **tols[dtype])
+    assert torch.equal(got, lib.silu_and_mul(x))  # the hook took the C++ op
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.greedy import greedy_token_ids
 from pagedllm.kv_manager import KVCacheManager
 from pagedllm.request import Request
 
@@ -58,7 +59,7 @@ class DraftModelProposer:
             order, ids, pos, meta = draft_batch(active, chunks, starts, tables, bs, self.device)
             hidden = self.model(ids, pos, meta)
             last = torch.tensor(meta.query_start_loc_cpu[1:], dtype=torch.long, device=hidden.device) - 1
-            toks = self.model.compute_logits(hidden.index_select(0, last)).max(dim=-1).indices.tolist()
+            toks = greedy_token_ids(self.model.compute_logits(hidden.index_select(0, last))).tolist()
             for i, t in zip(order, toks):
                 out[i].append(t)
                 starts[i] += len(chunks[i])

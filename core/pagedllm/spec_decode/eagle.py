@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention import AttentionMetadata
+from pagedllm.greedy import greedy_token_ids
 from pagedllm.kv_manager import KVCacheManager
 from pagedllm.request import Request
 from pagedllm.sampling_params import ParamError
@@ -216,7 +217,7 @@ class EagleProposer:
             hidden = self.model(ids, pos, torch.cat([feats[i] for i in order]).to(self.device), meta)
             last = torch.tensor(meta.query_start_loc_cpu[1:], dtype=torch.long, device=hidden.device) - 1
             h_last = hidden.index_select(0, last)
-            toks = self.model.compute_logits(h_last).max(dim=-1).indices.tolist()
+            toks = greedy_token_ids(self.model.compute_logits(h_last)).tolist()
             for row, (i, t) in enumerate(zip(order, toks)):
                 out[i].append(t)
                 starts[i] += len(chunks[i])

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from pagedllm.greedy import greedy_token_ids
 from pagedllm.request import Request
 from pagedllm.sampler import Sampler, SamplerOutput
 from pagedllm.spec_decode.rejection_sampler import greedy_verify, rejection_sample
@@ -33,7 +34,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, reqs: Sequence[Request], num_
             logprobs[i], sampled_lp[i] = out.logprobs[j], out.sampled_logprob[j]
     greedy = [i for i in range(n) if num_logits[i] > 1 and reqs[i].params.greedy]
     if greedy:
-        argmax = logits.max(dim=-1).indices.tolist()
+        argmax = greedy_token_ids(logits).tolist()
         for i in greedy:
             tokens[i] = greedy_verify(proposals[i], argmax[starts[i]:starts[i + 1]])
     rand = [i for i in range(n) if num_logits[i] > 1 and not reqs[i].params.greedy]

@@ -1,8 +1,8 @@
 """The CPU plugin's C++ ops (``csrc/*.cpp``, one library): built on first use, cached on disk, optional.
 
-``paged_decode.cpp`` attends decodes in place; ``rms_norm.cpp``, ``rotary.cpp`` and ``write_kv.cpp`` do in one op call
-what takes torch five to twenty at decode sizes, where dispatch costs more than the arithmetic (``ops.py`` and
-``attention.py`` call them when loaded, else their torch paths); ``q4_gemv.cpp`` runs GGUF Q4_0 / Q4_1 linears,
+``paged_decode.cpp`` attends decodes in place; ``rms_norm.cpp``, ``rotary.cpp``, ``silu_and_mul.cpp`` and
+``write_kv.cpp`` do in one op call what takes torch two to twenty at decode sizes, where dispatch and temporaries cost
+more than the arithmetic (``ops.py`` and ``attention.py`` call them when loaded, else their torch paths); ``q4_gemv.cpp`` runs GGUF Q4_0 / Q4_1 linears,
 ``q8_gemv.cpp`` Q8_0 ones and a tied LM head over a Q8_0 embedding (``quant.py``).
 
 Built with ``torch.utils.cpp_extension`` (g++, ninja) for the SIMD level ATen itself detected

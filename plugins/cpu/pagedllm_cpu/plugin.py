@@ -1,7 +1,7 @@
 """The CPU backend's hook implementations (entry point ``cpu`` in group ``pagedllm.backends``).
 
 KV caches use the canonical layout, so core's reference gather/copy/swap apply unchanged; rms_norm, the fused residual
-add + rms_norm, rotary and KV writes run C++ ops once they are built (``native.py``), silu_and_mul stays on torch.
+add + rms_norm, rotary, silu_and_mul and KV writes run C++ ops once they are built (``native.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 // Paged decode attention for the CPU backend: one query token per sequence, keys and values read in place from the
 // canonical cache [2, num_blocks, block_size, num_kv_heads, head_size] through the block table (no gather copy).
-// Work item = (sequence, kv head): its GQA group of query heads shares every key/value row it loads. Scores and
-// the online softmax are float32, one cache block at a time. Vectorized<float> is compiled for the capability the
+// Work item = a sequence (small batches: a sequence's share of the kv heads), so one cache block's rows for all its
+// kv heads are read together; each kv head's GQA group of query heads shares every key/value row it loads. Scores
+// and the online softmax are float32, one cache block at a time. Vectorized<float> is compiled for the capability the
 // loader passes (CPU_CAPABILITY_AVX2 / _AVX512 from ATen's own detection, or the portable default).
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -12,6 +13,10 @@
 #include <cmath>
 #include <limits>
 #include <vector>
+
+
+
+
 
 namespace {
 
@@ -26,6 +31,74 @@ inline Vec load_f(const T* p) {
   at::vec::load_to_float<T>(p, out);
   return out;
 }
+
+// The inner loops, for a chunk of G <= 8 query heads of one GQA group (G a compile-time constant, so the per-head
+// accumulators live in registers): each key or value row is loaded once for the whole chunk.
+
+// sc[j * bs + t] = q_j . k_t for t in [t0, t1); q is G rows of D floats.
+template <int G, typename T>
+void qk_rows(const float* q, int64_t D, int64_t dv, const T* kblk, int64_t tok_s, int64_t t0, int64_t t1, float* sc,
+             int64_t bs) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* k = kblk + t * tok_s;
+    Vec d[G];
+    for (int j = 0; j < G; ++j) d[j] = Vec(0.f);
+    for (int64_t i = 0; i < dv; i += kW) {
+      const Vec kv = load_f(k + i);
+      for (int j = 0; j < G; ++j) d[j] = at::vec::fmadd(Vec::loadu(q + j * D + i), kv, d[j]);
+    }
+    for (int j = 0; j < G; ++j) {
+      float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d[j]);
+      for (int64_t i = dv; i < D; ++i) s += q[j * D + i] * static_cast<float>(k[i]);
+      sc[j * bs + t] = s;
+    }
+  }
+}
+
+// acc_j += sum_t p[j * bs + t] * v_t for t in [t0, t1); acc is G rows of D floats.
+template <int G, typename T>
+void pv_rows(const float* p, int64_t bs, const T* vblk, int64_t tok_s, int64_t t0, int64_t t1, float* acc, int64_t D,
+             int64_t dv) {
+  for (int64_t i = 0; i < dv; i += kW) {
+    Vec a[G];
+    for (int j = 0; j < G; ++j) a[j] = Vec::loadu(acc + j * D + i);
+    for (int64_t t = t0; t < t1; ++t) {
+      const Vec v = load_f(vblk + t * tok_s + i);
+      for (int j = 0; j < G; ++j) a[j] = at::vec::fmadd(Vec(p[j * bs + t]), v, a[j]);
+    }
+    for (int j = 0; j < G; ++j) a[j].store(acc + j * D + i);
+  }
+  for (int j = 0; j < G; ++j)
+    for (int64_t i = dv; i < D; ++i)
+      for (int64_t t = t0; t < t1; ++t) acc[j * D + i] += p[j * bs + t] * static_cast<float>(vblk[t * tok_s + i]);
+}
+
+// Blocks lie scattered in a pool far larger than the caches, and the hardware prefetcher does not cross pages, so
+// the kernel requests the block kAhead ahead into L2 while it computes this one. Measured on SmolLM2's shape with
+// the cache evicted between calls: 0.79 ms a call against 1.17 without (median of 6 runs); one block ahead, into L1,
+// or also the next sequence's first blocks were slower.
+constexpr int64_t kAhead = 2;
+
+// Request ``rows`` rows of ``width`` elements, ``stride`` apart, into L2.
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t rows, int64_t stride, int64_t width) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < width; i += kLine) __builtin_prefetch(base + r * stride + i, 0, 2);
+}
+
+// f<G>(args...) for the runtime chunk size gc in 1..8.
+#define PAGED_DECODE_DISPATCH(f, gc, ...)  \
+  switch (gc) {                            \
+    case 1: f<1, T>(__VA_ARGS__); break;   \
+    case 2: f<2, T>(__VA_ARGS__); break;   \
+    case 3: f<3, T>(__VA_ARGS__); break;   \
+    case 4: f<4, T>(__VA_ARGS__); break;   \
+    case 5: f<5, T>(__VA_ARGS__); break;   \
+    case 6: f<6, T>(__VA_ARGS__); break;   \
+    case 7: f<7, T>(__VA_ARGS__); break;   \
+    default: f<8, T>(__VA_ARGS__); break;  \
+  }
 
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
@@ -48,76 +121,84 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const float fscale = static_cast<float>(scale), cap = static_cast<float>(soft_cap);
   const int64_t dv = (D / kW) * kW;
 
-  at::parallel_for(0, B * hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(g * D), acc(g * D), scores(g * bs), m(g), l(g);
-    std::vector<Vec> dots(g);
+  // Large batches: one work item per sequence, so a cache block's rows for all kv heads (contiguous in the
+  // canonical layout) are read together, once, in address order. Small batches: split the kv heads over items too,
+  // or a single sequence would run on one thread.
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = B >= 4 * threads ? 1 : std::min<int64_t>(hkv, (4 * threads + B - 1) / B);
+  const int64_t heads_per = (hkv + splits - 1) / splits;
+  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+    const int64_t hh = heads_per * g;  // query heads of one item
+    std::vector<float> q(hh * D), acc(hh * D), scores(hh * bs), m(hh), l(hh);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / hkv, kh = item % hkv;
+      const int64_t b = item / splits, kh0 = (item % splits) * heads_per;
+      const int64_t kh1 = std::min(hkv, kh0 + heads_per);
+      if (kh0 >= kh1) continue;
+      const int64_t nh = (kh1 - kh0) * g;  // query heads kh0 * g .. kh1 * g
       const int64_t len = lens[b];
-      T* o_row = o_base + b * o_s0 + kh * g * o_s1;
+      T* o_row = o_base + b * o_s0 + kh0 * g * o_s1;
       if (len <= 0) {  // nothing to attend (padding row): zeros, never garbage
-        for (int64_t j = 0; j < g; ++j) std::fill(o_row + j * o_s1, o_row + j * o_s1 + D, T(0));
+        for (int64_t j = 0; j < nh; ++j) std::fill(o_row + j * o_s1, o_row + j * o_s1 + D, T(0));
         continue;
       }
-      for (int64_t j = 0; j < g; ++j) {
-        const T* src = q_base + b * q_s0 + (kh * g + j) * q_s1;
+      for (int64_t j = 0; j < nh; ++j) {
+        const T* src = q_base + b * q_s0 + (kh0 * g + j) * q_s1;
         for (int64_t i = 0; i < D; ++i) q[j * D + i] = static_cast<float>(src[i]);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(acc.begin(), acc.begin() + nh * D, 0.f);
+      std::fill(m.begin(), m.begin() + nh, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + nh, 0.f);
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t qpos = len - 1;
       for (int64_t blk = first / bs; blk * bs < len && blk < max_blocks; ++blk) {
         const int64_t phys = bt[b * bt_s + blk];
         const int64_t t0 = std::max(first, blk * bs) - blk * bs, t1 = std::min(len - blk * bs, bs);
-        const T* kblk = k_base + phys * blk_s + kh * head_s;
-        const T* vblk = v_base + phys * blk_s + kh * head_s;
-        for (int64_t t = t0; t < t1; ++t) {  // q . k for the whole group, each key row loaded once
-          const T* k = kblk + t * tok_s;
-          for (int64_t j = 0; j < g; ++j) dots[j] = Vec(0.f);
-          for (int64_t i = 0; i < dv; i += kW) {
-            const Vec kv = load_f(k + i);
-            for (int64_t j = 0; j < g; ++j) dots[j] = at::vec::fmadd(Vec::loadu(&q[j * D + i]), kv, dots[j]);
+        if ((blk + kAhead) * bs < len && blk + kAhead < max_blocks) {
+          const int64_t ahead = bt[b * bt_s + blk + kAhead];
+          prefetch_rows(k_base + ahead * blk_s + kh0 * head_s, bs, tok_s, (kh1 - kh0) * head_s);
+          prefetch_rows(v_base + ahead * blk_s + kh0 * head_s, bs, tok_s, (kh1 - kh0) * head_s);
+        }
+        for (int64_t kh = kh0; kh < kh1; ++kh) {
+          const int64_t j0 = (kh - kh0) * g;  // this kv head's group in the item's buffers
+          const float* qg = &q[j0 * D];
+          float* sg = &scores[j0 * bs];
+          const T* kblk = k_base + phys * blk_s + kh * head_s;
+          const T* vblk = v_base + phys * blk_s + kh * head_s;
+          for (int64_t jc = 0; jc < g; jc += 8) {  // q . k, each key row loaded once per chunk of heads
+            const int64_t gc = std::min<int64_t>(8, g - jc);
+            PAGED_DECODE_DISPATCH(qk_rows, gc, qg + jc * D, D, dv, kblk, tok_s, t0, t1, sg + jc * bs, bs)
           }
           for (int64_t j = 0; j < g; ++j) {
-            float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, dots[j]);
-            for (int64_t i = dv; i < D; ++i) s += q[j * D + i] * static_cast<float>(k[i]);
-            s *= fscale;
-            if (cap > 0.f) s = cap * std::tanh(s / cap);
-            if (slopes) s += slopes[kh * g + j] * static_cast<float>(blk * bs + t - qpos);
-            scores[j * bs + t] = s;
+            for (int64_t t = t0; t < t1; ++t) {
+              float s = sg[j * bs + t] * fscale;
+              if (cap > 0.f) s = cap * std::tanh(s / cap);
+              if (slopes) s += slopes[kh * g + j] * static_cast<float>(blk * bs + t - qpos);
+              sg[j * bs + t] = s;
+            }
           }
-        }
-        for (int64_t j = 0; j < g; ++j) {  // online softmax: rescale what came before to the new running max
-          float* sc = &scores[j * bs];
-          float mx = m[j];
-          for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sc[t]);
-          const float corr = std::exp(m[j] - mx);
-          float sum = 0.f;
-          for (int64_t t = t0; t < t1; t += kW) {  // exp_u20: ATen's vectorised exp (no Sleef symbols needed)
-            const int64_t n = std::min(kW, t1 - t);
-            const Vec e = (Vec::loadu(sc + t, n) - Vec(mx)).exp_u20();
-            e.store(sc + t, n);
-            for (int64_t i = 0; i < n; ++i) sum += sc[t + i];
+          for (int64_t j = j0; j < j0 + g; ++j) {  // online softmax: rescale what came before to the new running max
+            float* sc = &scores[j * bs];
+            float mx = m[j];
+            for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, sc[t]);
+            const float corr = std::exp(m[j] - mx);
+            float sum = 0.f;
+            for (int64_t t = t0; t < t1; t += kW) {  // exp_u20: ATen's vectorised exp (no Sleef symbols needed)
+              const int64_t n = std::min(kW, t1 - t);
+              const Vec e = (Vec::loadu(sc + t, n) - Vec(mx)).exp_u20();
+              e.store(sc + t, n);
+              for (int64_t i = 0; i < n; ++i) sum += sc[t + i];
+            }
+            l[j] = l[j] * corr + sum;
+            m[j] = mx;
+            if (corr != 1.f) at::vec::map([corr](Vec x) { return x * Vec(corr); }, &acc[j * D], &acc[j * D], D);
           }
-          l[j] = l[j] * corr + sum;
-          m[j] = mx;
-          if (corr != 1.f) at::vec::map([corr](Vec x) { return x * Vec(corr); }, &acc[j * D], &acc[j * D], D);
-        }
-        for (int64_t j = 0; j < g; ++j) {  // acc += p . V: each accumulator chunk stays in a register per block
-          const float* p = &scores[j * bs];
-          float* a = &acc[j * D];
-          for (int64_t i = 0; i < dv; i += kW) {
-            Vec av = Vec::loadu(a + i);
-            for (int64_t t = t0; t < t1; ++t) av = at::vec::fmadd(Vec(p[t]), load_f(vblk + t * tok_s + i), av);
-            av.store(a + i);
+          for (int64_t jc = 0; jc < g; jc += 8) {  // acc += p . V, each value row loaded once per chunk of heads
+            const int64_t gc = std::min<int64_t>(8, g - jc);
+            PAGED_DECODE_DISPATCH(pv_rows, gc, sg + jc * bs, bs, vblk, tok_s, t0, t1, &acc[(j0 + jc) * D], D, dv)
           }
-          for (int64_t i = dv; i < D; ++i)
-            for (int64_t t = t0; t < t1; ++t) a[i] += p[t] * static_cast<float>(vblk[t * tok_s + i]);
         }
       }
-      for (int64_t j = 0; j < g; ++j) {
+      for (int64_t j = 0; j < nh; ++j) {
         const float inv = 1.f / l[j];
         T* dst = o_row + j * o_s1;
         for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[j * D + i] * inv);

@@ -3,12 +3,17 @@
 // sin rounded to the activations' dtype, then x1*cos - x2*sin and x2*cos + x1*sin with each product and the sum
 // rounded to that dtype (the build uses -ffp-contract=off, so float32 is not fused into FMAs either).
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <tuple>
+#include <type_traits>
 
 namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kW = Vec::size();
 
 template <typename T, typename C>
 void rotate(at::Tensor& out, const at::Tensor& x, const int64_t* pos, const at::Tensor& cos_sin) {
@@ -24,7 +29,16 @@ void rotate(at::Tensor& out, const at::Tensor& x, const int64_t* pos, const at::
       for (int64_t k = 0; k < h; ++k) {
         const T* xi = xp + i * xs0 + k * xs1;
         T* oi = op + (i * h + k) * d;
-        for (int64_t j = 0; j < half; ++j) {
+        int64_t j = 0;
+        if constexpr (std::is_same_v<T, float> && std::is_same_v<C, float>) {  // same IEEE ops, 16 or 8 lanes
+          for (; j + kW <= half; j += kW) {
+            const Vec c = Vec::loadu(cs + j), s = Vec::loadu(cs + half + j);
+            const Vec x1 = Vec::loadu(xi + j), x2 = Vec::loadu(xi + half + j);
+            (x1 * c - x2 * s).store(oi + j);
+            (x2 * c + x1 * s).store(oi + half + j);
+          }
+        }
+        for (; j < half; ++j) {
           const float c = static_cast<float>(static_cast<T>(cs[j]));
           const float s = static_cast<float>(static_cast<T>(cs[half + j]));
           const float x1 = static_cast<float>(xi[j]), x2 = static_cast<float>(xi[half + j]);
