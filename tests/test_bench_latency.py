@@ -47,3 +47,18 @@ def test_weight_bytes_per_token_counts_every_linear_and_the_head(tiny_llama):
                 kv_cache_memory=4 << 20).llm_engine.model
     assert weight_bytes_per_token(model) == want
     assert gemm_step_seconds(model, 4, repeats=2) > 0
+
+
+def test_gemm_workload_floor_counts_prefill_chunks_and_decode_steps(monkeypatch):
+    """The throughput workload's GEMM floor: prompts in chunks of the token budget (LM head on the prompts each
+    chunk completes), then output_len - 1 decode steps at the full batch."""
+    from pagedllm.bench import ceiling
+
+    calls = []
+    monkeypatch.setattr(ceiling, "gemm_step_seconds",
+                        lambda model, batch, repeats=7, head_rows=None: calls.append((batch, head_rows)) or 1.0)
+    assert ceiling.gemm_workload_seconds(None, 64, 32, 64, 2048) == (1.0, 63.0)
+    assert calls == [(2048, 64), (64, None)]
+    calls.clear()
+    assert ceiling.gemm_workload_seconds(None, 10, 32, 5, 100) == (4.0, 4.0)  # 3 + 3 + 3 + 1 prompts per chunk
+    assert calls == [(96, 3), (96, 3), (96, 3), (32, 1), (10, None)]

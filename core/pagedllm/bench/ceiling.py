@@ -32,18 +32,35 @@ def _linears(model: nn.Module) -> Iterator[tuple[int, Any]]:
         yield w.shape[1], lambda x: torch.nn.functional.linear(x, w)
 
 
-def gemm_step_seconds(model: nn.Module, batch: int, repeats: int = 7) -> float:
-    """Median over repeats of the summed time of every linear layer and the LM head at ``batch`` tokens."""
+def gemm_step_seconds(model: nn.Module, batch: int, repeats: int = 7, head_rows: int | None = None) -> float:
+    """Median over repeats of the summed time of every linear layer at ``batch`` tokens and the LM head at
+    ``head_rows`` (default ``batch``; a prefill step projects only each sequence's last token)."""
     layers = list(_linears(model))
-    xs = {k: torch.randn(batch, k, dtype=model.dtype, device=model.device) for k, _ in layers}
+    rows = [batch] * (len(layers) - 1) + [batch if head_rows is None else head_rows]
+    xs = {(k, r): torch.randn(r, k, dtype=model.dtype, device=model.device) for (k, _), r in zip(layers, rows)}
     times = []
     with torch.inference_mode():
         for _ in range(repeats + 1):
             t = time.perf_counter()
-            for k, f in layers:
-                f(xs[k])
+            for (k, f), r in zip(layers, rows):
+                f(xs[k, r])
             times.append(time.perf_counter() - t)
     return statistics.median(times[1:])
+
+
+def gemm_workload_seconds(model: nn.Module, num_prompts: int, input_len: int, output_len: int,
+                          max_batched_tokens: int) -> tuple[float, float]:
+    """(prefill, decode) seconds of the GEMMs alone for the throughput workload: the prompts' tokens in chunks of
+    the scheduler's token budget (LM head on the sequences each chunk completes), then ``output_len - 1`` decode
+    steps of ``num_prompts`` tokens. No engine of the same precision can run the workload in less time on these
+    kernels; the ratio of a measured run to their sum is its share spent outside the GEMMs."""
+    per_chunk = max(1, max_batched_tokens // input_len)  # whole prompts per chunk (the workload's prompts are equal)
+    prefill, left = 0.0, num_prompts
+    while left:
+        n = min(per_chunk, left)
+        prefill += gemm_step_seconds(model, n * input_len, repeats=3, head_rows=n)
+        left -= n
+    return prefill, (output_len - 1) * gemm_step_seconds(model, num_prompts)
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:

@@ -63,10 +63,11 @@ class ThroughputResult:
     vllm_elapsed_s: list[float] = field(default_factory=list)  # alternated with elapsed_s, same prompts
     vllm_output_tok_s: Optional[float] = None
     vs_vllm: Optional[float] = None  # median of per-repeat ratios vLLM time / our time (>1: we are faster)
-    vllm_same_tokens: Optional[float] = None
+    vllm_same_tokens: Optional[float] = None  # fraction of requests whose greedy tokens equal vLLM's (last repeat)
     decode_tok_s: Optional[float] = None  # (output_len - 1) tokens per prompt / (median run - median prefill run)
     gemm_ceiling_tok_s: Optional[float] = None  # --gemm-ceiling: batch / GEMM-only time of one decode step
-    decode_vs_ceiling: Optional[float] = None  # fraction of requests whose greedy tokens equal vLLM's (last repeat)
+    decode_vs_ceiling: Optional[float] = None  # decode_tok_s / gemm_ceiling_tok_s
+    gemm_workload_s: Optional[tuple[float, float]] = None  # --gemm-ceiling: the whole workload's GEMMs alone (s)
 
 
 def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
@@ -217,10 +218,12 @@ def run(args) -> ThroughputResult:
     res.prefill_tok_s = args.num_prompts * args.input_len / statistics.median(prefill)
     res.decode_tok_s = args.num_prompts * (args.output_len - 1) / (med - statistics.median(prefill))
     if args.gemm_ceiling:
-        from pagedllm.bench.ceiling import gemm_step_seconds
+        from pagedllm.bench.ceiling import gemm_step_seconds, gemm_workload_seconds
 
         res.gemm_ceiling_tok_s = args.num_prompts / gemm_step_seconds(engine.model, args.num_prompts)
         res.decode_vs_ceiling = res.decode_tok_s / res.gemm_ceiling_tok_s
+        res.gemm_workload_s = gemm_workload_seconds(engine.model, args.num_prompts, args.input_len, args.output_len,
+                                                    engine.config.max_num_batched_tokens)
     if schema_sp is not None:
         res.json_output_tok_s = statistics.median(json_tok)
         res.unconstrained_output_tok_s = statistics.median(plain_tok)
@@ -304,6 +307,15 @@ def main(args) -> int:
         print(f"decode (runs less the prefill-only runs): {res.decode_tok_s:.1f} tok/s = {res.decode_vs_ceiling:.0%} of "
               f"the GEMM ceiling {res.gemm_ceiling_tok_s:.1f} tok/s (linear layers + LM head alone, batch "
               f"{res.num_prompts})")
+        floor = sum(res.gemm_workload_s)
+        line = (f"the workload's GEMMs alone: {floor:.2f} s (prefill {res.gemm_workload_s[0]:.2f} + decode "
+                f"{res.gemm_workload_s[1]:.2f}); pagedllm's median run is {floor / statistics.median(res.elapsed_s):.0%} "
+                f"GEMM")
+        if res.vllm_elapsed_s:
+            vllm = statistics.median(res.vllm_elapsed_s)
+            line += (f", vLLM's {floor / vllm:.0%}; {vllm / floor:.2f}x vLLM is the most these GEMMs allow "
+                     f"(1.3x: {vllm / 1.3:.2f} s)")
+        print(line)
     if res.json_output_tok_s:
         print(f"json schema on every request: {res.json_output_tok_s:.1f} output tok/s vs unconstrained "
               f"{res.unconstrained_output_tok_s:.1f} (alternated, median of {res.repeats}): ratio "
