@@ -70,6 +70,24 @@ def test_kernel_matches_reference(op, dtype, heads, head_size, window, cap, use_
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num", [1, 3, 40])
+@pytest.mark.parametrize("heads", [(12, 1), (20, 2)], ids=["mqa12", "gqa10"])
+def test_kernel_splits_work_and_head_groups(op, threads, num, heads):
+    """GQA groups wider than the kernel's 8-head register chunk (8 + 4, 8 + 2), and both ways of splitting work:
+    one item per sequence (batch >= 4 x threads) or a sequence's kv heads over several items (small batches)."""
+    seq_lens = [1 + (37 * i) % 70 for i in range(num)]
+    query, cache, meta = make_batch([1] * num, seq_lens, *heads, 64, 16, torch.float32, seed=num)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = run_op(op, query, cache, meta, 0.125, None, None, None)
+    finally:
+        torch.set_num_threads(saved)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, ref_ops.paged_attention(query, cache, meta, 0.125), atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_reads_strided_query_and_output(op):
     """Query rows straight out of a fused qkv projection (row stride > H * D) and a strided output."""
     query, cache, meta = make_batch(*DECODES, 10, 2, 48, 16, torch.float32, seed=3)
