@@ -1,7 +1,8 @@
 """The CPU backend's hook implementations (entry point ``cpu`` in group ``pagedllm.backends``).
 
 KV caches use the canonical layout, so core's reference gather/copy/swap apply unchanged; rms_norm, the fused residual
-add + rms_norm, rotary, silu_and_mul and KV writes run C++ ops once they are built (``native.py``).
+add + rms_norm, rotary, silu_and_mul and KV writes run C++ ops once they are built (``native.py``); tensor-parallel
+all-reduces between ranks on one host go through shared memory (``shm_comm.py``).
 """
 
 from __future__ import annotations
@@ -78,6 +79,15 @@ def pagedllm_memory_info(device: torch.device) -> MemoryInfo:
 @hookimpl
 def pagedllm_distributed_backend() -> str:
     return "gloo"
+
+
+@hookimpl
+def pagedllm_communicator(ranks: list[int], device: torch.device, collective: str, timeout_s: float) -> Any:
+    """gloo, with all-reduce and all-gather through shared memory when the group's ranks share this host
+    (``shm_comm.py``)."""
+    from pagedllm_cpu.shm_comm import ShmCommunicator
+
+    return ShmCommunicator(ranks, device, timeout_s, collective)
 
 
 @hookimpl
