@@ -8,9 +8,10 @@ two ranks the same bits as gloo (``a + b == b + a``). Two sets of slots alternat
 writes into the set nobody still reads: to start collective n+2 it must have seen every flag of n+1, which each rank
 raises only after it has read n.
 
-Used only when every rank of the group is on this host, sees the file, runs on x86-64 (its stores are not
-reordered with each other, nor loads with loads, so a raised flag means the slot before it is written) and has not
-set ``PAGEDLLM_CPU_SHM_COMM=0``; all ranks decide together at set-up. Tensors larger than a slot, and every other
+Used only when every rank of the group is on this host, sees the file (``/dev/shm`` has room for its 2 x ranks x
+8 MB, reserved at set-up), runs on x86-64 (its stores are not reordered with each other, nor loads with loads, so a
+raised flag means the slot before it is written) and has not set ``PAGEDLLM_CPU_SHM_COMM=0``; all ranks decide
+together at set-up. Tensors larger than a slot, and every other
 collective (``send``/``recv``, barriers, the start-up minimum), stay on gloo. A wait checks that its peers are alive
 (their pids, as zombies count as dead) and ends in :class:`CollectiveError` at the group's timeout, never a hang.
 """
@@ -84,11 +85,15 @@ class ShmCommunicator(TorchCommunicator):
         if self.rank_in_group == 0:
             try:
                 fd, name = tempfile.mkstemp(prefix="pagedllm-tp-", dir="/dev/shm")
-                os.ftruncate(fd, size)
-                os.close(fd)
-                path = [name]
+                try:  # reserve the pages now: a full /dev/shm (containers: 64 MB) fails here, not as SIGBUS later
+                    os.posix_fallocate(fd, 0, size)
+                    path = [name]
+                except OSError:
+                    os.unlink(name)
+                finally:
+                    os.close(fd)
             except OSError:
-                path = [None]
+                pass
         dist.broadcast_object_list(path, src=self.ranks[0], group=self.group)
         mapped = None
         if path[0] is not None:
