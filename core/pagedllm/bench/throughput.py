@@ -308,9 +308,9 @@ def main(args) -> int:
               f"the GEMM ceiling {res.gemm_ceiling_tok_s:.1f} tok/s (linear layers + LM head alone, batch "
               f"{res.num_prompts})")
         floor = sum(res.gemm_workload_s)
+        ours = statistics.median(res.elapsed_s)
         line = (f"the workload's GEMMs alone: {floor:.2f} s (prefill {res.gemm_workload_s[0]:.2f} + decode "
-                f"{res.gemm_workload_s[1]:.2f}); pagedllm's median run is {floor / statistics.median(res.elapsed_s):.0%} "
-                f"GEMM")
+                f"{res.gemm_workload_s[1]:.2f}); pagedllm's median run is {floor / ours:.0%} GEMM")
         if res.vllm_elapsed_s:
             vllm = statistics.median(res.vllm_elapsed_s)
             line += (f", vLLM's {floor / vllm:.0%}; {vllm / floor:.2f}x vLLM is the most these GEMMs allow "
