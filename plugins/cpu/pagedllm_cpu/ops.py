@@ -64,8 +64,8 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """One C++ pass per row (``csrc/silu_and_mul.cpp``; 64 x 1536 fp32: ~10x torch's silu then mul); else the
-    reference's math, multiplying in place into silu's output (one temporary fewer)."""
+    """One C++ pass per row (``csrc/silu_and_mul.cpp``; 64 x 1536 fp32: ~23 us against ~43 for torch's silu then
+    mul); else the reference's math, multiplying in place into silu's output (one temporary fewer)."""
     if native.lib is not None and x.dtype in _NATIVE_DTYPES and x.dim() == 2 and x.stride(-1) == 1 and x.numel():
         return native.lib.silu_and_mul(x)
     d = x.shape[-1] // 2

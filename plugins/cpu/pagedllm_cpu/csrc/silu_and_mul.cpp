@@ -3,12 +3,11 @@
 // rounded to the input dtype, times b rounded again. exp is ATen's vectorised exp_u20 (no Sleef symbols needed).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
+#include <type_traits>
 
 namespace {
 
