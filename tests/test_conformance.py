@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.backends import Backend, discover
+from pagedllm.backend.registry import Backend, discover
 from pagedllm.conformance import run_conformance
 from pagedllm.conformance import cli as conformance_cli
 from plugin_factory import make_plugin
@@ -155,7 +155,7 @@ def test_cuda_and_rocm_are_installed_but_not_usable_here():
 VENDOR_PLUGIN = '''
 """Acme's pagedllm backend: a torch SiLU-and-mul of its own; everything else falls back to core's reference."""
 import torch
-from pagedllm.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
+from pagedllm.backend.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
 
 
 @hookimpl

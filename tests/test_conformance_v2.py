@@ -9,14 +9,14 @@ import json
 
 import torch
 
-from pagedllm import ref_ops
-from pagedllm.backends import Backend
-from pagedllm.batch_policy import BatchShape, BucketPolicy, pow2_buckets
+from pagedllm.backend import ref_ops
+from pagedllm.backend.registry import Backend
+from pagedllm.backend.batch_policy import BatchShape, BucketPolicy, pow2_buckets
 from pagedllm.conformance import run_conformance
 from pagedllm.conformance import cli as conformance_cli
 from pagedllm.conformance.report import PARTIAL, SIMULATION, Report
 from pagedllm.conformance.runner import enumerate_cases, run_case
-from pagedllm.hookspec import Capabilities
+from pagedllm.backend.hookspec import Capabilities
 from plugin_factory import make_plugin
 from test_conformance import off_by_one_attention
 
@@ -145,7 +145,7 @@ def test_off_by_one_block_offset_at_block_size_64_is_caught_and_located():
 
 def test_graph_replay_mismatch_names_sequence_position_block_and_head():
     """A runner that shifts positions from the third block of 64 on: the replay check says where it starts."""
-    from pagedllm.hookspec import GraphRunner
+    from pagedllm.backend.hookspec import GraphRunner
 
     def graph_runner(model, max_num_seqs, device, ctx):
         return GraphRunner(run=lambda ids, pos, meta: model(ids, pos + (pos >= 2 * ctx.block_size), meta),
@@ -184,7 +184,7 @@ def test_graph_runner_gets_a_runner_context():
     seen = []
 
     def graph_runner(model, max_num_seqs, device, ctx):
-        from pagedllm.hookspec import GraphRunner
+        from pagedllm.backend.hookspec import GraphRunner
 
         seen.append(ctx)
         return GraphRunner(run=model)

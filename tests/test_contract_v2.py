@@ -9,13 +9,14 @@ import pytest
 import torch
 
 import tiny_models
-from pagedllm import LLM, SamplingParams, ref_ops
-from pagedllm.backends import Backend, register_backend
+from pagedllm import LLM, SamplingParams
+from pagedllm.backend import ref_ops
+from pagedllm.backend.registry import Backend, register_backend
 from pagedllm.config import EngineConfig, resolve_config
-from pagedllm.hookspec import Capabilities, KVCacheSpec, MemoryInfo, ModelInfo
+from pagedllm.backend.hookspec import Capabilities, KVCacheSpec, MemoryInfo, ModelInfo
 from pagedllm.models import load_config
 from pagedllm.models.info import read_model_info
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 from plugin_factory import make_plugin
 from test_engine_parity import hf_greedy, mixed_prompts, run
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from pagedllm.entrypoints.cpu_split import parse_cpu_list
-from pagedllm.sampling_params import ParamError
+from pagedllm.engine.cpu_split import parse_cpu_list
+from pagedllm.errors import ParamError
 from server_utils import API_KEY, ServerProcess, children, cmdline, tiny_chat_model, wait_idle
 
 

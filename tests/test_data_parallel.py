@@ -23,8 +23,8 @@ import openai
 import pytest
 from server_utils import ServerProcess, cmdline, descendants, gone, tiny_chat_model
 
-from pagedllm.entrypoints.dp_client import least_loaded, split_cpus
-from pagedllm.sampling_params import ParamError
+from pagedllm.engine.dp_client import least_loaded, split_cpus
+from pagedllm.errors import ParamError
 
 MAX_LEN = 512
 N_STREAMS = 64

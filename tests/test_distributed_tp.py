@@ -17,7 +17,7 @@ from dist_utils import (TP_LOGITS_ABS, TP_LOGITS_REL, engine, make_dist_model, m
                         run_capturing_logits, workload)
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.layers import RowParallelLinear
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 from server_utils import API_KEY, ServerProcess, tiny_chat_model
 
 

@@ -25,8 +25,8 @@ from server_utils import ServerProcess, tiny_chat_model
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.entrypoints.dp_client import DataParallelEngine, split_cpus
-from pagedllm.sampling_params import ParamError
+from pagedllm.engine.dp_client import DataParallelEngine, split_cpus
+from pagedllm.errors import ParamError
 
 MAX_TOKENS = 8
 PROMPTS = [[3 + (11 * i + 17 * j) % 490 for j in range(2 + (5 * i) % 19)] for i in range(8)]
@@ -180,7 +180,7 @@ def test_dp_expert_parallel_replica_death_fails_both(moe_models):
     so every in-flight request on both replicas ends with EngineDeadError, and nothing hangs."""
     import signal
 
-    from pagedllm.entrypoints.async_engine import EngineDeadError
+    from pagedllm.engine.async_engine import EngineDeadError
 
     dp = DataParallelEngine(config(moe_models["mixtral"], enable_expert_parallel=True, distributed_timeout_s=30),
                             [None, None])

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 import tiny_models
-from pagedllm import LLM, SamplingParams, ref_ops
-from pagedllm.attention import AttentionMetadata
-from pagedllm.kv_quant import dequantize_kv, quantize_kv
-from pagedllm.sampling_params import ParamError
+from pagedllm import LLM, SamplingParams
+from pagedllm.backend import ref_ops
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.kv_quant import dequantize_kv, quantize_kv
+from pagedllm.errors import ParamError
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
@@ -57,7 +58,7 @@ def _triton_ops():
     way: TRITON_INTERPRET is read when a kernel launches."""
     pytest.importorskip("triton")
     os.environ["TRITON_INTERPRET"] = "1"
-    from pagedllm.kernels import attention, kv_write
+    from pagedllm.backend.triton import attention, kv_write
 
     return kv_write.write_kv, attention.paged_attention
 
@@ -125,8 +126,8 @@ def test_fp8_pool_has_four_times_the_fp32_blocks_and_twice_bf16(tiny_llama):
 def test_unknown_or_undeclared_kv_dtype_is_refused(tiny_llama):
     from plugin_factory import make_plugin
 
-    from pagedllm.backends import register_backend
-    from pagedllm.hookspec import Capabilities
+    from pagedllm.backend.registry import register_backend
+    from pagedllm.backend.hookspec import Capabilities
 
     with pytest.raises(ParamError, match="kv_cache_dtype"):
         _llm(tiny_llama, kv_cache_dtype="int8")
@@ -203,7 +204,7 @@ def test_engine_fp8_kv_matches_hf_with_fake_quantized_kv(tiny_llama, kv):
 def test_conformance_runs_fp8_cases_for_backends_that_declare_them(backend_name, tmp_path):
     """The conformance suite adds scaled fp8 write / swap / attention cases per declared kv dtype; the CPU backend
     and the Triton kernels (interpreter) pass them."""
-    from pagedllm.backends import Backend, get_backend
+    from pagedllm.backend.registry import Backend, get_backend
     from pagedllm.conformance import run_conformance
 
     if backend_name == "cpu":
@@ -212,8 +213,8 @@ def test_conformance_runs_fp8_cases_for_backends_that_declare_them(backend_name,
         _triton_ops()
         from plugin_factory import make_plugin
 
-        from pagedllm.hookspec import Capabilities
-        from pagedllm.kernels import ops_plugin
+        from pagedllm.backend.hookspec import Capabilities
+        from pagedllm.backend.triton import hooks as ops_plugin
 
         caps = Capabilities(dtypes=("bfloat16",), head_sizes=(32,), block_sizes=(16,),
                             kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"))

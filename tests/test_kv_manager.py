@@ -2,8 +2,8 @@
 
 import pytest
 
-from pagedllm.kv_manager import BlockPool, KVCacheManager, hash_block
-from pagedllm.request import Request
+from pagedllm.sched.kv_manager import BlockPool, KVCacheManager, hash_block
+from pagedllm.sched.request import Request
 from pagedllm.sampling_params import SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, ParamError, SamplingParams
-from pagedllm.backends import BackendError
+from pagedllm.backend.registry import BackendError
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import torch
 
-from pagedllm.backends import get_backend
-from pagedllm.kv_manager import BlockPool, KVCacheManager
+from pagedllm.backend.registry import get_backend
+from pagedllm.sched.kv_manager import BlockPool, KVCacheManager
 from pagedllm.models import load_model, resolve_model_path
 from pagedllm.models.gguf_weights import read_tensors
 from pagedllm.models.quantized_embedding import QuantizedEmbedding
@@ -81,8 +81,8 @@ def test_smollm2_packed_embedding_logits_equal_dense_on_reference(ref_backend):
 
 _KV_PAGES = """
 import json, numpy as np, torch
-from pagedllm.backends import get_backend
-from pagedllm.hookspec import KVCacheSpec
+from pagedllm.backend.registry import get_backend
+from pagedllm.backend.hookspec import KVCacheSpec
 
 def resident(t):  # resident bytes of t's own pages: /proc/self/pagemap's present bit
     first, last = t.data_ptr() // 4096, (t.data_ptr() + t.numel() * t.element_size() - 1) // 4096

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.hookspec import KVCacheSpec
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.hookspec import KVCacheSpec
 from pagedllm.models import DEFAULT_GGUF_NAME, CausalLM, load_model, load_tokenizer, resolve_model_path
 from tiny_models import TINY_MODEL_SPECS
 

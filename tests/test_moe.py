@@ -9,11 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from model_parity import assert_engine_parity
-from pagedllm import LLM, ref_ops
-from pagedllm.backends import get_backend
+from pagedllm import LLM
+from pagedllm.backend import ref_ops
+from pagedllm.backend.registry import get_backend
 from pagedllm.models import CausalLM, load_model
 from pagedllm.models.moe import SparseMoeBlock, TopKRouter
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
 from tiny_models import MOE_CONFIGS, make_fallback_model
 

@@ -18,7 +18,7 @@ from hf_oracle import hf_greedy
 from pagedllm import LLM, SamplingParams
 from pagedllm.quantization import QuantizedLinear
 from pagedllm.quantization.fp8 import FP8_MAX, quantize_fp8
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[5, 17, 301, 42, 7, 99, 3, 250, 11], [200, 9, 33, 401, 12, 77, 5, 6, 8, 100, 3]]
@@ -141,8 +141,8 @@ def test_fp8_errors_name_the_field(dense, tmp_path):
         LLM(ckpt, device="cpu", quantization="gguf")
     from plugin_factory import make_plugin
 
-    from pagedllm.backends import register_backend
-    from pagedllm.hookspec import Capabilities
+    from pagedllm.backend.registry import register_backend
+    from pagedllm.backend.hookspec import Capabilities
 
     register_backend(make_plugin("no-quant", Capabilities(dtypes=("float32",), head_sizes=None)), "no-quant")
     with pytest.raises(ParamError, match="backend 'no-quant' does not support 'fp8'"):

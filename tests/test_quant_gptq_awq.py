@@ -11,7 +11,7 @@ import torch
 
 from hf_oracle import hf_greedy
 from pagedllm import LLM, SamplingParams
-from pagedllm.hookspec import QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization import dequantize
 from pagedllm.quantization.awq import write_awq
 from pagedllm.quantization.gptq import write_gptq
@@ -112,11 +112,11 @@ def test_method_backend_pair_and_variant_errors(dense_dir, tmp_path):
     dense; an unsupported variant (GPTQ v2 format, AWQ GEMV) fails before any weight is read, naming it."""
     import json
 
-    from pagedllm.backends import register_backend
+    from pagedllm.backend.registry import register_backend
     from pagedllm.errors import UnsupportedModelError
-    from pagedllm.hookspec import Capabilities
+    from pagedllm.backend.hookspec import Capabilities
     from pagedllm.quantization import QuantizedLinear
-    from pagedllm.sampling_params import ParamError
+    from pagedllm.errors import ParamError
     from plugin_factory import make_plugin
 
     qdir = tmp_path / "g"

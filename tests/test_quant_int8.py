@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
-from pagedllm.backends import get_backend
+from pagedllm.backend.registry import get_backend
 from pagedllm.quantization import reference_kernel
 from pagedllm.quantization.int8 import quantize_weight_per_channel, w8a8_reference
 from pagedllm.quantization.rtn import random_weight

@@ -13,13 +13,13 @@ from transformers import AutoModelForCausalLM
 from gguf_utils import write_tiny_gguf
 from hf_oracle import hf_greedy
 from pagedllm import LLM, SamplingParams
-from pagedllm.backends import get_backend, register_backend
+from pagedllm.backend.registry import get_backend, register_backend
 from pagedllm.conformance import run_conformance
-from pagedllm.hookspec import Capabilities
+from pagedllm.backend.hookspec import Capabilities
 from pagedllm.models import load_model
 from pagedllm.quantization import QuantizedLinear
 from pagedllm.quantization import linear as qlinear
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 from pagedllm_cpu import native
 from plugin_factory import make_plugin
 from test_models import run_schedule

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from dist_utils import engine, make_dist_model
-from pagedllm.backends import get_backend
+from pagedllm.backend.registry import get_backend
 from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.executor.binding import local_device, local_index

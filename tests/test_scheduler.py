@@ -1,9 +1,9 @@
 """Scheduler policy without a model: budgets, chunked prefill, preemption, FCFS/priority order."""
 
-from pagedllm.kv_manager import KVCacheManager
-from pagedllm.request import Request, RequestStatus
+from pagedllm.sched.kv_manager import KVCacheManager
+from pagedllm.sched.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.scheduler import Scheduler
+from pagedllm.sched.scheduler import Scheduler
 
 
 def make(num_blocks=64, bs=4, seqs=8, budget=32, policy="fcfs", caching=False):

@@ -406,7 +406,7 @@ def test_async_engine_process(model_path):
     offline ones; with stream_interval=3 a 12-token request reaches its consumer at most 5 times: tokens 1, 4, 7,
     10 and the end), bad input raises ParamError, abort frees blocks, the idle engine process burns no CPU."""
     from pagedllm import EngineConfig, LLM, ParamError, SamplingParams
-    from pagedllm.entrypoints.async_engine import AsyncEngine
+    from pagedllm.engine.async_engine import AsyncEngine
 
     sp = SamplingParams(temperature=0, max_tokens=12, logprobs=2)
     want = LLM(model_path, device="cpu").generate(PROMPTS, sp, use_tqdm=False)
@@ -463,7 +463,7 @@ def test_async_engine_build_error_and_crash(model_path):
     import signal
 
     from pagedllm import EngineConfig, ParamError, SamplingParams
-    from pagedllm.entrypoints.async_engine import AsyncEngine, EngineDeadError
+    from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError
 
     with pytest.raises(ParamError) as e:
         AsyncEngine(EngineConfig(model=model_path, device="cpu", max_model_len=10 ** 6))

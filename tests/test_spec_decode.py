@@ -9,10 +9,10 @@ import random
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kv_manager import KVCacheManager
-from pagedllm.request import Request
-from pagedllm.sampling_params import ParamError
-from pagedllm.scheduler import Scheduler
+from pagedllm.sched.kv_manager import KVCacheManager
+from pagedllm.sched.request import Request
+from pagedllm.errors import ParamError
+from pagedllm.sched.scheduler import Scheduler
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from server_utils import tiny_chat_model

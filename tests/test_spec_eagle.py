@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 from pagedllm.spec_decode.config import SpeculativeConfig
 from eagle_utils import DenseEagleOracle, make_bigram_llama, make_eagle_head
 from server_utils import API_KEY, ServerProcess, tiny_chat_model, wait_idle
@@ -184,7 +184,7 @@ def test_eagle_200_mixed_requests_with_preemption_free_every_block(heads):
 
 def test_draft_kv_is_counted_in_the_pool_budget(tiny_llama, heads):
     """With kv_cache_memory fixed, a draft model / EAGLE head shrinks the target's pool by its bytes per block."""
-    from pagedllm.hookspec import KVCacheSpec
+    from pagedllm.backend.hookspec import KVCacheSpec
 
     mem = 4 << 20
     kw = dict(BASE, kv_cache_memory=mem)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, ParamError, SamplingParams, StructuredOutputsParams
-from pagedllm import ref_ops
+from pagedllm.backend import ref_ops
 from server_utils import tiny_chat_model
 from structured_schemas import SCHEMAS, SMALL_SCHEMAS
 

@@ -12,10 +12,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.entrypoints import tool_calling as tc
-from pagedllm.entrypoints.protocol import ChatTool, NamedToolChoice
-from pagedllm.entrypoints.render_worker import render_chat_ids
-from pagedllm.sampling_params import ParamError
+from pagedllm.entrypoints.openai import tool_calling as tc
+from pagedllm.entrypoints.openai.protocol import ChatTool, NamedToolChoice
+from pagedllm.entrypoints.openai.render_worker import render_chat_ids
+from pagedllm.errors import ParamError
 from server_utils import tiny_chat_model
 
 ADD = ChatTool(type="function", function={"name": "add", "description": "Add two integers", "parameters": {

@@ -104,7 +104,7 @@ def test_model_impl_flag_is_validated():
     from pagedllm.cli import build_parser
     from pagedllm.commands.engine_args import engine_config
     from pagedllm.config import EngineConfig
-    from pagedllm.sampling_params import ParamError
+    from pagedllm.errors import ParamError
 
     with pytest.raises(ParamError, match="model_impl"):
         EngineConfig(model_impl="vllm")

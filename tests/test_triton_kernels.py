@@ -20,13 +20,13 @@ import torch  # noqa: E402
 
 pytest.importorskip("triton")
 
-from pagedllm import ref_ops  # noqa: E402
-from pagedllm.attention import AttentionMetadata  # noqa: E402
-from pagedllm.backends import Backend  # noqa: E402
+from pagedllm.backend import ref_ops  # noqa: E402
+from pagedllm.backend.attention import AttentionMetadata  # noqa: E402
+from pagedllm.backend.registry import Backend  # noqa: E402
 from pagedllm.conformance import run_conformance  # noqa: E402
-from pagedllm.hookspec import Capabilities, GraphRunner  # noqa: E402
-from pagedllm.kernels import ops_plugin  # noqa: E402
-from pagedllm.kernels.graph_runner import DecodeGraphRunner, default_buckets  # noqa: E402
+from pagedllm.backend.hookspec import Capabilities, GraphRunner  # noqa: E402
+from pagedllm.backend.triton import hooks as ops_plugin  # noqa: E402
+from pagedllm.backend.graph_runner import DecodeGraphRunner, default_buckets  # noqa: E402
 from plugin_factory import make_plugin  # noqa: E402
 
 CAPS = Capabilities(dtypes=("float32", "float16", "bfloat16"), head_sizes=(32, 80), block_sizes=(16,),
@@ -91,7 +91,7 @@ def _batch(qlens, slens, bs, hkv, hs, dtype, gen):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_split_k_on_mixed_batch_with_window_and_cap(dtype, atol):
     """The split-K path (forced) on prefill chunks too, odd head size 80 (padded tiles), block size 8, GQA 3."""
-    from pagedllm.kernels.attention import paged_attention
+    from pagedllm.backend.triton.attention import paged_attention
 
     gen = torch.Generator().manual_seed(1)
     cache, meta = _batch([1, 7, 12], [40, 19, 12], 8, 1, 80, dtype, gen)
@@ -138,7 +138,7 @@ def test_kernels_compile_for_gpu_targets(tmp_path):
     sm_80/sm_90 and hsaco for gfx942: no GPU needed."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
-    cmd = [sys.executable, "-m", "pagedllm.kernels.aot_check", "--target", "cuda:80", "--target", "cuda:90",
+    cmd = [sys.executable, "-m", "pagedllm.backend.triton.aot_check", "--target", "cuda:80", "--target", "cuda:90",
            "--target", "hip:gfx942"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -146,7 +146,7 @@ def test_kernels_compile_for_gpu_targets(tmp_path):
 
 
 def test_loading_gpu_plugins_imports_no_triton():
-    code = ("import sys, pagedllm_cuda.plugin, pagedllm_rocm.plugin, pagedllm.kernels.torch_cuda; "
+    code = ("import sys, pagedllm_cuda.plugin, pagedllm_rocm.plugin, pagedllm.backend.accelerator; "
             "assert 'triton' not in sys.modules, 'triton imported'")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -5,10 +5,12 @@ Names are loaded lazily so ``import pagedllm`` (and the CLI's ``backends`` comma
 
 from __future__ import annotations
 
+from pagedllm import deprecated as _deprecated
+
 __version__ = "0.2.0"
 
 _EXPORTS = {
-    "LLM": "pagedllm.llm",
+    "LLM": "pagedllm.entrypoints.llm",
     "SamplingParams": "pagedllm.sampling_params",
     "StructuredOutputsParams": "pagedllm.sampling_params",
     "BeamSearchParams": "pagedllm.sampling_params",
@@ -16,14 +18,16 @@ _EXPORTS = {
     "CompletionOutput": "pagedllm.outputs",
     "Logprob": "pagedllm.outputs",
     "EngineConfig": "pagedllm.config",
-    "LLMEngine": "pagedllm.engine",
-    "ParamError": "pagedllm.sampling_params",
+    "LLMEngine": "pagedllm.engine.llm_engine",
+    "ParamError": "pagedllm.errors",
     "LoRARequest": "pagedllm.lora.request",
-    "BeamSearchOutput": "pagedllm.beam_search",
-    "BeamSearchSequence": "pagedllm.beam_search",
+    "BeamSearchOutput": "pagedllm.entrypoints.beam_search",
+    "BeamSearchSequence": "pagedllm.entrypoints.beam_search",
 }
 
 __all__ = list(_EXPORTS)
+
+_deprecated.install()
 
 
 def __getattr__(name: str):

@@ -8,9 +8,9 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.kv_quant import KV_CACHE_DTYPES, canonical_kv_dtype
+from pagedllm.backend.kv_quant import KV_CACHE_DTYPES, canonical_kv_dtype
 from pagedllm.quantization.config import resolve_quantization, validate_quantization
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False
     enforce_eager: bool = False
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 (pagedllm.kv_quant)
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 (pagedllm.backend.kv_quant)
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance (structured_output/manager.py)
     enable_lora: bool = False  # serve LoRA adapters (docs/lora.md)
     max_loras: int = 1  # adapters one step may use (device slots)

@@ -5,6 +5,8 @@ Anything else escaping a command is a runtime failure (exit code 1); ``--debug``
 
 from __future__ import annotations
 
+import pickle
+
 
 class UserError(Exception):
     """Base of every error caused by the caller's input or set-up rather than by pagedllm."""
@@ -16,3 +18,24 @@ class ModelNotFoundError(FileNotFoundError, UserError):
 
 class UnsupportedModelError(ValueError, UserError):
     """The model exists but pagedllm cannot run it (architecture, file kind, settings)."""
+
+
+class ParamError(ValueError, UserError):
+    """Invalid request parameter; ``field`` names it (the server maps this to HTTP 400 with ``param``)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+    def __reduce__(self):  # pickles across the server/engine process boundary
+        return ParamError, (self.field, self.message)
+
+
+def portable_exception(e: BaseException) -> BaseException:
+    """The exception itself if it survives pickling (to cross a process boundary), else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - anything unpicklable
+        return RuntimeError(f"{type(e).__name__}: {e}")

@@ -6,19 +6,7 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from pagedllm.errors import UserError
-
-
-class ParamError(ValueError, UserError):
-    """Invalid request parameter; ``field`` names it (the server maps this to HTTP 400 with ``param``)."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-    def __reduce__(self):  # pickles across the server/engine process boundary
-        return ParamError, (self.field, self.message)
+from pagedllm.errors import ParamError as _ParamError
 
 
 @dataclass
@@ -36,22 +24,22 @@ class StructuredOutputsParams:
         set_ = [k for k in ("json", "regex", "choice", "grammar", "json_object")
                 if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
-            raise ParamError("structured_outputs", "exactly one of json, regex, choice, grammar or json_object must be "
+            raise _ParamError("structured_outputs", "exactly one of json, regex, choice, grammar or json_object must be "
                                                    f"set, got {set_ or 'none'}")
         if isinstance(self.json, str):
             try:
                 self.json = _json.loads(self.json)
             except ValueError as e:
-                raise ParamError("structured_outputs.json", f"not valid JSON: {e}") from None
+                raise _ParamError("structured_outputs.json", f"not valid JSON: {e}") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
-            raise ParamError("structured_outputs.json", "must be a JSON schema (an object)")
+            raise _ParamError("structured_outputs.json", "must be a JSON schema (an object)")
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
-            raise ParamError("structured_outputs.regex", "must be a non-empty string")
+            raise _ParamError("structured_outputs.regex", "must be a non-empty string")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()):
-            raise ParamError("structured_outputs.grammar", "must be a non-empty string")
+            raise _ParamError("structured_outputs.grammar", "must be a non-empty string")
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or any(not isinstance(c, str) or not c for c in self.choice)):
-            raise ParamError("structured_outputs.choice", "must be a non-empty list of non-empty strings")
+            raise _ParamError("structured_outputs.choice", "must be a non-empty list of non-empty strings")
 
     @property
     def kind(self) -> str:
@@ -111,7 +99,7 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def bad(name: str, msg: str) -> None:
-            raise ParamError(name, msg)
+            raise _ParamError(name, msg)
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
@@ -196,8 +184,16 @@ class BeamSearchParams:
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ParamError("structured_outputs", "must be a StructuredOutputsParams")
+            raise _ParamError("structured_outputs", "must be a StructuredOutputsParams")
         if not isinstance(self.beam_width, int) or self.beam_width < 1:
-            raise ParamError("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+            raise _ParamError("beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ParamError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+            raise _ParamError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+
+
+def __getattr__(name: str):
+    if name == "ParamError":  # contract v2's path; removed with v3
+        from pagedllm.deprecated import moved
+
+        return moved("pagedllm.sampling_params.ParamError", "pagedllm.errors.ParamError", _ParamError)
+    raise AttributeError(f"module 'pagedllm.sampling_params' has no attribute {name!r}")

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import pagedllm.backends as backends
+import pagedllm.backend.registry as backends
 from pagedllm.config import EngineConfig, resolve_config
-from pagedllm.hookspec import API_VERSION, KVCacheSpec, ModelInfo
-from pagedllm.sampling_params import ParamError
+from pagedllm.backend.hookspec import API_VERSION, KVCacheSpec, ModelInfo
+from pagedllm.errors import ParamError
 
 SIM = str(Path(__file__).resolve().parents[1] / "sim")
 LLAMA = ModelInfo(architecture="LlamaForCausalLM", dtype="float32", num_layers=2, num_heads=4, num_kv_heads=2,
@@ -59,7 +59,7 @@ def test_probe_says_torch_npu_is_missing_here(ascend):
 def test_loading_the_plugin_and_probing_import_nothing_vendor():
     """`pagedllm backends` must stay safe: no torch_npu import at load, none in the probe without CANN (even where a
     torch_npu module is importable: here the simulated one is put on the path)."""
-    code = ("import sys, pagedllm.backends as b; be = b.discover()['ascend'].backend; p = be.probe; "
+    code = ("import sys, pagedllm.backend.registry as b; be = b.discover()['ascend'].backend; p = be.probe; "
             "print(p.usable, '|', p.reason); print('torch_npu' in sys.modules)")
     res = _run(code, PYTHONPATH=SIM + os.pathsep + os.environ.get("PYTHONPATH", ""))
     assert res.returncode == 0, res.stderr

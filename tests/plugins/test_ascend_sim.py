@@ -61,10 +61,10 @@ def test_conformance_kernel_and_runtime_checks_pass_on_the_simulated_npu(tmp_pat
 # ---- glue on the simulated device -----------------------------------------------------------------------------------
 GLUE = r"""
 import torch, torch_npu
-from pagedllm import ref_ops
-from pagedllm.attention import AttentionMetadata
-from pagedllm.backends import get_backend
-from pagedllm.hookspec import KVCacheSpec
+from pagedllm.backend import ref_ops
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.registry import get_backend
+from pagedllm.backend.hookspec import KVCacheSpec
 from pagedllm_ascend import attention
 
 be = get_backend("ascend")
@@ -233,7 +233,7 @@ def test_engine_greedy_on_the_simulated_npu_equals_hf(tiny_llama, tmp_path):
 GRAPHS = """
 import json
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels.graph_runner import DecodeGraphRunner
+from pagedllm.backend.graph_runner import DecodeGraphRunner
 from pagedllm_ascend import graph
 out = {}
 for update in (True, False):

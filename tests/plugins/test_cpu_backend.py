@@ -13,10 +13,10 @@ import random
 import pytest
 import torch
 
-import pagedllm.backends as backends
-from pagedllm import ref_ops
-from pagedllm.attention import AttentionMetadata
-from pagedllm.hookspec import KVCacheSpec
+import pagedllm.backend.registry as backends
+from pagedllm.backend import ref_ops
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.hookspec import KVCacheSpec
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2), torch.float16: (3e-3, 3e-3)}
 
@@ -93,7 +93,7 @@ def test_engine_on_garbage_filled_kv_pool_matches_reference_backend(cpu, tiny_ll
     """The pool starts as whatever memory held: fill it with NaN before generating; greedy tokens must equal a run
     whose every op is core's reference."""
     from pagedllm import LLM, SamplingParams
-    from pagedllm.backends import register_backend
+    from pagedllm.backend.registry import register_backend
 
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 40)]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -258,8 +258,8 @@ def test_graph_runner_is_eager(cpu):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rms_norm_and_silu_and_mul_match_reference(dtype):
-    from pagedllm import ref_ops
-    from pagedllm.backends import get_backend
+    from pagedllm.backend import ref_ops
+    from pagedllm.backend.registry import get_backend
 
     b = get_backend("cpu")
     g = torch.Generator().manual_seed(0)

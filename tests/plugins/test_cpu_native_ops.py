@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import pagedllm.backends as backends
-from pagedllm import ref_ops
+import pagedllm.backend.registry as backends
+from pagedllm.backend import ref_ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -16,8 +16,8 @@ import textwrap
 import pytest
 import torch
 
-import pagedllm.backends as backends
-from pagedllm import ref_ops
+import pagedllm.backend.registry as backends
+from pagedllm.backend import ref_ops
 from pagedllm_cpu import attention as cpu_attention
 from pagedllm_cpu import native
 from test_cpu_backend import MIXED, TOL, make_batch
@@ -143,8 +143,8 @@ _PROBE = textwrap.dedent("""
     import logging, sys
     logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
     import torch
-    from pagedllm import ref_ops
-    from pagedllm.attention import AttentionMetadata
+    from pagedllm.backend import ref_ops
+    from pagedllm.backend.attention import AttentionMetadata
     from pagedllm_cpu import attention, native
     op = native.get(wait=True)
     meta = AttentionMetadata.build([1, 1], [3, 20], [[1], [2, 3]], 16)

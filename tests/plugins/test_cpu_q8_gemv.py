@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.hookspec import QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization import dequantize
 from pagedllm.quantization.gguf import random_blocks
 from pagedllm_cpu import native, quant

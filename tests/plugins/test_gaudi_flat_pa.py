@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from pagedllm import ref_ops
-from pagedllm.attention import AttentionMetadata
-from pagedllm.hookspec import KVCacheSpec
+from pagedllm.backend import ref_ops
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.hookspec import KVCacheSpec
 from pagedllm_gaudi import cache, flat_pa
 
 BS = 128

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from pagedllm.batch_policy import BatchShape
+from pagedllm.backend.batch_policy import BatchShape
 from pagedllm.config import EngineConfig, resolve_config
-from pagedllm.hookspec import ModelInfo
-from pagedllm.sampling_params import ParamError
+from pagedllm.backend.hookspec import ModelInfo
+from pagedllm.errors import ParamError
 from pagedllm_gaudi import bucketing, plugin
 
 INFO = ModelInfo("LlamaForCausalLM", "float32", 2, 4, 2, 64, 512, 512)
@@ -96,7 +96,7 @@ def test_bucket_env_knobs(monkeypatch):
 def test_every_real_step_pads_into_the_warmup_set(monkeypatch, strategy):
     monkeypatch.setenv("VLLM_BUCKETING_STRATEGY", strategy)
     tokens, seqs, width = bucketing.bucket_ranges(8, 256, 1024, 128)
-    from pagedllm.batch_policy import BucketPolicy
+    from pagedllm.backend.batch_policy import BucketPolicy
 
     policy = BucketPolicy(tokens, seqs, width, block_size=128)
     assert policy.limits() == BatchShape(256, 8, 8)

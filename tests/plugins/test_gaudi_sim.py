@@ -77,7 +77,7 @@ def child_sim_and_memory() -> None:
     import torch
 
     import habana_frameworks.torch as ht
-    from pagedllm.backends import get_backend
+    from pagedllm.backend.registry import get_backend
 
     be = get_backend("gaudi")
     hpu = ht.hpu

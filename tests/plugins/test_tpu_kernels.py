@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm import ref_ops
-from pagedllm.attention import AttentionMetadata
-from pagedllm.hookspec import KVCacheSpec
+from pagedllm.backend import ref_ops
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.hookspec import KVCacheSpec
 
 PAGE = 16
 
@@ -213,7 +213,7 @@ def test_jnp_sampler_follows_the_host_filters():
     renormalised distribution (core's host filters are the oracle)."""
     import jax
 
-    from pagedllm.sampler import top_k_top_p_cutoff
+    from pagedllm.worker.sampler import top_k_top_p_cutoff
     from pagedllm_tpu.sampler import sample
 
     g = torch.Generator().manual_seed(0)

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedllm.batch_policy import BatchShape
-from pagedllm.hookspec import ModelInfo
+from pagedllm.backend.batch_policy import BatchShape
+from pagedllm.backend.hookspec import ModelInfo
 
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDLLM_TPU_")}
 
@@ -135,7 +135,7 @@ def test_update_config_and_memory_info(platform_env, monkeypatch, tiny_llama):
 
 
 def test_tensor_parallel_size_must_divide_the_heads(platform_env, monkeypatch, tiny_llama):
-    from pagedllm.sampling_params import ParamError
+    from pagedllm.errors import ParamError
     from pagedllm_tpu import mesh, plugin
 
     platform_env("cpu")

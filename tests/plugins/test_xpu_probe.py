@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.backends import discover
+from pagedllm.backend.registry import discover
 from pagedllm_xpu import ipex_guard, xpu_probe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim" / "xpu"))

@@ -14,7 +14,7 @@ def add_parser(sub) -> None:
 
 def rows() -> list[dict]:
     """Installed backends (probed), then every backend extra of ours that is not installed, with how to get it."""
-    from pagedllm.backends import discover, known_extras
+    from pagedllm.backend.registry import discover, known_extras
 
     out = []
     found = discover()

@@ -13,7 +13,8 @@ import sys
 from typing import Callable, Iterator
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config
-from pagedllm.sampling_params import ParamError, SamplingParams
+from pagedllm.errors import ParamError
+from pagedllm.sampling_params import SamplingParams
 
 EXIT_COMMANDS = ("/exit", "/quit")
 
@@ -47,7 +48,7 @@ def _streams(args: argparse.Namespace):
         return RemoteStreams(args.url, args.model_name, args.api_key or os.environ.get("OPENAI_API_KEY"),
                              args.max_tokens, args.temperature)
     from pagedllm.commands.stream_clients import LocalStreams
-    from pagedllm.llm import LLM
+    from pagedllm.entrypoints.llm import LLM
 
     sp = SamplingParams(max_tokens=args.max_tokens or 256,
                         temperature=args.temperature if args.temperature is not None else 0.7, seed=args.seed)

@@ -8,7 +8,7 @@ from typing import Optional
 
 from pagedllm.config import EngineConfig
 from pagedllm.lora.request import LoRARequest
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:

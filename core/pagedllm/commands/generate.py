@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedllm.llm import LLM
+    from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
     # bad sampling values fail before the model loads

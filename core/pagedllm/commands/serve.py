@@ -13,12 +13,12 @@ import logging
 import socket
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config, lora_modules
-from pagedllm.entrypoints.limits import (
+from pagedllm.entrypoints.openai.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_NUM_QUEUED_REQS,
     DEFAULT_TEMPLATE_RENDER_TIMEOUT,
 )
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 
 def _str_list(value: str) -> list[str]:
@@ -133,9 +133,9 @@ def _check_port(host: str, port: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from pagedllm.entrypoints.api_server import serve
-        from pagedllm.entrypoints.auth import load_api_keys
-        from pagedllm.entrypoints.limits import ServerLimits
+        from pagedllm.entrypoints.openai.api_server import serve
+        from pagedllm.entrypoints.openai.auth import load_api_keys
+        from pagedllm.entrypoints.openai.limits import ServerLimits
     except ImportError as e:
         raise SystemExit(f"pagedllm serve needs the serving extras ({e.name} is missing): "
                          "pip install 'pagedllm[serve]'") from None

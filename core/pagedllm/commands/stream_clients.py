@@ -9,13 +9,14 @@ from __future__ import annotations
 import itertools
 from typing import Any, Iterator, Optional
 
-from pagedllm.sampling_params import ParamError, SamplingParams
+from pagedllm.errors import ParamError
+from pagedllm.sampling_params import SamplingParams
 
 Messages = list[dict[str, str]]
 
 
 class LocalStreams:
-    """Streams from an in-process :class:`~pagedllm.llm.LLM`, one request at a time."""
+    """Streams from an in-process :class:`~pagedllm.entrypoints.llm.LLM`, one request at a time."""
 
     _ids = itertools.count()
 

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from pagedllm.backends import Backend, Discovered, discover
+from pagedllm.backend.registry import Backend, Discovered, discover
 from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested
 
 MAX_TOKENS = 8

@@ -1,14 +1,14 @@
-"""Kernel checks: each hook against ``pagedllm.ref_ops`` on fresh random inputs, caches poisoned with NaN."""
+"""Kernel checks: each hook against ``pagedllm.backend.ref_ops`` on fresh random inputs, caches poisoned with NaN."""
 
 from __future__ import annotations
 
 import torch
 
-from pagedllm import ref_ops
+from pagedllm.backend import ref_ops
 from pagedllm.conformance.harness import (CaseContext, PagedBatch, Untested, canonical_cache, make_batch, poison,
                                           poison_allocator)
-from pagedllm.hookspec import KVCacheSpec
-from pagedllm.kv_quant import kv_torch_dtype
+from pagedllm.backend.hookspec import KVCacheSpec
+from pagedllm.backend.kv_quant import kv_torch_dtype
 
 NUM_KV_HEADS = 2
 
@@ -291,7 +291,7 @@ def check_quantized_linear(ctx: CaseContext) -> None:
     matmul; W8A8: its exact int8 math), at a decode-sized and a prefill-sized batch, with a bias."""
     import numpy as np
 
-    from pagedllm.hookspec import QuantizedWeight
+    from pagedllm.backend.hookspec import QuantizedWeight
     from pagedllm.quantization import reference_kernel
     from pagedllm.quantization.gguf import random_blocks
     from pagedllm.quantization.rtn import random_weight

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.conformance.harness import CaseContext, CheckFailed
-from pagedllm.hookspec import KVCacheSpec
+from pagedllm.backend.hookspec import KVCacheSpec
 
 #: Hooks that touch a KV cache object, so must match the allocator's layout.
 CACHE_HOOKS = ("pagedllm_allocate_host_kv_cache", "pagedllm_write_kv", "pagedllm_paged_attention",

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
+from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.conformance.checks_kernels import NUM_KV_HEADS, allocate
 from pagedllm.conformance.engine_context import pad_step, runner_context
 from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested, cache_locator, token_locator
 from pagedllm.conformance.tiny_model import TinyDecoder
-from pagedllm.hookspec import KVCacheSpec, MemoryInfo
+from pagedllm.backend.hookspec import KVCacheSpec, MemoryInfo
 
 
 def check_memory_info(ctx: CaseContext) -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
-from pagedllm.backends import Backend
+from pagedllm.backend.registry import Backend
 from pagedllm.conformance.checks_e2e import MAX_TOKENS, e2e_max_len, e2e_prompts, selected_by_name, tiny_llama
 from pagedllm.conformance.engine_context import runner_context
 from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested
-from pagedllm.hookspec import hookimpl
+from pagedllm.backend.hookspec import hookimpl
 
 #: Hooks the dynamic twin does not take from the backend: its shape discipline and its runners.
 STATIC_HOOKS = ("pagedllm_batch_policy", "pagedllm_graph_runner", "pagedllm_model_runner", "pagedllm_backend_info")

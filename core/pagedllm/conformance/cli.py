@@ -54,7 +54,7 @@ def write_matrix(args: argparse.Namespace, extra: list) -> None:
 
     reports = load_reports(args.from_reports) + extra
     if args.backends is None:
-        from pagedllm.backends import discover
+        from pagedllm.backend.registry import discover
 
         names = [n for n in discover() if not n.startswith("<")]
     else:
@@ -65,7 +65,7 @@ def write_matrix(args: argparse.Namespace, extra: list) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedllm.backends import BackendError
+    from pagedllm.backend.registry import BackendError
     from pagedllm.conformance import run_conformance
 
     if not args.device:

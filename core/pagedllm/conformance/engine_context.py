@@ -9,11 +9,11 @@ from typing import Optional
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.backends import Backend
-from pagedllm.batch_policy import BatchPolicy, BatchShape
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.registry import Backend
+from pagedllm.backend.batch_policy import BatchPolicy, BatchShape
 from pagedllm.config import EngineConfig
-from pagedllm.hookspec import ModelInfo, RunnerContext
+from pagedllm.backend.hookspec import ModelInfo, RunnerContext
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

@@ -9,8 +9,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.backends import Backend
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.registry import Backend
 
 
 class CheckFailed(AssertionError):

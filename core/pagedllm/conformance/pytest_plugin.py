@@ -29,7 +29,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _backend(config: pytest.Config):
-    from pagedllm.backends import get_backend
+    from pagedllm.backend.registry import get_backend
 
     name = config.getoption("--conformance-device")
     if not name:

@@ -12,7 +12,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
-from pagedllm.backends import Backend, BackendError, get_backend
+from pagedllm.backend.registry import Backend, BackendError, get_backend
 from pagedllm.conformance import checks_e2e, checks_kernels as K, checks_layout, checks_runtime as R, checks_static
 from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested, case_seed
 from pagedllm.conformance.report import SIMULATION, CaseResult, Report, case_id

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.backends import Backend
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.registry import Backend
 
 
 class TinyDecoder(torch.nn.Module):

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 
 @dataclass(frozen=True)

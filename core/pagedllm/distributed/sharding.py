@@ -20,7 +20,7 @@ from torch import nn
 from pagedllm.distributed.layers import (ExpertParallelMoE, LogitsGather, PPMissingLayer, RowParallelLinear,
                                         VocabParallelEmbedding)
 from pagedllm.distributed.parallel_state import ParallelState
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 
 def pp_layer_range(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.executor.binding import pin_process
 from pagedllm.executor.rank_worker import RankWorker
 from pagedllm.executor.step import run_step, split_micro_batches
 
@@ -64,7 +65,7 @@ class DistributedExecutor:
             self.driver = RankWorker(0, config, model_path, init_method, self.driver_cpus)
             self._wait_ready()
             if self.driver.worker.policy.static:
-                from pagedllm.sampling_params import ParamError
+                from pagedllm.errors import ParamError
 
                 raise ParamError("tensor_parallel_size", f"backend {config.device!r} pads to static batch shapes, "
                                                          "which the distributed step does not do yet")
@@ -163,9 +164,7 @@ class DistributedExecutor:
                 dist.destroy_process_group()
             parallel_state._STATE = None
             if self._saved_affinity is not None:
-                from pagedllm.entrypoints.cpu_split import _pin_process
-
-                _pin_process(frozenset(self._saved_affinity))
+                pin_process(frozenset(self._saved_affinity))
             torch.set_num_threads(self._saved_threads)
 
     # ---- per executor ------------------------------------------------------------------------------------
@@ -194,7 +193,7 @@ class DistributedExecutor:
 def make_executor(config: EngineConfig, model_path: str) -> Optional[DistributedExecutor]:
     """The executor ``config.distributed_executor_backend`` names (mp by default), or None for a one-rank engine."""
     if config.enable_expert_parallel and config.tensor_parallel_size == 1:
-        from pagedllm.sampling_params import ParamError
+        from pagedllm.errors import ParamError
 
         raise ParamError("enable_expert_parallel", "needs tensor_parallel_size > 1 (experts split across its ranks)")
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:

@@ -10,6 +10,17 @@ from typing import Any, Optional
 import torch
 
 
+def pin_process(cpus: frozenset[int]) -> None:
+    """Every thread of this process, not only the caller (imports already started helper threads; Linux lists them
+    in /proc/self/task, elsewhere only the calling thread is moved). Threads started later inherit the mask."""
+    tids = [int(t) for t in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+    for tid in tids:
+        try:
+            os.sched_setaffinity(tid, cpus)
+        except ProcessLookupError:  # the thread ended meanwhile
+            pass
+
+
 def rank_cpu_sets(world_size: int) -> list[Optional[frozenset[int]]]:
     """An equal, disjoint share of this process's CPUs per rank; None each when there are fewer CPUs than ranks."""
     if not hasattr(os, "sched_getaffinity"):
@@ -24,9 +35,7 @@ def rank_cpu_sets(world_size: int) -> list[Optional[frozenset[int]]]:
 def bind_rank(cpus: Optional[frozenset[int]]) -> int:
     """Pin this process to ``cpus`` with that many torch threads (one thread if unpinned); returns the thread count."""
     if cpus:
-        from pagedllm.entrypoints.cpu_split import _pin_process
-
-        _pin_process(cpus)
+        pin_process(cpus)
         torch.set_num_threads(len(cpus))
     else:
         torch.set_num_threads(1)

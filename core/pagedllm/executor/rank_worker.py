@@ -16,6 +16,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.communicator import init_world
 from pagedllm.distributed.parallel_state import STARTUP_TIMEOUT_S, ParallelConfig, initialize_model_parallel
+from pagedllm.errors import portable_exception
 from pagedllm.executor.binding import bind_rank, local_device, local_index
 from pagedllm.executor.step import run_step
 
@@ -34,10 +35,10 @@ class RankWorker:
                  cpus: Optional[frozenset[int]] = None, local_rank: Optional[int] = None):
         """``local_rank``: this rank's device index on its host; None: every rank on this host (the mp executor,
         the driver), so ``local_index(config, rank)``."""
-        from pagedllm.backends import get_backend
+        from pagedllm.backend.registry import get_backend
         from pagedllm.models import load_config
         from pagedllm.models.info import read_model_info
-        from pagedllm.worker import Worker
+        from pagedllm.worker.worker import Worker
 
         self.rank = rank
         self.threads = bind_rank(cpus)
@@ -96,7 +97,6 @@ def _main(fd: int) -> int:
     error), then run every broadcast step until "stop" or the driver's end of the connection closes."""
     from multiprocessing.connection import Connection
 
-    from pagedllm.entrypoints.engine_core import _portable
 
     conn = Connection(fd)
     rank, config, model_path, init_method, cpus, log_level = pickle.loads(conn.recv_bytes())
@@ -104,7 +104,7 @@ def _main(fd: int) -> int:
     try:
         rw = RankWorker(rank, config, model_path, init_method, cpus)
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
-        conn.send(("error", _portable(e)))
+        conn.send(("error", portable_exception(e)))
         return 1
     conn.send(("ready", rw.worker.num_blocks))
     while True:

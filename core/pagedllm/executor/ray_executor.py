@@ -25,7 +25,7 @@ def _import_ray() -> Any:
     try:
         import ray
     except ImportError:
-        from pagedllm.sampling_params import ParamError
+        from pagedllm.errors import ParamError
 
         raise ParamError("distributed_executor_backend", "'ray' needs Ray: pip install 'pagedllm[ray]'") from None
     return ray

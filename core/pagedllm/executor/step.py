@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.model_runner import logits_of
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.worker.model_runner import logits_of
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 #: Projection -> (site, sub-projection index). Sites are the model's fused linears.
 TARGETS: dict[str, tuple[str, int]] = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata
+from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ArchSpec, hidden_act, kv_cache_shape, layer_sliding_windows
 from pagedllm.models.mla import MLAAttention
@@ -84,7 +84,7 @@ class Attention(nn.Module):
         self.rope_interleaved_dim = rotary_dim(config, self.head_size) if spec.rope_interleaved else 0
         self.soft_cap = getattr(config, "attn_logit_softcapping", None)
         self.rotary, self.write_kv, self.paged_attention = backend.rotary, backend.write_kv, backend.paged_attention
-        # FP8 KV cache scales (pagedllm.kv_quant): the checkpoint's k_scale / v_scale when it has them, else 1.0.
+        # FP8 KV cache scales (pagedllm.backend.kv_quant): the checkpoint's k_scale / v_scale when it has them, else 1.0.
         self.k_scale, self.v_scale = 1.0, 1.0
         # ALiBi instead of rotary (Baichuan-13B): slopes made on first use on the query's device (meta-device build).
         self.alibi = bool(getattr(config, "pagedllm_alibi", False))

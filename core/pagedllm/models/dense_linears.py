@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.hookspec import QuantizedLinearKernel, QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedLinearKernel, QuantizedWeight
 from pagedllm.models.heap import trim_heap
 from pagedllm.models.quantized_embedding import QuantizedEmbedding
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata
+from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.alibi import alibi_slopes
 
@@ -51,7 +51,7 @@ class FalconAttention(nn.Module):
         self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.bias)
         self.scale = 1.0 / math.sqrt(self.head_size)
         self.rotary, self.write_kv, self.paged_attention = backend.rotary, backend.write_kv, backend.paged_attention
-        self.k_scale, self.v_scale = 1.0, 1.0  # fp8 KV cache scales (pagedllm.kv_quant)
+        self.k_scale, self.v_scale = 1.0, 1.0  # fp8 KV cache scales (pagedllm.backend.kv_quant)
         # Made on first use, on the query's device (the module may be built on the meta device): float32 whatever
         # the model dtype. Exact slopes as vLLM's Falcon; HF's build_alibi_tensor computes slope * position in bfloat16
         # (the original Falcon code did), which moves fp32 logits by ~5e-3.

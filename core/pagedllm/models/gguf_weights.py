@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 import torch
 
-from pagedllm.hookspec import QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization.gguf import DENSE_TYPES
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.hookspec import ModelInfo
+from pagedllm.backend.hookspec import ModelInfo
 from pagedllm.models.alibi import uses_alibi
 from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
 from pagedllm.models.paths import is_gguf

@@ -27,7 +27,7 @@ from pagedllm.models.quantized_linears import quantize_linears
 from pagedllm.models.remote_layouts import check_covered, remote_code_config, wrap_weights
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
 from pagedllm.models.transformers_impl import load_transformers_model
-from pagedllm.kv_quant import load_kv_scales
+from pagedllm.backend.kv_quant import load_kv_scales
 from pagedllm.models.weights import SafetensorsWeights, checkpoint_prefix, fused_state_dict
 from pagedllm.quantization.config import checkpoint_quant_config, checkpoint_quantization
 from pagedllm.quantization.fp8 import FP8Weights, is_fp8_checkpoint

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata
+from pagedllm.backend.attention import AttentionMetadata
 
 
 def mla_softmax_scale(config: Any) -> float:

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata
+from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
 
 ATTN_IMPLEMENTATION = "pagedllm"

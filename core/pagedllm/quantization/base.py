@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from pagedllm.hookspec import QuantizedLinearKernel, QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedLinearKernel, QuantizedWeight
 
 
 class QuantizationMethod(ABC):

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.hookspec import QuantizedLinearKernel, QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedLinearKernel, QuantizedWeight
 from pagedllm.quantization.base import QuantizationMethod, register_method
 from pagedllm.quantization.grouped import GroupedInt, contiguous_g_idx, unpack_cols
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.hookspec import QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization.base import QuantizationMethod, register_method
 
 logger = logging.getLogger(__name__)

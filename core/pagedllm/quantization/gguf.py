@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedllm.hookspec import QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization.base import QuantizationMethod, register_method
 
 #: Packed types whose tensors stay quantized (every block type ``gguf.quants`` can dequantize).

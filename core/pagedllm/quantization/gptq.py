@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.hookspec import QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization.base import QuantizationMethod, register_method
 from pagedllm.quantization.grouped import GroupedInt, contiguous_g_idx, pack_cols, unpack_cols
 

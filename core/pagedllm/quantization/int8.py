@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.hookspec import QuantizedLinearKernel
+from pagedllm.backend.hookspec import QuantizedLinearKernel
 
 #: compressed-tensors' symmetric int8 scale divisor: (127 - (-128)) / 2.
 INT8_HALF_RANGE = 127.5

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pagedllm.hookspec import QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization.base import reference_kernel
 
 logger = logging.getLogger(__name__)

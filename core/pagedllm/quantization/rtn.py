@@ -107,7 +107,7 @@ def random_weight(method: str, weight_type: str, n: int, k: int, gen: torch.Gene
     """A random ``[n, k]`` weight (std 0.02) packed as ``method`` / ``weight_type`` (conformance and bench): GPTQ
     int4 with act-order groups of 128 (a permuted g_idx), int8 per channel; AWQ groups of 64, asymmetric;
     compressed-tensors W4A16 groups of 32, W8A16 / W8A8 int8 per channel."""
-    from pagedllm.hookspec import QuantizedWeight
+    from pagedllm.backend.hookspec import QuantizedWeight
     from pagedllm.quantization.awq import write_awq
     from pagedllm.quantization.gptq import write_gptq
     from pagedllm.quantization.grouped import pack_cols

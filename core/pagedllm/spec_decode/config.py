@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 METHODS = ("ngram", "draft_model", "eagle")
 MODEL_METHODS = ("draft_model", "eagle")  # methods that load a checkpoint from ``model``

@@ -14,10 +14,10 @@ from typing import Any, Sequence
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.greedy import greedy_token_ids
-from pagedllm.kv_manager import KVCacheManager
-from pagedllm.request import Request
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.worker.greedy import greedy_token_ids
+from pagedllm.sched.kv_manager import KVCacheManager
+from pagedllm.sched.request import Request
 
 
 def draft_batch(active: Sequence[int], chunks: Sequence[Sequence[int]], starts: Sequence[int], tables: Any,

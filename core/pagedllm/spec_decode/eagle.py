@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.greedy import greedy_token_ids
-from pagedllm.kv_manager import KVCacheManager
-from pagedllm.request import Request
-from pagedllm.sampling_params import ParamError
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.worker.greedy import greedy_token_ids
+from pagedllm.sched.kv_manager import KVCacheManager
+from pagedllm.sched.request import Request
+from pagedllm.errors import ParamError
 from pagedllm.spec_decode.draft_model import draft_batch
 from pagedllm.spec_decode.manager import eligible
 

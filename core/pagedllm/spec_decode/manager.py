@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from pagedllm.request import Request
-from pagedllm.scheduler import ScheduledRequest
+from pagedllm.sched.request import Request
+from pagedllm.sched.scheduler import ScheduledRequest
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.spec_decode.ngram_proposer import NgramProposer
 from pagedllm.spec_decode.throttle import BatchThrottle

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from pagedllm.sampling_params import ParamError, StructuredOutputsParams
+from pagedllm.errors import ParamError
+from pagedllm.sampling_params import StructuredOutputsParams
 
 
 def choice_ebnf(choices: list[str]) -> str:

@@ -16,7 +16,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from pagedllm.sampling_params import ParamError, StructuredOutputsParams
+from pagedllm.errors import ParamError
+from pagedllm.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.kernels.graph_runner import HostValuesUnavailable
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.graph_runner import HostValuesUnavailable
 from pagedllm_ascend import graph
 from pagedllm_ascend.vendor import torch_npu
 

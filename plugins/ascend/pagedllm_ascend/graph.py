@@ -1,7 +1,7 @@
 """ACL graphs for decode batches (opt-in: ``PAGEDLLM_ASCEND_ACL_GRAPH=1``; ``PAGEDLLM_DISABLE_GRAPHS=1`` or
 ``--enforce-eager`` still win). Not verified on hardware.
 
-Core's :class:`~pagedllm.kernels.graph_runner.DecodeGraphRunner` does the generic part with ``torch.npu`` as the
+Core's :class:`~pagedllm.backend.graph_runner.DecodeGraphRunner` does the generic part with ``torch.npu`` as the
 device module and ``torch.npu.NPUGraph`` as the graph class: one graph per decode batch-size bucket, captured
 largest-first into one pool, inputs in persistent buffers. Two things are Ascend's own, both as vllm-ascend does
 them (vllm-project/vllm-ascend, v0.11.0):
@@ -26,9 +26,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.hookspec import GraphRunner
-from pagedllm.kernels.graph_runner import DecodeGraphRunner, graphs_disabled
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.hookspec import GraphRunner
+from pagedllm.backend.graph_runner import DecodeGraphRunner, graphs_disabled
 from pagedllm_ascend.vendor import npu, torch_npu
 
 ENV = "PAGEDLLM_ASCEND_ACL_GRAPH"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.hookspec import KVCacheSpec
+from pagedllm.backend.hookspec import KVCacheSpec
 
 KVPair = tuple[torch.Tensor, torch.Tensor]
 

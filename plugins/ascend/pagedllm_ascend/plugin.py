@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
+from pagedllm.backend.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, hookimpl)
-from pagedllm.sampling_params import ParamError
+from pagedllm.backend import ParamError
 from pagedllm_ascend import attention, graph, ops, probe
 from pagedllm_ascend import kv_cache as _kv
 from pagedllm_ascend.vendor import npu

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from pagedllm.hookspec import ProbeResult
+from pagedllm.backend.hookspec import ProbeResult
 
 #: Where CANN's set_env.sh points (ASCEND_HOME_PATH, ASCEND_TOOLKIT_HOME) and its default install prefix.
 CANN_ENV_VARS = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")

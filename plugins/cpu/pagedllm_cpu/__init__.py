@@ -1,3 +1,3 @@
-"""pagedllm's CPU backend, packaged as any third-party backend is: a pluggy plugin under ``pagedllm.backends``."""
+"""pagedllm's CPU backend, packaged as any third-party backend is: a pluggy plugin under ``pagedllm.backend.registry``."""
 
 __version__ = "0.2.0"

@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.kv_quant import is_fp8, quantize_kv
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.kv_quant import is_fp8, quantize_kv
 from pagedllm_cpu import native
 
 _PLAN_KEY = "pagedllm_cpu.plan"
@@ -51,7 +51,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
              k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter ``[T, Hkv, D]`` keys/values into flat slots, slots < 0 skipped: one C++ call (``csrc/write_kv.cpp``)
     when the cache has their dtype, else ``index_copy_``. fp8 caches store ``saturate(x * (1 / scale))``
-    (``pagedllm.kv_quant.quantize_kv``), copied as bytes (torch has no fp8 ``index_copy_`` on CPU)."""
+    (``pagedllm.backend.kv_quant.quantize_kv``), copied as bytes (torch has no fp8 ``index_copy_`` on CPU)."""
     lib = native.lib
     if (lib is not None and key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype and kv_cache.is_contiguous()
             and key.stride(-1) == 1 and value.stride(-1) == 1):
@@ -319,7 +319,7 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale:
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None, k_scale: float = 1.0,
                     v_scale: float = 1.0, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Same semantics as ``pagedllm.ref_ops.paged_attention`` (see the hookspec); returns ``[T, H, D]``."""
+    """Same semantics as ``pagedllm.backend.ref_ops.paged_attention`` (see the hookspec); returns ``[T, H, D]``."""
     out = _attention(query, kv_cache, meta, scale * k_scale if is_fp8(kv_cache.dtype) else scale, sliding_window,
                      soft_cap, alibi_slopes)
     if is_fp8(kv_cache.dtype) and v_scale != 1.0:  # softmax(.) @ (v * s) = s * (softmax(.) @ v)

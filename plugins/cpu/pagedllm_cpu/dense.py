@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.hookspec import QuantizedLinearKernel, QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedLinearKernel, QuantizedWeight
 
 #: The batch size oneDNN tunes the packed layout for (any batch size runs on it).
 BATCH_HINT = 64

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.hookspec import GraphRunner
+from pagedllm.backend.hookspec import GraphRunner
 
 #: What ``Capabilities.graph_capture`` reports: nothing is captured.
 CAPTURE_LEVEL = "none"

@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from pagedllm.hookspec import QuantizedLinearKernel, QuantizedWeight
-from pagedllm.quantization.int8 import quantize_per_token
+from pagedllm.backend.hookspec import QuantizedLinearKernel, QuantizedWeight
+from pagedllm.backend import quantize_per_token
 
 MIN_ROWS = 17  # torch._int_mm on CPU needs M > 16
 
@@ -39,7 +39,7 @@ def w8a8_linear(x: torch.Tensor, w_t: torch.Tensor, w_scale: torch.Tensor,
 
 
 def _prepare(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    from pagedllm.quantization import get_method
+    from pagedllm.backend import get_method
 
     g = get_method(weight.method).unpack(weight)
     if g.scales.shape[0] != 1 or bool((g.zeros != 0).any()):

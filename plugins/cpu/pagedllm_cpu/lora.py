@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.lora import ops as ref
+from pagedllm.backend import add_lora_reference
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mapping) -> None:
     if mapping.uniform is None or not y.is_contiguous():
-        ref.add_lora(y, x, lora_a, lora_b, mapping)
+        add_lora_reference(y, x, lora_a, lora_b, mapping)
         return
     lo, n, slots = mapping.uniform
     if isinstance(slots, slice):  # consecutive slots: views of the stacks, no copy of B (3 MB for gate_up)

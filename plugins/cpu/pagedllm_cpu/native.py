@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pagedllm.models.gguf_config import cache_root
+from pagedllm.backend import cache_root
 
 logger = logging.getLogger(__name__)
 

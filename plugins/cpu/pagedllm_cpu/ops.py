@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm import ref_ops
+from pagedllm.backend import ref_ops
 from pagedllm_cpu import native
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
+from pagedllm.backend.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, QuantizedLinearKernel, hookimpl)
 from pagedllm_cpu import attention, graph, lora, moe, native, ops, platform, quant
 

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-from pagedllm.hookspec import QuantizedLinearKernel, QuantizedWeight
+from pagedllm.backend.hookspec import QuantizedLinearKernel, QuantizedWeight
 from pagedllm_cpu import native
 
 GROUP = 32
@@ -138,7 +138,7 @@ def _prepare_grouped(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -
     """GPTQ / AWQ / compressed-tensors int4 ``W = (q - z) * s`` as the kernel's ``(q - 8) * s + zero``: zero =
     (8 - z) * s. GPTQ ``desc_act`` groups are made contiguous by permuting the input columns once here (and the
     activations per call, as exllama does). Shapes the kernel cannot take run dense (logged)."""
-    from pagedllm.quantization import get_method
+    from pagedllm.backend import get_method
 
     g = get_method(weight.method).unpack(weight)
     n, k = g.q.shape
@@ -173,7 +173,7 @@ GROUPED_TYPES = {("gptq", "int4"), ("awq", "int4"), ("compressed-tensors", "W4A1
 def _prepare_fp8(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple:
     """Dequantized once at load (an fp8 -> float conversion per forward costs 40x the matmul on CPU), then packed for
     oneDNN like any dense weight where oneDNN runs ``dtype``."""
-    from pagedllm.quantization import dequantize
+    from pagedllm.backend import dequantize
     from pagedllm_cpu import dense
 
     w = QuantizedWeight("unquantized", str(dtype).removeprefix("torch."), dequantize(weight).to(dtype), weight.shape)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pagedllm.distributed.communicator import CollectiveError, TorchCommunicator
+from pagedllm.backend import CollectiveError, TorchCommunicator
 
 _ENV = "PAGEDLLM_CPU_SHM_COMM"
 SLOT_BYTES = 8 << 20  # per rank and set; larger tensors (long prefill chunks) go through gloo

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from pagedllm.batch_policy import BucketPolicy, pow2_buckets
-from pagedllm.hookspec import BackendInfo, Capabilities, GraphRunner, RunnerContext, hookimpl
-from pagedllm.static_runner import make_static_runner
+from pagedllm.backend.batch_policy import BucketPolicy, pow2_buckets
+from pagedllm.backend.hookspec import BackendInfo, Capabilities, GraphRunner, RunnerContext, hookimpl
+from pagedllm.backend.static_runner import make_static_runner
 from pagedllm_cpu import plugin as _cpu
 from pagedllm_cpu.plugin import (pagedllm_allocate_kv_cache, pagedllm_apply_token_bitmask,  # noqa: F401
                                  pagedllm_communicator, pagedllm_distributed_backend, pagedllm_fused_add_rms_norm,

@@ -1,14 +1,14 @@
 """The ``cuda`` backend: core's portable Triton kernels plus the shared torch.cuda hooks (memory, CUDA graphs, nccl).
 
-Everything but identity and probe is shared with the rocm backend (``pagedllm.kernels``); loading this module
+Everything but identity and probe is shared with the rocm backend (``pagedllm.backend.triton``); loading this module
 imports neither Triton nor any CUDA library.
 """
 
-from pagedllm.hookspec import BackendInfo, ProbeResult, hookimpl
-from pagedllm.kernels import torch_cuda
-from pagedllm.kernels.ops_plugin import (pagedllm_paged_attention, pagedllm_rms_norm,  # noqa: F401
+from pagedllm.backend.hookspec import BackendInfo, ProbeResult, hookimpl
+from pagedllm.backend import accelerator as torch_cuda
+from pagedllm.backend.triton.hooks import (pagedllm_paged_attention, pagedllm_rms_norm,  # noqa: F401
                                          pagedllm_rotary, pagedllm_silu_and_mul, pagedllm_write_kv)
-from pagedllm.kernels.torch_cuda import (pagedllm_capabilities, pagedllm_distributed_backend,  # noqa: F401
+from pagedllm.backend.accelerator import (pagedllm_capabilities, pagedllm_distributed_backend,  # noqa: F401
                                          pagedllm_graph_runner, pagedllm_memory_info, pagedllm_memory_peak,
                                          pagedllm_set_device, pagedllm_synchronize)
 

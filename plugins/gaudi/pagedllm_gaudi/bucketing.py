@@ -1,4 +1,4 @@
-"""vllm-gaudi's bucketing, mapped onto core's three-dimensional :class:`~pagedllm.batch_policy.BucketPolicy`.
+"""vllm-gaudi's bucketing, mapped onto core's three-dimensional :class:`~pagedllm.backend.batch_policy.BucketPolicy`.
 
 Every step the model sees is padded to a bucket triple (query tokens, sequences, block-table width), and every
 triple is warmed up (captured) before serving, so the graph compiler never runs while serving. The bucket ranges
@@ -23,8 +23,8 @@ import math
 import os
 from typing import Sequence
 
-from pagedllm.batch_policy import BucketPolicy
-from pagedllm.hookspec import RunnerContext
+from pagedllm.backend.batch_policy import BucketPolicy
+from pagedllm.backend.hookspec import RunnerContext
 
 STRATEGIES = ("exp", "lin")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.hookspec import KVCacheSpec
+from pagedllm.backend.hookspec import KVCacheSpec
 
 
 class HPUKVCache(tuple):

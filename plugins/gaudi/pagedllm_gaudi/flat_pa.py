@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from pagedllm.attention import AttentionMetadata
+from pagedllm.backend.attention import AttentionMetadata
 
 # vllm-hpu-extension's grouped_max uses index_reduce_, which torch flags as beta on every call.
 warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")

@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 import torch
 
-from pagedllm.hookspec import GraphRunner, RunnerContext
-from pagedllm.static_runner import make_static_runner
+from pagedllm.backend.hookspec import GraphRunner, RunnerContext
+from pagedllm.backend.static_runner import make_static_runner
 from pagedllm_gaudi import vendor
 
 LAYER_SUFFIX = "DecoderLayer"  # vllm-gaudi get_target_layer_suffix_list's default

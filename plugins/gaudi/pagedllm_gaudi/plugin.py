@@ -12,10 +12,10 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.batch_policy import BucketPolicy
-from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
+from pagedllm.backend.batch_policy import BucketPolicy
+from pagedllm.backend.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, RunnerContext, hookimpl)
-from pagedllm.sampling_params import ParamError
+from pagedllm.backend import ParamError
 from pagedllm_gaudi import bucketing, cache, flat_pa, graphs, vendor
 
 logger = logging.getLogger(__name__)

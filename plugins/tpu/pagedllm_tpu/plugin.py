@@ -17,10 +17,10 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from pagedllm.batch_policy import BucketPolicy, pow2_buckets
-from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, KVCacheSpec, MemoryInfo, ModelInfo,
+from pagedllm.backend.batch_policy import BucketPolicy, pow2_buckets
+from pagedllm.backend.hookspec import (API_VERSION, BackendInfo, Capabilities, KVCacheSpec, MemoryInfo, ModelInfo,
                                ProbeResult, RunnerContext, hookimpl)
-from pagedllm.sampling_params import ParamError
+from pagedllm.backend import ParamError
 from pagedllm_tpu import kv_cache as kvc
 from pagedllm_tpu import platform
 

@@ -26,13 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.batch_policy import BatchShape
-from pagedllm.device_sampler import SamplingTensors, on_device_eligible
-from pagedllm.hookspec import RunnerContext
-from pagedllm.model_runner import ModelRunner, StepOutput, prompt_logit_spans
-from pagedllm.sampler import SamplerOutput
-from pagedllm.scheduler import ScheduledRequest
-from pagedllm.worker import dummy_metadata
+from pagedllm.backend import (BatchShape, ModelRunner, RunnerContext, SamplerOutput, SamplingTensors,
+                              ScheduledRequest, StepOutput, dummy_metadata, on_device_eligible, prompt_logit_spans)
 from pagedllm_tpu import compiles, platform
 from pagedllm_tpu import kv_cache as kvc
 from pagedllm_tpu import mesh

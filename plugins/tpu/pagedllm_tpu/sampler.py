@@ -1,6 +1,6 @@
 """On-device sampling in ``jax.numpy``, traced into the same program as the forward (no logits leave the device).
 
-A line-for-line twin of core's ``pagedllm.device_sampler.sample``: vLLM's order temperature -> top-k -> top-p ->
+A line-for-line twin of core's ``pagedllm.backend.device_sampler.sample``: vLLM's order temperature -> top-k -> top-p ->
 min-p, every row computing both the greedy and the random token and ``where`` picking (no data-dependent branch, a
 fixed shape per sequence bucket; a step with no random row skips the sort through ``lax.cond``). The random draw is an exponential race (``probs / Exp(1)``, argmax), keyed by
 ``fold_in(key, step)`` so a new step needs a new scalar, never a new program. tpu-inference samples inside its jitted

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.hookspec import KVCacheSpec, hookimpl
+from pagedllm.backend.hookspec import KVCacheSpec, hookimpl
 from pagedllm_xpu import ipex_guard
 
 

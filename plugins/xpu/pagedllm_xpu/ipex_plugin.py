@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from pagedllm.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
+from pagedllm.backend.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
 from pagedllm_xpu import ipex_guard
 from pagedllm_xpu.ipex_ops import (pagedllm_allocate_host_kv_cache, pagedllm_allocate_kv_cache,  # noqa: F401
                                    pagedllm_copy_kv_blocks, pagedllm_gather_kv_blocks, pagedllm_paged_attention,

@@ -1,7 +1,7 @@
 """The ``xpu`` backend: Intel GPUs through stock ``torch.xpu``, core's portable Triton kernels, XPU graphs, xccl.
 
-The op hooks are core's Triton kernels (``pagedllm.kernels.ops_plugin``, as the cuda/rocm plugins use them); Triton
-compiles them for Intel GPUs through pytorch-triton-xpu. Runtime hooks mirror ``pagedllm.kernels.torch_cuda`` with
+The op hooks are core's Triton kernels (``pagedllm.backend.triton.hooks``, as the cuda/rocm plugins use them); Triton
+compiles them for Intel GPUs through pytorch-triton-xpu. Runtime hooks mirror ``pagedllm.backend.accelerator`` with
 ``torch.xpu`` in place of ``torch.cuda`` (that module calls ``torch.cuda`` directly, so it cannot be reused as is).
 Every torch.xpu call is looked up when the hook runs, never at import: loading this module imports neither Triton
 nor any Intel runtime library. Not verified on hardware.
@@ -20,13 +20,13 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.hookspec import BackendInfo, Capabilities, GraphRunner, MemoryInfo, ModelInfo, ProbeResult, hookimpl
-from pagedllm.sampling_params import ParamError
-from pagedllm.kernels.ops_plugin import (pagedllm_paged_attention, pagedllm_rms_norm,  # noqa: F401
+from pagedllm.backend.hookspec import BackendInfo, Capabilities, GraphRunner, MemoryInfo, ModelInfo, ProbeResult, hookimpl
+from pagedllm.backend import ParamError
+from pagedllm.backend.triton.hooks import (pagedllm_paged_attention, pagedllm_rms_norm,  # noqa: F401
                                          pagedllm_rotary, pagedllm_silu_and_mul, pagedllm_write_kv)
 from pagedllm_xpu import xpu_probe
 
-#: What core's Triton kernels take (pagedllm.kernels.torch_cuda.HEAD_SIZES / BLOCK_SIZES: same kernels).
+#: What core's Triton kernels take (pagedllm.backend.accelerator.HEAD_SIZES / BLOCK_SIZES: same kernels).
 HEAD_SIZES = (32, 64, 80, 96, 128, 256)
 BLOCK_SIZES = (16, 32)
 #: Set to 0 to run eagerly (core's PAGEDLLM_DISABLE_GRAPHS=1 also does); vLLM gates XPU graphs the same way
@@ -110,6 +110,6 @@ def pagedllm_graph_runner(model: Any, max_num_seqs: int, device: torch.device, c
     graph_pool_handle)."""
     if not graphs_enabled():
         return GraphRunner(run=model, level="none", stats={"disabled_by": f"{GRAPHS_ENV}=0 or torch < 2.11"})
-    from pagedllm.kernels.graph_runner import make_graph_runner
+    from pagedllm.backend.graph_runner import make_graph_runner
 
     return make_graph_runner(model, max_num_seqs, device, ctx, api=torch.xpu, graph_cls=torch.xpu.XPUGraph)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.hookspec import ProbeResult
+from pagedllm.backend.hookspec import ProbeResult
 
 #: Where the torch XPU wheels live (https://pytorch.org/docs/stable/notes/get_start_xpu.html).
 XPU_WHEEL_INDEX = "https://download.pytorch.org/whl/xpu"

@@ -1,5 +1,5 @@
 """Simulated torch-npu kernels: the signatures vllm-ascend calls them with, core's reference semantics
-(``pagedllm.ref_ops``), and the documented input constraints enforced (so the plugin cannot pass what the real op
+(``pagedllm.backend.ref_ops``), and the documented input constraints enforced (so the plugin cannot pass what the real op
 refuses without a test noticing). Nothing here says how the real kernels behave beyond their documentation.
 
 Sources of the signatures and constraints:
@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from pagedllm import ref_ops
-from pagedllm.attention import AttentionMetadata
+from pagedllm.backend import ref_ops
+from pagedllm.backend.attention import AttentionMetadata
 from torch_npu._device import NPUTensor, _wrap, raw
 from torch_npu._graph import capturing
 

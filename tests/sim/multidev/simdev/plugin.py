@@ -9,7 +9,7 @@ import torch
 
 import simdev
 from pagedllm.distributed.communicator import TorchCommunicator
-from pagedllm.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
+from pagedllm.backend.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
 
 
 @hookimpl

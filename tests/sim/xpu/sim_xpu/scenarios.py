@@ -17,7 +17,7 @@ def _report_summary(report) -> dict:
 
 def imports() -> dict:
     """Load both plugin modules and run their probes on this machine: nothing vendor may be imported."""
-    from pagedllm.backends import discover
+    from pagedllm.backend.registry import discover
 
     found = discover()
     out = {name: {"usable": d.backend.probe.usable, "reason": d.backend.probe.reason, "error": d.error}
@@ -41,7 +41,7 @@ def probe_sim() -> dict:
     be.set_device(dev)
     be.synchronize(dev)
     state.bf16 = False
-    from pagedllm.backends import Backend
+    from pagedllm.backend.registry import Backend
 
     caps_no_bf16 = Backend(be.plugin, "xpu-again").capabilities
     config = _a770_update_config(be)
@@ -64,8 +64,8 @@ def _a770_update_config(be) -> dict:
 
     import torch
 
-    from pagedllm.hookspec import ModelInfo
-    from pagedllm.sampling_params import ParamError
+    from pagedllm.backend.hookspec import ModelInfo
+    from pagedllm.errors import ParamError
 
     info = ModelInfo("LlamaForCausalLM", "bfloat16", 2, 4, 2, 64, 128, 512)
     out = {"max1550_auto": be.update_config(SimpleNamespace(dtype="auto"), info)}
@@ -102,7 +102,7 @@ def graph() -> dict:
     from sim_xpu.graph_recorder import HostSyncInCapture, RecordingGraph
     from sim_xpu.torch_xpu import cpu_backend, install
 
-    from pagedllm.attention import AttentionMetadata
+    from pagedllm.backend.attention import AttentionMetadata
 
     install()
     be = cpu_backend()
@@ -171,7 +171,7 @@ def ipex_probe(marker: str = "") -> dict:
     """The ipex backend's probe with whatever IPEX the PYTHONPATH holds; did anything import it?"""
     import os
 
-    from pagedllm.backends import discover
+    from pagedllm.backend.registry import discover
 
     d = discover()["ipex"]
     probe = d.backend.probe
@@ -182,7 +182,7 @@ def ipex_probe(marker: str = "") -> dict:
 
 def ipex_conformance(*allow: str) -> dict:
     """Core's conformance suite on the ipex backend over the fake IPEX (reference semantics)."""
-    from pagedllm.backends import get_backend
+    from pagedllm.backend.registry import get_backend
     from pagedllm.conformance.runner import run_conformance
 
     be = get_backend("ipex")

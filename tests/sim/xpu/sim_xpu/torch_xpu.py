@@ -110,8 +110,8 @@ def install() -> SimState:
 
 
 def cpu_backend(name: str = "xpu"):
-    """The installed plugin's :class:`~pagedllm.backends.Backend`, with its device mapped to the host."""
-    from pagedllm.backends import get_backend
+    """The installed plugin's :class:`~pagedllm.backend.registry.Backend`, with its device mapped to the host."""
+    from pagedllm.backend.registry import get_backend
 
     backend = get_backend(name)
     backend.device = lambda index=None: torch.device("cpu")  # tensors of the simulated device live on the host

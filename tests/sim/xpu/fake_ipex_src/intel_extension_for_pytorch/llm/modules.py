@@ -1,5 +1,5 @@
 """``PagedAttention`` with the call signatures vLLM uses (vllm/v1/attention/backends/cpu_attn.py
-``_IPEXPagedAttention``; IPEX's ``_IPEXPagedAttentionCPU``), computed by ``pagedllm.ref_ops`` on a canonical copy of
+``_IPEXPagedAttention``; IPEX's ``_IPEXPagedAttentionCPU``), computed by ``pagedllm.backend.ref_ops`` on a canonical copy of
 the IPEX cache ``[num_blocks, num_kv_heads, block_size, head_size]``. Arguments are checked the way the real
 kernels' schemas constrain them, so a wrong call fails here."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm import ref_ops
-from pagedllm.attention import AttentionMetadata
+from pagedllm.backend import ref_ops
+from pagedllm.backend.attention import AttentionMetadata
 
 CALLS: list = []
 

@@ -1,0 +1,440 @@
+"""The backend contract: every hook a pagedllm backend may implement, in one file.
+
+A backend is a pluggy plugin (a module or object with ``@hookimpl`` functions) published under the
+``pagedllm.backends`` entry-point group. Core builds one :class:`pluggy.PluginManager` per backend holding that
+backend and core's reference plugin (``pagedllm.backend.reference``, registered ``trylast``), so every optional hook
+falls back to core's pure-torch reference ops. Hooks are resolved once, when the backend is selected; the hot path
+calls plain functions, not pluggy.
+
+Contract version: :data:`API_VERSION`. Core N loads plugins built for N or N-1 (``BackendInfo.api_version``) and
+refuses others with a message naming both versions. Hooks are only ever added, never changed in place: a spec may
+gain an argument (pluggy passes an implementation only the arguments it names, so older implementations keep
+working), but a changed meaning is a new hook name and a new API version.
+
+No fall-through: core resolves every hook once to exactly one implementation — the backend's own when it has one,
+else core's reference — and calls that alone. A backend's in-place hook (``write_kv``, ``copy_kv_blocks``...) may
+return ``None``; the reference never runs after it on the backend's layout.
+
+Version 2 added the hooks a static-shape or graph-first device needs to shape the engine around itself without
+patching core: ``pagedllm_update_config`` (block size, dtype, budgets, eager mode, or a refusal, before any weight is
+read), ``pagedllm_batch_policy`` (padded, bucketed batch shapes used by the scheduler's budget and the model runner,
+with warm-up of every shape), ``pagedllm_memory_peak`` (a profiling forward sizes the KV pool from measured peak
+memory), ``pagedllm_allocate_host_kv_cache`` (host swap caches in the backend's layout), ``pagedllm_model_runner``
+(a backend may own the whole step), and a :class:`RunnerContext` for ``pagedllm_graph_runner``.
+
+KV-cache layout is the backend's choice. The *canonical* layout, used by the reference ops and by the conformance
+suite, is one tensor per layer of shape ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = keys,
+1 = values). A backend with another layout implements ``pagedllm_gather_kv_blocks`` so conformance can read it back,
+and ``pagedllm_copy_kv_blocks`` / ``pagedllm_swap_kv_blocks`` so core can copy-on-write and swap.
+
+MLA models (DeepSeek-V2/V3) cache one compressed latent row per token instead of per-head keys and values:
+``KVCacheSpec.mla`` is set, ``num_kv_heads`` is 1 and ``head_size`` is the latent width (``kv_lora_rank +
+qk_rope_head_dim``); the canonical layout is ``[1, num_blocks, block_size, 1, head_size]`` (so the block copy, swap
+and gather hooks work unchanged on it), written by ``pagedllm_write_mla_kv`` and read by ``pagedllm_mla_attention``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from pagedllm.backend.attention import AttentionMetadata
+    from pagedllm.backend.batch_policy import BatchPolicy
+    from pagedllm.config import EngineConfig
+
+PROJECT = "pagedllm"
+API_VERSION = 2
+ENTRY_POINT_GROUP = "pagedllm.backends"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """Identity. ``device_type`` is the torch device type (``cpu``, ``cuda``, or a vendor's)."""
+
+    name: str
+    device_type: str
+    priority: int = 0  # `--device auto` picks the usable backend with the highest priority
+    api_version: int = API_VERSION
+    extra: str = ""  # the pip extra that installs it, e.g. "cuda" for `pip install pagedllm[cuda]`
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Whether the backend can run here, and if not, why (driver missing, no device, SDK mismatch...)."""
+
+    usable: bool
+    reason: str = ""
+    device_name: str = ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the backend's kernels support; core checks a model/config against this before running."""
+
+    dtypes: tuple[str, ...] = ("float32",)  # the first is the default when neither user nor checkpoint decides
+    # vLLM ``kv_cache_dtype`` names the kernels store and read: ``auto`` (the model dtype), ``fp8_e4m3`` (also
+    # accepted as ``fp8``), ``fp8_e5m2``; semantics in ``pagedllm.backend.kv_quant``. Others are refused before load.
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    head_sizes: Optional[tuple[int, ...]] = (64, 128)  # None: any head size
+    block_sizes: tuple[int, ...] = (16,)  # the first is the default block size
+    # none: eager only; decode: decode-only graphs (like vLLM's UNIFORM_SINGLE_TOKEN_DECODE); full: any batch
+    graph_capture: str = "none"
+    sliding_window: bool = True
+    soft_cap: bool = True
+    # MLA models (DeepSeek-V2/V3): the allocator honours ``KVCacheSpec.mla`` and the MLA hooks run on its caches.
+    # A backend with its own KV layout says False until it does; core then refuses those models by name.
+    mla: bool = True
+    # ALiBi position bias (``alibi_slopes`` of ``pagedllm_paged_attention``); ALiBi models are refused without it.
+    alibi: bool = False
+    # vLLM quantization method names this backend runs (``gguf``...); weight types without a kernel from
+    # ``pagedllm_quantized_linear`` run core's reference (dequantized at load). Others are refused.
+    quantization: tuple[str, ...] = ()
+    # The graph runner samples inside its captured region (compiled-graph devices): core hands it the sampling
+    # parameters of rows that need no host-side work (``SamplingTensors``) and gets token ids back.
+    on_device_sampling: bool = False
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Device memory in bytes, so core can size the KV pool from a budget."""
+
+    total_bytes: int
+    free_bytes: int
+    pinned_host: bool = False  # page-locked host memory available for swap
+    # Suggested KV budget when the user sets neither kv_cache_memory nor a utilization fraction. Host backends
+    # share RAM with everything else and set one (like vLLM CPU's 4 GiB default); devices leave it None.
+    default_kv_bytes: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What core asks the allocator for: one cache per layer holding ``num_blocks`` blocks."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: Any  # torch.dtype
+    device: Any  # torch.device
+    # MLA (DeepSeek): one latent row of head_size per token, no separate values (see the module docstring).
+    mla: bool = False
+
+    @property
+    def bytes_per_block(self) -> int:
+        import torch
+
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return (1 if self.mla else 2) * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What core reads from the checkpoint's config before loading any weight (for ``pagedllm_update_config``)."""
+
+    architecture: str
+    dtype: str  # the checkpoint's dtype name (``float32``, ``bfloat16``, ``float16``)
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    vocab_size: int
+    max_model_len: int  # the model's max_position_embeddings
+    sliding_window: Optional[int] = None  # set when any layer slides
+    soft_cap: Optional[float] = None
+    alibi: bool = False  # ALiBi position bias instead of rotary (Falcon-RW, Baichuan-13B)
+    quantization: Optional[str] = None  # e.g. "gguf"
+    mla: bool = False  # the cache holds one latent row per token (num_kv_heads 1, head_size = latent width)
+
+
+@dataclass(frozen=True)
+class RunnerContext:
+    """Everything a graph runner or a backend's own model runner needs to know about the engine it serves."""
+
+    config: "EngineConfig"  # resolved: block_size, dtype and budgets are final
+    model_info: ModelInfo
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    dtype: Any  # torch.dtype
+    device: Any  # torch.device
+    policy: "BatchPolicy"
+    # A slot padding tokens may write to: inside a block the pool never hands out (static backends), else -1.
+    pad_slot: int = -1
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A linear layer's weight kept in its checkpoint's quantized layout, built by core for a backend's kernel.
+
+    ``method`` is the vLLM quantization name (``gguf``); ``weight_type`` the scheme inside it (GGUF: ``Q4_1``...);
+    ``data`` the packed tensor (GGUF: the raw blocks, uint8 ``[out_features, bytes_per_row]``); ``shape`` is the
+    dense ``(out_features, in_features)``; ``tensors`` the layout's other tensors by checkpoint leaf name (fp8:
+    ``weight_scale``). ``core.quantization.dequantize`` is its exact meaning."""
+
+    method: str
+    weight_type: str
+    data: Any  # torch.Tensor
+    shape: tuple[int, int]
+    tensors: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class QuantizedLinearKernel:
+    """Returned by ``pagedllm_quantized_linear``: ``prepare(weight, dtype, device)`` runs once at load (repack into
+    the kernel's layout) and returns an opaque state; ``apply(state, x, bias)`` computes ``x @ W.T + bias`` for
+    activations ``[T, in_features]`` in the model's ``dtype``, returning that dtype."""
+
+    prepare: Callable[[QuantizedWeight, Any, Any], Any]
+    apply: Callable[[Any, "torch.Tensor", Optional["torch.Tensor"]], "torch.Tensor"]
+    name: str = ""
+
+
+@dataclass
+class GraphRunner:
+    """Returned by ``pagedllm_graph_runner``: ``run(input_ids, positions, meta) -> hidden_states``.
+
+    ``level`` says what it captured (``none``, ``decode``, ``full``, ``compile``); ``stats`` is free-form.
+    """
+
+    run: Callable[..., "torch.Tensor"]
+    level: str = "none"
+    stats: dict = field(default_factory=dict)
+    # With ``Capabilities.on_device_sampling``: ``sample(input_ids, positions, meta, logits_indices, tensors) ->
+    # token ids [len(logits_indices)]``, forward + logits + sampling in one region. None: core samples on the host.
+    sample: Optional[Callable[..., "torch.Tensor"]] = None
+
+
+class BackendSpec:
+    """Hook specifications. Required hooks are marked REQUIRED; the rest fall back to reference ops."""
+
+    # ---- identity and discovery (REQUIRED) -------------------------------------------------------
+    @hookspec(firstresult=True)
+    def pagedllm_backend_info(self) -> BackendInfo:
+        """REQUIRED. Name, torch device type, auto-selection priority, contract version, install extra."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_probe(self) -> ProbeResult:
+        """REQUIRED. Is the backend usable on this machine? Never raises: return ``usable=False`` with the reason."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_capabilities(self) -> Capabilities:
+        """Dtypes, KV dtypes, head/block sizes, graph-capture level, quantization methods. Default: conservative."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_memory_info(self, device: "torch.device") -> MemoryInfo:
+        """REQUIRED. Total/free device memory, and whether pinned host memory exists."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_memory_peak(self, device: "torch.device") -> Optional[int]:
+        """Peak bytes allocated on ``device`` since the last call (and reset the counter), e.g.
+        ``torch.cuda.max_memory_allocated`` + ``reset_peak_memory_stats``. Core calls it around a profiling forward
+        at the largest batch shape and sizes the KV pool from what is left. Default ``None``: no profiling (the pool
+        comes from free memory after load, or ``MemoryInfo.default_kv_bytes``)."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_distributed_backend(self) -> str:
+        """torch.distributed backend name (gloo, nccl, or a vendor's collective library). Default: gloo."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_communicator(self, ranks: list[int], device: "torch.device", collective: str,
+                              timeout_s: float) -> Any:
+        """The :class:`~pagedllm.distributed.communicator.Communicator` for one tensor- or pipeline-parallel group of
+        global ``ranks`` (called by every rank for every group, in the same order). ``collective`` is
+        ``pagedllm_distributed_backend``'s answer; every wait must end within ``timeout_s``. Specialise it for a
+        faster path (a shared-memory all-reduce on CPU, a device-native library). Default: ``TorchCommunicator``,
+        torch.distributed on ``collective``."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_set_device(self, device: "torch.device") -> None:
+        """Make ``device`` current for this process (e.g. ``torch.cuda.set_device``). Default: nothing."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_synchronize(self, device: "torch.device") -> None:
+        """Wait for queued device work (used by benchmarks and graph capture). Default: nothing."""
+
+    # ---- engine shape (v2) -------------------------------------------------------------------------
+    @hookspec(firstresult=True)
+    def pagedllm_update_config(self, config: "EngineConfig", model_info: ModelInfo) -> Optional[dict]:
+        """Adjust the engine config before any weight is loaded: return ``{field: value}`` for ``block_size``,
+        ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``enforce_eager`` (others are refused), or raise
+        :class:`~pagedllm.errors.ParamError` naming the field the device cannot run. ``config`` holds the
+        user's values (``block_size=None`` / ``dtype="auto"`` when unset); core fills what stays unset from the
+        checkpoint and ``Capabilities``. Default: no change."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_batch_policy(self, ctx: RunnerContext) -> "BatchPolicy":
+        """The batch shapes the model may see: :class:`~pagedllm.backend.batch_policy.BatchPolicy` (identity, dynamic
+        shapes) or :class:`~pagedllm.backend.batch_policy.BucketPolicy` (token count, sequence count and block-table width
+        each padded to a bucket; every shape warmed up before serving). Used by the scheduler's budget and the model
+        runner alike. ``ctx.policy`` is the identity here. Default: identity."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_model_runner(self, ctx: RunnerContext, model: Any, kv: Any) -> Any:
+        """Escape hatch: return an object with ``execute(scheduled) -> StepOutput`` (see ``model_runner.py``) to own
+        the whole step (input preparation, forward, logits, warm-up). ``model.kv_caches`` holds the caches; ``kv``
+        is the block manager (``kv.block_ids(request_id)`` is a request's block table). Default ``None``: core's
+        ``ModelRunner`` around the backend's graph runner."""
+
+    # ---- KV cache ---------------------------------------------------------------------------------
+    @hookspec(firstresult=True)
+    def pagedllm_allocate_kv_cache(self, spec: KVCacheSpec) -> list:
+        """Allocate one KV cache object per layer, in the layout this backend's kernels want.
+
+        Default: canonical ``[2, num_blocks, block_size, num_kv_heads, head_size]`` zeros on ``spec.device``.
+        """
+
+    @hookspec(firstresult=True)
+    def pagedllm_allocate_host_kv_cache(self, spec: KVCacheSpec, pin_memory: bool) -> list:
+        """Host (CPU) caches for swapped-out blocks, in whatever layout ``pagedllm_swap_kv_blocks`` copies between;
+        page-locked when ``pin_memory`` (core passes ``MemoryInfo.pinned_host``). Default: canonical layout."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_write_kv(
+        self, key: "torch.Tensor", value: "torch.Tensor", kv_cache: Any, slot_mapping: "torch.Tensor",
+        k_scale: float, v_scale: float,
+    ) -> None:
+        """Store new keys/values ``[num_tokens, num_kv_heads, head_size]`` at flat slots
+        ``slot = block_id * block_size + offset``; a slot of -1 means "skip this token" (padding). An fp8 cache
+        (``Capabilities.kv_cache_dtypes``) stores ``saturate(key * (1 / k_scale))`` and likewise values with
+        ``v_scale``, rounded to nearest-even (``pagedllm.backend.kv_quant.quantize_kv``); other caches ignore the scales."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_paged_attention(
+        self,
+        query: "torch.Tensor",
+        kv_cache: Any,
+        meta: "AttentionMetadata",
+        scale: float,
+        sliding_window: Optional[int],
+        soft_cap: Optional[float],
+        k_scale: float,
+        v_scale: float,
+        alibi_slopes: Optional["torch.Tensor"] = None,
+    ) -> "torch.Tensor":
+        """Attention for a flat batch mixing decodes and prefill chunks with cached context.
+
+        ``query`` is ``[num_tokens, num_heads, head_size]``; sequence i owns query rows
+        ``meta.query_start_loc[i]:meta.query_start_loc[i+1]``, which are its *last* tokens: token j of the chunk sits at
+        position ``seq_len - query_len + j`` and attends causally to positions ``<= `` its own, read from the cache
+        through ``meta.block_tables[i]`` (the new K/V were already written by ``pagedllm_write_kv``). GQA: query
+        head h uses kv head ``h // (num_heads // num_kv_heads)``. ``sliding_window`` W keeps keys with
+        ``q_pos - k_pos < W``. ``soft_cap`` c maps scores s to ``c * tanh(s / c)``. An fp8 cache is read as
+        ``stored * k_scale`` (keys) and ``stored * v_scale`` (values); other caches ignore the scales. Returns
+        ``[num_tokens, num_heads, head_size]`` in the query's dtype. ``alibi_slopes`` (float32 ``[num_heads]``, optional keyword; only
+        passed to backends whose ``Capabilities.alibi`` is set) adds the ALiBi bias ``slope_h * (k_pos - q_pos)`` to head
+        h's scaled scores.
+        """
+
+    @hookspec(firstresult=True)
+    def pagedllm_write_mla_kv(self, latent: "torch.Tensor", kv_cache: Any, slot_mapping: "torch.Tensor") -> None:
+        """MLA: store each new token's latent row ``[num_tokens, head_size]`` (the normed compressed KV, then the
+        rotated shared rope key) at its flat slot; -1 skips. ``kv_cache`` came from an ``mla`` ``KVCacheSpec``."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_mla_attention(self, query: "torch.Tensor", kv_cache: Any, meta: "AttentionMetadata", scale: float,
+                               value_size: int) -> "torch.Tensor":
+        """MLA attention in the absorbed form (vLLM's MLA decode path): every query head attends to the one latent
+        row per cached token. ``query`` ``[num_tokens, num_heads, head_size]`` (the no-rope query already multiplied
+        into latent space by the key up-projection, then the rotated rope query); scores ``scale * query . row``,
+        causal over the sequence exactly as ``pagedllm_paged_attention``; values are the rows' first ``value_size``
+        features (the latent). Returns ``[num_tokens, num_heads, value_size]`` in the query's dtype; the model
+        applies the value up-projection. Reference: ``pagedllm.backend.ref_ops.mla_attention``."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_gather_kv_blocks(self, kv_cache: Any, block_ids: "torch.Tensor") -> "torch.Tensor":
+        """Read blocks back in canonical layout ``[2, n, block_size, num_kv_heads, head_size]``."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_copy_kv_blocks(self, kv_caches: list, src: "torch.Tensor", dst: "torch.Tensor") -> None:
+        """Copy whole blocks ``src[i] -> dst[i]`` in every layer (copy-on-write, beam forks)."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_swap_kv_blocks(
+        self, src_caches: list, dst_caches: list, src: "torch.Tensor", dst: "torch.Tensor"
+    ) -> None:
+        """Copy blocks between a device cache and a host (pinned) cache, in either direction."""
+
+    # ---- graph capture ----------------------------------------------------------------------------
+    @hookspec(firstresult=True)
+    def pagedllm_graph_runner(self, model: Any, max_num_seqs: int, device: "torch.device",
+                              ctx: RunnerContext) -> GraphRunner:
+        """Wrap the model forward in this backend's capture strategy (device graphs, compiled buckets,
+        torch.compile). Default: eager. Graphs must read metadata from persistent buffers they own. ``ctx`` (v2)
+        carries the engine's max_model_len, block size, budgets, dtype and batch policy; core warms up every
+        ``ctx.policy.warmup_shapes()`` shape through ``run`` right after this returns."""
+
+    # ---- optional fused ops (fall back to reference) ------------------------------------------------
+    @hookspec(firstresult=True)
+    def pagedllm_rms_norm(self, x: "torch.Tensor", weight: "torch.Tensor", eps: float) -> "torch.Tensor":
+        """RMSNorm, computed in float32 and cast back, as HF does."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_fused_add_rms_norm(self, x: "torch.Tensor", residual: "torch.Tensor", weight: "torch.Tensor",
+                                    eps: float) -> tuple:
+        """vLLM's ``fused_add_rms_norm`` as the decoder uses it: ``x += residual`` in x's dtype (in place: x becomes
+        the residual stream), then ``rms_norm(x, weight, eps)``. Returns ``(normed, x)``; ``residual`` is not
+        written. ``[T, hidden]`` tensors. Reference: ``pagedllm.backend.ref_ops.fused_add_rms_norm``."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_rotary(
+        self, positions: "torch.Tensor", query: "torch.Tensor", key: "torch.Tensor", cos_sin_cache: "torch.Tensor"
+    ) -> tuple:
+        """Neox-style rotary (HF ``rotate_half``) on ``[T, H, D]`` q and k; ``cos_sin_cache`` is
+        ``[max_pos, D]`` = cat(cos, sin) over the rotary half-dim. Returns new (query, key)."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_silu_and_mul(self, x: "torch.Tensor") -> "torch.Tensor":
+        """``silu(x[..., :d]) * x[..., d:]`` for the gated MLP."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_apply_token_bitmask(self, logits: "torch.Tensor", bitmask: "torch.Tensor") -> None:
+        """Structured outputs: in place, set ``logits[i, t]`` to -inf where bit ``t % 32`` of ``bitmask[i, t // 32]``
+        is 0. ``logits`` ``[R, V]`` float32; ``bitmask`` int32 ``[R, ceil(W / 32)]`` on the logits' device, where
+        ``W`` (the tokenizer's vocab padded to the model's) may differ from ``V``: tokens past the mask are
+        disallowed, mask bits past ``V`` ignored. xgrammar's layout, so its kernels drop in."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_add_lora(self, y: "torch.Tensor", x: "torch.Tensor", lora_a: "torch.Tensor",
+                          lora_b: "torch.Tensor", mapping: Any) -> None:
+        """Multi-LoRA shrink + expand, in place: ``y[t] += lora_b[s] @ (lora_a[s] @ x[t])`` for each token t whose
+        slot ``s = mapping.token_indices[t]`` is >= 0 (-1: base model, untouched). ``y`` ``[T, out]``, ``x``
+        ``[T, in]``, ``lora_a`` ``[max_loras, R, in]``, ``lora_b`` ``[max_loras, out, R]`` with the scaling folded
+        in. ``mapping`` (``pagedllm.lora.ops.LoRAMapping``) also gives the contiguous runs of tokens per slot and,
+        when they are adjacent and equally long, a grid view for batched kernels, built on the host once per step.
+        Reference: ``pagedllm.lora.ops.add_lora`` (vLLM's sgmv/bgmv shrink + expand)."""
+
+    # ---- quantization -------------------------------------------------------------------------------
+    @hookspec(firstresult=True)
+    def pagedllm_quantized_linear(self, method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
+        """The backend's kernel for linear layers quantized with ``method`` (a vLLM name declared in
+        ``Capabilities.quantization``) and ``weight_type`` (GGUF: ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q4_K``...), or
+        ``None``: core then runs its reference (dequantize, then matmul; ``pagedllm.quantization``), logs once that
+        this backend has no such kernel, and the conformance suite compares every kernel against that reference.
+        ``method="unquantized"`` (vLLM's ``UnquantizedLinearMethod``) with the dtype's name as ``weight_type`` asks
+        for the backend's dense kernel (e.g. weights pre-packed once for oneDNN); ``None`` keeps ``F.linear``."""
+
+
+    @hookspec(firstresult=True)
+    def pagedllm_fused_moe(self, hidden_states: "torch.Tensor", w13: "torch.Tensor", w2: "torch.Tensor",
+                           topk_weights: "torch.Tensor", topk_ids: "torch.Tensor") -> "torch.Tensor":
+        """Mixture-of-experts MLP after routing (vLLM's ``fused_experts``): for each token t and each of its k
+        chosen experts e = ``topk_ids[t, j]``, ``out[t] += topk_weights[t, j] * w2[e] @ (silu(g) * u)`` where
+        ``g, u = split(w13[e] @ hidden_states[t])``. ``hidden_states`` ``[T, H]``; ``w13`` ``[E, 2I, H]`` (gate rows
+        then up rows); ``w2`` ``[E, H, I]``; ``topk_weights`` float32 and ``topk_ids`` int64, both ``[T, k]``.
+        Returns ``[T, H]`` in the hidden states' dtype. Reference: ``pagedllm.backend.ref_ops.fused_moe``."""
+
+#: Hooks every backend must implement itself (no reference fallback).
+REQUIRED_HOOKS = ("pagedllm_backend_info", "pagedllm_probe", "pagedllm_memory_info")
+#: Every hook of the contract, in spec order (core binds each once per backend: see ``backends.Backend``).
+HOOK_NAMES = tuple(n for n in vars(BackendSpec) if n.startswith("pagedllm_"))

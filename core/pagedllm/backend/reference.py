@@ -1,0 +1,153 @@
+"""Core's fallback implementations of every optional hook, registered ``trylast`` beside each backend."""
+
+from __future__ import annotations
+
+import torch
+
+from typing import Any, Optional
+
+from pagedllm.backend import ref_ops
+from pagedllm.lora import ops as lora_ops
+from pagedllm.backend.batch_policy import BatchPolicy
+from pagedllm.backend.hookspec import Capabilities, GraphRunner, KVCacheSpec, ModelInfo, RunnerContext, hookimpl
+
+
+@hookimpl(trylast=True)
+def pagedllm_capabilities() -> Capabilities:
+    return Capabilities()
+
+
+@hookimpl(trylast=True)
+def pagedllm_memory_peak(device: torch.device) -> Optional[int]:
+    return None
+
+
+@hookimpl(trylast=True)
+def pagedllm_update_config(config: Any, model_info: ModelInfo) -> Optional[dict]:
+    return None
+
+
+@hookimpl(trylast=True)
+def pagedllm_batch_policy(ctx: RunnerContext) -> BatchPolicy:
+    return BatchPolicy()
+
+
+@hookimpl(trylast=True)
+def pagedllm_model_runner(ctx: RunnerContext, model: Any, kv: Any) -> Any:
+    return None
+
+
+@hookimpl(trylast=True)
+def pagedllm_distributed_backend() -> str:
+    return "gloo"
+
+
+@hookimpl(trylast=True)
+def pagedllm_communicator(ranks: list[int], device: torch.device, collective: str, timeout_s: float) -> Any:
+    from pagedllm.distributed.communicator import TorchCommunicator
+
+    return TorchCommunicator(ranks, device, timeout_s, collective)
+
+
+@hookimpl(trylast=True)
+def pagedllm_set_device(device: torch.device) -> None:
+    return None
+
+
+@hookimpl(trylast=True)
+def pagedllm_synchronize(device: torch.device) -> None:
+    return None
+
+
+@hookimpl(trylast=True)
+def pagedllm_allocate_kv_cache(spec: KVCacheSpec) -> list:
+    return ref_ops.allocate_kv_cache(spec.num_layers, spec.num_blocks, spec.block_size, spec.num_kv_heads,
+                                     spec.head_size, spec.dtype, spec.device, mla=spec.mla)
+
+
+@hookimpl(trylast=True)
+def pagedllm_allocate_host_kv_cache(spec: KVCacheSpec, pin_memory: bool) -> list:
+    caches = pagedllm_allocate_kv_cache(spec)
+    return [c.pin_memory() for c in caches] if pin_memory else caches
+
+
+@hookimpl(trylast=True)
+def pagedllm_write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale) -> None:
+    ref_ops.write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
+
+
+@hookimpl(trylast=True)
+def pagedllm_paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale,
+                             alibi_slopes=None):
+    return ref_ops.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale,
+                                   alibi_slopes)
+
+
+@hookimpl(trylast=True)
+def pagedllm_write_mla_kv(latent, kv_cache, slot_mapping) -> None:
+    ref_ops.write_mla_kv(latent, kv_cache, slot_mapping)
+
+
+@hookimpl(trylast=True)
+def pagedllm_mla_attention(query, kv_cache, meta, scale, value_size):
+    return ref_ops.mla_attention(query, kv_cache, meta, scale, value_size)
+
+
+@hookimpl(trylast=True)
+def pagedllm_gather_kv_blocks(kv_cache, block_ids):
+    return ref_ops.gather_kv_blocks(kv_cache, block_ids)
+
+
+@hookimpl(trylast=True)
+def pagedllm_copy_kv_blocks(kv_caches, src, dst) -> None:
+    ref_ops.copy_kv_blocks(kv_caches, src, dst)
+
+
+@hookimpl(trylast=True)
+def pagedllm_swap_kv_blocks(src_caches, dst_caches, src, dst) -> None:
+    ref_ops.swap_kv_blocks(src_caches, dst_caches, src, dst)
+
+
+@hookimpl(trylast=True)
+def pagedllm_graph_runner(model, max_num_seqs, device) -> GraphRunner:
+    return GraphRunner(run=model, level="none")
+
+
+@hookimpl(trylast=True)
+def pagedllm_rms_norm(x, weight, eps):
+    return ref_ops.rms_norm(x, weight, eps)
+
+
+@hookimpl(trylast=True)
+def pagedllm_fused_add_rms_norm(x, residual, weight, eps):
+    return ref_ops.fused_add_rms_norm(x, residual, weight, eps)
+
+
+@hookimpl(trylast=True)
+def pagedllm_rotary(positions, query, key, cos_sin_cache):
+    return ref_ops.rotary(positions, query, key, cos_sin_cache)
+
+
+@hookimpl(trylast=True)
+def pagedllm_silu_and_mul(x):
+    return ref_ops.silu_and_mul(x)
+
+
+@hookimpl(trylast=True)
+def pagedllm_apply_token_bitmask(logits, bitmask) -> None:
+    ref_ops.apply_token_bitmask(logits, bitmask)
+
+
+@hookimpl(trylast=True)
+def pagedllm_add_lora(y, x, lora_a, lora_b, mapping) -> None:
+    lora_ops.add_lora(y, x, lora_a, lora_b, mapping)
+
+
+@hookimpl(trylast=True)
+def pagedllm_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
+    return ref_ops.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+
+
+@hookimpl(trylast=True)
+def pagedllm_quantized_linear(method: str, weight_type: str) -> None:
+    return None  # core's reference (pagedllm.quantization) serves every method and weight type

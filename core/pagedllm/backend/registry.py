@@ -1,0 +1,199 @@
+"""Backend discovery (entry points), validation against the contract, and selection by ``--device``."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import traceback
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import pluggy
+import torch
+
+from pagedllm.backend import hookspec, reference as reference_plugin
+from pagedllm.errors import UserError
+from pagedllm.backend.hookspec import (API_VERSION, ENTRY_POINT_GROUP, HOOK_NAMES, PROJECT, REQUIRED_HOOKS, BackendInfo,
+                               Capabilities, GraphRunner, KVCacheSpec, MemoryInfo, ProbeResult, RunnerContext)
+
+
+class BackendError(RuntimeError, UserError):
+    """A backend is unknown, failed to load, breaks the contract, or is not usable here."""
+
+
+class Backend:
+    """One backend: its plugin plus core's reference fallbacks in a private PluginManager.
+
+    Every hook of :class:`~pagedllm.backend.hookspec.BackendSpec` becomes a method named without the ``pagedllm_`` prefix
+    (``backend.write_kv(...)``, ``backend.update_config(...)``), bound once to exactly one implementation: the
+    backend's own, else core's reference. Nothing falls through from one to the other, so an in-place hook returning
+    ``None`` is never followed by the reference op on the backend's layout.
+    """
+
+    def __init__(self, plugin: Any, plugin_name: str):
+        self.pm = pluggy.PluginManager(PROJECT)
+        self.pm.add_hookspecs(hookspec.BackendSpec)
+        self.pm.register(reference_plugin, name="pagedllm-reference")
+        self.pm.register(plugin, name=plugin_name)
+        self.plugin = plugin
+        own = {impl_name for impl_name in dir(plugin) if impl_name.startswith("pagedllm_")}
+        missing = [h for h in REQUIRED_HOOKS if h not in own]
+        if missing:
+            raise BackendError(f"backend plugin {plugin_name!r} does not implement required hook(s): {missing}")
+        self.pm.check_pending()
+        for name in HOOK_NAMES:
+            if name not in ("pagedllm_probe", "pagedllm_capabilities"):  # cached properties below
+                setattr(self, name.removeprefix("pagedllm_"), self._resolve(name))
+        self.info: BackendInfo = self.backend_info()
+        if self.info.api_version not in (API_VERSION - 1, API_VERSION):
+            raise BackendError(
+                f"backend {self.info.name!r} was built for contract version {self.info.api_version}; "
+                f"this pagedllm implements version {API_VERSION} (accepts {API_VERSION - 1}..{API_VERSION})")
+
+    def _resolve(self, hook_name: str) -> Callable:
+        """The one implementation of ``hook_name`` as a plain callable taking the spec's arguments (positional or by
+        name). An implementation that names fewer arguments than the spec (pluggy allows it; a v1 plugin's
+        ``pagedllm_graph_runner`` has no ``ctx``) gets only those."""
+        caller = getattr(self.pm.hook, hook_name)
+        impl = caller.get_hookimpls()[-1]  # pluggy calls the last-registered, non-trylast implementation first
+        spec_args = tuple(caller.spec.argnames)
+        if tuple(impl.argnames) == spec_args:
+            return impl.function
+        fn, wanted = impl.function, impl.argnames
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            kwargs.update(zip(spec_args, args))
+            call_kwargs = {a: kwargs[a] for a in wanted}
+            call_kwargs.update((a, kwargs[a]) for a in impl.kwargnames if a in kwargs)  # optional keywords
+            return fn(**call_kwargs)
+
+        return call
+
+    def implements(self, hook_name: str) -> bool:
+        """True when the backend itself (not core's reference fallback) implements ``hook_name``."""
+        return any(i.plugin is self.plugin for i in getattr(self.pm.hook, hook_name).get_hookimpls())
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @cached_property
+    def probe(self) -> ProbeResult:
+        try:
+            return self._resolve("pagedllm_probe")()
+        except Exception as e:  # a probe must not raise; report instead
+            return ProbeResult(False, f"probe raised {type(e).__name__}: {e}")
+
+    @cached_property
+    def capabilities(self) -> Capabilities:
+        caps = self._resolve("pagedllm_capabilities")()
+        if not caps.alibi and not self.implements("pagedllm_paged_attention"):
+            caps = replace(caps, alibi=True)  # core's reference attention runs, and it does ALiBi
+        return caps
+
+    def device(self, index: Optional[int] = None) -> torch.device:
+        return torch.device(self.info.device_type, index) if index is not None else torch.device(self.info.device_type)
+
+    def __repr__(self) -> str:
+        return f"Backend({self.info.name!r}, device_type={self.info.device_type!r})"
+
+    if TYPE_CHECKING:  # the generated methods, for type checkers and readers
+        backend_info: Callable[[], BackendInfo]
+        memory_info: Callable[[torch.device], MemoryInfo]
+        memory_peak: Callable[[torch.device], Optional[int]]
+        update_config: Callable[..., Optional[dict]]
+        batch_policy: Callable[[RunnerContext], Any]
+        model_runner: Callable[..., Any]
+        distributed_backend: Callable[[], str]
+        communicator: Callable[..., Any]
+        set_device: Callable[[torch.device], None]
+        synchronize: Callable[[torch.device], None]
+        allocate_kv_cache: Callable[[KVCacheSpec], list]
+        allocate_host_kv_cache: Callable[[KVCacheSpec, bool], list]
+        write_kv: Callable[..., None]
+        paged_attention: Callable[..., torch.Tensor]
+        write_mla_kv: Callable[..., None]
+        mla_attention: Callable[..., torch.Tensor]
+        gather_kv_blocks: Callable[[Any, torch.Tensor], torch.Tensor]
+        copy_kv_blocks: Callable[[list, torch.Tensor, torch.Tensor], None]
+        swap_kv_blocks: Callable[[list, list, torch.Tensor, torch.Tensor], None]
+        graph_runner: Callable[..., GraphRunner]
+        rms_norm: Callable[..., torch.Tensor]
+        fused_add_rms_norm: Callable[..., tuple]
+        rotary: Callable[..., tuple]
+        silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+        apply_token_bitmask: Callable[[torch.Tensor, torch.Tensor], None]
+        add_lora: Callable[..., None]
+        fused_moe: Callable[..., torch.Tensor]
+        quantized_linear: Callable[[str, str], Any]
+
+
+@dataclass
+class Discovered:
+    """One entry point of the ``pagedllm.backends`` group: a loaded backend, or why it failed to load."""
+
+    entry_name: str
+    distribution: str
+    backend: Optional[Backend] = None
+    error: str = ""
+
+
+_registry: dict[str, Discovered] | None = None
+
+
+def discover(refresh: bool = False) -> dict[str, Discovered]:
+    """Load every ``pagedllm.backends`` entry point. A plugin that fails to import is reported, not skipped."""
+    global _registry
+    if _registry is not None and not refresh:
+        return _registry
+    # Backends registered in-process (register_backend) survive a refresh; entry points are re-read.
+    found: dict[str, Discovered] = {k: d for k, d in (_registry or {}).items() if d.distribution == "<registered>"}
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        item = Discovered(ep.name, dist)
+        try:
+            item.backend = Backend(ep.load(), ep.name)
+        except Exception as e:
+            item.error = f"{type(e).__name__}: {e}"
+            item.error_traceback = traceback.format_exc()  # type: ignore[attr-defined]
+        found[item.backend.name if item.backend else ep.name] = item
+    _registry = found
+    return found
+
+
+def register_backend(plugin: Any, name: str) -> Backend:
+    """Register a backend object directly (tests, notebooks); an entry point is the normal route."""
+    backend = Backend(plugin, name)
+    discover()[backend.name] = Discovered(name, "<registered>", backend)
+    return backend
+
+
+def known_extras() -> list[str]:
+    """The backend extras our own distribution declares (so core names no vendor itself)."""
+    try:
+        extras = md.metadata("pagedllm").get_all("Provides-Extra") or []
+    except md.PackageNotFoundError:
+        return []
+    return [e for e in extras if e not in ("serve", "dev")]
+
+
+def get_backend(name: str = "auto") -> Backend:
+    """Select a usable backend by name, or the highest-priority usable one for ``auto``."""
+    found = discover()
+    if name == "auto":
+        usable = [d.backend for d in found.values() if d.backend is not None and d.backend.probe.usable]
+        if not usable:
+            raise BackendError("no usable backend installed; `pagedllm backends` says why. "
+                               "Install one, e.g. `pip install pagedllm[cpu]`")
+        return max(usable, key=lambda b: b.info.priority)
+    item = found.get(name)
+    if item is None:
+        hint = (f"install it with `pip install pagedllm[{name}]`" if name in known_extras()
+                else f"known backends: {sorted(found)}; installable extras: {known_extras()}")
+        raise BackendError(f"device {name!r}: no backend named {name!r} is installed; {hint}")
+    if item.backend is None:
+        raise BackendError(f"device {name!r}: backend plugin from {item.distribution!r} failed to load: {item.error}")
+    probe = item.backend.probe
+    if not probe.usable:
+        raise BackendError(f"device {name!r}: backend is installed but not usable here: {probe.reason}")
+    return item.backend

@@ -1,0 +1,133 @@
+"""A graph runner for static-shape backends: one captured program per bucket shape, replayed from persistent buffers.
+
+What a compiled-graph device (a graph compiler, device graphs replayed per shape) needs from a step, in one
+device-neutral class: the batch policy pads every step to a bucket (``model_runner.py``); this runner owns, per
+bucket, persistent input and metadata tensors, captures the forward once over them (at warm-up, through the
+backend's ``capture`` function) and replays it on every later step after copying the step's values in. A shape
+outside the warmed-up set is an error, never a silent recompile. ``sample`` runs logits and sampling
+(``device_sampler.sample``) in the same captured program.
+
+``capture(fn) -> replay`` is the backend's mechanism (``torch.cuda.graph``-style capture, a vendor's graph wrapper,
+``torch.compile(dynamic=False)``...). The default, :func:`eager_capture`, re-runs ``fn`` on the buffers: the CPU
+backend's static mode uses it to exercise the whole static path (padding, buckets, warm-up, buffers, on-device
+sampling) on a machine without the device.
+
+Host-side metadata (``query_start_loc_cpu``, ``seq_lens_cpu``, ``num_decodes``...) is refreshed on the persistent
+metadata object every step for kernels that plan on the host; a kernel that runs inside a real captured graph must
+read only the device tensors.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable, Optional
+
+import torch
+
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.batch_policy import BatchShape
+from pagedllm.backend.device_sampler import SamplingTensors, sample as device_sample
+from pagedllm.backend.hookspec import GraphRunner, RunnerContext
+
+Capture = Callable[[Callable[[], Any]], Callable[[], Any]]
+
+
+def eager_capture(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """The identity capture: replay re-executes ``fn`` (which reads only the persistent buffers)."""
+    return fn
+
+
+def batch_shape(input_ids: torch.Tensor, meta: AttentionMetadata) -> BatchShape:
+    return BatchShape(int(input_ids.shape[0]), int(meta.seq_lens.shape[0]), int(meta.block_tables.shape[1]))
+
+
+class _Bucket:
+    """Persistent tensors of one shape and the program captured over them."""
+
+    def __init__(self, shape: BatchShape, block_size: int, device: torch.device):
+        t, s, w = shape
+        self.ids = torch.zeros(t, dtype=torch.long, device=device)
+        self.positions = torch.zeros(t, dtype=torch.long, device=device)
+        self.logits_indices = torch.zeros(s, dtype=torch.long, device=device)
+        self.sampling = SamplingTensors.build([], s, device)
+        self.meta = AttentionMetadata(
+            query_start_loc=torch.zeros(s + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.zeros(s, dtype=torch.int32, device=device),
+            block_tables=torch.zeros((s, w), dtype=torch.int32, device=device),
+            slot_mapping=torch.zeros(t, dtype=torch.int64, device=device),
+            max_query_len=0, max_seq_len=0, num_decodes=0, block_size=block_size)
+        self.forward: Optional[Callable[[], torch.Tensor]] = None
+        self.forward_sample: Optional[Callable[[], torch.Tensor]] = None
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> None:
+        m = self.meta
+        self.ids.copy_(input_ids)
+        self.positions.copy_(positions)
+        m.query_start_loc.copy_(meta.query_start_loc)
+        m.seq_lens.copy_(meta.seq_lens)
+        m.block_tables.copy_(meta.block_tables)
+        m.slot_mapping.copy_(meta.slot_mapping)
+        m.max_query_len, m.max_seq_len, m.num_decodes = meta.max_query_len, meta.max_seq_len, meta.num_decodes
+        m.query_start_loc_cpu, m.seq_lens_cpu = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        m.extra = {}  # kernels cache per-step plans here
+
+
+class StaticGraphRunner:
+    """``run(input_ids, positions, meta)`` / ``sample(...)`` over the bucket shapes of ``ctx.policy``."""
+
+    def __init__(self, model: Any, ctx: RunnerContext, capture: Capture = eager_capture):
+        self.model, self.ctx, self.capture = model, ctx, capture
+        self.shapes = frozenset(ctx.policy.warmup_shapes())
+        self.buckets: dict[BatchShape, _Bucket] = {}
+        self.shapes_seen: Counter = Counter()
+        self.stats: dict = {"buckets": len(self.shapes), "captures": 0, "replays": 0, "shapes_seen": self.shapes_seen}
+
+    def _bucket(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> _Bucket:
+        shape = batch_shape(input_ids, meta)
+        if shape not in self.shapes:
+            raise RuntimeError(f"batch shape {tuple(shape)} (tokens, seqs, block-table width) is not one of the "
+                               f"{len(self.shapes)} warmed-up bucket shapes: the batch policy did not pad this step")
+        self.shapes_seen[shape] += 1
+        b = self.buckets.get(shape)
+        if b is None:
+            b = self.buckets[shape] = _Bucket(shape, self.ctx.block_size, self.ctx.device)
+        return b
+
+    def _forward(self, b: _Bucket) -> torch.Tensor:
+        return self.model(b.ids, b.positions, b.meta)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        b = self._bucket(input_ids, meta)
+        b.load(input_ids, positions, meta)
+        if b.forward is None:
+            b.forward = self.capture(lambda: self._forward(b))
+            self.stats["captures"] += 1
+        else:
+            self.stats["replays"] += 1
+        return b.forward()
+
+    def sample(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+               logits_indices: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+        """Forward, logits of ``logits_indices`` and sampling as one captured program; returns token ids [S]."""
+        b = self._bucket(input_ids, meta)
+        b.load(input_ids, positions, meta)
+        b.logits_indices.copy_(logits_indices)
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            getattr(b.sampling, name).copy_(getattr(tensors, name))
+        if b.forward_sample is None:
+            def program() -> torch.Tensor:
+                hidden = self._forward(b)
+                logits = self.model.compute_logits(hidden.index_select(0, b.logits_indices)).float()
+                return device_sample(logits, b.sampling)
+            b.forward_sample = self.capture(program)
+            self.stats["captures"] += 1
+        else:
+            self.stats["replays"] += 1
+        return b.forward_sample()
+
+
+def make_static_runner(model: Any, ctx: RunnerContext, capture: Capture = eager_capture, level: str = "full",
+                       on_device_sampling: bool = True) -> GraphRunner:
+    runner = StaticGraphRunner(model, ctx, capture)
+    return GraphRunner(run=runner.run, level=level, stats=runner.stats,
+                       sample=runner.sample if on_device_sampling else None)

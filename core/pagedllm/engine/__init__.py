@@ -1,0 +1,22 @@
+"""The engine process: ``LLMEngine`` (requests in, ``RequestOutput`` out), the engine-core process the server talks
+to, its async client, data-parallel clients, and CPU pinning.
+
+- ``llm_engine``: add / step / abort, stats; scheduler + executor + output processor.
+- ``output_processor`` / ``detokenizer``: incremental text, stop strings, logprobs.
+- ``core_process``: the engine loop in its own process (``run_engine_core``).
+- ``async_engine``: the server side's client of that process.
+- ``dp_client`` / ``dp_lockstep``: data-parallel replicas, and their lock step for expert parallel.
+- ``cpu_split``: ``--engine-cpus``, the engine's and the HTTP process's CPU sets.
+"""
+
+from __future__ import annotations
+
+
+def __getattr__(name: str):
+    if name == "LLMEngine":  # ``from pagedllm.engine import LLMEngine`` (vLLM's spelling), without importing torch early
+        from pagedllm.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    from pagedllm.deprecated import package_attr  # contract v2's ``pagedllm.engine`` module
+
+    return package_attr(__name__, name)

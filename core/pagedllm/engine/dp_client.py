@@ -1,0 +1,219 @@
+"""Data parallel (``--data-parallel-size N``): N engine replicas behind one API server (vLLM's DPLBAsyncMPClient).
+
+Each replica is a whole engine in its own process (an :class:`AsyncEngine`, so streaming, aborts, timeouts and
+errors cross the process boundary exactly as with one engine) holding a full copy of the model and its own KV pool.
+A request goes to the replica with the fewest unfinished requests (running + waiting, counted here as they are
+added and finish, so a burst is spread before any replica has reported a step); ties go round robin. On CPUs each
+replica is pinned to its own share of the cores with one torch thread per core (see ``cpu_split.py``).
+
+A replica that dies fails its own in-flight requests (EngineDeadError, as one engine does); from then on the server
+refuses new requests with 503 and ``/health`` answers 503. With ``--exit-on-engine-failure`` (the default) every
+other replica's requests get the same error too and the server exits for a supervisor to restart it; without it the
+other replicas finish what they hold.
+
+With ``--enable-expert-parallel`` on an MoE model (vLLM's DP+EP) the replicas are one expert-parallel group: each
+loads 1/N of the experts and they step in lock step, exchanging tokens in every MoE layer (``dp_lockstep.py``,
+``distributed/dp_ep.py``); this client forwards a replica's "wave started" to the others. One replica dying then
+stops them all (their next exchange fails), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import replace
+from typing import Callable, Optional, Sequence
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import EngineStats, PromptType
+from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagedllm.lora.request import LoRARequest
+from pagedllm.errors import ParamError
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def split_cpus(cpus: Sequence[int], n: int) -> list[frozenset[int]]:
+    """``cpus`` in ``n`` contiguous shares as even as possible (the first ones get the remainder)."""
+    cpus = sorted(cpus)
+    if len(cpus) < n:
+        raise ParamError("data_parallel_size", f"{n} replicas need at least {n} CPUs to pin one each, got "
+                                               f"{len(cpus)} ({cpus}); give --engine-cpus or fewer replicas")
+    q, r = divmod(len(cpus), n)
+    out, pos = [], 0
+    for i in range(n):
+        k = q + (i < r)
+        out.append(frozenset(cpus[pos:pos + k]))
+        pos += k
+    return out
+
+
+def least_loaded(loads: Sequence[int], start: int) -> int:
+    """Index of the smallest load; among equal ones the first at or after ``start`` (round robin)."""
+    n = len(loads)
+    return min(((start + k) % n for k in range(n)), key=lambda i: loads[i])  # min keeps the first of ties
+
+
+class DataParallelEngine:
+    """The AsyncEngine interface over ``len(replica_cpus)`` replicas (started in parallel; a failed start stops
+    the others and re-raises). ``replica_cpus[i]``: the CPUs replica ``i`` is pinned to (None: not pinned)."""
+
+    def __init__(self, config: EngineConfig, replica_cpus: Sequence[Optional[frozenset[int]]],
+                 stream_interval: int = 1, lora_modules: Sequence[LoRARequest] = ()):
+        n = len(replica_cpus)
+        if n < 1:
+            raise ParamError("data_parallel_size", f"must be >= 1, got {n}")
+
+        #: DP+EP (``--enable-expert-parallel`` with an MoE model): one expert-parallel group over the replicas.
+        self.expert_parallel = bool(config.enable_expert_parallel) and n > 1
+        dp_ep = self._expert_parallel_configs(config, n) if self.expert_parallel else [None] * n
+        if self.expert_parallel:  # the replica engines themselves run one rank each; eager (collectives inside)
+            config = replace(config, enable_expert_parallel=False, enforce_eager=True)
+
+        procs: list = []  # the replica processes as they start
+
+        def start(i: int) -> AsyncEngine:
+            # replica i: its own device where devices are indexed (config.data_parallel_rank)
+            return AsyncEngine(replace(config, data_parallel_rank=i), stream_interval, replica_cpus[i], lora_modules,
+                               load_tokenizer=i == 0, index=i, dp_ep=dp_ep[i], on_spawn=procs.append)
+
+        first_error: Optional[BaseException] = None  # the root cause (siblings stopped for it fail after it)
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(start, i) for i in range(n)]
+            for f in as_completed(futures):
+                if f.exception() is not None and first_error is None:
+                    first_error = f.exception()
+                if first_error is not None and self.expert_parallel:
+                    # The others wait for it in the rendezvous or an exchange: stop them now, not at a timeout.
+                    for p in list(procs):
+                        if p.is_alive():
+                            p.kill()
+                    break
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        if failed:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().shutdown()
+            raise first_error if first_error is not None else failed[0]
+        self.replicas: list[AsyncEngine] = [f.result() for f in futures]
+        first = self.replicas[0]
+        self.tokenizer = first.tokenizer
+        self.max_model_len, self.model_path, self.vocab_size = first.max_model_len, first.model_path, first.vocab_size
+        self.loras: dict[str, LoRARequest] = dict(first.loras)
+        self.error: Optional[BaseException] = None
+        self.on_dead: Optional[Callable[[BaseException], None]] = None
+        self._stopping = False
+        self._rr = 0  # round-robin pointer for ties
+        for r in self.replicas:
+            r.on_dead = self._replica_dead
+            if self.expert_parallel:
+                r.on_wave = lambda wave, i=r.index: self._wake_others(i, wave)
+            logger.info("data parallel: engine %d is process %d%s", r.index, r.pid,
+                        f" on CPUs {','.join(map(str, sorted(replica_cpus[r.index])))}" if replica_cpus[r.index]
+                        else "")
+
+    @staticmethod
+    def _expert_parallel_configs(config: EngineConfig, n: int) -> list:
+        """One DPEPConfig per replica (checked first: a replica that fails to start would keep the others waiting
+        in the rendezvous)."""
+        from pagedllm.distributed.dp_ep import DPEPConfig, check_dp_ep
+        from pagedllm.executor.base import free_port
+        from pagedllm.models import load_config, resolve_model_path
+
+        check_dp_ep(load_config(resolve_model_path(config.model)), config, n)
+        init = f"tcp://127.0.0.1:{free_port()}"
+        return [DPEPConfig(i, n, init, config.distributed_timeout_s) for i in range(n)]
+
+    def _wake_others(self, index: int, wave: int) -> None:
+        """DP+EP: replica ``index`` started lock-step wave ``wave``; the others must step with it."""
+        for r in self.replicas:
+            if r.index != index:
+                r.wake(wave)
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.pid for r in self.replicas]
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        for r in self.replicas:
+            await r.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop every replica (in parallel: each drains its own aborts)."""
+        self._stopping = True
+        with ThreadPoolExecutor(len(self.replicas)) as pool:
+            list(pool.map(lambda r: r.shutdown(timeout), self.replicas))
+
+    @property
+    def is_running(self) -> bool:
+        return not self._stopping and self.error is None and all(r.is_running for r in self.replicas)
+
+    def _replica_dead(self, err: BaseException) -> None:
+        """A replica's process died (its own requests already got ``err``): stop taking requests, tell the server."""
+        if self.error is not None or self._stopping:
+            return
+        index = next((r.index for r in self.replicas if r.error is err), "?")
+        self.error = EngineDeadError(f"data-parallel engine {index}: {err}")
+        if self.on_dead is None:  # the server stays up: the other engines finish what they hold
+            logger.error("%s; refusing new requests (the other engines finish what they hold)", self.error)
+            return
+        # The server is about to exit (--exit-on-engine-failure): end every request with this error now rather
+        # than have the exit cut the survivors' streams.
+        for r in self.replicas:
+            r.fail_requests(self.error)
+        self.on_dead(self.error)
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def pick(self) -> AsyncEngine:
+        """The replica with the fewest unfinished requests; ties round robin from the last choice."""
+        best = least_loaded([r.num_unfinished() for r in self.replicas], self._rr)
+        self._rr = (best + 1) % len(self.replicas)
+        return self.replicas[best]
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          arrival_time: Optional[float] = None, priority: Optional[int] = None,
+                          timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None
+                          ) -> RequestStream:
+        """As :meth:`AsyncEngine.add_request`, on the least loaded replica (its stream aborts there)."""
+        if not self.is_running:
+            raise EngineDeadError(f"engine is not running: {self.error!r}" if self.error else "engine is not running")
+        if any(r.has_request(request_id) for r in self.replicas):
+            raise ParamError("request_id", f"{request_id!r} is already in use")
+        return await self.pick().add_request(request_id, prompt, params, arrival_time, priority, timeout,
+                                             lora_request)
+
+    # ---- LoRA: every replica serves the same adapters --------------------------------------------------------
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        if lora_request.lora_name in self.loras:
+            raise ParamError("lora_name", f"an adapter named {lora_request.lora_name!r} is already loaded")
+        results = await asyncio.gather(*(r.add_lora(lora_request) for r in self.replicas), return_exceptions=True)
+        errors = [e for e in results if isinstance(e, BaseException)]
+        if errors:  # all or nothing: unload it where it loaded
+            await asyncio.gather(*(r.remove_lora(lora_request.lora_name) for r, e in zip(self.replicas, results)
+                                   if not isinstance(e, BaseException)), return_exceptions=True)
+            raise errors[0]
+        self.loras[lora_request.lora_name] = lora_request
+
+    async def remove_lora(self, lora_name: str) -> None:
+        if lora_name not in self.loras:
+            raise ParamError("lora_name", f"no adapter named {lora_name!r} is loaded")
+        results = await asyncio.gather(*(r.remove_lora(lora_name) for r in self.replicas), return_exceptions=True)
+        del self.loras[lora_name]
+        errors = [e for e in results if isinstance(e, BaseException)]
+        if errors:
+            raise errors[0]
+
+    def next_lora_id(self) -> int:
+        ids = [r.next_lora_id() for r in self.replicas]  # advanced together: the same id everywhere
+        return max(ids)
+
+    # ---- stats -----------------------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        """Replica 0's snapshot (per-replica numbers: :meth:`replica_stats`)."""
+        return self.replicas[0].stats()
+
+    def replica_stats(self) -> list[tuple[EngineStats, int]]:
+        return [(r.stats(), r.num_requests) for r in self.replicas]

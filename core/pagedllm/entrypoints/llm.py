@@ -1,0 +1,114 @@
+"""Offline API, a drop-in for vLLM's ``LLM``: generate, chat, (beam search in beam_search.py)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.lora.request import LoRARequest
+from pagedllm.outputs import RequestOutput
+from pagedllm.errors import ParamError
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+
+
+class LLM:
+    """``LLM(model, device=..., dtype=..., max_model_len=..., block_size=None, enable_prefix_caching=True, ...)``.
+
+    Any :class:`~pagedllm.config.EngineConfig` field is accepted as a keyword.
+    """
+
+    def __init__(self, model: Optional[str] = None, **kwargs: Any):
+        dp = kwargs.pop("data_parallel_size", 1)
+        if dp != 1:
+            raise ParamError("data_parallel_size", f"the offline LLM runs one engine (got {dp!r}); for data "
+                                                   "parallel serve with `pagedllm serve --data-parallel-size N`, or "
+                                                   "run one LLM per process on its share of the prompts")
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None,
+                 lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs come back in prompt order.
+        ``lora_request``: one adapter for every prompt, or one (or None for the base model) per prompt."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        final = {id(p): p.clone(output_kind="final_only") for p in params}  # generate() only reads final outputs
+        params = [final[id(p)] for p in params]
+        engine = self.llm_engine
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                rid = f"gen-{self._counter}"
+                self._counter += 1
+                engine.add_request(rid, p, sp, priority=priority[i] if priority is not None else None,
+                                   lora_request=loras[i])
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)  # all-or-nothing: nothing half-queued stays behind
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        done[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+                if pending and not engine.has_unfinished_requests():
+                    raise RuntimeError(f"requests vanished without finishing: {sorted(pending)[:5]}")
+        except BaseException:
+            engine.abort_request(list(pending))
+            raise
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+             use_tqdm: bool = True, chat_template: Optional[str] = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or ``chat_template``) and generate."""
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat: this model has no tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
+                                          add_generation_prompt=add_generation_prompt, return_dict=False)
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,
+                    lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
+                    use_tqdm: bool = False) -> list:
+        """vLLM's ``LLM.beam_search``: beams share their common prefix's blocks through the prefix cache."""
+        from pagedllm.entrypoints.beam_search import beam_search
+
+        return beam_search(self, prompts, params, use_tqdm, lora_request)

@@ -1,0 +1,208 @@
+"""RenderPool: the server's handle on its render worker processes (see ``render_worker.py`` for why processes).
+
+Each job runs on an idle worker with a time limit; the event loop only awaits a future (the blocking pipe round
+trip runs on a small thread pool of its own, and a thread blocked on a pipe holds no GIL). A worker that overruns
+its limit, or dies, is killed and replaced by a fresh fork from the forkserver (which imported transformers once), so
+the pool is back to full strength in well under a second while the other workers keep serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import pickle
+import time
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+from pagedllm.entrypoints.openai import render_worker
+from pagedllm.entrypoints.openai.render_worker import RenderError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_WORKERS = 2
+DEFAULT_MEM_LIMIT = 1 << 30  # address space a worker may add on top of what it maps at start
+
+
+class RenderTimeout(Exception):
+    """A job ran past its time limit; its worker was killed."""
+
+
+class _WorkerGone(Exception):
+    """The worker died mid-job (crash, OOM kill)."""
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # Windows: slower respawns, same behaviour
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    # A forked child re-runs the parent's main module (``pagedllm.cli`` under ``python -m``) before its target: with
+    # that module's imports (torch among them) preloaded once in the forkserver, a respawn takes milliseconds.
+    ctx.set_forkserver_preload(["__main__", "pagedllm.entrypoints.openai.render_worker"])
+    return ctx
+
+
+def warm_up_forkserver() -> None:
+    """Start the forkserver (it imports transformers) now, so it overlaps with the engine's model load."""
+    if _context().get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+class _Worker:
+    def __init__(self, ctx, blob: bytes, mem_limit: Optional[int], cpus: Optional[frozenset[int]] = None):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=render_worker.main, args=(child, blob, mem_limit), name="pagedllm-render",
+                                daemon=True)
+        self.proc.start()
+        child.close()
+        self.ready = False
+        if cpus:
+            set_affinity(self.proc.pid, cpus)
+
+    def _wait_ready(self, timeout: float) -> None:
+        if not self.ready:
+            if not self.conn.poll(timeout):
+                raise _WorkerGone("render worker did not start in time")
+            kind, _ = self.conn.recv()
+            if kind != "ready":
+                raise _WorkerGone("render worker failed to start")
+            self.ready = True
+
+    def roundtrip(self, job: tuple, timeout: float) -> tuple[str, Any]:
+        """Send ``job`` and wait for the reply (runs on a pool thread)."""
+        conn: Connection = self.conn
+        try:
+            self._wait_ready(60.0)
+            conn.send(job)
+            if not conn.poll(timeout):
+                raise RenderTimeout()
+            return conn.recv()
+        except (EOFError, OSError) as e:
+            raise _WorkerGone(str(e)) from None
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+        self.conn.close()
+
+
+def set_affinity(pid: int, cpus: frozenset[int]) -> None:
+    """Keep a worker on the HTTP process's CPUs (``--engine-cpus``): renders never take the engine's cores."""
+    try:
+        os.sched_setaffinity(pid, cpus)
+    except (AttributeError, OSError):  # no affinity API here, or the worker already exited
+        pass
+
+
+class RenderPool:
+    """``num_workers`` render processes sharing one queue of idle workers."""
+
+    def __init__(self, tokenizer: Any, num_workers: int = DEFAULT_NUM_WORKERS,
+                 mem_limit_bytes: Optional[int] = DEFAULT_MEM_LIMIT):
+        self._ctx = _context()
+        self._blob = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+        self._mem = mem_limit_bytes
+        self.num_workers = max(int(num_workers), 1)
+        self._workers = [_Worker(self._ctx, self._blob, self._mem) for _ in range(self.num_workers)]
+        # Round trips plus respawns: never queued behind other blocking work on the loop's default executor.
+        self._threads = concurrent.futures.ThreadPoolExecutor(2 * self.num_workers + 1,
+                                                              thread_name_prefix="pagedllm-render")
+        self._idle: Optional[asyncio.Queue] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._closed = False
+        self.restarts = 0
+        self.cpus: Optional[frozenset[int]] = None
+
+    def pin(self, cpus: frozenset[int]) -> None:
+        """Run the workers (and every later respawn) on ``cpus`` only."""
+        self.cpus = frozenset(cpus)
+        for w in self._workers:
+            set_affinity(w.proc.pid, self.cpus)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        for w in self._workers:
+            w._wait_ready(max(deadline - time.monotonic(), 0.1))
+
+    @property
+    def pids(self) -> list[Optional[int]]:
+        return [w.proc.pid for w in self._workers]
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Queue()
+        for w in self._workers:
+            self._idle.put_nowait(w)
+
+    async def run(self, job: tuple, timeout: float) -> Any:
+        """The job's result; RenderError (the client's fault, 400) or RenderTimeout (also the request's fault)."""
+        if self._idle is None:
+            await self.start()
+        w = await self._idle.get()
+        fut = self._loop.run_in_executor(self._threads, w.roundtrip, job, timeout)
+        fut.add_done_callback(lambda f: self._after(w, f))
+        try:
+            kind, value = await asyncio.shield(fut)  # a cancelled request leaves the job to finish or time out
+        except _WorkerGone:
+            raise RenderError("the render worker crashed on this request") from None
+        if kind != "ok":
+            raise RenderError(value)
+        return value
+
+    def _after(self, w: _Worker, f: asyncio.Future) -> None:
+        if self._closed:
+            return
+        if f.cancelled() or f.exception() is None:
+            self._idle.put_nowait(w)
+            return
+        self.restarts += 1
+        logger.warning("render worker %s %s; replacing it", w.proc.pid,
+                       "ran past its time limit" if isinstance(f.exception(), RenderTimeout) else "died")
+        respawn = self._loop.run_in_executor(self._threads, self._replace, w)
+        respawn.add_done_callback(self._respawned)
+
+    def _replace(self, w: _Worker) -> _Worker:
+        w.kill()
+        nw = _Worker(self._ctx, self._blob, self._mem, self.cpus)
+        nw._wait_ready(60.0)
+        self._workers = [nw if x is w else x for x in self._workers]
+        return nw
+
+    def _respawned(self, f: asyncio.Future) -> None:
+        if self._closed:
+            return
+        if f.exception() is not None:  # could not fork: try again shortly rather than shrink the pool
+            logger.error("render worker respawn failed: %s", f.exception())
+            self._loop.call_later(1.0, self._retry_spawn)
+            return
+        self._idle.put_nowait(f.result())
+
+    def _retry_spawn(self) -> None:
+        respawn = self._loop.run_in_executor(self._threads, self._spawn_fresh)
+        respawn.add_done_callback(self._respawned)
+
+    def _spawn_fresh(self) -> _Worker:
+        nw = _Worker(self._ctx, self._blob, self._mem, self.cpus)
+        nw._wait_ready(60.0)
+        self._workers.append(nw)
+        return nw
+
+    def shutdown(self) -> None:
+        self._closed = True
+        for w in list(self._workers):
+            try:
+                w.conn.close()  # the worker sees EOF and exits
+            except OSError:
+                pass
+        for w in list(self._workers):
+            w.proc.join(2)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(2)
+        self._threads.shutdown(wait=False, cancel_futures=True)

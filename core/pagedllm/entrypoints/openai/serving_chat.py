@@ -1,0 +1,245 @@
+"""POST /v1/chat/completions: messages -> the tokenizer's chat template -> choices, streamed as SSE or whole.
+
+The template is applied as ``LLM.chat`` does (``apply_chat_template``: render, then encode without special tokens),
+in a render worker process with a time limit, so greedy output matches the offline API and a hostile template cannot
+stall the server. A request's own ``chat_template`` is refused (400 naming it) unless the operator passed
+``--trust-request-chat-template``, as in vLLM.
+
+A streamed choice opens with a ``{"role": "assistant"}`` delta and ends with a chunk carrying ``finish_reason``;
+``stream_options.include_usage`` adds a final chunk with empty ``choices`` and the usage.
+
+Tools (``tool_calling.py``): a named ``tool_choice`` streams its arguments as they are generated; ``required`` and
+``auto`` calls are parsed when the choice ends and sent as one ``tool_calls`` delta each (``auto`` streams plain
+content until the parser's start marker appears).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
+from pagedllm.entrypoints.openai import tool_calling as tc
+from pagedllm.entrypoints.openai.errors import APIError, error_body
+from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    STRUCTURED_RENAME,
+    ChoiceState,
+    Serving,
+    Usage,
+    merge_streams,
+    now,
+    random_id,
+    sse,
+    sse_choice_chunk,
+    stream_response,
+    timeout_error,
+    until_disconnect,
+)
+from pagedllm.entrypoints.openai.errors import from_param_error
+from pagedllm.errors import ParamError
+from pagedllm.sampling_params import SamplingParams
+
+_RENAME = {"logprobs": "top_logprobs", "prompt_token_ids": "messages", "prompt": "messages"}
+
+
+class ChatServing(Serving):
+    tool_parser: Optional[str] = None  # --tool-call-parser
+    enable_auto_tool_choice = False  # --enable-auto-tool-choice
+
+    def _tool_choice(self, req: ChatCompletionRequest) -> object:
+        """The effective tool_choice; validates tools and sets the grammar of a forced choice."""
+        try:
+            choice = tc.check_request(req.tools, req.tool_choice, self.enable_auto_tool_choice, self.tool_parser,
+                                      req.structured()[0] is not None)
+        except ParamError as e:
+            raise from_param_error(e) from None
+        return choice
+
+    async def create(self, req: ChatCompletionRequest, raw: Request):
+        arrival, start = time.time(), time.monotonic()
+        lora = self.check_model(req.model)
+        check_extra_fields(req, "/v1/chat/completions")
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
+        choice = self._tool_choice(req)
+        if req.chat_template is not None and not self.limits.trust_request_chat_template:
+            raise APIError(400, "chat_template: a request-level chat template is not accepted by this server (the "
+                                "operator can allow it with --trust-request-chat-template)", param="chat_template",
+                           code="chat_template_not_allowed")
+        params = self.make_params(req.to_sampling_params, {**_RENAME, **STRUCTURED_RENAME})
+        forced = tc.forced_grammar(req.tools or [], choice, req.parallel_tool_calls)
+        if forced is not None:
+            params = params.clone(structured_outputs=forced)
+        rename = {**_RENAME, **(self.structured_rename(req) if forced is None else
+                                {k: "tools" for k in STRUCTURED_RENAME})}
+        tools = tc.tools_for_template(req.tools) if req.tools and choice != "none" else None
+        ticket = self.admit(params.best_of)
+        try:
+            ids = await self.render_chat([m.to_template_dict() for m in req.messages],
+                                         req.chat_template or self.chat_template, req.add_generation_prompt,
+                                         req.continue_final_message, req.chat_template_kwargs, start,
+                                         request_template=req.chat_template is not None, tools=tools,
+                                         tools_prompt=tc.tools_system_prompt(tools, self.tool_parser) if tools
+                                         else None)
+            field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            self.check_lengths(len(ids), req.max_new_tokens, field, prompt_field="messages")
+            rid = random_id("chatcmpl")
+            streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, rename, start,
+                                            lora)
+            if req.stream:
+                resp = stream_response(self._stream(rid, req, params, streams, choice), streams, self.metrics,
+                                       ticket)
+                ticket = None  # released when the response ends
+                return resp
+            return await until_disconnect(self._full(rid, req, params, streams, choice), raw, self.metrics)
+        finally:
+            if ticket is not None:
+                ticket.release()
+
+    def _tool_deltas(self, st: ChoiceState, c, text: str, choice: object, done: bool) -> list[dict]:
+        """Stream deltas of one choice with tools: a named choice streams its arguments; otherwise content streams
+        until a tool call may begin, and calls are parsed and sent when the choice ends."""
+        if not isinstance(choice, str):  # named: the whole output is the arguments
+            out = []
+            if not st.called:
+                st.called = True
+                out.append({"tool_calls": [{"index": 0, "id": tc.call_id(), "type": "function", "function": {
+                    "name": choice.function.name, "arguments": ""}}]})
+            if text:
+                out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
+            return out
+        st.held += text
+        out = []
+        if choice == "auto" and not done:
+            if not st.holding:
+                parser = tc.get_parser(self.tool_parser)
+                cut = parser.holds(st.held)
+                if cut > 0:
+                    out.append({"content": st.held[:cut]})
+                    st.held = st.held[cut:]
+                st.holding = parser.started(st.held)
+            return out
+        if not done:
+            return out
+        full = c.text
+        if choice == "auto":
+            content, calls = tc.get_parser(self.tool_parser).parse(full)
+            if not calls and st.held:
+                out.append({"content": st.held})
+        else:
+            calls = tc.forced_calls(full, choice)
+        for i, call in enumerate(tc.openai_calls(calls)):
+            st.called = True
+            out.append({"tool_calls": [{"index": i, **call}]})
+        return out
+
+    def _k(self, req: ChatCompletionRequest) -> int:
+        return req.top_logprobs or 0
+
+    def _message(self, text: str, choice: object) -> tuple[dict, bool]:
+        """The assistant message for ``text`` under ``choice``; True when it carries tool calls."""
+        calls: list = []
+        content: Optional[str] = text
+        if choice == "auto":
+            content, calls = tc.get_parser(self.tool_parser).parse(text)
+        elif choice != "none":
+            calls, content = tc.forced_calls(text, choice), None
+        msg: dict = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = tc.openai_calls(calls)
+        return msg, bool(calls)
+
+    @staticmethod
+    def _finish(reason: Optional[str], has_calls: bool, choice: object) -> Optional[str]:
+        return "tool_calls" if has_calls and reason == "stop" and choice in ("auto", "required") else reason
+
+    async def _full(self, rid: str, req: ChatCompletionRequest, params: SamplingParams, streams,
+                    choice: object = "none") -> JSONResponse:
+        final = None
+        try:
+            async for _, out in merge_streams(streams):
+                if out.finished:
+                    final = out
+                    self.finished(out)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        except RequestTimeoutError:
+            raise timeout_error(self.limits.request_timeout) from None
+        usage = Usage(prompt_tokens=len(final.prompt_token_ids))
+        choices = []
+        for c in final.outputs:
+            usage.completion_tokens += len(c.token_ids)
+            msg, has_calls = self._message(c.text, choice)
+            choices.append({"index": c.index, "message": msg,
+                            "logprobs": (self.chat_logprobs(c, 0, len(c.token_ids), self._k(req))
+                                         if req.logprobs else None),
+                            "finish_reason": self._finish(c.finish_reason, has_calls, choice),
+                            "stop_reason": c.stop_reason,
+                            **({"token_ids": list(c.token_ids)} if req.return_token_ids else {})})
+        choices.sort(key=lambda ch: ch["index"])
+        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(),
+                             "model": self.response_model(req),
+                             "choices": choices, "usage": usage.as_dict()})
+
+    async def _stream(self, rid: str, req: ChatCompletionRequest, params: SamplingParams,
+                      streams, choice: object = "none") -> AsyncIterator[str]:
+        created = now()
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+        usage = Usage()
+        states: dict[int, ChoiceState] = {}
+
+        def chunk(index: int, delta: dict, logprobs: Optional[dict] = None, finish: Optional[str] = None,
+                  stop_reason=None, token_ids: Optional[list[int]] = None) -> str:
+            return sse_choice_chunk(rid, "chat.completion.chunk", created, self.response_model(req),
+                                    {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish},
+                                    stop_reason, token_ids, usage.as_dict() if continuous else None)
+
+        try:
+            for j in range(params.n):
+                yield chunk(j, {"role": "assistant", "content": ""})
+            async for _, out in merge_streams(streams):
+                usage.prompt_tokens = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    st = states.setdefault(c.index, ChoiceState())
+                    if st.finished:
+                        continue
+                    text, start, end = st.delta(c, params)
+                    usage.completion_tokens += end - start
+                    lp = self.chat_logprobs(c, start, end, self._k(req)) if req.logprobs and end > start else None
+                    finish = c.finish_reason
+                    if finish is not None:
+                        st.finished = True
+                    ids = c.token_ids[start:end] if req.return_token_ids else None
+                    if choice == "none":
+                        if text or lp is not None or ids:
+                            yield chunk(c.index, {"content": text}, lp, token_ids=ids)
+                        if finish is not None:
+                            yield chunk(c.index, {}, None, finish, c.stop_reason)
+                        continue
+                    has_calls = False
+                    for delta in self._tool_deltas(st, c, text, choice, finish is not None):
+                        has_calls = has_calls or "tool_calls" in delta
+                        yield chunk(c.index, delta, lp, token_ids=ids)
+                        lp = ids = None
+                    if lp is not None or ids:
+                        yield chunk(c.index, {}, lp, token_ids=ids)
+                    if finish is not None:
+                        yield chunk(c.index, {}, None, self._finish(finish, st.called or has_calls, choice),
+                                    c.stop_reason)
+                if out.finished:
+                    self.finished(out)
+            if include_usage:
+                yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                           "model": self.response_model(req), "choices": [], "usage": usage.as_dict()})
+        except EngineDeadError as e:
+            yield sse(error_body(503, str(e), code="engine_unavailable"))
+        except RequestTimeoutError:
+            yield sse(error_body(408, timeout_error(self.limits.request_timeout).message, code="request_timeout"))
+        yield SSE_DONE

@@ -1,0 +1,243 @@
+"""Iteration-level scheduler: one token budget per step, running requests first, then waiting ones.
+
+As in vLLM v1 there is no separate prefill/decode phase: each request has ``num_computed_tokens`` and the step
+gives it ``num_tokens - num_computed_tokens`` more (capped by the budget), which covers decode (1 token), chunked
+prefill (a slice of the prompt) and recompute after preemption (everything again) with one rule. When the block
+pool runs dry, the lowest-priority running request is preempted (blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from pagedllm.sched.kv_manager import BlockPool, KVCacheManager
+from pagedllm.sched.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    num_computed_tokens: int = 0  # before this step
+    samples: bool = False  # this step reaches the request's last token, so its logits are sampled
+    num_lookahead: int = 0  # speculative slots reserved after the last token (num_new_tokens includes them)
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals filling those slots (<= num_lookahead)
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.num_computed_tokens = r.num_computed_tokens
+        self.samples = r.num_computed_tokens + self.num_new_tokens >= r.num_tokens
+
+    def set_proposals(self, token_ids: list[int]) -> None:
+        """Fill the lookahead with (at most num_lookahead) proposals; unused slots drop out of the step."""
+        self.spec_token_ids = list(token_ids[:self.num_lookahead])
+        self.num_new_tokens = self.num_new_tokens - self.num_lookahead + len(self.spec_token_ids)
+        self.num_lookahead = len(self.spec_token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), run before the model
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled or self.swap_out)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 policy: str = "fcfs", swap: Optional[BlockPool] = None, max_loras: int = 0):
+        self.kv = kv
+        self.swap = swap  # host block pool for swapped-out requests (None: recompute only)
+        self.num_swaps = 0
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.max_loras = max_loras  # distinct adapters running at once (0: LoRA off)
+        # Requests of batches still in flight (pipeline parallel: the engine's batch queue). They are not scheduled
+        # again, nor preempted, until their batch's output returns (vLLM: batches of disjoint requests).
+        self.in_flight: set[str] = set()
+
+    # ---- queue -----------------------------------------------------------------------------------
+    def _rank(self, req: Request) -> tuple:
+        """Smaller runs first; the largest running rank is preempted first."""
+        if self.policy == "priority":
+            return (req.params.priority, req.arrival_time)
+        return (req.arrival_time,)
+
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        if self.policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=self._rank))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_schedulable(self) -> int:
+        """Requests a step could take now: waiting ones and running ones not in flight."""
+        return len(self.waiting) + len(self.running) - len(self.in_flight.intersection(
+            r.request_id for r in self.running))
+
+    def _preemptible(self) -> list[Request]:
+        return [r for r in self.running if r.request_id not in self.in_flight]
+
+    # ---- one step --------------------------------------------------------------------------------
+    def _preempt(self, req: Request, out: SchedulerOutput, allow_swap: bool = True) -> None:
+        """Free a running request's device blocks: swap them to host when that is cheaper, else recompute later.
+
+        Cost rule: swapping moves each block twice (out and back in); recomputing reruns every computed token
+        through the model. A request holding more than one block's worth of computed tokens is cheaper to swap
+        whenever host space is there (a token's K/V is far fewer bytes than its forward pass is FLOPs).
+        """
+        self.running.remove(req)
+        req.spec_token_ids, req.num_lookahead = [], 0
+        blocks = self.kv.block_ids(req.request_id)
+        if (allow_swap and self.swap is not None and req.num_computed_tokens > self.kv.block_size
+                and self.swap.num_free >= len(blocks)):
+            host = [b.block_id for b in self.swap.take(len(blocks))]
+            out.swap_out.extend(zip(blocks, host))
+            req.swapped_blocks = host
+            self.num_swaps += 1
+        else:
+            req.num_computed_tokens = 0
+            req.draft_num_computed = 0  # (a swap moves the draft's K/V with the target's: worker.swap)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        if self.policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=self._rank))
+        out.preempted.append(req)
+
+    def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> int:
+        """Try to start (or resume) the head waiting request; returns the tokens scheduled (0 = could not)."""
+        if req.swapped_blocks is not None:
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req, n):
+                return 0
+            out.swap_in.extend(zip(req.swapped_blocks, self.kv.block_ids(req.request_id)))
+            self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
+            req.swapped_blocks = None
+        else:
+            # Prompt logprobs need every prompt position's logits, so such requests skip the prefix cache.
+            hits, num_hit = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else ([], 0)
+            n = min(req.num_tokens - num_hit, budget)
+            if not self.kv.allocate_slots(req, n, hits):
+                return 0
+            self.kv.record_prefix_lookup(req.num_tokens, num_hit)
+            req.num_computed_tokens = num_hit
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = num_hit
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append(ScheduledRequest(req, n))
+        return n
+
+    def schedule(self, max_seqs: Optional[int] = None) -> SchedulerOutput:
+        """The next step: at most ``max_seqs`` requests (the batch queue's share), skipping those in flight."""
+        out = SchedulerOutput()
+        max_seqs = max_seqs if max_seqs is not None else 1 << 62  # (no share: max_num_seqs bounds running alone)
+        budget = self.max_num_batched_tokens
+        if self.policy == "priority":
+            self.running.sort(key=self._rank)
+        i = 0
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
+            req = self.running[i]
+            if req.request_id in self.in_flight:
+                i += 1
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            # Speculation: a decoding request reserves its lookahead slots too (spec_decode plans num_lookahead).
+            la = min(req.num_lookahead, budget - 1) if n == 1 and req.num_lookahead > 0 else 0
+            n += la
+            while not self.kv.allocate_slots(req, n):
+                victim = max(self._preemptible(), key=self._rank)  # (req itself is one)
+                before = self.running.index(victim) < i
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+                if before:  # the victim was already scheduled this step (running is not in rank order): undo it
+                    k = next(k for k, s in enumerate(out.scheduled) if s.request is victim)
+                    budget += out.scheduled.pop(k).num_new_tokens
+                    i -= 1
+            if req.status != RequestStatus.RUNNING:
+                continue  # req itself was preempted: self.running shrank, i now points past the end
+            out.scheduled.append(ScheduledRequest(req, n, num_lookahead=la))
+            budget -= n
+            i += 1
+        if out.preempted:  # admitting new work now would only thrash
+            return out
+        skipped: list[Request] = []  # waiting requests whose adapter has no free slot this step (vLLM's rule)
+        loras = {r.lora_int_id for r in self.running} - {0}
+        while self.waiting and budget > 0 and len(out.scheduled) < max_seqs:
+            req = next((r for r in self.waiting if r.structured is None or r.structured.ready), None)
+            if req is None:
+                break  # every waiting request still waits for its grammar to compile
+            if req.swapped_blocks is not None and out.swap_out:
+                break  # its host blocks may be reused by this step's swap-out: resume it next step
+            if req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
+            n = self._admit(req, out, budget) if len(self.running) < self.max_num_seqs else 0
+            if n == 0 and self.policy == "priority" and self._preemptible():
+                # A more urgent request preempts the least urgent running one (recompute: no swap ordering issue).
+                victim = max(self._preemptible(), key=self._rank)
+                if self._rank(victim) <= self._rank(req):
+                    break
+                for k, s in enumerate(out.scheduled):
+                    if s.request is victim:
+                        budget += out.scheduled.pop(k).num_new_tokens
+                        break
+                self._preempt(victim, out, allow_swap=False)
+                continue
+            if n == 0:
+                break
+            self.waiting.remove(req)
+            budget -= n
+            if req.lora_int_id:
+                loras.add(req.lora_int_id)
+        self.waiting.extendleft(reversed(skipped))
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts once the model ran the step (before new tokens are appended)."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+
+    def rollback(self, req: Request, num_rejected: int) -> None:
+        """Forget the K/V of rejected speculative tokens: they are recomputed (overwritten) if ever needed, and
+        lookahead blocks that now hold nothing go back to the pool."""
+        req.num_computed_tokens -= num_rejected
+        self.kv.trim(req, req.num_tokens)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """Remove a request wherever it is and give its blocks back."""
+        if req.is_finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        req.status = status
+        self.kv.free(req)
+        if req.swapped_blocks is not None:
+            self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
+            req.swapped_blocks = None

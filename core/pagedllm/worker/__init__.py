@@ -1,0 +1,12 @@
+"""The device step: inputs for one scheduled batch, the forward through the backend, logits and sampling.
+
+- ``worker``: owns the device, the model, the KV caches and the backend's hooks for one rank.
+- ``model_runner``: flat inputs and ``AttentionMetadata`` for a scheduled step, forward, logits.
+- ``sampler`` / ``greedy``: token choice from logits (temperature, top-k/p/min-p, penalties, logprobs).
+"""
+
+
+def __getattr__(name: str):  # contract v2's ``pagedllm.worker`` module (now ``pagedllm.worker.worker``)
+    from pagedllm.deprecated import package_attr
+
+    return package_attr(__name__, name)

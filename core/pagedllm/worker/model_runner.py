@@ -1,0 +1,234 @@
+"""Turns one scheduled step into flat device tensors, runs the model, and returns logits for sampling rows.
+
+Under a static batch policy every tensor is padded to the step's bucket: padding tokens (id 0, position 0) write to
+the policy's pad slot, padding sequences have no query tokens and ``seq_len`` 0, block tables are padded with block 0
+to the bucket width, ``query_start_loc`` repeats its last value. Kernels therefore see only bucket shapes, and the
+``*_cpu`` mirrors and ``num_tokens`` still describe the real tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+import torch
+
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.batch_policy import BatchPolicy, BatchShape
+from pagedllm.backend.device_sampler import SamplingTensors, on_device_eligible
+from pagedllm.sched.kv_manager import KVCacheManager
+from pagedllm.lora.ops import LoRAMapping
+from pagedllm.sched.request import Request
+from pagedllm.worker.sampler import SamplerOutput
+from pagedllm.sched.scheduler import ScheduledRequest
+
+
+
+def prompt_logit_spans(batch: list, query_start_loc_cpu: list) -> Iterator[tuple[Any, int, int, int]]:
+    """``(request, first prompt position, start row, stop row)`` of this step's hidden rows whose logits a request's
+    prompt logprobs still need. Position p's logits predict token p + 1: prompt tokens 1..P-1 need positions
+    0..P-2, once each (across chunked prefill and preemption). Shared by every model runner."""
+    for i, s in enumerate(batch):
+        r = s.request
+        if r.prompt_logprobs is None:
+            continue
+        lo = max(s.num_computed_tokens, len(r.prompt_logprobs) - 1)
+        hi = min(s.num_computed_tokens + s.num_new_tokens, r.num_prompt_tokens - 1)
+        if lo < hi:
+            base = query_start_loc_cpu[i] - s.num_computed_tokens
+            yield r, lo, base + lo, base + hi
+
+class ModelRunner:
+    def __init__(self, model: Any, run: Any, kv: KVCacheManager, device: torch.device,
+                 policy: BatchPolicy = BatchPolicy(), pad_slot: int = -1, sample: Any = None, lora: Any = None):
+        self.model = model
+        self.run = run  # the backend's graph runner callable: run(input_ids, positions, meta) -> hidden
+        self.kv = kv
+        self.device = device
+        self.block_size = kv.block_size
+        self.policy = policy
+        self.pad_slot = pad_slot
+        self.sample = sample  # GraphRunner.sample: forward + logits + sampling in the backend's region
+        self.lora = lora  # pagedllm.lora.slots.LoRAManager when LoRA is enabled
+        self.keep_hidden = False  # return the target's hidden states (an EAGLE head drafts from them)
+        # A pipeline-parallel executor's non-blocking forward (executor/base.py): returns a callable that waits for
+        # the logits, so the engine can run the next batch's first stage meanwhile. None: ``forward_logits``.
+        self.submit_logits: Optional[Callable[..., Callable[[], Optional[torch.Tensor]]]] = None
+
+    def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        qlens = np.fromiter((s.num_new_tokens for s in batch), dtype=np.int64, count=len(batch))
+        starts = np.fromiter((s.num_computed_tokens for s in batch), dtype=np.int64, count=len(batch))
+        seq_lens = starts + qlens
+        tables = [self.kv.block_ids(s.request.request_id) for s in batch]
+        width = max(len(t) for t in tables)
+        real = BatchShape(int(qlens.sum()), len(batch), width)
+        shape = self.policy.pad(real)
+        bt = np.zeros((shape.num_seqs, shape.num_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            bt[i, : len(t)] = t
+        if int(qlens.max()) == 1:  # pure decode step: one token each
+            tokens = [s.request.all_token_ids[s.num_computed_tokens] for s in batch]
+            pos = starts
+            row = np.arange(len(batch))
+        else:
+            tokens = []
+            for s in batch:
+                tokens.extend(s.request.all_token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens])
+                if s.spec_token_ids:  # speculative proposals follow the last real token
+                    tokens.extend(s.spec_token_ids)
+            row = np.repeat(np.arange(len(batch)), qlens)
+            pos = np.arange(int(qlens.sum())) - np.repeat(np.cumsum(qlens) - qlens, qlens) + starts[row]
+        slots = bt[row, pos // bs].astype(np.int64) * bs + pos % bs
+        qsl = np.zeros(len(batch) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=qsl[1:])
+        num_decodes = int(np.argmax(qlens != 1)) if (qlens != 1).any() else len(batch)
+        if shape != real:
+            pad_t, pad_s = shape.num_tokens - real.num_tokens, shape.num_seqs - real.num_seqs
+            tokens = list(tokens) + [0] * pad_t
+            pos = np.concatenate([pos, np.zeros(pad_t, dtype=np.int64)])
+            slots = np.concatenate([slots, np.full(pad_t, self.pad_slot, dtype=np.int64)])
+            qsl = np.concatenate([qsl, np.full(pad_s, qsl[-1], dtype=np.int64)])
+            seq_lens = np.concatenate([seq_lens, np.zeros(pad_s, dtype=np.int64)])
+        dev = self.device
+        lora_mapping = self._lora_mapping(batch, row, shape.num_tokens) if self.lora is not None else None
+        meta = AttentionMetadata(
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(bt).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=int(qlens.max()),
+            max_seq_len=int(seq_lens.max()),
+            num_decodes=num_decodes,
+            block_size=bs,
+            query_start_loc_cpu=qsl.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            lora_mapping=lora_mapping,
+        )
+        input_ids = torch.tensor(tokens, dtype=torch.long).to(dev)
+        positions = torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64)).to(dev)
+        return input_ids, positions, meta
+
+    def _lora_mapping(self, batch: list[ScheduledRequest], row: np.ndarray, num_tokens: int) -> Optional[LoRAMapping]:
+        """Token -> device slot of its request's adapter (-1: base model, and padding); None if no token has one."""
+        ids = [s.request.lora_int_id for s in batch]
+        if not any(ids):
+            return None
+        slot_of = self.lora.activate(i for i in ids if i)
+        req_slot = np.array([slot_of[i] if i else -1 for i in ids], dtype=np.int64)
+        per_token = np.full(num_tokens, -1, dtype=np.int64)
+        per_token[: len(row)] = req_slot[row]
+        return LoRAMapping.build(per_token, self.device)
+
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepOutput:
+        """Run one step: float32 logits for the requests that sample, plus prompt-position logits where asked."""
+        return self.submit(scheduled).result()
+
+    @torch.inference_mode()
+    def submit(self, scheduled: list[ScheduledRequest]) -> "PendingStep":
+        """Start one step; ``result()`` of the returned object completes it (at once, unless ``submit_logits``
+        left the logits in flight)."""
+        # Decodes first (stable); with LoRA, then by adapter slot, so an adapter's tokens are contiguous runs in
+        # slot order (the LoRA op can then slice its slot stacks instead of gathering them).
+        if self.lora is not None:
+            slot_of = self.lora.activate(s.request.lora_int_id for s in scheduled if s.request.lora_int_id)
+            batch = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, slot_of.get(s.request.lora_int_id, -1)))
+        else:
+            batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta = self.prepare(batch)
+        out = StepOutput()
+        rows = [i for i, s in enumerate(batch) if s.samples]
+        spec = any(batch[i].spec_token_ids for i in rows)
+        if (self.sample is not None and rows and not spec and not self.keep_hidden
+                and all(on_device_eligible(batch[i]) for i in rows)
+                and not any(s.request.prompt_logprobs is not None for s in batch)):
+            # Forward, logits and sampling in the backend's region; the index and parameter rows are padded to
+            # the sequence bucket like everything else.
+            n = meta.seq_lens.shape[0]
+            last = [meta.query_start_loc_cpu[i + 1] - 1 for i in rows]
+            idx = torch.tensor(last + [0] * (n - len(rows)), dtype=torch.long, device=self.device)
+            reqs = [batch[i].request for i in rows]
+            tokens = self.sample(input_ids, positions, meta, idx, SamplingTensors.build(reqs, n, self.device))
+            out.requests = reqs
+            ids = tokens[:len(rows)].tolist()
+            out.sampled = SamplerOutput(ids, [None] * len(ids), [0.0] * len(ids))
+            return PendingStep(out)
+        spans = list(prompt_logit_spans(batch, meta.query_start_loc_cpu))
+        idx: list[int] = []
+        if rows:
+            qsl = meta.query_start_loc_cpu
+            if spec:  # a speculative row verifies its proposals: logits at the last real token and each proposal
+                out.num_logits = [1 + len(batch[i].spec_token_ids) for i in rows]
+                out.spec_token_ids = [batch[i].spec_token_ids for i in rows]
+                idx = [j for i, c in zip(rows, out.num_logits) for j in range(qsl[i + 1] - c, qsl[i + 1])]
+            else:
+                idx = [qsl[i + 1] - 1 for i in rows]
+            out.requests = [batch[i].request for i in rows]
+        num_sampled = len(idx)
+        for _, _, start, stop in spans:
+            idx.extend(range(start, stop))
+        if self.keep_hidden:  # EAGLE reads the target's hidden rows (single rank: speculation refuses TP/PP)
+            hidden = self.run(input_ids, positions, meta)
+            out.hidden = hidden
+            out.hidden_spans = [(s.request, s.num_computed_tokens, meta.query_start_loc_cpu[i], s.num_new_tokens,
+                                 len(s.spec_token_ids)) for i, s in enumerate(batch)]
+            logits = logits_of(self.model, hidden, idx)
+        elif self.submit_logits is not None:
+            return PendingStep(out, self.submit_logits(input_ids, positions, meta, idx), num_sampled, spans)
+        else:
+            logits = self.forward_logits(input_ids, positions, meta, idx)
+        return PendingStep(out, lambda: logits, num_sampled, spans)
+
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       idx: list[int]) -> Optional[torch.Tensor]:
+        """The forward, then float32 logits of hidden rows ``idx`` (None if none). A distributed executor replaces
+        it on the driver (``executor/``): every rank runs the same step from one broadcast."""
+        return logits_of(self.model, self.run(input_ids, positions, meta), idx)
+
+
+def logits_of(model: Any, hidden: torch.Tensor, idx: list[int]) -> Optional[torch.Tensor]:
+    """``model.compute_logits`` of rows ``idx`` of ``hidden``, in float32 (None when ``idx`` is empty)."""
+    if not idx:
+        return None
+    rows = torch.tensor(idx, dtype=torch.long, device=hidden.device)
+    return model.compute_logits(hidden.index_select(0, rows)).float()
+
+
+@dataclass
+class PendingStep:
+    """A submitted step: ``result()`` waits for its logits (if still in flight) and hands them out by request."""
+
+    out: "StepOutput"
+    wait: Optional[Callable[[], Optional[torch.Tensor]]] = None  # None: ``out`` is complete
+    num_sampled: int = 0  # leading logits rows that are sampled; the prompt-logprob spans follow
+    spans: list = field(default_factory=list)
+
+    @torch.inference_mode()
+    def result(self) -> "StepOutput":
+        out = self.out
+        if self.wait is None:
+            return out
+        logits, self.wait = self.wait(), None
+        if out.requests:
+            out.logits = logits[:self.num_sampled]
+        off = self.num_sampled
+        for r, lo, start, stop in self.spans:
+            out.prompt_logits.append((r, lo, logits[off:off + stop - start]))
+            off += stop - start
+        return out
+
+
+@dataclass
+class StepOutput:
+    requests: list[Request] = field(default_factory=list)  # requests that sample this step
+    logits: Optional[torch.Tensor] = None  # [len(requests), vocab] float32
+    prompt_logits: list[tuple[Request, int, torch.Tensor]] = field(default_factory=list)  # (req, first pos, logits)
+    sampled: Optional[SamplerOutput] = None  # set when the backend sampled on the device (logits stay None)
+    # Speculative steps: logits rows per request (1 + its proposals; None = one each) and the proposals.
+    num_logits: Optional[list[int]] = None
+    spec_token_ids: Optional[list[list[int]]] = None
+    # With ``ModelRunner.keep_hidden``: the step's hidden states and (request, first position, first row, rows,
+    # proposals) of each scheduled request.
+    hidden: Optional[torch.Tensor] = None
+    hidden_spans: Optional[list[tuple[Request, int, int, int, int]]] = None

@@ -1,0 +1,335 @@
+"""The Worker: everything an engine does on its device (vLLM v1's worker / model-runner split).
+
+``LLMEngine`` keeps requests, scheduling and outputs; the Worker loads the model, sizes the KV pool (a profiling
+forward at the largest batch shape where the backend can measure peak memory), allocates device and host caches
+through the backend, asks the backend for its batch policy, graph runner and, if it wants one, its own model runner,
+warms up every static shape, and runs one step at a time. Everything device-specific goes through backend hooks, so a
+vendor never patches this file.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.batch_policy import BatchPolicy, BatchShape
+from pagedllm.config import DTYPES, EngineConfig
+from pagedllm.backend.device_sampler import SamplingTensors
+from pagedllm.distributed.parallel_state import get_parallel_state
+from pagedllm.backend.hookspec import KVCacheSpec, ModelInfo, RunnerContext
+from pagedllm.sched.kv_manager import KVCacheManager
+from pagedllm.backend.kv_quant import kv_torch_dtype
+from pagedllm.lora.slots import LoRAManager
+from pagedllm.worker.model_runner import ModelRunner, PendingStep, StepOutput
+from pagedllm.models import load_model
+from pagedllm.worker.sampler import Sampler, SamplerOutput
+from pagedllm.errors import ParamError
+from pagedllm.sched.scheduler import ScheduledRequest
+from pagedllm.spec_decode.config import MODEL_METHODS
+from pagedllm.spec_decode.verify import sample_rows, verified_spans, verify
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, backend: Any, model_path: str, hf_config: Any, info: ModelInfo,
+                 device: Optional[torch.device] = None):
+        """``config`` is resolved (``config.resolve_config``): dtype, block size, max_model_len and the token budget
+        are final, and the backend's capabilities were checked against the checkpoint. ``device``: this rank's
+        (distributed engines); default: data-parallel replica ``config.data_parallel_rank``'s device."""
+        from pagedllm.executor.binding import local_device
+
+        self.config, self.backend, self.info = config, backend, info
+        self.device = device if device is not None else local_device(backend, config.data_parallel_rank)
+        backend.set_device(self.device)
+        torch.manual_seed(config.seed)
+        self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = kv_torch_dtype(config.kv_cache_dtype, self.dtype)  # fp8 KV: pagedllm.backend.kv_quant
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.model = load_model(model_path, backend=backend, dtype=self.dtype, device=self.device, config=hf_config,
+                                model_impl=config.model_impl, max_model_len=self.max_model_len,
+                                quantization=config.quantization)
+        if self.kv_dtype != self.dtype and getattr(self.model, "kv_cache_mla", False):
+            raise ParamError("kv_cache_dtype", f"{config.kv_cache_dtype!r}: the MLA latent cache of "
+                                               f"{info.architecture} is stored in the model dtype only (use auto)")
+        if config.enable_lora and not getattr(self.model, "supports_lora", False):
+            raise ParamError("enable_lora", f"LoRA runs on native dense models only, not on {info.architecture} "
+                                            f"({type(self.model).__name__})")
+        self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        self.pad_slot = -1
+        self.policy: BatchPolicy = backend.batch_policy(self._context(BatchPolicy()))
+        self._fit_budget_to_policy()
+        # A draft model / EAGLE head is loaded before the pool is sized: its K/V (same block ids) shares the budget.
+        self.draft_model: Any = None
+        spec = config.speculative_config
+        if spec is not None and spec.method in MODEL_METHODS:
+            self.draft_model = self._load_draft(spec.model, spec.method)
+        self.num_blocks = self._num_blocks()
+        par = get_parallel_state()
+        if par is not None:  # every rank holds the same block ids: the smallest rank's pool decides
+            self.num_blocks = par.world_group.all_reduce_min(self.num_blocks)
+        # Static backends get one block more than the pool hands out: padding tokens write there.
+        self.sink_block: Optional[int] = self.num_blocks if self.policy.static else None
+        self.pad_slot = self.sink_block * self.block_size if self.sink_block is not None else -1
+        spec = self._kv_spec(self.num_blocks + (self.sink_block is not None))
+        self.kv_caches = backend.allocate_kv_cache(spec)
+        self.model.kv_caches = self.kv_caches
+        self.host_caches: Optional[list] = None
+        self.draft_host_caches: Optional[list] = None
+        draft_spec = self._draft_kv_spec(self.num_blocks)
+        if draft_spec is not None:
+            self.draft_model.kv_caches = backend.allocate_kv_cache(draft_spec)
+        self.num_host_blocks = int(config.swap_space * (1 << 30) // self._bytes_per_block())
+        if self.num_host_blocks > 0:
+            pinned = backend.memory_info(self.device).pinned_host
+            host_spec = replace(spec, num_blocks=self.num_host_blocks, device=torch.device("cpu"))
+            self.host_caches = backend.allocate_host_kv_cache(host_spec, pinned)
+            if draft_spec is not None:  # swapped with the target's blocks (spec_decode keeps the draft's K/V)
+                self.draft_host_caches = backend.allocate_host_kv_cache(
+                    replace(draft_spec, num_blocks=self.num_host_blocks, device=torch.device("cpu")), pinned)
+        self.ctx = self._context(self.policy)
+        self.lora: Optional[LoRAManager] = None
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras)
+        self.draft_proposer: Any = None
+        self.sampler = Sampler()
+        self.structured: Any = None  # the engine's StructuredOutputManager (token bitmasks for grammar rows)
+        self.runner: Any = None
+        self.graph_level = "none"
+        self.graph_stats: dict = {}
+        self.warmup_seconds = 0.0
+
+    def _load_draft(self, path: str, method: str) -> Any:
+        """The draft model or EAGLE head, in the target's dtype on the same device (its KV cache, of the target's
+        block count and ids, is allocated with the pool). Its vocabulary must be the target's."""
+        from pagedllm.models import load_config, resolve_model_path
+
+        if method == "eagle":
+            from pagedllm.spec_decode.eagle import load_eagle_head
+
+            return load_eagle_head(path, self.model, self.backend, self.dtype, self.device, self.max_model_len)
+
+        try:
+            draft_path = resolve_model_path(path)
+            draft = load_model(draft_path, backend=self.backend, dtype=self.dtype, device=self.device,
+                               config=load_config(draft_path))
+        except ParamError:
+            raise
+        except Exception as e:  # a missing folder / unreadable checkpoint: name the field
+            raise ParamError("speculative_config.model", f"cannot load draft model {path!r}: {e}") from e
+        if draft.vocab_size != self.model.vocab_size:
+            raise ParamError("speculative_config.model", f"draft vocab size {draft.vocab_size} differs from the "
+                                                         f"target's {self.model.vocab_size}")
+        return draft
+
+    def _draft_kv_spec(self, num_blocks: int) -> Optional[KVCacheSpec]:
+        d = self.draft_model
+        if d is None:
+            return None
+        return KVCacheSpec(d.num_layers, num_blocks, self.block_size, d.num_kv_heads, d.head_size, self.kv_dtype,
+                           self.device, mla=getattr(d, "kv_cache_mla", False))
+
+    def _bytes_per_block(self) -> int:
+        """Bytes one block id costs: the target's K/V plus the draft's (which lives at the same block ids)."""
+        draft = self._draft_kv_spec(1)
+        return self._kv_spec(1).bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
+
+    def _context(self, policy: BatchPolicy) -> RunnerContext:
+        return RunnerContext(self.config, self.info, self.max_model_len, self.block_size, self.max_num_seqs,
+                             self.max_num_batched_tokens, self.dtype, self.device, policy, self.pad_slot)
+
+    def _kv_spec(self, num_blocks: int) -> KVCacheSpec:
+        m = self.model
+        return KVCacheSpec(m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_size, self.kv_dtype,
+                           self.device, mla=getattr(m, "kv_cache_mla", False))
+
+    def _fit_budget_to_policy(self) -> None:
+        """A static policy bounds every dimension: the scheduler's budget must stay inside the largest shape."""
+        lim = self.policy.limits()
+        if lim is None:
+            return
+        per_seq = -(-self.max_model_len // self.block_size)
+        if per_seq > lim.num_blocks:
+            raise ParamError("max_model_len", f"{self.max_model_len} tokens need {per_seq} blocks of "
+                                              f"{self.block_size}; backend {self.backend.name!r}'s largest "
+                                              f"block-table bucket is {lim.num_blocks}")
+        if self.max_num_batched_tokens > lim.num_tokens or self.max_num_seqs > lim.num_seqs:
+            logger.info("batch budget capped by backend %s's buckets: max_num_batched_tokens %d -> %d, "
+                        "max_num_seqs %d -> %d", self.backend.name, self.max_num_batched_tokens,
+                        min(self.max_num_batched_tokens, lim.num_tokens), self.max_num_seqs,
+                        min(self.max_num_seqs, lim.num_seqs))
+        self.max_num_batched_tokens = min(self.max_num_batched_tokens, lim.num_tokens)
+        self.max_num_seqs = min(self.max_num_seqs, lim.num_seqs)
+
+    # ---- KV sizing -------------------------------------------------------------------------------------------
+    def profile_peak_bytes(self) -> Optional[int]:
+        """Peak activation memory of one forward at the largest token budget, or None where the backend cannot
+        measure it. The forward writes into a one-block scratch cache (every slot is that block's first), so it
+        runs before the real pool exists, in any layout."""
+        if self.backend.memory_peak(self.device) is None:  # also resets the counter
+            return None
+        n = self.max_num_batched_tokens
+        scratch = self.backend.allocate_kv_cache(self._kv_spec(1))
+        self.model.kv_caches = scratch
+        meta = dummy_metadata(BatchShape(n, 1, -(-n // self.block_size)), self.block_size, self.device,
+                              pad_slot=0, block=0)
+        with torch.inference_mode():
+            self.model(torch.zeros(n, dtype=torch.long, device=self.device),
+                       torch.arange(n, device=self.device) % self.max_model_len, meta)
+        self.backend.synchronize(self.device)
+        peak = self.backend.memory_peak(self.device)
+        self.model.kv_caches = []
+        del scratch
+        return peak
+
+    def _num_blocks(self) -> int:
+        c = self.config
+        bpb = self._bytes_per_block()
+        per_seq = -(-self.max_model_len // self.block_size)
+        if c.num_gpu_blocks_override is not None:
+            n, field_name = c.num_gpu_blocks_override, "num_gpu_blocks_override"
+        else:
+            mem = self.backend.memory_info(self.device)
+            if c.kv_cache_memory is not None:
+                budget, field_name = c.kv_cache_memory, "kv_cache_memory"
+            elif mem.default_kv_bytes is not None and c.gpu_memory_utilization is None:
+                budget, field_name = mem.default_kv_bytes, "kv_cache_memory"
+            else:
+                # vLLM's accounting: a fraction of the whole device, less what is in use after load, less the
+                # activation peak of the largest step (measured when the backend can).
+                util = c.gpu_memory_utilization if c.gpu_memory_utilization is not None else 0.9
+                peak = self.profile_peak_bytes()
+                used = mem.total_bytes - mem.free_bytes
+                budget = util * mem.total_bytes - used - (peak or 0)
+                field_name = "gpu_memory_utilization"
+                logger.info("KV budget %.2f GiB: %.0f%% of %.2f GiB, %.2f GiB in use after load, %s GiB activation "
+                            "peak", budget / 2**30, 100 * util, mem.total_bytes / 2**30, used / 2**30,
+                            f"{peak / 2**30:.2f}" if peak is not None else "unmeasured")
+            # More blocks than every sequence at full length can use only feed the prefix cache; cap there x2.
+            n = min(int(max(budget, 0) // bpb), 2 * self.max_num_seqs * per_seq)
+        if n < per_seq:
+            raise ParamError(field_name, f"the KV pool would hold {n} blocks ({n * self.block_size} tokens), fewer "
+                                         f"than one max_model_len={self.max_model_len} sequence needs ({per_seq}); "
+                                         f"give more KV memory or lower max_model_len")
+        return n
+
+    # ---- runners ---------------------------------------------------------------------------------------------
+    def start(self, kv: KVCacheManager) -> None:
+        """Build the model runner (the backend's own, or core's with the backend's graph runner) and warm up."""
+        own = self.backend.model_runner(self.ctx, self.model, kv)
+        if self.config.speculative_config is not None and (own is not None or self.policy.static):
+            raise ParamError("speculative_config", f"backend {self.backend.name!r} runs "
+                                                   f"{'its own model runner' if own is not None else 'static batch shapes'}"
+                                                   ", which does not verify speculative tokens; use a dynamic backend")
+        if self.draft_model is not None:
+            from pagedllm.spec_decode.draft_model import DraftModelProposer
+            from pagedllm.spec_decode.eagle import EagleProposer
+
+            eagle = self.config.speculative_config.method == "eagle"
+            self.draft_proposer = (EagleProposer if eagle else DraftModelProposer)(self.draft_model, kv, self.device)
+        if self.lora is not None and (own is not None or self.policy.static):
+            raise ParamError("enable_lora", f"backend {self.backend.name!r} runs "
+                                            f"{'its own model runner' if own is not None else 'static batch shapes'}"
+                                            ", which does not apply LoRA adapters; serve LoRA on a dynamic backend")
+        if own is not None:  # the backend owns the step, warm-up included
+            self.runner, self.graph_level = own, getattr(own, "level", "custom")
+            return
+        graph = (self.backend.graph_runner(self.model, self.max_num_seqs, self.device, self.ctx)
+                 if not self.config.enforce_eager else None)
+        if graph is not None:
+            self.graph_level, self.graph_stats = graph.level, graph.stats
+        self.runner = ModelRunner(self.model, graph.run if graph is not None else self.model, kv, self.device,
+                                  self.policy, self.pad_slot, sample=graph.sample if graph is not None else None,
+                                  lora=self.lora)
+        self.runner.keep_hidden = hasattr(self.draft_proposer, "record")  # EAGLE drafts from the target's features
+        self.warmup()
+
+    def warmup(self) -> None:
+        """One forward per static shape — and one forward + sampling where the backend samples on the device — so
+        compilation/capture happens now and never while serving."""
+        shapes = self.policy.warmup_shapes()
+        if not shapes:
+            return
+        t0 = time.perf_counter()
+        runner = self.runner
+        block = self.sink_block if self.sink_block is not None else 0
+        with torch.inference_mode():
+            for shape in shapes:
+                meta = dummy_metadata(shape, self.block_size, self.device, self.pad_slot, block)
+                ids = torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device)
+                runner.run(ids, ids, meta)
+                if runner.sample is not None:
+                    rows = torch.zeros(shape.num_seqs, dtype=torch.long, device=self.device)
+                    runner.sample(ids, ids, meta, rows, SamplingTensors.build([], shape.num_seqs, self.device))
+        self.backend.synchronize(self.device)
+        self.warmup_seconds = time.perf_counter() - t0
+        logger.info("warmed up %d batch shapes in %.2fs", len(shapes), self.warmup_seconds)
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def execute_model(self, scheduled: list[ScheduledRequest]) -> tuple[StepOutput, Optional[SamplerOutput]]:
+        """Run one scheduled step; returns the runner's output and the sampled tokens of the rows that sample."""
+        return self.finish_model(self.submit_model(scheduled))
+
+    def submit_model(self, scheduled: list[ScheduledRequest]) -> PendingStep:
+        """Start one step (a pipeline-parallel runner returns before the last stage is done: the engine's batch
+        queue); ``finish_model`` completes it."""
+        submit = getattr(self.runner, "submit", None)
+        if submit is None:  # a backend's own model runner: one step at a time
+            return PendingStep(self.runner.execute(scheduled))
+        return submit(scheduled)
+
+    def finish_model(self, pending: PendingStep) -> tuple[StepOutput, Optional[SamplerOutput]]:
+        """Wait for a submitted step's logits and sample them (grammar masks apply to the matchers' state now)."""
+        step = pending.result()
+        sampled = None
+        if step.sampled is not None:
+            sampled = step.sampled
+        elif step.requests:
+            masked = self.structured.bitmask(step.requests) if self.structured is not None else None
+            if masked is not None:  # (grammar requests never speculate: their row is the first of one)
+                self._apply_bitmask(step.logits, sample_rows(step.num_logits, masked[0]), masked[1])
+            if step.num_logits is not None:
+                sampled = verify(self.sampler, step.logits, step.requests, step.num_logits, step.spec_token_ids)
+            else:
+                sampled = self.sampler(step.logits, step.requests)
+        if step.hidden is not None:
+            self.draft_proposer.record(step.hidden, verified_spans(step, sampled))
+        return step, sampled
+
+    @torch.inference_mode()  # the logits are an inference tensor
+    def _apply_bitmask(self, logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
+        """Mask the constrained rows in place (only those rows pay for it)."""
+        mask = mask.to(logits.device)
+        if len(rows) == logits.shape[0]:
+            self.backend.apply_token_bitmask(logits, mask)
+            return
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        sub = logits.index_select(0, idx)
+        self.backend.apply_token_bitmask(sub, mask)
+        logits.index_copy_(0, idx, sub)
+
+    def swap(self, src_to_dst: list[tuple[int, int]], out: bool) -> None:
+        """Copy blocks device -> host (``out``) or host -> device, through the backend (its layout, its copy)."""
+        src, dst = zip(*src_to_dst)
+        caches = (self.kv_caches, self.host_caches) if out else (self.host_caches, self.kv_caches)
+        self.backend.swap_kv_blocks(caches[0], caches[1], torch.tensor(src), torch.tensor(dst))
+        if self.draft_host_caches is not None:
+            d = (self.draft_model.kv_caches, self.draft_host_caches)
+            self.backend.swap_kv_blocks(*(d if out else d[::-1]), torch.tensor(src), torch.tensor(dst))
+
+
+def dummy_metadata(shape: BatchShape, block_size: int, device: torch.device, pad_slot: int,
+                   block: int) -> AttentionMetadata:
+    """Metadata of exactly ``shape`` with every token written to ``pad_slot`` and every block-table entry ``block``:
+    warm-up and profiling touch no block a request owns. Tokens are spread evenly over the sequences."""
+    t, s, w = shape
+    lens = [t // s + (i < t % s) for i in range(s)]
+    return AttentionMetadata.build(lens, lens, [[block] * w for _ in range(s)], block_size, device=device,
+                                   slot_mapping=[pad_slot] * t)
