@@ -19,7 +19,7 @@ from dist_utils import engine, make_dist_model
 from pagedllm.backend.registry import get_backend
 from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
-from pagedllm.executor.binding import local_device, local_index
+from pagedllm.distributed.binding import local_device, local_index
 
 # Not tests/sim itself: transformers imports the torch_npu it would find there.
 SIM = str(Path(__file__).resolve().parent / "sim" / "multidev")

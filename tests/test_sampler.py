@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from pagedllm.worker.greedy import greedy_token_ids
+from pagedllm.sample.greedy import greedy_token_ids
 from pagedllm.sched.request import Request
-from pagedllm.worker.sampler import Sampler, apply_penalties, top_k_top_p_cutoff
+from pagedllm.sample.sampler import Sampler, apply_penalties, top_k_top_p_cutoff
 from pagedllm.sampling_params import SamplingParams
 
 VOCAB = 64

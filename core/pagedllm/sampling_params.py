@@ -195,5 +195,7 @@ def __getattr__(name: str):
     if name == "ParamError":  # contract v2's path; removed with v3
         from pagedllm.deprecated import moved
 
-        return moved("pagedllm.sampling_params.ParamError", "pagedllm.errors.ParamError", _ParamError)
+        globals()["ParamError"] = moved("pagedllm.sampling_params.ParamError", "pagedllm.errors.ParamError",
+                                        _ParamError)  # one warning, not one per lookup
+        return _ParamError
     raise AttributeError(f"module 'pagedllm.sampling_params' has no attribute {name!r}")

@@ -213,7 +213,7 @@ def test_jnp_sampler_follows_the_host_filters():
     renormalised distribution (core's host filters are the oracle)."""
     import jax
 
-    from pagedllm.worker.sampler import top_k_top_p_cutoff
+    from pagedllm.sample.sampler import top_k_top_p_cutoff
     from pagedllm_tpu.sampler import sample
 
     g = torch.Generator().manual_seed(0)

@@ -65,7 +65,7 @@ _LAZY = {
     "ModelRunner": "pagedllm.worker.model_runner",
     "StepOutput": "pagedllm.worker.model_runner",
     "prompt_logit_spans": "pagedllm.worker.model_runner",
-    "SamplerOutput": "pagedllm.worker.sampler",
+    "SamplerOutput": "pagedllm.sample.sampler",
     "ScheduledRequest": "pagedllm.sched.scheduler",
     "dummy_metadata": "pagedllm.worker.worker",
 }

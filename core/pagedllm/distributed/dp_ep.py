@@ -91,7 +91,7 @@ def init_dp_ep(cfg: DPEPConfig, backend: Any) -> DPEPState:
     global _STATE
     from pagedllm.distributed.communicator import TorchCommunicator, init_world
     from pagedllm.distributed.parallel_state import STARTUP_TIMEOUT_S
-    from pagedllm.executor.binding import local_device
+    from pagedllm.distributed.binding import local_device
 
     device = local_device(backend, cfg.dp_rank)  # the replica's own device where devices are indexed
     backend.set_device(device)

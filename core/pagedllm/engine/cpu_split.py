@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from pagedllm.errors import ParamError
-from pagedllm.executor.binding import pin_process
+from pagedllm.distributed.binding import pin_process
 
 
 def parse_cpu_list(text: str, field: str = "engine_cpus") -> frozenset[int]:

@@ -22,7 +22,7 @@ from pagedllm.models.info import read_model_info
 from pagedllm.outputs import RequestOutput
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.sched.request import Request, RequestStatus
-from pagedllm.worker.sampler import SamplerOutput
+from pagedllm.sample.sampler import SamplerOutput
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.scheduler import Scheduler, SchedulerOutput

@@ -10,7 +10,7 @@ import torch
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sched.request import Request, RequestStatus
-from pagedllm.worker.sampler import logprob_entries
+from pagedllm.sample.sampler import logprob_entries
 from pagedllm.sampling_params import SamplingParams
 
 

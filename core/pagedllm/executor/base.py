@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.executor.binding import pin_process
+from pagedllm.distributed.binding import pin_process
 from pagedllm.executor.rank_worker import RankWorker
 from pagedllm.executor.step import run_step, split_micro_batches
 
@@ -84,7 +84,7 @@ class DistributedExecutor:
 
     def rebind(self) -> int:
         """Pin this process to rank 0's CPUs and threads again (a benchmark that ran something else in between)."""
-        from pagedllm.executor.binding import bind_rank
+        from pagedllm.distributed.binding import bind_rank
 
         return bind_rank(self.driver_cpus)
 

@@ -19,7 +19,7 @@ from multiprocessing.connection import wait
 from typing import Optional
 
 from pagedllm.executor.base import DistributedExecutor, WorkerDiedError, free_port
-from pagedllm.executor.binding import rank_cpu_sets
+from pagedllm.distributed.binding import rank_cpu_sets
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed.communicator import init_world
 from pagedllm.distributed.parallel_state import STARTUP_TIMEOUT_S, ParallelConfig, initialize_model_parallel
 from pagedllm.errors import portable_exception
-from pagedllm.executor.binding import bind_rank, local_device, local_index
+from pagedllm.distributed.binding import bind_rank, local_device, local_index
 from pagedllm.executor.step import run_step
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from pagedllm.backend.attention import AttentionMetadata
-from pagedllm.worker.greedy import greedy_token_ids
+from pagedllm.sample.greedy import greedy_token_ids
 from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.sched.request import Request
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.backend.attention import AttentionMetadata
-from pagedllm.worker.greedy import greedy_token_ids
+from pagedllm.sample.greedy import greedy_token_ids
 from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.sched.request import Request
 from pagedllm.errors import ParamError

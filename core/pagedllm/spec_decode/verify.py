@@ -7,9 +7,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from pagedllm.worker.greedy import greedy_token_ids
+from pagedllm.sample.greedy import greedy_token_ids
 from pagedllm.sched.request import Request
-from pagedllm.worker.sampler import Sampler, SamplerOutput
+from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.spec_decode.rejection_sampler import greedy_verify, rejection_sample
 
 

@@ -2,7 +2,8 @@
 
 - ``worker``: owns the device, the model, the KV caches and the backend's hooks for one rank.
 - ``model_runner``: flat inputs and ``AttentionMetadata`` for a scheduled step, forward, logits.
-- ``sampler`` / ``greedy``: token choice from logits (temperature, top-k/p/min-p, penalties, logprobs).
+
+Sampling itself is ``pagedllm.sample`` (speculative decoding shares it).
 """
 
 

@@ -20,7 +20,7 @@ from pagedllm.backend.device_sampler import SamplingTensors, on_device_eligible
 from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.lora.ops import LoRAMapping
 from pagedllm.sched.request import Request
-from pagedllm.worker.sampler import SamplerOutput
+from pagedllm.sample.sampler import SamplerOutput
 from pagedllm.sched.scheduler import ScheduledRequest
 
 

@@ -27,7 +27,7 @@ from pagedllm.backend.kv_quant import kv_torch_dtype
 from pagedllm.lora.slots import LoRAManager
 from pagedllm.worker.model_runner import ModelRunner, PendingStep, StepOutput
 from pagedllm.models import load_model
-from pagedllm.worker.sampler import Sampler, SamplerOutput
+from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.errors import ParamError
 from pagedllm.sched.scheduler import ScheduledRequest
 from pagedllm.spec_decode.config import MODEL_METHODS
@@ -42,7 +42,7 @@ class Worker:
         """``config`` is resolved (``config.resolve_config``): dtype, block size, max_model_len and the token budget
         are final, and the backend's capabilities were checked against the checkpoint. ``device``: this rank's
         (distributed engines); default: data-parallel replica ``config.data_parallel_rank``'s device."""
-        from pagedllm.executor.binding import local_device
+        from pagedllm.distributed.binding import local_device
 
         self.config, self.backend, self.info = config, backend, info
         self.device = device if device is not None else local_device(backend, config.data_parallel_rank)

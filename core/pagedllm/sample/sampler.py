@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from pagedllm.worker.greedy import greedy_token_ids
+from pagedllm.sample.greedy import greedy_token_ids
 from pagedllm.outputs import Logprob
 from pagedllm.sched.request import Request
 
