@@ -15,7 +15,7 @@ What hooks receive or may build on:
 - ``BatchPolicy``, ``BucketPolicy``, ``BatchShape``, ``pow2_buckets`` — batch shapes for static-shape devices.
 - ``make_static_runner``, ``StaticGraphRunner`` — one captured callable per bucket, for ``pagedllm_graph_runner``.
 - ``make_graph_runner``, ``DecodeGraphRunner``, ``graphs_disabled``, ``HostValuesUnavailable`` — device-graph
-  capture of decode batches for devices with a torch graph class (``torch.cuda.CUDAGraph``, ``torch.xpu.XPUGraph``).
+  capture of decode batches for devices whose torch device module has a graph class.
 - ``SamplingTensors``, ``on_device_eligible`` — sampling inside a captured region (``Capabilities.on_device_sampling``).
 - ``ParamError``, ``UserError``, ``BackendError`` — errors a hook raises to refuse a setting (named field) or set-up.
 - ``Communicator``, ``TorchCommunicator``, ``CollectiveError`` — for ``pagedllm_communicator``.

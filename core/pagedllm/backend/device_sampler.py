@@ -3,7 +3,7 @@
 Static-shape devices (``Capabilities.on_device_sampling``) sample in the same region as the forward, as
 compiled-graph engines do, so a step costs one launch and no logits leave the device. Only what needs no per-request host
 state runs here — greedy, temperature, top-k, top-p, min-p; rows that ask for logprobs, penalties, seeds, min_tokens,
-logit bias, allowed/bad words, a grammar or several samples per prompt go through the host sampler (``sampler.py``), whose semantics this mirrors: greedy is
+logit bias, allowed/bad words, a grammar or several samples per prompt go through the host sampler (``pagedllm.sample.sampler``), whose semantics this mirrors: greedy is
 the same argmax, and random rows sample from the same filtered distribution (an exponential race instead of an
 inverse CDF, so the draws differ).
 """

@@ -281,7 +281,7 @@ class BackendSpec:
 
     @hookspec(firstresult=True)
     def pagedllm_model_runner(self, ctx: RunnerContext, model: Any, kv: Any) -> Any:
-        """Escape hatch: return an object with ``execute(scheduled) -> StepOutput`` (see ``model_runner.py``) to own
+        """Escape hatch: return an object with ``execute(scheduled) -> StepOutput`` (see ``pagedllm.worker.model_runner``) to own
         the whole step (input preparation, forward, logits, warm-up). ``model.kv_caches`` holds the caches; ``kv``
         is the block manager (``kv.block_ids(request_id)`` is a request's block table). Default ``None``: core's
         ``ModelRunner`` around the backend's graph runner."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import pluggy
 import torch
 
-from pagedllm.backend import hookspec, reference as reference_plugin
+from pagedllm.backend import hookspec, reference
 from pagedllm.errors import UserError
 from pagedllm.backend.hookspec import (API_VERSION, ENTRY_POINT_GROUP, HOOK_NAMES, PROJECT, REQUIRED_HOOKS, BackendInfo,
                                Capabilities, GraphRunner, KVCacheSpec, MemoryInfo, ProbeResult, RunnerContext)
@@ -33,7 +33,7 @@ class Backend:
     def __init__(self, plugin: Any, plugin_name: str):
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspec.BackendSpec)
-        self.pm.register(reference_plugin, name="pagedllm-reference")
+        self.pm.register(reference, name="pagedllm-reference")
         self.pm.register(plugin, name=plugin_name)
         self.plugin = plugin
         own = {impl_name for impl_name in dir(plugin) if impl_name.startswith("pagedllm_")}

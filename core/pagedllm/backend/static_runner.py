@@ -1,7 +1,7 @@
 """A graph runner for static-shape backends: one captured program per bucket shape, replayed from persistent buffers.
 
 What a compiled-graph device (a graph compiler, device graphs replayed per shape) needs from a step, in one
-device-neutral class: the batch policy pads every step to a bucket (``model_runner.py``); this runner owns, per
+device-neutral class: the batch policy pads every step to a bucket (``pagedllm.worker.model_runner``); this runner owns, per
 bucket, persistent input and metadata tensors, captures the forward once over them (at warm-up, through the
 backend's ``capture`` function) and replays it on every later step after copying the step's values in. A shape
 outside the warmed-up set is an error, never a silent recompile. ``sample`` runs logits and sampling

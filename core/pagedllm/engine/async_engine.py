@@ -1,4 +1,4 @@
-"""AsyncEngine: the server's handle on the engine process (see ``engine_core.py`` for why it is a process).
+"""AsyncEngine: the server's handle on the engine process (see ``core_process.py`` for why it is a process).
 
 ``await add_request(...)`` sends the request and returns a :class:`RequestStream` once the engine accepted it (or
 raises the engine's ParamError). Outputs come back one pipe message per engine step, read by the event loop itself

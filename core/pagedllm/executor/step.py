@@ -5,7 +5,7 @@ attention metadata (block tables, slot mapping) and the hidden rows whose logits
 no scheduler, KV manager or request state of their own. Under pipeline parallelism hidden states go stage to stage
 by asynchronous send and the last stage sends the logits back to the driver, which does not wait for them inside the
 step: the engine keeps up to ``pp`` steps (batches of disjoint requests) in flight, so stage 1 runs batch k while the
-driver runs its stage of batch k + 1 (``engine.py``'s batch queue, vLLM's ``step_with_batch_queue``). With one batch
+driver runs its stage of batch k + 1 (``LLMEngine``'s batch queue, vLLM's ``step_with_batch_queue``). With one batch
 in flight at a time the step is instead cut into ``pp`` micro-batches of whole sequences (overlap within the step).
 """
 

@@ -1,5 +1,5 @@
 """Portable Triton kernels (any GPU Triton targets; the CPU only under ``TRITON_INTERPRET=1``), for any backend whose
-tensors Triton can launch on (the cuda, rocm and xpu plugins).
+tensors Triton can launch on (the GPU plugins).
 
 Nothing here is imported by ``import pagedllm``: a backend imports the submodule it needs, and Triton itself is only
 imported when a kernel runs. Submodules:

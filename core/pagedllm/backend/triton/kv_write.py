@@ -27,7 +27,7 @@ def _write_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr,
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = cache_ptr + slot * stride_slot + h * stride_ch + d
-    if FP8:  # the cache arrives as its uint8 view (kernels/fp8.py says why)
+    if FP8:  # the cache arrives as its uint8 view (fp8.py says why)
         tl.store(dst, encode_fp8(k, inv_k_scale, MANT, BIAS, FMAX).to(tl.uint8), mask=mask)
         tl.store(dst + v_offset, encode_fp8(v, inv_v_scale, MANT, BIAS, FMAX).to(tl.uint8), mask=mask)
     else:
