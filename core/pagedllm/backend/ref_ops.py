@@ -8,7 +8,7 @@ the model dtype or fp8 (``pagedllm.backend.kv_quant``: writes store ``saturate(x
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,36 +49,40 @@ def swap_kv_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor
         d[:, dst.long().to(d.device)] = s[:, src.long().to(s.device)].to(d.device)
 
 
+def _sequences(meta: AttentionMetadata, block_size: int, device: torch.device) -> Iterator[tuple]:
+    """Each sequence with queries this step: its query rows ``start:end``, its block ids, and the query and key
+    positions as ``[L, 1]`` / ``[1, S]`` (a chunk's queries are the sequence's last tokens)."""
+    qsl = meta.query_start_loc_cpu
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        start, end = qsl[i], qsl[i + 1]
+        if end == start:
+            continue
+        blocks = meta.block_tables[i, :(seq_len + block_size - 1) // block_size].long()
+        yield (start, end, blocks, torch.arange(seq_len - (end - start), seq_len, device=device)[:, None],
+               torch.arange(seq_len, device=device)[None, :])
+
+
+def _rows(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first ``seq_len`` token rows held by ``blocks`` of one cache half ``[num_blocks, block_size, ...]``."""
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None, k_scale: float = 1.0,
                     v_scale: float = 1.0, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """See ``hookspec.pagedllm_paged_attention``. One sequence at a time, scores in float32; an fp8 cache is read as
     ``stored * k_scale`` / ``stored * v_scale``."""
-    num_heads, head_size = query.shape[1], query.shape[2]
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    bs = kv_cache.shape[2]
+    group = query.shape[1] // kv_cache.shape[3]
     out = torch.empty_like(query)
-    qsl = meta.query_start_loc_cpu
-    for i, seq_len in enumerate(meta.seq_lens_cpu):
-        start, end = qsl[i], qsl[i + 1]
-        qlen = end - start
-        if qlen == 0:
-            continue
-        nblk = (seq_len + bs - 1) // bs
-        blocks = meta.block_tables[i, :nblk].long()
-        k = dequantize_kv(kv_cache[0, blocks].reshape(nblk * bs, num_kv_heads, head_size)[:seq_len], k_scale,
-                          torch.float32)
-        v = dequantize_kv(kv_cache[1, blocks].reshape(nblk * bs, num_kv_heads, head_size)[:seq_len], v_scale,
-                          torch.float32)
+    for start, end, blocks, q_pos, k_pos in _sequences(meta, kv_cache.shape[2], query.device):
+        k = dequantize_kv(_rows(kv_cache[0], blocks, k_pos.shape[1]), k_scale, torch.float32)
+        v = dequantize_kv(_rows(kv_cache[1], blocks, k_pos.shape[1]), v_scale, torch.float32)
         k = k.repeat_interleave(group, dim=1)  # [S, H, D]
         v = v.repeat_interleave(group, dim=1)
         q = query[start:end].float()  # [L, H, D]
         scores = torch.einsum("lhd,shd->hls", q, k) * scale
         if soft_cap is not None:
             scores = soft_cap * torch.tanh(scores / soft_cap)
-        q_pos = torch.arange(seq_len - qlen, seq_len, device=query.device)[:, None]
-        k_pos = torch.arange(seq_len, device=query.device)[None, :]
         if alibi_slopes is not None:
             scores = scores + alibi_slopes.float().view(-1, 1, 1) * (k_pos - q_pos)[None]
         allowed = k_pos <= q_pos
@@ -101,19 +105,10 @@ def mla_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMe
                   value_size: int) -> torch.Tensor:
     """See ``hookspec.pagedllm_mla_attention``. One sequence at a time, scores in float32; every head reads the
     same latent rows (MQA over the latent)."""
-    bs, d = kv_cache.shape[2], kv_cache.shape[4]
     out = query.new_empty(query.shape[0], query.shape[1], value_size)
-    qsl = meta.query_start_loc_cpu
-    for i, seq_len in enumerate(meta.seq_lens_cpu):
-        start, end = qsl[i], qsl[i + 1]
-        qlen = end - start
-        if qlen == 0:
-            continue
-        nblk = (seq_len + bs - 1) // bs
-        rows = kv_cache[0, meta.block_tables[i, :nblk].long()].reshape(nblk * bs, d)[:seq_len].float()  # [S, D]
+    for start, end, blocks, q_pos, k_pos in _sequences(meta, kv_cache.shape[2], query.device):
+        rows = _rows(kv_cache[0], blocks, k_pos.shape[1]).flatten(1).float()  # [S, D]
         scores = torch.einsum("lhd,sd->hls", query[start:end].float(), rows) * scale
-        q_pos = torch.arange(seq_len - qlen, seq_len, device=query.device)[:, None]
-        k_pos = torch.arange(seq_len, device=query.device)[None, :]
         scores = scores.masked_fill(~(k_pos <= q_pos)[None], float("-inf"))
         out[start:end] = torch.einsum("hls,sd->lhd", torch.softmax(scores, dim=-1), rows[:, :value_size]).to(out.dtype)
     return out

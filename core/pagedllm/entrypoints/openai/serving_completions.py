@@ -18,21 +18,9 @@ from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
 from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving_common import (
-    SSE_DONE,
-    STRUCTURED_RENAME,
-    ChoiceState,
-    Serving,
-    Usage,
-    merge_streams,
-    now,
-    random_id,
-    sse,
-    sse_choice_chunk,
-    stream_response,
-    timeout_error,
-    until_disconnect,
-)
+from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_RENAME, ChoiceState, Serving, Usage,
+                                                      merge_streams, now, random_id, sse, sse_choice_chunk,
+                                                      stream_response, timeout_error, until_disconnect)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
