@@ -6,9 +6,9 @@ import importlib
 
 BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep", "pagedllm.bench.moe",
            "pagedllm.bench.latency", "pagedllm.bench.scale_model", "pagedllm.bench.distributed",
-           "pagedllm.bench.quant_linear", "pagedllm.bench.perplexity", "pagedllm.bench.dp_ep",
-           "pagedllm.bench.quant", "pagedllm.bench.quant_alternated", "pagedllm.bench.llama_cpp",
-           "pagedllm.bench.graph")
+           "pagedllm.bench.quant_linear", "pagedllm.bench.perplexity", "pagedllm.bench.serve_vs_offline",
+           "pagedllm.bench.dp_ep", "pagedllm.bench.quant", "pagedllm.bench.quant_alternated",
+           "pagedllm.bench.llama_cpp", "pagedllm.bench.graph")
 
 
 def add_parser(sub) -> None:
