@@ -9,7 +9,6 @@ import re
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from pagedllm.bench.serve import arrival_gaps, make_prompts
@@ -60,16 +59,16 @@ def test_bench_serve_json(server, tmp_path):
     assert m["pagedllm:prompt_tokens_total"] - before["pagedllm:prompt_tokens_total"] == (n + 1) * ilen
 
 
-def test_bench_serving_script(tmp_path):
-    """``ci/bench_serving.sh``, the rerun recipe behind docs/benchmarks.md's server/offline ratios, runs end to end
-    (pinned variant: offline and the engine process on one CPU set, the HTTP process and the client on another)."""
-    root = Path(__file__).resolve().parents[1]
+def test_bench_serve_vs_offline(tmp_path):
+    """``pagedllm bench serve-vs-offline``, the rerun recipe behind docs/benchmarks.md's server/offline ratios, runs
+    end to end (pinned variant: offline and the engine process on one CPU set, the HTTP process and the client on
+    another)."""
     model = make_bench_llama(tmp_path / "bench_llama")  # vocab 32000: bench serve's default prompt token ids fit
     cpus = sorted(os.sched_getaffinity(0))
-    env = {**os.environ, "PYTHON": sys.executable, "ENGINE_CPUS": str(cpus[0]), "FRONTEND_CPUS": str(cpus[-1])}
-    proc = subprocess.run(["bash", str(root / "ci" / "bench_serving.sh"), "1", "4", "8", "4", "--model", model,
-                           "--device", "cpu", "--max-model-len", "128"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "serve-vs-offline", "--rounds", "1",
+                           "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--model", model,
+                           "--engine-args", "--device cpu --max-model-len 128", "--engine-cpus", str(cpus[0]),
+                           "--frontend-cpus", str(cpus[-1])], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     m = re.fullmatch(r"round 1: offline ([\d.]+) tok/s, server ([\d.]+) tok/s, ratio ([\d.]+) \(failed=0 .*\)", lines[0])

@@ -13,15 +13,9 @@ import json
 import math
 import os
 import shlex
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from dataclasses import asdict
-from typing import Optional
 
+from pagedllm.bench.server_process import ServeProcess
 from pagedllm.sampling_params import ParamError
 
 CSV_FIELDS = ("max_num_seqs", "request_rate", "completed", "failed", "duration_s", "request_throughput",
@@ -54,51 +48,6 @@ def add_parser(sub) -> None:
     p.add_argument("--output-dir", default=".", help="where sweep.json, sweep.csv (and server logs) go")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts here (needs matplotlib)")
     p.set_defaults(func=main)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class _Server:
-    """``pagedllm serve`` in a subprocess, its output in a log file; ready when /health answers."""
-
-    def __init__(self, model: Optional[str], max_num_seqs: int, serve_args: list[str], log_path: str,
-                 timeout: float = 600.0):
-        port = _free_port()
-        self.base_url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "pagedllm.cli", "serve", *([model] if model else []), "--port", str(port),
-               "--max-num-seqs", str(max_num_seqs), "--uvicorn-log-level", "warning", *serve_args]
-        self.log_path = log_path
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                with open(log_path, errors="replace") as f:
-                    tail = f.read()[-2000:]
-                raise RuntimeError(f"`pagedllm serve` did not come up (log {log_path}):\n{tail}")
-            time.sleep(0.5)
-
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 def _point(base_url: str, rate: float, args) -> dict:
@@ -148,7 +97,7 @@ def main(args) -> int:
             log = os.path.join(args.output_dir, f"serve-max-num-seqs-{mns}.log")
             os.makedirs(args.output_dir, exist_ok=True)
             print(f"starting pagedllm serve (max_num_seqs={mns}, log {log}) ...", flush=True)
-            server = _Server(args.model, mns, shlex.split(args.serve_args), log)
+            server = ServeProcess(args.model, ["--max-num-seqs", str(mns), *shlex.split(args.serve_args)], log)
         try:
             for rate in args.request_rates:
                 row = {"max_num_seqs": mns, **_point(args.base_url or server.base_url, rate, args)}

@@ -1,4 +1,4 @@
-"""``pagedllm bench throughput|latency|serve|sweep|moe|scale-model|distributed|quant-linear|perplexity ...``."""
+"""``pagedllm bench <name> ...``: every benchmark of the project, one module of ``pagedllm.bench`` each."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import importlib
 
 BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.sweep", "pagedllm.bench.moe",
            "pagedllm.bench.latency", "pagedllm.bench.scale_model", "pagedllm.bench.distributed",
-           "pagedllm.bench.quant_linear", "pagedllm.bench.perplexity")
+           "pagedllm.bench.quant_linear", "pagedllm.bench.perplexity", "pagedllm.bench.serve_vs_offline",
+           "pagedllm.bench.dp_ep", "pagedllm.bench.quant", "pagedllm.bench.quant_alternated",
+           "pagedllm.bench.llama_cpp", "pagedllm.bench.graph")
 
 
 def add_parser(sub) -> None:

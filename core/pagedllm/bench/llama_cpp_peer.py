@@ -1,16 +1,17 @@
 """llama.cpp anchor for docs/benchmarks.md: batch-1 decode speed and load time of the embedded SmolLM2 Q4_1 GGUF
 through the ``gpt4all`` 2.8.2 wheel (it ships llama.cpp's CPU backend).
 
-Run it with a SEPARATE venv's python (gpt4all must never go into the project venv):
+Run by a SEPARATE venv's python (gpt4all must never go into the project venv), so it imports only gpt4all and the
+standard library; ``pagedllm bench llama-cpp --python PY`` (and ``bench quant --llama-python PY``) start it by path:
 
     python3 -m venv /tmp/g4a && /tmp/g4a/bin/pip install gpt4all==2.8.2
-    /tmp/g4a/bin/python ci/llama_cpp_anchor.py --gguf "$(python -c 'from pagedllm.models.paths import \
-        default_model_path as p; print(p())')" --tokens 128 --repeats 5 --threads 2
+    pagedllm bench llama-cpp --python /tmp/g4a/bin/python --tokens 128 --repeats 5 --threads 2
 
 gpt4all's 2024 llama.cpp rejects the file's ``tokenizer.ggml.pre = "smollm"``; the script copies the file with that
 value changed to ``"falcon"`` (same length; decode speed does not depend on the pre-tokenizer).
 """
 
+# Lives beside vllm_peer.py, not in ci/: a peer driver started by path under the peer's own venv, never imported.
 from __future__ import annotations
 
 import argparse

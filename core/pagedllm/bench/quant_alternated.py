@@ -1,45 +1,50 @@
-"""Alternated, same-process comparison of the embedded SmolLM2 GGUF as float32 dense, bfloat16 dense and Q4_1 packed
-(docs/benchmarks.md, issue 12). For a shared, noisy machine: every round times each configuration back to back, and
-the ratios are medians of per-round ratios, so load from other processes hits all configurations alike. Absolute
-numbers on an idle machine: ci/bench_quant.sh (`pagedllm bench throughput`, one process per configuration).
+"""``pagedllm bench quant-alternated``: the embedded SmolLM2 GGUF as float32 dense, bfloat16 dense and Q4_1 packed,
+alternated in one process (docs/benchmarks.md, issue 12).
 
-    python ci/bench_quant_alternated.py --rounds 5 --decode-tokens 64 --batch 64 --batch-tokens 16
+For a shared, noisy machine: every round times each configuration back to back, and the ratios are medians of
+per-round ratios, so load from other processes hits all configurations alike. Absolute numbers on an idle machine:
+``pagedllm bench quant`` (``bench throughput``, one process per configuration).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
+#: --configs name -> LLM keyword arguments
+KNOWN = {"fp32": dict(quantization="none"), "bf16": dict(dtype="bfloat16"), "q4_1": {},
+         "q4_1_bf16": dict(quantization="gguf", dtype="bfloat16")}  # packed weights, bf16 activations
 
-def rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / (1 << 20)
 
-
-def main() -> None:
-    p = argparse.ArgumentParser()
+def add_parser(sub) -> None:
+    p = sub.add_parser("quant-alternated", help="embedded SmolLM2: fp32 / bf16 / Q4_1 engines alternated in one "
+                                                "process (batch-1 decode, batch throughput, RSS)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--batch-tokens", type=int, default=16)
-    p.add_argument("--configs", default="fp32,bf16,q4_1")
+    p.add_argument("--configs", default="fp32,bf16,q4_1", help=f"comma-separated, of {','.join(KNOWN)}")
     p.add_argument("--cpu-time", action="store_true",
                    help="time with the process's CPU time instead of wall time: on a machine other work is slowing, "
                         "run with OMP_NUM_THREADS=1 and compare single-thread CPU cost")
-    args = p.parse_args()
+    p.set_defaults(func=main)
+
+
+def own_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / (1 << 20)
+
+
+def main(args) -> int:
     clock = time.process_time if args.cpu_time else time.perf_counter
     from pagedllm import LLM, SamplingParams
 
-    known = {"fp32": dict(quantization="none"), "bf16": dict(dtype="bfloat16"), "q4_1": {},
-             "q4_1_bf16": dict(quantization="gguf", dtype="bfloat16")}  # packed weights, bf16 activations
-    configs = {n: known[n] for n in args.configs.split(",")}
+    configs = {n: KNOWN[n] for n in args.configs.split(",")}
     engines, added = {}, {}
     for name, kw in configs.items():
-        before = rss_mb()
+        before = own_rss_mb()
         engines[name] = LLM(None, device="cpu", max_model_len=512, kv_cache_memory=64 << 20, **kw)
-        added[name] = rss_mb() - before
+        added[name] = own_rss_mb() - before
         print(f"{name}: quantization={engines[name].llm_engine.config.quantization} init "
               f"{engines[name].llm_engine.init_seconds:.1f} s, RSS added {added[name]:.0f} MB", flush=True)
     prompt = [{"prompt_token_ids": list(range(1000, 1016))}]
@@ -67,7 +72,4 @@ def main() -> None:
         ratio = {n: statistics.median(a / b for a, b in zip(rates[kind][n], rates[kind][base])) for n in configs}
         print(f"{label}: " + ", ".join(f"{n} {med[n]:.1f} ({ratio[n]:.2f}x {base})" for n in configs))
     print("RSS added per engine (weights + touched KV): " + ", ".join(f"{n} {added[n]:.0f} MB" for n in configs))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,32 +1,53 @@
-"""Eager vs torch.compile for the CPU backend's graph runner, on a realistic decode step of core's own model.
+"""``pagedllm bench graph``: eager vs torch.compile for the CPU backend's graph runner, on a realistic decode step of
+core's own model (docs/cpu-backend.md, "Graph strategy").
 
 A tiny Llama (hidden 256, 4 layers, 8 heads / 4 kv heads, head_dim 32, vocab 32000, fp32, random weights) decodes
 64 sequences at context 64-96. Reports the first-call (compile) time, steady ms/step, and what a new batch size and a
-prefill step cost afterwards. ``reference`` is eager with core's reference kernels instead of this plugin's. Run:
-``python plugins/cpu/bench_graph.py [--variants eager,reference,mlp,layers,full] [--threads 1]``.
+prefill step cost afterwards. ``reference`` is eager with core's reference kernels instead of the backend's.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import time
+from dataclasses import replace
+from types import SimpleNamespace
 
 import torch
-from transformers import LlamaConfig
-
-import pagedllm.backends as backends
-from pagedllm import ref_ops
-from pagedllm.attention import AttentionMetadata
-from pagedllm.hookspec import BackendInfo, KVCacheSpec, hookimpl
-from pagedllm.models.arch import ARCHITECTURES
-from pagedllm.models.causal_lm import CausalLM
-from pagedllm.models.rope import build_cos_sin_cache
 
 BLOCK = 16
 
 
-def build_model(backend, num_blocks: int) -> CausalLM:
+def add_parser(sub) -> None:
+    p = sub.add_parser("graph", help="eager vs torch.compile variants of core's model forward (decode step, tiny "
+                                     "Llama)")
+    p.add_argument("--variants", default="eager,reference,mlp,layers,full")
+    p.add_argument("--steps", type=int, default=10, help="decode steps per timing round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds, interleaved across variants; best round counts")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.set_defaults(func=main)
+
+
+def reference_only(backend):
+    """``backend`` reduced to the contract's required hooks (its own identity, probe and memory info), so every
+    kernel falls back to core's reference ops."""
+    from pagedllm.backends import Backend
+    from pagedllm.hookspec import REQUIRED_HOOKS, hookimpl
+
+    name = f"{backend.name}-reference"
+    plugin = SimpleNamespace(**{h: getattr(backend.plugin, h) for h in REQUIRED_HOOKS})
+    plugin.pagedllm_backend_info = hookimpl(lambda: replace(backend.info, name=name))
+    return Backend(plugin, name)
+
+
+def build_model(backend, num_blocks: int):
+    from transformers import LlamaConfig
+
+    from pagedllm.hookspec import KVCacheSpec
+    from pagedllm.models.arch import ARCHITECTURES
+    from pagedllm.models.causal_lm import CausalLM
+    from pagedllm.models.rope import build_cos_sin_cache
+
     cfg = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=32, vocab_size=32000, max_position_embeddings=2048)
     spec = ARCHITECTURES["LlamaForCausalLM"]
@@ -34,7 +55,7 @@ def build_model(backend, num_blocks: int) -> CausalLM:
     model = CausalLM(cfg, spec, backend)
     for p in model.parameters():
         p.normal_(0, 0.05) if p.dim() > 1 else p.fill_(1.0)
-    model.cos_sin_cache = build_cos_sin_cache(cfg, spec.rotary_embedding_cls(), 2048, torch.device("cpu"))
+    model.cos_sin_cache = build_cos_sin_cache(cfg, 2048, torch.device("cpu"))
     model.kv_caches = backend.allocate_kv_cache(KVCacheSpec(4, num_blocks, BLOCK, 4, 32, torch.float32,
                                                             torch.device("cpu")))
     return model
@@ -51,6 +72,8 @@ class Batch:
         self.ctx = list(ctx)
 
     def step(self, qlens: list[int]):
+        from pagedllm.attention import AttentionMetadata
+
         seq_lens = [c + q for c, q in zip(self.ctx, qlens)]
         tables = [t[:(s + BLOCK - 1) // BLOCK] for t, s in zip(self.tables, seq_lens)]
         meta = AttentionMetadata.build(qlens, seq_lens, tables, BLOCK)
@@ -71,18 +94,9 @@ def timed(run, batch: Batch, qlens: list[int], n: int, clock=time.perf_counter) 
     return total / n * 1e3
 
 
-class _ReferenceOnly:
-    """A backend with only the required hooks, so every kernel falls back to core's reference ops."""
+def make_variant(name: str, model):
+    from pagedllm import ref_ops
 
-    from pagedllm_cpu.plugin import pagedllm_memory_info, pagedllm_probe  # noqa: E402
-
-    @staticmethod
-    @hookimpl
-    def pagedllm_backend_info() -> BackendInfo:
-        return BackendInfo(name="cpu-reference", device_type="cpu")
-
-
-def make_variant(name: str, model: CausalLM):
     if name in ("eager", "reference"):
         return model
     # The backend's attention must be opaque to dynamo (it plans on the host with Python ints): exclude it.
@@ -107,17 +121,13 @@ def make_variant(name: str, model: CausalLM):
     raise ValueError(name)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--variants", default="eager,reference,mlp,layers,full")
-    ap.add_argument("--steps", type=int, default=10, help="decode steps per timing round")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds, interleaved across variants; best round counts")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = ap.parse_args()
+def main(args) -> int:
+    from pagedllm.backends import get_backend
+
     if args.threads:
         torch.set_num_threads(args.threads)
-    backend = backends.get_backend("cpu")
-    reference = backends.Backend(_ReferenceOnly, "cpu-reference")
+    backend = get_backend("cpu")  # by name: core imports no plugin
+    reference = reference_only(backend)
     num_blocks = 64 * 32
     ctx = [random.Random(i).randint(64, 96) for i in range(64)]
     runs, report = {}, {}
@@ -151,7 +161,4 @@ def main() -> None:
         print(f"{name:7s} first call {first:6.2f} s | decode 64 seqs: wall {best[name]:6.2f} ms/step "
               f"({64 / best[name] * 1e3:5.0f} tok/s), cpu {cpu[name]:6.2f} ms | first batch-48 call "
               f"{new_batch * 1e3:6.1f} ms | first prefill 4x64 {prefill_first * 1e3:6.1f} ms, then {prefill:6.2f} ms")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,0 +1,41 @@
+"""``pagedllm bench llama-cpp``: the llama.cpp anchor (``llama_cpp_peer.py``) under the Python of a separate venv
+that has gpt4all 2.8.2, on the embedded GGUF by default; ``bench quant`` runs it the same way."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("llama-cpp", help="llama.cpp (gpt4all 2.8.2, another venv) batch-1 decode on a GGUF file")
+    p.add_argument("--python", required=True, help="a Python with gpt4all==2.8.2 (never the project venv)")
+    p.add_argument("--gguf", default=None, help="GGUF file (default: the embedded SmolLM2 Q4_1)")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json", default=None)
+    p.add_argument("--cpu-time", action="store_true",
+                   help="rate from the process's CPU time (with --threads 1) instead of wall time: for a "
+                        "loaded machine")
+    p.set_defaults(func=main)
+
+
+def peer_command(python: str, gguf: Optional[str], tokens: int, repeats: int, threads: int,
+                 json_path: Optional[str] = None, cpu_time: bool = False) -> list[str]:
+    """The anchor's command line; ``gguf`` None means the embedded model."""
+    if gguf is None:
+        from pagedllm.models.paths import default_model_path
+
+        gguf = str(default_model_path())
+    return [python, str(PEER_SCRIPT), "--gguf", gguf, "--tokens", str(tokens), "--repeats", str(repeats),
+            "--threads", str(threads), *(["--json", json_path] if json_path else []),
+            *(["--cpu-time"] if cpu_time else [])]
+
+
+def main(args) -> int:
+    cmd = peer_command(args.python, args.gguf, args.tokens, args.repeats, args.threads, args.json, args.cpu_time)
+    return subprocess.run(cmd).returncode
