@@ -38,7 +38,7 @@ def test_weight_bytes_per_token_counts_every_linear_and_the_head(tiny_llama):
     from safetensors.torch import load_file
 
     from pagedllm.bench.ceiling import gemm_step_seconds, weight_bytes_per_token
-    from pagedllm.llm import LLM
+    from pagedllm.entrypoints.llm import LLM
 
     sd = load_file(f"{tiny_llama}/model.safetensors")
     head = "lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"

@@ -28,7 +28,7 @@ def cpu() -> backends.Backend:
 
 # ---- discovery, identity, host facts ------------------------------------------------------------------------------
 def test_entry_point_is_declared_by_the_distribution():
-    eps = [ep for ep in md.entry_points(group="pagedllm.backends") if ep.name == "cpu"]
+    eps = [ep for ep in md.entry_points(group="pagedllm.backend.registry") if ep.name == "cpu"]
     assert len(eps) == 1 and eps[0].value == "pagedllm_cpu.plugin" and eps[0].dist.name == "pagedllm-cpu"
 
 
@@ -249,7 +249,7 @@ def test_rotary_is_bitwise_reference(cpu, dtype, rot_dim):
 
 
 def test_graph_runner_is_eager(cpu):
-    """Eager was measured faster than torch.compile on CPU (bench_graph.py): the runner is the model itself."""
+    """Eager was measured faster than torch.compile on CPU (`pagedllm bench graph`): the runner is the model itself."""
     model = torch.nn.Linear(4, 4)
     runner = cpu.graph_runner(model, 8, torch.device("cpu"))
     assert runner.level == "none" == cpu.capabilities.graph_capture

@@ -80,7 +80,7 @@ def _time_one(llm: Any, batch: list, sp: Any, run: EngineRun, executor: Any) -> 
 def run(args) -> DistributedBenchResult:
     from pagedllm.bench.throughput import make_prompts
     from pagedllm.commands.engine_args import engine_config
-    from pagedllm.llm import LLM
+    from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
     cfg = engine_config(args)

@@ -31,8 +31,8 @@ def add_parser(sub) -> None:
 def reference_only(backend):
     """``backend`` reduced to the contract's required hooks (its own identity, probe and memory info), so every
     kernel falls back to core's reference ops."""
-    from pagedllm.backends import Backend
-    from pagedllm.hookspec import REQUIRED_HOOKS, hookimpl
+    from pagedllm.backend.registry import Backend
+    from pagedllm.backend.hookspec import REQUIRED_HOOKS, hookimpl
 
     name = f"{backend.name}-reference"
     plugin = SimpleNamespace(**{h: getattr(backend.plugin, h) for h in REQUIRED_HOOKS})
@@ -43,7 +43,7 @@ def reference_only(backend):
 def build_model(backend, num_blocks: int):
     from transformers import LlamaConfig
 
-    from pagedllm.hookspec import KVCacheSpec
+    from pagedllm.backend.hookspec import KVCacheSpec
     from pagedllm.models.arch import ARCHITECTURES
     from pagedllm.models.causal_lm import CausalLM
     from pagedllm.models.rope import build_cos_sin_cache
@@ -72,7 +72,7 @@ class Batch:
         self.ctx = list(ctx)
 
     def step(self, qlens: list[int]):
-        from pagedllm.attention import AttentionMetadata
+        from pagedllm.backend.attention import AttentionMetadata
 
         seq_lens = [c + q for c, q in zip(self.ctx, qlens)]
         tables = [t[:(s + BLOCK - 1) // BLOCK] for t, s in zip(self.tables, seq_lens)]
@@ -95,7 +95,7 @@ def timed(run, batch: Batch, qlens: list[int], n: int, clock=time.perf_counter) 
 
 
 def make_variant(name: str, model):
-    from pagedllm import ref_ops
+    from pagedllm.backend import ref_ops
 
     if name in ("eager", "reference"):
         return model
@@ -122,7 +122,7 @@ def make_variant(name: str, model):
 
 
 def main(args) -> int:
-    from pagedllm.backends import get_backend
+    from pagedllm.backend.registry import get_backend
 
     if args.threads:
         torch.set_num_threads(args.threads)

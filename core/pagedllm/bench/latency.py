@@ -113,7 +113,7 @@ def hf_streamer(model_path: str):
 def run(args) -> LatencyResult:
     from pagedllm.bench.throughput import make_prompts
     from pagedllm.commands.engine_args import engine_config
-    from pagedllm.llm import LLM
+    from pagedllm.entrypoints.llm import LLM
 
     cfg = engine_config(args)
     llm = LLM(**vars(cfg))

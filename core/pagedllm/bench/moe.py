@@ -32,8 +32,8 @@ def _time(fn, device, backend) -> float:
 
 
 def main(args) -> int:
-    from pagedllm import ref_ops
-    from pagedllm.backends import get_backend
+    from pagedllm.backend import ref_ops
+    from pagedllm.backend.registry import get_backend
     from pagedllm.config import DTYPES
 
     backend = get_backend(args.device)

@@ -16,7 +16,7 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        from pagedllm.sampling_params import ParamError
+        from pagedllm.errors import ParamError
 
         raise ParamError("plot", "needs matplotlib: pip install matplotlib") from None
 

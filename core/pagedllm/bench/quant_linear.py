@@ -31,7 +31,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from pagedllm.backends import get_backend
+    from pagedllm.backend.registry import get_backend
     from pagedllm.quantization import dequantize, reference_kernel
     from pagedllm.quantization.int8 import quantize_per_token
     from pagedllm.quantization.rtn import random_weight

@@ -21,7 +21,7 @@ from typing import Optional
 
 import numpy as np
 
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 
 @dataclass

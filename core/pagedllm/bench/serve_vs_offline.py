@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 
 from pagedllm.bench.server_process import PAGEDLLM, ServeProcess, bench_serve
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 
 def add_parser(sub) -> None:

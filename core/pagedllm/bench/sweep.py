@@ -16,7 +16,7 @@ import shlex
 from dataclasses import asdict
 
 from pagedllm.bench.server_process import ServeProcess
-from pagedllm.sampling_params import ParamError
+from pagedllm.errors import ParamError
 
 CSV_FIELDS = ("max_num_seqs", "request_rate", "completed", "failed", "duration_s", "request_throughput",
               "output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",

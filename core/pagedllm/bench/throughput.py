@@ -108,7 +108,7 @@ def run_hf(model_path: str, prompts: list[list[int]], output_len: int, repeats: 
 
 def run(args) -> ThroughputResult:
     from pagedllm.commands.engine_args import engine_config
-    from pagedllm.llm import LLM
+    from pagedllm.entrypoints.llm import LLM
     from pagedllm.sampling_params import SamplingParams
 
     cfg = engine_config(args)

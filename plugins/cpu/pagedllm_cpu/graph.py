@@ -1,6 +1,6 @@
 """Graph-capture strategy on CPU: eager, because torch.compile measured slower here and compiles for seconds.
 
-``bench_graph.py``: core's model as a tiny Llama (hidden 256, 4 layers, 8/4 heads, head_dim 32, fp32) decoding 64
+``pagedllm bench graph``: core's model as a tiny Llama (hidden 256, 4 layers, 8/4 heads, head_dim 32, fp32) decoding 64
 sequences at context 64-96, torch 2.13. Two threads, quiet machine, best of 5 rounds: eager 8.3 ms/step;
 torch.compile(dynamic=True) of the whole forward (attention left opaque) 9.1 ms after a 14.8 s cold compile.
 One thread, CPU time: eager 12.3-13.8 ms; whole forward 13.9 ms (17.6 s compile); per decoder layer 14.2 ms (15.2 s);
