@@ -85,7 +85,7 @@ def run_one(model: str, name: str, bench: list[str]) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None, help="an MoE model folder with a tokenizer (default: build the bench "
-                                                 "Mixtral of tests/tiny_models.py into a temporary folder)")
+                                                 "Mixtral of tests/support/tiny_models.py into a temporary folder)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=32)
@@ -94,7 +94,7 @@ def main() -> None:
     a = p.parse_args()
     if a.model is not None:
         return run(a, a.model)
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "support"))
     from server_utils import tiny_chat_model
     from tiny_models import make_bench_mixtral
 

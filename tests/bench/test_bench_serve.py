@@ -63,7 +63,7 @@ def test_bench_serve_json(server, tmp_path):
 def test_bench_serving_script(tmp_path):
     """``ci/bench_serving.sh``, the rerun recipe behind docs/benchmarks.md's server/offline ratios, runs end to end
     (pinned variant: offline and the engine process on one CPU set, the HTTP process and the client on another)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     model = make_bench_llama(tmp_path / "bench_llama")  # vocab 32000: bench serve's default prompt token ids fit
     cpus = sorted(os.sched_getaffinity(0))
     env = {**os.environ, "PYTHON": sys.executable, "ENGINE_CPUS": str(cpus[0]), "FRONTEND_CPUS": str(cpus[-1])}

@@ -18,7 +18,7 @@ from pagedllm.models import load_config
 from pagedllm.models.info import read_model_info
 from pagedllm.errors import ParamError
 from plugin_factory import make_plugin
-from test_engine_parity import hf_greedy, mixed_prompts, run
+from engine_parity import hf_greedy, mixed_prompts, run
 
 INFO = ModelInfo("LlamaForCausalLM", "bfloat16", 2, 4, 2, 64, 512, 512)
 

@@ -12,7 +12,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.backend.batch_policy import BatchShape, BucketPolicy, pow2_buckets
 from pagedllm.backend.device_sampler import SamplingTensors, sample
 from pagedllm.sample.sampler import top_k_top_p_cutoff
-from test_engine_parity import hf_greedy, mixed_prompts, run
+from engine_parity import hf_greedy, mixed_prompts, run
 
 STATIC = dict(device="cpu-static", dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
 

@@ -50,7 +50,7 @@ def test_pp2_tokens_and_logits_match_one_rank(tmp_path_factory, name):
     finally:
         llm.llm_engine.shutdown()
     assert tokens == want_tokens
-    assert ex.max_in_flight == 2  # two steps of disjoint requests in flight (tests/test_pipeline_overlap.py)
+    assert ex.max_in_flight == 2  # two steps of disjoint requests in flight (test_pipeline_overlap.py)
     # Smaller batches are smaller matmuls than the one-rank step's, so float32 rounding differs in the last bits.
     worst, scale = max_keyed_diff(logits, want_logits)
     print(f"{name}: max |logit PP=2 - PP=1| = {worst:.2e} (logits up to {scale:.1f}) over {len(logits)} rows")

@@ -1,7 +1,7 @@
-"""Per-rank device selection on a SIMULATED multi-device accelerator (tests/sim/simdev: wrapper tensors on CPU that
-carry a device index; not verified on hardware). Each rank of a tensor-parallel engine and each data-parallel replica
-must call ``pagedllm_set_device(torch.device(type, local index))`` and hold its weights and KV pool there; the CPU
-backend keeps its one device. Each simulated run is a subprocess (the device rename is once per process) with the
+"""Per-rank device selection on a SIMULATED multi-device accelerator (tests/support/sim/multidev: wrapper tensors on CPU
+that carry a device index; not verified on hardware). Each rank of a tensor-parallel engine and each data-parallel
+replica must call ``pagedllm_set_device(torch.device(type, local index))`` and hold its weights and KV pool there; the
+CPU backend keeps its one device. Each simulated run is a subprocess (the device rename is once per process) with the
 simulated backend registered as an entry point."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.binding import local_device, local_index
 
-# Not tests/sim itself: transformers imports the torch_npu it would find there.
-SIM = str(Path(__file__).resolve().parent / "sim" / "multidev")
+# Not tests/support/sim itself: transformers imports the torch_npu it would find there.
+SIM = str(Path(__file__).resolve().parents[1] / "support" / "sim" / "multidev")
 
 PROBE = """
 import json, logging, torch, simdev
@@ -44,7 +44,8 @@ if ex is not None:
 
 
 def run_sim(tmp_path: Path, model: str, **kw) -> dict:
-    """PROBE in a subprocess with tests/sim/multidev on PYTHONPATH and the simdev backend registered (a dist-info folder)."""
+    """PROBE in a subprocess with tests/support/sim/multidev on PYTHONPATH and the simdev backend registered (a
+    dist-info folder)."""
     reg = tmp_path / "reg"
     info = reg / "pagedllm_simdev-0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)

@@ -114,7 +114,7 @@ def test_falcon_alibi_greedy_parity_engine(alibi_dirs, hf_float32_alibi, name):
 
 def test_falcon_alibi_model_info(alibi_dirs):
     """read_model_info flags ALiBi, so config resolution refuses it on a backend without Capabilities.alibi
-    (tests/test_contract_v2.py checks that refusal)."""
+    (tests/core/test_backend_contract.py checks that refusal)."""
     from pagedllm.models import load_config
     from pagedllm.models.info import read_model_info
 

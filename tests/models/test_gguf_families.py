@@ -6,7 +6,7 @@ ffn = 4 x hidden); a Falcon-40B/180B-style file (several KV heads, ``ln_attn`` /
 ``attn_norm``, q/k/v reordered by llama.cpp's converter) is completed from the file and matches HF Falcon on the
 original checkpoint (transformers cannot read it). DeepSeek-V2/V3 (``deepseek2``), GLM-4, ChatGLM and Baichuan:
 transformers has no GGUF config for them; pagedllm builds it from the metadata
-(tests/test_gguf_glm_baichuan_deepseek.py). Gemma 2 / Gemma 3: RMSNorm weights stored as ``1 + w`` by llama.cpp's
+(tests/models/test_gguf_glm_baichuan_deepseek.py). Gemma 2 / Gemma 3: RMSNorm weights stored as ``1 + w`` by llama.cpp's
 converter, undone at load as transformers does."""
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ HF on the same weights; their tokenizers are read by transformers' GGUF tokenize
 GLM-4 (arch ``glm4``): partial rotary from ``glm4.rope.dimension_count`` (0.75 of the head here), interleaved rotary
 pairs (GGML "norm" rope: rows not permuted), qkv bias, fused ``gate_up_proj`` as ``ffn_up``, post-attention/post-MLP
 norms. Baichuan (arch ``baichuan``): llama.cpp splits ``W_pack`` into q/k/v and permutes q/k as for Llama, so the
-oracle is HF Llama on the same weights (as tests/test_remote_layouts.py does for the safetensors layout); not 40
+oracle is HF Llama on the same weights (as test_remote_layouts.py does for the safetensors layout); not 40
 layers, so the 7B (rotary) layout. ChatGLM (arch ``chatglm``): a HF Glm checkpoint re-laid as ChatGLM2/3 (fused
 ``attn_qkv`` with bias, ``dense_h_to_4h`` as ``ffn_up``), oracle HF Glm. DeepSeek (arch ``deepseek2``): the tiny
-models of tests/test_deepseek_mla.py, ``kv_b_proj`` split into ``attn_k_b`` / ``attn_v_b`` as newer converters write
+models of test_deepseek_mla.py, ``kv_b_proj`` split into ``attn_k_b`` / ``attn_v_b`` as newer converters write
 it (V2 group-limited softmax routing, V3 sigmoid routing with ``exp_probs_b`` and YaRN) or kept whole with the older
 metadata (a V2-Lite-like greedy router). F32 files: logits within 1e-4 of HF on the original checkpoint; Q8_0 files:
 of HF on the dequantized weights (a ``gguf.quants`` round trip, independent of our reader)."""
@@ -132,7 +132,7 @@ def test_gguf_engine_greedy_matches_hf(tmp_path, family):
 
 def test_baichuan_13b_gguf_runs_alibi(tmp_path, ref_backend, monkeypatch):
     """40 layers is Baichuan-13B to llama.cpp: ALiBi, no rotary. Oracle: HF Llama on the same weights with rotary
-    removed and the torch-ops ALiBi attention of tests/test_remote_layouts.py."""
+    removed and the torch-ops ALiBi attention of tests/models/test_remote_layouts.py."""
     from transformers import AttentionInterface
 
     from pagedllm.models.alibi import uses_alibi
@@ -153,7 +153,7 @@ def test_baichuan_13b_gguf_runs_alibi(tmp_path, ref_backend, monkeypatch):
     with torch.inference_mode():
         expected = [hf.eval()(torch.tensor([p])).logits[0] for p in prompts]
         # one prefill step: 40 layers of the reference ALiBi attention per decode step are slow (chunked ALiBi is
-        # covered by tests/test_remote_layouts.py on the same model code)
+        # covered by tests/models/test_remote_layouts.py on the same model code)
         assert_logits_match("baichuan13b gguf", run_schedule(ours, ref_backend, prompts, FULL_PREFILL), expected)
 
 

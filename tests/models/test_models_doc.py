@@ -8,7 +8,7 @@ from pathlib import Path
 from pagedllm.cli import main
 from pagedllm.models.support import markdown_table
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 
 
 def test_models_doc_table_is_generated(capsys):

@@ -162,7 +162,7 @@ def _chatglm_header(w, c) -> None:
 def as_chatglm(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A HF Glm state dict under ChatGLM2/3's names (``transformer.`` dropped, as llama.cpp's converter does):
     q/k/v (and biases) fused into ``query_key_value``, ``gate_up_proj`` as ``dense_h_to_4h``; consumes ``hf``
-    (tests/test_glm.py adds the prefix for the safetensors layout)."""
+    (tests/models/test_glm.py adds the prefix for the safetensors layout)."""
     import re
 
     out = {"embedding.word_embeddings.weight": hf.pop("model.embed_tokens.weight"),

@@ -19,7 +19,7 @@ from pagedllm.config import EngineConfig, resolve_config
 from pagedllm.backend.hookspec import API_VERSION, KVCacheSpec, ModelInfo
 from pagedllm.errors import ParamError
 
-SIM = str(Path(__file__).resolve().parents[1] / "sim")
+SIM = str(Path(__file__).resolve().parents[2] / "support" / "sim")
 LLAMA = ModelInfo(architecture="LlamaForCausalLM", dtype="float32", num_layers=2, num_heads=4, num_kv_heads=2,
                   head_size=64, vocab_size=512, max_model_len=512)
 

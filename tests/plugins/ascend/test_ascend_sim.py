@@ -1,6 +1,6 @@
-"""The ascend plugin on a SIMULATED torch-npu (tests/sim/torch_npu: an ``npu`` device through torch's pure-Python
-PrivateUse1 route, and the vendor ops the plugin calls with core's reference semantics). Each test runs in a
-subprocess with tests/sim on PYTHONPATH and a stand-in CANN folder (the probe looks for one before importing
+"""The ascend plugin on a SIMULATED torch-npu (tests/support/sim/torch_npu: an ``npu`` device through torch's
+pure-Python PrivateUse1 route, and the vendor ops the plugin calls with core's reference semantics). Each test runs in a
+subprocess with tests/support/sim on PYTHONPATH and a stand-in CANN folder (the probe looks for one before importing
 torch_npu), because the device name can be set once per process. This proves the glue — layouts, metadata, dispatch
 between the decode and the prefill kernel, device placement, memory hooks, the engine around it — not the vendor's
 kernels: nothing here ran on an NPU."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SIM = str(Path(__file__).resolve().parents[1] / "sim")
+SIM = str(Path(__file__).resolve().parents[2] / "support" / "sim")
 PROMPTS = [[5, 17, 33, 9, 100], list(range(3, 3 + 130)), [7] * 40 + [11, 12]]  # 130 tokens: crosses a 128-block
 MAX_TOKENS = 12
 

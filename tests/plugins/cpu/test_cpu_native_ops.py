@@ -17,7 +17,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(scope="module")
 def cpu(lib) -> backends.Backend:
-    """The CPU backend with its C++ library loaded (``lib``: tests/plugins/conftest.py)."""
+    """The CPU backend with its C++ library loaded (``lib``: tests/plugins/cpu/conftest.py)."""
     return backends.get_backend("cpu")
 
 

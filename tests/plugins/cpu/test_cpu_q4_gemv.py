@@ -14,7 +14,7 @@ from pagedllm.quantization import dequantize
 from pagedllm.quantization.gguf import random_blocks
 from pagedllm_cpu import native, quant
 
-SHAPES = [(37, 64), (96, 576), (19, 1536)]  # (out, in)  ("lib": tests/plugins/conftest.py)
+SHAPES = [(37, 64), (96, 576), (19, 1536)]  # (out, in)  ("lib": tests/plugins/cpu/conftest.py)
 
 
 def _weight(qtype: str, n: int, k: int) -> QuantizedWeight:

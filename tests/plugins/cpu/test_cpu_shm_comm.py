@@ -1,7 +1,7 @@
 """The CPU backend's shared-memory collectives (``pagedllm_cpu/shm_comm.py``) in real processes on a real gloo
 world: the same bits as gloo's all-reduce and all-gather (two ranks), one result on every rank (three), gloo for
 tensors over a slot, all ranks falling back together when one opts out, no file left in /dev/shm, and a dead peer
-turning into ``CollectiveError`` long before the group's timeout. The TP tests (tests/test_distributed_tp.py) run
+turning into ``CollectiveError`` long before the group's timeout. The TP tests (test_distributed_tp.py) run
 their models through it too, and check TP=2 bit for bit against the same split done in one process."""
 
 from __future__ import annotations

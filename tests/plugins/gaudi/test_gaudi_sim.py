@@ -1,5 +1,5 @@
-"""The Gaudi plugin end to end on the SIMULATED habana_frameworks (tests/sim/habana_frameworks, fake-HPU mode on
-host tensors). Each check runs in a subprocess with tests/sim on PYTHONPATH; the ``child_*`` functions are that
+"""The Gaudi plugin end to end on the SIMULATED habana_frameworks (tests/support/sim/habana_frameworks, fake-HPU mode on
+host tensors). Each check runs in a subprocess with tests/support/sim on PYTHONPATH; the ``child_*`` functions are that
 subprocess's side and print one JSON line. What passes here is verified on CPU simulation, not on a Gaudi."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from test_engine_parity import hf_greedy
+from engine_parity import hf_greedy
 
-TESTS = Path(__file__).resolve().parents[1]
-SIM_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS / "sim"), str(TESTS / "plugins"), str(TESTS)]),
+HERE = Path(__file__).resolve().parent
+SUPPORT = HERE.parents[1] / "support"
+SIM_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SUPPORT / "sim"), str(HERE), str(SUPPORT)]),
            "VLLM_USE_FAKE_HPU": "1", "PT_HPU_LAZY_MODE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 ENGINE = dict(device="gaudi", dtype="float32", max_model_len=256, max_num_seqs=2, max_num_batched_tokens=128)
 #: 124 + 8 tokens cross the 128-token block boundary while decoding, 200 while prefilling (in 128-token chunks).

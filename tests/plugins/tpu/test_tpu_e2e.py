@@ -17,7 +17,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
+SUPPORT = os.path.join(os.path.dirname(os.path.dirname(HERE)), "support")
 #: Buckets of these engines: tokens (16, 32, 64) x sequences (8,) x one 8-page table -> 3 programs.
 ENGINE = dict(device="tpu", dtype="float32", max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
 
@@ -164,7 +164,7 @@ def _engine_report(llm, runner, c0: int, p0: int, steps0: int) -> dict:
 def _parity(path: str, variant: str = "") -> dict:
     from pagedllm import LLM
     from pagedllm_tpu import compiles
-    from test_engine_parity import hf_greedy, mixed_prompts, run
+    from engine_parity import hf_greedy, mixed_prompts, run
 
     kw = dict(ENGINE)
     n_out = 12
@@ -192,7 +192,7 @@ def _parity(path: str, variant: str = "") -> dict:
 def _host_rows(path: str, tpu_llm) -> dict:
     from pagedllm import LLM, SamplingParams
     from pagedllm_tpu import compiles
-    from test_engine_parity import mixed_prompts
+    from engine_parity import mixed_prompts
 
     prompts = [{"prompt_token_ids": p} for p in mixed_prompts(5, 512, seed=7, max_len=40)]
     params = [SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True),
@@ -248,7 +248,7 @@ def _conformance(allow: list[str]) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    sys.path.insert(0, TESTS)  # tiny_models, hf_oracle, test_engine_parity
+    sys.path.insert(0, SUPPORT)  # tiny_models, hf_oracle, engine_parity
     mode, rest = argv[0], argv[1:]
     if mode == "parity":
         out = _parity(*rest)

@@ -1,5 +1,5 @@
 """The ``ipex`` backend (Intel CPUs through intel-extension-for-pytorch) against a fake IPEX that implements
-``ipex.llm.modules.PagedAttention`` with core's reference ops (tests/sim/xpu): the version guard refuses a
+``ipex.llm.modules.PagedAttention`` with core's reference ops (tests/support/sim/xpu): the version guard refuses a
 mismatched IPEX without importing it, survives an IPEX that exits on import, and the backend's KV layout and op
 glue pass core's conformance suite including greedy parity with HF through the engine. Not a hardware result."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim" / "xpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support" / "sim" / "xpu"))
 
 from sim_xpu.fake_ipex import make_site  # noqa: E402
 from sim_xpu.run import run_scenario  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 from pagedllm.backend.registry import discover
 from pagedllm_xpu import ipex_guard, xpu_probe
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim" / "xpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support" / "sim" / "xpu"))
 
 from sim_xpu.run import run_scenario  # noqa: E402
 

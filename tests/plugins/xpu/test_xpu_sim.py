@@ -1,5 +1,5 @@
-"""The ``xpu`` backend's glue on the simulated Intel GPU (tests/sim/xpu): core's conformance kernel/runtime checks
-through the plugin's hooks (core's Triton kernels under TRITON_INTERPRET=1, tensors on the host), XPU graph
+"""The ``xpu`` backend's glue on the simulated Intel GPU (tests/support/sim/xpu): core's conformance kernel/runtime
+checks through the plugin's hooks (core's Triton kernels under TRITON_INTERPRET=1, tensors on the host), XPU graph
 capture/replay through the recording XPUGraph, and the torch.xpu runtime calls. One subprocess per scenario, so the
 patched torch.xpu never leaks into this process. Not a hardware result: docs/backends/xpu.md."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "sim" / "xpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support" / "sim" / "xpu"))
 
 from sim_xpu.run import run_scenario  # noqa: E402
 

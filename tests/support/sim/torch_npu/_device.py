@@ -105,7 +105,7 @@ def _check_not_resized(func, args, kwargs) -> None:
     def check(x: Any) -> None:
         if isinstance(x, NPUTensor) and x.shape != x.raw.shape:
             raise RuntimeError(f"{func} resized an npu tensor in place: the simulated device cannot follow that; "
-                               "register the op whole in tests/sim/torch_npu/_device.py")
+                               "register the op whole in tests/support/sim/torch_npu/_device.py")
 
     tree_map(check, (args, kwargs))
 

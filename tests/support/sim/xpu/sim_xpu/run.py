@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-SIM_ROOT = Path(__file__).resolve().parent.parent  # tests/sim/xpu
+SIM_ROOT = Path(__file__).resolve().parent.parent  # tests/support/sim/xpu
 
 
 def run_scenario(name: str, *args: str, extra_path: Sequence[str] = (), env: Optional[dict] = None,
