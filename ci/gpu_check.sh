@@ -32,7 +32,7 @@ conf_s=$(( $(date +%s) - start ))
 tail -n 40 "$OUT_DIR/conformance.txt"
 
 MODEL=/tmp/pagedllm-bench-llama
-[ -f "$MODEL/config.json" ] || python -c "import sys; sys.path.insert(0, 'tests'); import tiny_models; tiny_models.make_bench_llama('$MODEL')"
+[ -f "$MODEL/config.json" ] || python -c "import sys; sys.path.insert(0, 'tests/support'); import tiny_models; tiny_models.make_bench_llama('$MODEL')"
 bench() {  # name, extra args
   local name=$1; shift
   timeout 120 pagedllm bench throughput --model "$MODEL" --device "$DEVICE" --num-prompts 64 --input-len 32 \

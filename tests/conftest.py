@@ -1,4 +1,7 @@
-"""Shared fixtures: tiny random HF models built once per session, and a reference-ops-only backend."""
+"""Shared fixtures: tiny random HF models built once per session, and a reference-ops-only backend.
+
+The test folders mirror the packages (core, models, server, distributed, cli, bench, plugins/<name>); the helpers
+they share and the simulated vendor SDKs live in tests/support/, which goes on sys.path here."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # so tests can `import tiny_models`
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))  # tests/support: `import tiny_models`, ...
 
 import torch  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The public backend API: everything a backend plugin (in this repository or a vendor's package) may import.
 
-A plugin imports ``pagedllm.backend`` and its submodules, nothing else of pagedllm (``tests/core/test_plugin_api.py``
+A plugin imports ``pagedllm.backend`` and its submodules, nothing else of pagedllm (``tests/core/test_layout.py``
 enforces it for the in-repo plugins). Names here follow the contract's version (:data:`API_VERSION`): within a version
 they only gain arguments or fields with defaults; a name that moves keeps its old path for one version, with a
 ``DeprecationWarning`` naming the new one (``pagedllm.deprecated``).

@@ -26,7 +26,7 @@ EXCHANGE = re.compile(r"DP\+EP replica (\d+): (\d+) lock-step forwards \((\d+) d
 def add_parser(sub) -> None:
     p = sub.add_parser("dp-ep", help="DP+EP vs DP=2 vs one engine on an MoE model: servers alternated per round")
     p.add_argument("--model", default=None, help="an MoE model folder with a tokenizer (default: build the bench "
-                                                 "Mixtral of tests/tiny_models.py into a temporary folder)")
+                                                 "Mixtral of tests/support/tiny_models.py into a temporary folder)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=32)
@@ -73,7 +73,7 @@ def run_one(model: str, name: str, bench: list[str]) -> dict:
 def main(args) -> int:
     if args.model is not None:
         return run(args, args.model)
-    tests = Path(__file__).resolve().parents[3] / "tests"  # a source checkout's test helpers
+    tests = Path(__file__).resolve().parents[3] / "tests" / "support"  # a source checkout's test helpers
     if not (tests / "tiny_models.py").exists():
         from pagedllm.errors import UserError
 

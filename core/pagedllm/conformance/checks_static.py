@@ -1,6 +1,6 @@
 """Static shapes: a backend with a bucketed batch policy must only ever show its model shapes from the declared
 bucket set (the warm-up set), and its outputs must equal the dynamic path: the same backend's kernels with the
-identity policy, run eagerly. Shapes are recorded at the model, as ``tests/test_static_buckets.py`` does."""
+identity policy, run eagerly. Shapes are recorded at the model, as ``tests/core/test_static_buckets.py`` does."""
 
 from __future__ import annotations
 

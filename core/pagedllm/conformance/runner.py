@@ -18,7 +18,7 @@ from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested, cas
 from pagedllm.conformance.report import SIMULATION, CaseResult, Report, case_id
 
 #: Set by tests that run a backend on a simulated device layer: a description of that layer
-#: (e.g. "tests/sim/<vendor>, torch PrivateUse1 python backend").
+#: (e.g. "tests/support/sim/<vendor>, torch PrivateUse1 python backend").
 SIMULATED_ENV = "PAGEDLLM_CONFORMANCE_SIMULATED"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

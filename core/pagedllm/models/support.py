@@ -14,35 +14,38 @@ from pagedllm.models.remote_layouts import REMOTE_LAYOUTS
 
 #: Families whose oracle tests (HF logits 1e-4 + engine greedy parity) run in this repository, and where.
 VERIFIED: dict[str, str] = {
-    "LlamaForCausalLM": "tests/test_models.py, test_engine_parity.py, test_smollm2.py (GGUF); Yi in "
-                        "test_native_families.py",
-    "MistralForCausalLM": "tests/test_models.py, test_engine_parity.py; GGUF: test_gguf_qwen_mistral.py",
-    "Qwen2ForCausalLM": "tests/test_models.py, test_engine_parity.py; GGUF: test_gguf_qwen_mistral.py",
-    "Qwen3ForCausalLM": "tests/test_models.py, test_engine_parity.py; GGUF: test_gguf_qwen_mistral.py",
-    "Phi3ForCausalLM": "tests/test_native_families.py",
-    "Gemma2ForCausalLM": "tests/test_native_families.py",
-    "Gemma3ForCausalLM": "tests/test_native_families.py",
-    "MixtralForCausalLM": "tests/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
-    "Qwen2MoeForCausalLM": "tests/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
-    "DeepseekV2ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator); "
-                             "GGUF: test_gguf_glm_baichuan_deepseek.py",
-    "DeepseekV3ForCausalLM": "tests/test_deepseek_mla.py (routing vs HF, latent KV asserted from the allocator); "
-                             "GGUF: test_gguf_glm_baichuan_deepseek.py",
-    "FalconForCausalLM": "tests/test_falcon.py (grouped, multi-query and per-head layouts; ALiBi)",
-    "BaiChuanForCausalLM": "tests/test_remote_layouts.py (vs HF Llama on the same weights)",
-    "BaichuanForCausalLM": "13B ALiBi layout: tests/test_remote_layouts.py (vs HF Llama, rotary removed, torch-ops "
-                           "ALiBi attention); 7B mapping shared with the row above; NormHead unit-tested",
-    "GlmForCausalLM": "tests/test_glm.py (transformers path: test_transformers_fallback.py)",
-    "Glm4ForCausalLM": "tests/test_glm.py; GGUF: test_gguf_glm_baichuan_deepseek.py",
-    "ChatGLMModel": "tests/test_glm.py (vs HF Glm on the same weights; every tensor name mapped); GGUF: "
+    "LlamaForCausalLM": "tests/models/test_models.py, tests/core/test_engine_parity.py, test_smollm2.py (GGUF); "
+                        "Yi in test_native_families.py",
+    "MistralForCausalLM": "tests/models/test_models.py, tests/core/test_engine_parity.py; GGUF: "
+                          "test_gguf_qwen_mistral.py",
+    "Qwen2ForCausalLM": "tests/models/test_models.py, tests/core/test_engine_parity.py; GGUF: "
+                        "test_gguf_qwen_mistral.py",
+    "Qwen3ForCausalLM": "tests/models/test_models.py, tests/core/test_engine_parity.py; GGUF: "
+                        "test_gguf_qwen_mistral.py",
+    "Phi3ForCausalLM": "tests/models/test_native_families.py",
+    "Gemma2ForCausalLM": "tests/models/test_native_families.py",
+    "Gemma3ForCausalLM": "tests/models/test_native_families.py",
+    "MixtralForCausalLM": "tests/models/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
+    "Qwen2MoeForCausalLM": "tests/models/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
+    "DeepseekV2ForCausalLM": "tests/models/test_deepseek_mla.py (routing vs HF, latent KV asserted from the "
+                             "allocator); GGUF: test_gguf_glm_baichuan_deepseek.py",
+    "DeepseekV3ForCausalLM": "tests/models/test_deepseek_mla.py (routing vs HF, latent KV asserted from the "
+                             "allocator); GGUF: test_gguf_glm_baichuan_deepseek.py",
+    "FalconForCausalLM": "tests/models/test_falcon.py (grouped, multi-query and per-head layouts; ALiBi)",
+    "BaiChuanForCausalLM": "tests/models/test_remote_layouts.py (vs HF Llama on the same weights)",
+    "BaichuanForCausalLM": "13B ALiBi layout: tests/models/test_remote_layouts.py (vs HF Llama, rotary removed, "
+                           "torch-ops ALiBi attention); 7B mapping shared with the row above; NormHead unit-tested",
+    "GlmForCausalLM": "tests/models/test_glm.py (transformers path: test_transformers_fallback.py)",
+    "Glm4ForCausalLM": "tests/models/test_glm.py; GGUF: test_gguf_glm_baichuan_deepseek.py",
+    "ChatGLMModel": "tests/models/test_glm.py (vs HF Glm on the same weights; every tensor name mapped); GGUF: "
                     "test_gguf_glm_baichuan_deepseek.py",
-    "Olmo2ForCausalLM": "tests/test_transformers_fallback.py",
-    "Starcoder2ForCausalLM": "tests/test_transformers_fallback.py",
+    "Olmo2ForCausalLM": "tests/models/test_transformers_fallback.py",
+    "Starcoder2ForCausalLM": "tests/models/test_transformers_fallback.py",
 }
-# SmolLM2-135M Q4_1 (tests/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
-# (tests/test_gguf_families.py); Mistral,
-# Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
-# DeepSeek-V2/V3 F32 and Q8_0 (tests/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
+# SmolLM2-135M Q4_1 (tests/models/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
+# (tests/models/test_gguf_families.py); Mistral,
+# Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/models/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
+# DeepSeek-V2/V3 F32 and Q8_0 (tests/models/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
 # models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "Phi3ForCausalLM": "yes (tested; LongRoPE factors and partial rotary read from the file)",

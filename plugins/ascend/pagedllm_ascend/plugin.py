@@ -3,8 +3,8 @@ through torch-npu.
 
 Not verified on hardware. Every vendor call is written against torch-npu's API as vllm-ascend uses it (sources
 cited where each call is made) and tested on CPU through a simulated torch-npu kept in the tests
-(``tests/sim/torch_npu``). Loading this module imports nothing vendor; torch-npu loads when a hook first needs the
-device (the probe only imports it once the CANN runtime is found).
+(``tests/support/sim/torch_npu``). Loading this module imports nothing vendor; torch-npu loads when a hook first
+needs the device (the probe only imports it once the CANN runtime is found).
 
 KV caches: a ``(key_cache, value_cache)`` pair per layer (``kv_cache.py``), so this backend implements every
 cache hook itself (write, gather, copy, swap, host caches) — core's reference ops only know the canonical layout.

@@ -5,7 +5,7 @@ tensor per layer ``[2, num_blocks, num_kv_heads, block_size, head_size]``; ``cac
 ``cache[1]`` the value cache, each ``[num_blocks, num_kv_heads, block_size, head_size]`` as IPEX's kernels read them.
 This is not core's canonical layout, so every cache hook (allocate, host allocate, gather, copy, swap) is
 implemented here; core's reference never touches it. Not verified on hardware: tested against a simulated IPEX
-that implements these calls with core's reference semantics (tests/sim/xpu).
+that implements these calls with core's reference semantics (tests/support/sim/xpu).
 """
 
 from __future__ import annotations
