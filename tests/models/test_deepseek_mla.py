@@ -7,37 +7,31 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from model_parity import assert_engine_parity
 from pagedllm.models import CausalLM, load_model
 from pagedllm.models.mla import MLAAttention
 from pagedllm.models.moe import DeepseekMoeBlock
-from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
-from tiny_models import DEEPSEEK_CONFIGS, make_fallback_model
+from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, family_dirs, hf_eager, parity_prompts, run_schedule
+from tiny_models import DEEPSEEK_CONFIGS
 
 NAMES = list(DEEPSEEK_CONFIGS)
 
 
 @pytest.fixture(scope="module")
 def deepseek_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("deepseek")
-    return {name: make_fallback_model(name, root / name) for name in NAMES}
-
-
-def _hf(path: str):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return family_dirs(tmp_path_factory, "deepseek", NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_deepseek_logits_match_hf(deepseek_dirs, ref_backend, name):
     path = deepseek_dirs[name]
-    hf = _hf(path)
+    hf = hf_eager(path)
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(ours.layers[0].self_attn, MLAAttention)
     assert not isinstance(ours.layers[0].mlp, DeepseekMoeBlock)  # first_k_dense_replace = 1
     assert all(isinstance(layer.mlp, DeepseekMoeBlock) for layer in ours.layers[1:])
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):
@@ -49,7 +43,7 @@ def test_deepseek_routing_equals_hf(deepseek_dirs, ref_backend, name):
     """Every token of every MoE layer: the same experts and the same (scaled) weights as HF's router, fed the hidden
     states HF's own forward routes."""
     path = deepseek_dirs[name]
-    hf = _hf(path)
+    hf = hf_eager(path)
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     seen: dict[int, tuple] = {}
 
@@ -79,7 +73,7 @@ def test_deepseek_greedy_parity_engine_and_latent_kv(deepseek_dirs, name):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16), chunked prefill, prefix hits; the pool the
     allocator built holds one latent row (kv_lora_rank + qk_rope_head_dim) per token and layer, not expanded K/V."""
     path = deepseek_dirs[name]
-    hf = _hf(path)
+    hf = hf_eager(path)
     llm = assert_engine_parity(path, hf)
     engine = llm.llm_engine
     assert isinstance(engine.model, CausalLM)

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from model_parity import assert_engine_parity
-from pagedllm import LLM
-from pagedllm.errors import UnsupportedModelError
 from pagedllm.models import load_model
 from pagedllm.models.falcon import FalconCausalLM
-from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
+from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, family_dirs, hf_eager, parity_prompts, run_schedule
 from tiny_models import FALCON_CONFIGS, make_fallback_model
 
 NAMES = list(FALCON_CONFIGS)
@@ -22,22 +19,17 @@ KV_HEADS = {"falcon_new_arch": 2, "falcon_mqa": 1, "falcon_sequential": 10}
 
 @pytest.fixture(scope="module")
 def falcon_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("falcon")
-    return {name: make_fallback_model(name, root / name) for name in NAMES}
-
-
-def _hf(path: str):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return family_dirs(tmp_path_factory, "falcon", NAMES)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_falcon_logits_match_hf(falcon_dirs, ref_backend, name):
     path = falcon_dirs[name]
-    hf = _hf(path)
+    hf = hf_eager(path)
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(ours, FalconCausalLM)
     assert (ours.num_heads, ours.num_kv_heads, ours.head_size) == (10, KV_HEADS[name], 48)
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):
@@ -47,7 +39,7 @@ def test_falcon_logits_match_hf(falcon_dirs, ref_backend, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_falcon_greedy_parity_engine(falcon_dirs, name):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16), chunked prefill, prefix hits."""
-    llm = assert_engine_parity(falcon_dirs[name], _hf(falcon_dirs[name]))
+    llm = assert_engine_parity(falcon_dirs[name], hf_eager(falcon_dirs[name]))
     assert isinstance(llm.llm_engine.model, FalconCausalLM)
 
 
@@ -94,11 +86,11 @@ def test_alibi_slopes_match_hf():
 @pytest.mark.parametrize("name", list(ALIBI))
 def test_falcon_alibi_logits_match_hf(alibi_dirs, ref_backend, hf_float32_alibi, name):
     path = alibi_dirs[name]
-    hf = _hf(path)
+    hf = hf_eager(path)
     assert hf.config.alibi
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(ours, FalconCausalLM) and ours.transformer.h[0].self_attention.alibi
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):
@@ -108,7 +100,7 @@ def test_falcon_alibi_logits_match_hf(alibi_dirs, ref_backend, hf_float32_alibi,
 @pytest.mark.parametrize("name", list(ALIBI))
 def test_falcon_alibi_greedy_parity_engine(alibi_dirs, hf_float32_alibi, name):
     """The CPU backend's ALiBi (SDPA with a per-head float mask) on the mixed batch: chunked prefill, prefix hits."""
-    llm = assert_engine_parity(alibi_dirs[name], _hf(alibi_dirs[name]))
+    llm = assert_engine_parity(alibi_dirs[name], hf_eager(alibi_dirs[name]))
     assert llm.llm_engine.backend.capabilities.alibi
 
 

@@ -25,8 +25,8 @@ import hf_oracle
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_config, load_model
 from pagedllm.models.falcon import FalconCausalLM
-from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
-from tiny_models import FALCON_CONFIGS, make_fallback_model
+from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, parity_prompts, run_schedule
+from tiny_models import make_fallback_model
 
 # Falcon-7B's layout at odd shapes (head 48, vocab 500): MQA, parallel attention, tied head, ffn = 4 x hidden.
 FALCON_7B_LIKE = dict(ffn_hidden_size=4 * 480, layer_norm_epsilon=1e-5)
@@ -115,7 +115,7 @@ def test_falcon_gguf_logits_and_greedy_match_hf(falcon_gguf, ref_backend):
     hf = _hf(falcon_gguf)
     ours = load_model(falcon_gguf, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(ours, FalconCausalLM) and ours.num_kv_heads == 1
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):
@@ -134,7 +134,7 @@ def test_phi3_gguf_logits_match_hf(phi3_gguf, ref_backend):
     hf = _hf(phi3_gguf)
     ours = load_model(phi3_gguf, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     assert (ours.num_heads, ours.num_kv_heads, ours.head_size) == (10, 2, 48)
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):
@@ -157,7 +157,7 @@ def test_phi3_longrope_gguf_short_and_long_factors(tmp_path, ref_backend):
         np.testing.assert_allclose(config.rope_parameters[key], want[key], rtol=1e-6)
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), config=config,
                                               dtype=torch.float32, attn_implementation="eager").eval()
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     long_prompt = [[(7 * i) % 400 + 3 for i in range(90)]]
     with torch.inference_mode():
         short = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"), max_model_len=64)
@@ -180,7 +180,7 @@ def test_falcon_40b_layout_gguf_matches_hf(tmp_path, ref_backend):
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(ours, FalconCausalLM) and ours.num_kv_heads == 2
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         assert_logits_match("falcon-40b gguf", run_schedule(ours, ref_backend, prompts, CHUNKED), expected)
@@ -249,7 +249,7 @@ def test_gemma_gguf_logits_match_hf(tmp_path, ref_backend, name):
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), config=config,
                                               dtype=torch.float32, attn_implementation="eager").eval()
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
-    prompts = _prompts(hf.config.vocab_size)  # lengths past the sliding window of 8
+    prompts = parity_prompts(hf.config.vocab_size)  # lengths past the sliding window of 8
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):

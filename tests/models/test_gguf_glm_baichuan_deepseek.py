@@ -27,7 +27,7 @@ from gguf_utils import assert_engine_greedy_matches_hf, finish, gguf_with_oracle
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import load_config, load_model
 from pagedllm.models.gguf_weights import read_tensors
-from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
+from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, parity_prompts, run_schedule
 from tiny_models import make_fallback_model, make_tiny_model
 
 #: GLM-4 with rows that split into Q8_0 blocks (hidden 256, 8 heads of 32, 24 of them rotary).
@@ -115,7 +115,7 @@ def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
     else:
         assert not getattr(config, "pagedllm_alibi")
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):
@@ -149,7 +149,7 @@ def test_baichuan_13b_gguf_runs_alibi(tmp_path, ref_backend, monkeypatch):
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="alibi_reference")
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     assert ours.layers[0].self_attn.alibi
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf.eval()(torch.tensor([p])).logits[0] for p in prompts]
         # one prefill step: 40 layers of the reference ALiBi attention per decode step are slow (chunked ALiBi is

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from gguf_utils import assert_engine_greedy_matches_hf, gguf_with_oracle, hf_eager
 from pagedllm.models import load_config, load_model
 from pagedllm.models.gguf_config import load_gguf_config
-from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
+from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, parity_prompts, run_schedule
 from tiny_models import make_fallback_model, make_tiny_model
 
 #: Qwen2-MoE as llama.cpp can run it: every layer sparse, top-3 of 6 not renormalised, a gated shared expert; rows
@@ -61,7 +61,7 @@ def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
         assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (5, 2, 96)
     hf = hf_eager(oracle)
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         if family in ("qwen2", "qwen3"):  # the file's layout, as transformers' own GGUF loader reads it

@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from gguf_utils import as_chatglm
 from model_parity import assert_engine_parity
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models import CausalLM, load_config, load_model
 from pagedllm.models.remote_layouts import ChatGLMWeights
-from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
+from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, hf_eager, parity_prompts, run_schedule
 from tiny_models import GLM_CONFIGS, make_fallback_model
 
 NAMES = list(GLM_CONFIGS)
@@ -29,10 +28,6 @@ def glm_dirs(tmp_path_factory) -> dict[str, str]:
     dirs = {name: make_fallback_model(name, root / name) for name in NAMES}
     dirs["chatglm"] = chatglm_from_glm(dirs["glm"], root / "chatglm")
     return dirs
-
-
-def _hf(path: str):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def chatglm_from_glm(glm_dir: str, out: Path, extra: dict = None, **raw_overrides) -> str:
@@ -64,11 +59,11 @@ def chatglm_from_glm(glm_dir: str, out: Path, extra: dict = None, **raw_override
 
 @pytest.mark.parametrize("name", NAMES + ["chatglm"])
 def test_glm_logits_match_hf(glm_dirs, ref_backend, name):
-    hf = _hf(glm_dirs["glm" if name == "chatglm" else name])
+    hf = hf_eager(glm_dirs["glm" if name == "chatglm" else name])
     ours = load_model(glm_dirs[name], backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(ours, CausalLM)
     assert (ours.num_heads, ours.num_kv_heads, ours.head_size) == (10, 2, 48)
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):
@@ -78,7 +73,7 @@ def test_glm_logits_match_hf(glm_dirs, ref_backend, name):
 @pytest.mark.parametrize("name", NAMES + ["chatglm"])
 def test_glm_greedy_parity_engine(glm_dirs, name):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16), chunked prefill, prefix hits."""
-    hf = _hf(glm_dirs["glm" if name == "chatglm" else name])
+    hf = hf_eager(glm_dirs["glm" if name == "chatglm" else name])
     llm = assert_engine_parity(glm_dirs[name], hf)
     assert isinstance(llm.llm_engine.model, CausalLM)
 

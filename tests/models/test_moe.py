@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from model_parity import assert_engine_parity
 from pagedllm import LLM
@@ -15,18 +14,13 @@ from pagedllm.backend.registry import get_backend
 from pagedllm.models import CausalLM, load_model
 from pagedllm.models.moe import SparseMoeBlock, TopKRouter
 from pagedllm.errors import ParamError
-from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
-from tiny_models import MOE_CONFIGS, make_fallback_model
+from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, family_dirs, hf_eager, parity_prompts, run_schedule
+from tiny_models import MOE_CONFIGS
 
 
 @pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("moe_models")
-    return {name: make_fallback_model(name, root / name) for name in MOE_CONFIGS}
-
-
-def _hf(path: str):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return family_dirs(tmp_path_factory, "moe_models", MOE_CONFIGS)
 
 
 def _record(modules: list, pick) -> list[list]:
@@ -53,7 +47,7 @@ def _per_sequence(rows: list[torch.Tensor], schedule, num_seqs: int) -> list[tor
 def test_moe_logits_and_routing_match_hf(moe_dirs, ref_backend, name, backend_name):
     path = moe_dirs[name]
     backend = ref_backend if backend_name == "ref" else get_backend("cpu")
-    hf = _hf(path)
+    hf = hf_eager(path)
     ours = load_model(path, backend=backend, dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(ours, CausalLM)
     sparse = [i for i, layer in enumerate(ours.layers) if isinstance(layer.mlp, SparseMoeBlock)]
@@ -62,7 +56,7 @@ def test_moe_logits_and_routing_match_hf(moe_dirs, ref_backend, name, backend_na
     hf_blocks = [getattr(hf.model.layers[i], "block_sparse_moe", None) or hf.model.layers[i].mlp for i in sparse]
     hf_ids = _record([b.gate for b in hf_blocks], lambda out: out[2])  # HF routers return (logits, scores, ids)
     our_ids = _record([ours.layers[i].mlp.gate for i in sparse], lambda out: out[1])
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         hf_routes = [[ids[i] for i in range(len(prompts))] for ids in hf_ids]
@@ -112,7 +106,7 @@ def test_cpu_fused_moe_matches_reference(t, dtype):
 def test_moe_greedy_parity_engine(moe_dirs, name):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16 and window 8), chunked prefill, prefix hits."""
     path = moe_dirs[name]
-    llm = assert_engine_parity(path, _hf(path))
+    llm = assert_engine_parity(path, hf_eager(path))
     assert isinstance(llm.llm_engine.model, CausalLM)
 
 

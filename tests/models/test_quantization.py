@@ -22,7 +22,7 @@ from pagedllm.quantization import linear as qlinear
 from pagedllm.errors import ParamError
 from pagedllm_cpu import native
 from plugin_factory import make_plugin
-from test_models import run_schedule
+from logit_parity import run_schedule
 
 GGUF_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 #: The CPU backend's GGUF kernels (q4_gemv, q8_gemv); the other types run core's reference.

@@ -19,7 +19,7 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models import load_config, load_model
 from pagedllm.models.remote_layouts import BaichuanWeights
 from pagedllm.models.weights import DictWeights
-from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
+from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, parity_prompts, run_schedule
 from tiny_models import save_random_model
 
 LLAMA = dict(model_type="llama", vocab_size=500, hidden_size=240, intermediate_size=320, num_hidden_layers=2,
@@ -59,7 +59,7 @@ def test_baichuan_logits_match_llama_oracle(pair, ref_backend):
     llama, baichuan = pair
     hf = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32, attn_implementation="eager").eval()
     ours = load_model(baichuan, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
-    prompts = _prompts(500)
+    prompts = parity_prompts(500)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):
@@ -129,7 +129,7 @@ def test_baichuan_13b_alibi_logits_match_reference(baichuan13b, baichuan13b_orac
     assert uses_alibi(load_config(baichuan13b))
     ours = load_model(baichuan13b, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
     assert ours.layers[0].self_attn.alibi
-    prompts = _prompts(500)
+    prompts = parity_prompts(500)
     with torch.inference_mode():
         expected = [baichuan13b_oracle(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):

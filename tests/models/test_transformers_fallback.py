@@ -14,7 +14,7 @@ import logging
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from model_parity import assert_engine_parity, engine_outputs, mixed_batch
 from pagedllm import LLM
@@ -22,24 +22,19 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models import load_model
 from pagedllm.models.arch import resolve_model_impl
 from pagedllm.models.transformers_impl import TransformersCausalLM
-from test_models import CHUNKED, FULL_PREFILL, _prompts, assert_logits_match, run_schedule
-from tiny_models import FALLBACK_CONFIGS, make_fallback_model
+from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, family_dirs, hf_eager, parity_prompts, run_schedule
+from tiny_models import FALLBACK_CONFIGS
 
 
 @pytest.fixture(scope="module")
 def fallback_dirs(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("fallback_models")
-    return {name: make_fallback_model(name, root / name) for name in FALLBACK_CONFIGS}
-
-
-def _hf(path: str):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return family_dirs(tmp_path_factory, "fallback_models", FALLBACK_CONFIGS)
 
 
 @pytest.mark.parametrize("name", list(FALLBACK_CONFIGS))
 def test_fallback_logits_match_hf(fallback_dirs, ref_backend, name, caplog):
     path = fallback_dirs[name]
-    hf = _hf(path)
+    hf = hf_eager(path)
     with caplog.at_level(logging.INFO, logger="pagedllm.models.loader"):
         ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"),
                           model_impl="transformers")
@@ -48,7 +43,7 @@ def test_fallback_logits_match_hf(fallback_dirs, ref_backend, name, caplog):
         f"model {hf.config.architectures[0]}: transformers implementation (transformers' module, pagedllm paged "
         "attention)"]
     assert (ours.num_heads, ours.num_kv_heads) == (10, 2) and ours.head_size == 48
-    prompts = _prompts(hf.config.vocab_size)
+    prompts = parity_prompts(hf.config.vocab_size)
     with torch.inference_mode():
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
         for schedule in (FULL_PREFILL, CHUNKED):
@@ -59,13 +54,13 @@ def test_fallback_logits_match_hf(fallback_dirs, ref_backend, name, caplog):
 def test_fallback_greedy_parity_engine(fallback_dirs, name):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16 and window 8), chunked prefill, prefix hits."""
     path = fallback_dirs[name]
-    llm = assert_engine_parity(path, _hf(path))
+    llm = assert_engine_parity(path, hf_eager(path))
     assert isinstance(llm.llm_engine.model, TransformersCausalLM)
 
 
 def test_llama_transformers_impl_matches_native(tiny_model_dirs):
     path = tiny_model_dirs["llama"]
-    hf = _hf(path)
+    hf = hf_eager(path)
     llm = assert_engine_parity(path, hf, model_impl="transformers")
     assert isinstance(llm.llm_engine.model, TransformersCausalLM)
     native = LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from pagedllm.backend.registry import get_backend
 from pagedllm.models import load_model
 from pagedllm.quantization import QuantizedLinear
-from test_models import run_schedule
+from logit_parity import run_schedule
 from tiny_models import save_random_model
 
 TINY = dict(model_type="llama", vocab_size=300, hidden_size=160, intermediate_size=224, num_hidden_layers=2,
