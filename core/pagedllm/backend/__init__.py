@@ -15,7 +15,7 @@ What hooks receive or may build on:
 - ``BatchPolicy``, ``BucketPolicy``, ``BatchShape``, ``pow2_buckets`` — batch shapes for static-shape devices.
 - ``make_static_runner``, ``StaticGraphRunner`` — one captured callable per bucket, for ``pagedllm_graph_runner``.
 - ``make_graph_runner``, ``DecodeGraphRunner``, ``graphs_disabled``, ``HostValuesUnavailable`` — device-graph
-  capture of decode batches for devices whose torch device module has a graph class.
+  capture of decode batches for devices whose torch device module has a graph class (``graph_runner.graph_class``).
 - ``SamplingTensors``, ``on_device_eligible`` — sampling inside a captured region (``Capabilities.on_device_sampling``).
 - ``ParamError``, ``UserError``, ``BackendError`` — errors a hook raises to refuse a setting (named field) or set-up.
 - ``Communicator``, ``TorchCommunicator``, ``CollectiveError`` — for ``pagedllm_communicator``.
@@ -27,8 +27,8 @@ What hooks receive or may build on:
 
 Submodules: ``hookspec`` (the contract, one documented file), ``registry`` (discovery and the bound ``Backend``),
 ``reference`` and ``ref_ops`` (core's pure-torch reference ops: every optional hook's fallback and the conformance
-oracle), ``kv_quant`` (fp8 KV semantics), ``accelerator`` (hooks shared by devices driven through a torch device
-module), ``triton`` (portable Triton kernels and their op hooks).
+oracle), ``kv_quant`` (fp8 KV semantics), ``accelerator`` (the device-generic GPU runtime hooks and probe steps:
+``DeviceHooks``, ``probe_device``), ``triton`` (portable Triton kernels and their op hooks).
 """
 
 from __future__ import annotations

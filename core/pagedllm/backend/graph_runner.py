@@ -1,7 +1,7 @@
-"""Device graphs for decode-only batches, shared by every backend whose torch device module speaks the CUDA graph
-API: ``torch.cuda`` (CUDA, and HIP graphs on ROCm builds) and the device modules of other backends that mirror it.
-The device module is a parameter: ``Stream``, ``current_stream``, ``stream``, ``graph``,
-``graph_pool_handle`` and the graph class are looked up on it, so no vendor module is named or imported here.
+"""Device graphs for decode-only batches, shared by every backend whose torch device module has a graph API:
+``Stream``, ``current_stream``, ``stream``, ``graph``, ``graph_pool_handle`` and a graph class named after the device
+type (:func:`graph_class`). The device module is a parameter, ``torch.get_device_module(device)`` by default, so no
+vendor module is named or imported here.
 
 Decode steps are launch-bound, so we capture the model forward once per batch-size bucket and replay it. A batch of
 ``n`` decodes is padded to the smallest captured bucket ``>= n``; the graphs read their inputs from persistent buffers
@@ -41,6 +41,12 @@ class HostValuesUnavailable(list):
     __getitem__ = __iter__ = __contains__ = _refuse  # type: ignore[assignment]
 
 
+def graph_class(device_module: Any, device_type: str) -> Optional[type]:
+    """The graph class of ``device_module``, or None when it has none: torch names it after the device type
+    (``torch.<type>.<TYPE>Graph``), and so do the device modules vendors register for their own types."""
+    return getattr(device_module, f"{device_type.upper()}Graph", None)
+
+
 class DecodeGraphRunner:
     """``runner(input_ids, positions, meta) -> hidden_states``: graphs for decodes, eager for everything else.
 
@@ -54,8 +60,8 @@ class DecodeGraphRunner:
                  max_model_len: Optional[int] = None):
         self.model = model
         self.device = torch.device(device)
-        self.api = api if api is not None else torch.cuda  # the device module (default torch.cuda)
-        self.graph_cls = graph_cls if graph_cls is not None else self.api.CUDAGraph
+        self.api = api if api is not None else torch.get_device_module(self.device)  # the device module
+        self.graph_cls = graph_cls if graph_cls is not None else graph_class(self.api, self.device.type)
         # The engine's configured length (RunnerContext), not the model's: the buffers are that wide.
         self.max_model_len = max_model_len
         self.buckets = sorted(set(buckets or default_buckets(max_num_seqs)))
@@ -65,10 +71,12 @@ class DecodeGraphRunner:
         self.stats: dict = {"buckets": self.buckets, "captured": [], "replays": 0, "eager": 0}
         self._pool: Any = None
 
-    # ---- the mechanism (the only CUDA/HIP-specific part) --------------------------------------------------------
+    # ---- the mechanism (the only part that speaks the device module's graph API) ---------------------------------
     def _capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """Warm ``fn`` up on a side stream, capture it into the shared pool, return a replay function."""
         api = self.api
+        if self.graph_cls is None:
+            raise RuntimeError(f"{getattr(api, '__name__', api)} has no graph class for {self.device.type!r} devices")
         stream = api.Stream(self.device)
         stream.wait_stream(api.current_stream(self.device))
         with api.stream(stream):
@@ -77,7 +85,7 @@ class DecodeGraphRunner:
         api.current_stream(self.device).wait_stream(stream)
         if self._pool is None:
             self._pool = api.graph_pool_handle()
-        graph = self.graph_cls()  # a HIP graph on ROCm builds of torch
+        graph = self.graph_cls()
         with api.graph(graph, pool=self._pool):
             out = fn()
 
@@ -155,7 +163,7 @@ def graphs_disabled() -> bool:
 
 def make_graph_runner(model: Callable, max_num_seqs: int, device: torch.device, ctx: Any = None, api: Any = None,
                       graph_cls: Any = None) -> GraphRunner:
-    """The ``pagedllm_graph_runner`` result for CUDA-graph-API devices (``PAGEDLLM_DISABLE_GRAPHS=1``: eager).
+    """The ``pagedllm_graph_runner`` result for devices with a graph API (``PAGEDLLM_DISABLE_GRAPHS=1``: eager).
     ``ctx`` (a RunnerContext, absent for v1 callers) sizes the buffers from the configured max_model_len."""
     if graphs_disabled():
         return GraphRunner(run=model, level="none", stats={"disabled_by": "PAGEDLLM_DISABLE_GRAPHS"})

@@ -57,13 +57,13 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """Identity. ``device_type`` is the torch device type (``cpu``, ``cuda``, or a vendor's)."""
+    """Identity. ``device_type`` is the torch device type (``cpu``, a GPU's, or a vendor's own)."""
 
     name: str
     device_type: str
     priority: int = 0  # `--device auto` picks the usable backend with the highest priority
     api_version: int = API_VERSION
-    extra: str = ""  # the pip extra that installs it, e.g. "cuda" for `pip install pagedllm[cuda]`
+    extra: str = ""  # the pip extra that installs it, e.g. "mydevice" for `pip install pagedllm[mydevice]`
     description: str = ""
 
 
@@ -237,14 +237,14 @@ class BackendSpec:
 
     @hookspec(firstresult=True)
     def pagedllm_memory_peak(self, device: "torch.device") -> Optional[int]:
-        """Peak bytes allocated on ``device`` since the last call (and reset the counter), e.g.
-        ``torch.cuda.max_memory_allocated`` + ``reset_peak_memory_stats``. Core calls it around a profiling forward
+        """Peak bytes allocated on ``device`` since the last call (and reset the counter), e.g. torch's device
+        module's ``max_memory_allocated`` + ``reset_peak_memory_stats``. Core calls it around a profiling forward
         at the largest batch shape and sizes the KV pool from what is left. Default ``None``: no profiling (the pool
         comes from free memory after load, or ``MemoryInfo.default_kv_bytes``)."""
 
     @hookspec(firstresult=True)
     def pagedllm_distributed_backend(self) -> str:
-        """torch.distributed backend name (gloo, nccl, or a vendor's collective library). Default: gloo."""
+        """torch.distributed backend name (gloo, or the name of the device's collective library). Default: gloo."""
 
     @hookspec(firstresult=True)
     def pagedllm_communicator(self, ranks: list[int], device: "torch.device", collective: str,
@@ -257,7 +257,7 @@ class BackendSpec:
 
     @hookspec(firstresult=True)
     def pagedllm_set_device(self, device: "torch.device") -> None:
-        """Make ``device`` current for this process (e.g. ``torch.cuda.set_device``). Default: nothing."""
+        """Make ``device`` current for this process (e.g. torch's device module's ``set_device``). Default: nothing."""
 
     @hookspec(firstresult=True)
     def pagedllm_synchronize(self, device: "torch.device") -> None:

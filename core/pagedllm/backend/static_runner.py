@@ -7,7 +7,7 @@ backend's ``capture`` function) and replays it on every later step after copying
 outside the warmed-up set is an error, never a silent recompile. ``sample`` runs logits and sampling
 (``device_sampler.sample``) in the same captured program.
 
-``capture(fn) -> replay`` is the backend's mechanism (``torch.cuda.graph``-style capture, a vendor's graph wrapper,
+``capture(fn) -> replay`` is the backend's mechanism (a device module's ``graph`` capture, a vendor's graph wrapper,
 ``torch.compile(dynamic=False)``...). The default, :func:`eager_capture`, re-runs ``fn`` on the buffers: the CPU
 backend's static mode uses it to exercise the whole static path (padding, buckets, warm-up, buffers, on-device
 sampling) on a machine without the device.

@@ -6,7 +6,7 @@ be projected. Inputs are of two kinds, and the output says which is which:
 * measured here: one tensor-parallel rank's share of a 70B layer (its four GEMMs at the TP shard shapes, fp32, one
   thread) timed on this CPU for several token counts;
 * datasheet figures (:class:`Links`, :data:`H100`): NVLink 4 900 GB/s bidirectional per GPU (450 GB/s each way),
-  NCCL all-reduce latency 10-30 us (20 us used), InfiniBand NDR 400 Gb/s per port (50 GB/s), H100 SXM dense bf16
+  all-reduce latency 10-30 us (20 us used), InfiniBand NDR 400 Gb/s per port (50 GB/s), H100 SXM dense bf16
   989 TFLOP/s and HBM3 3.35 TB/s.
 
 Model (no overlap of compute and communication, so the communication share is an upper bound): per layer each rank
@@ -61,9 +61,9 @@ LLAMA3_70B = ModelShape(layers=80, hidden=8192, q_heads=64, kv_heads=8, head_dim
 class Links:
     """Datasheet figures (bytes/s one way, seconds)."""
     nvlink_bw: float = 450e9  # NVLink 4 on H100 SXM: 900 GB/s bidirectional per GPU
-    allreduce_latency: float = 20e-6  # NCCL all-reduce / all-gather latency, 10-30 us for small messages
+    allreduce_latency: float = 20e-6  # all-reduce / all-gather latency, 10-30 us for small messages
     ib_bw: float = 50e9  # InfiniBand NDR: 400 Gb/s per port
-    ib_latency: float = 10e-6  # NCCL send/recv over IB, small message (assumed; NDR port-to-port is ~1 us)
+    ib_latency: float = 10e-6  # collective send/recv over IB, small message (assumed; NDR port-to-port is ~1 us)
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-batches", default="1,8,32,128,256")
     p.add_argument("--prefill-tokens", default="512,2048,8192")
     p.add_argument("--ctx", type=int, default=2048, help="decode context length per sequence")
-    p.add_argument("--allreduce-latency-us", type=float, default=20.0, help="NCCL latency (datasheet range 10-30)")
+    p.add_argument("--allreduce-latency-us", type=float, default=20.0, help="all-reduce latency (datasheet: 10-30)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the rows and the measured inputs here")
     p.set_defaults(func=main)

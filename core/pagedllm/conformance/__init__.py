@@ -1,8 +1,8 @@
 """The partner conformance suite: checks every contract hook of a backend against core's reference ops.
 
-``run_conformance("cuda", report_dir="out")`` returns a :class:`Report` (``.status`` PASS / PARTIAL / FAIL, a
-verification level, support matrix as markdown, JSON, CSV); ``pagedllm conformance --device cuda`` and
-``pytest --pyargs pagedllm.conformance --conformance-device cuda`` run the same cases. ``pagedllm conformance
+``run_conformance("mydevice", report_dir="out")`` returns a :class:`Report` (``.status`` PASS / PARTIAL / FAIL, a
+verification level, support matrix as markdown, JSON, CSV); ``pagedllm conformance --device mydevice``
+and ``pytest --pyargs pagedllm.conformance --conformance-device mydevice`` run the same cases. ``pagedllm conformance
 --support-matrix docs/support-matrix.md --from-reports *.json`` builds the project's matrix (docs/conformance.md).
 Cases come only from what the backend's Capabilities declare; partners narrow or relax them with allowlists,
 exclusions and tolerance overrides, like PyTorch's device-generic tests for PrivateUse1 backends.

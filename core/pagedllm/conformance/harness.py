@@ -98,7 +98,8 @@ def poison(obj: Any) -> bool:
 
 def poison_allocator(numel: int, dtype: torch.dtype, device: torch.device) -> None:
     """Leave NaN-filled memory in the allocator's free list, so an output allocated next with ``empty`` and not fully
-    written shows NaN. Best effort (exact on caching allocators like CUDA's; usually so on the host for small sizes)."""
+    written shows NaN. Best effort (exact on torch's caching GPU allocators; usually so on the host for small
+    sizes)."""
     x = torch.full((max(numel, 1),), float("nan"), dtype=dtype, device=device)
     del x
 

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.backend.hookspec import KVCacheSpec, hookimpl
-from pagedllm_xpu import ipex_guard
+from pagedllm_xpu import vendor
 
 
 def _shape(spec: KVCacheSpec) -> tuple[int, ...]:
@@ -63,8 +63,8 @@ def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
         return
     # vllm/v1/attention/backends/cpu_attn.py _IPEXPagedAttention.write_to_paged_cache:
     #   ipex_modules.PagedAttention.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.flatten().int())
-    ipex_guard.paged_attention_ops().reshape_and_cache(key, value, kv_cache[0], kv_cache[1],
-                                                       slot_mapping.flatten().int())
+    vendor.paged_attention_ops().reshape_and_cache(key, value, kv_cache[0], kv_cache[1],
+                                                   slot_mapping.flatten().int())
 
 
 def _head_mapping(num_heads: int, num_kv_heads: int) -> torch.Tensor:
@@ -87,7 +87,7 @@ def pagedllm_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: 
         raise NotImplementedError("this backend does not declare Capabilities.alibi")
     if sliding_window is not None or soft_cap is not None:
         raise NotImplementedError("the ipex backend declares neither sliding_window nor soft_cap")
-    ops = ipex_guard.paged_attention_ops()
+    ops = vendor.paged_attention_ops()
     key_cache, value_cache = kv_cache[0], kv_cache[1]
     num_heads, num_kv_heads, block_size = query.shape[1], key_cache.shape[1], key_cache.shape[2]
     out = torch.empty_like(query)

@@ -3,7 +3,7 @@
 A separate backend name rather than an option of ``cpu`` or ``xpu``: it has its own KV layout and kernels, its own
 install story (an IPEX wheel matching torch's major.minor, never pulled in by pip), and ``pagedllm backends`` can
 say precisely why it is not usable. It is picked by ``--device ipex``, or by ``auto`` over ``cpu`` when usable.
-Loading this module never imports IPEX: the probe checks the installed version first (:mod:`pagedllm_xpu.ipex_guard`).
+Loading this module never imports IPEX: the probe checks the installed version first (:mod:`pagedllm_xpu.vendor`).
 Not verified on hardware.
 """
 
@@ -14,7 +14,7 @@ import os
 import torch
 
 from pagedllm.backend.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
-from pagedllm_xpu import ipex_guard
+from pagedllm_xpu import vendor
 from pagedllm_xpu.ipex_ops import (pagedllm_allocate_host_kv_cache, pagedllm_allocate_kv_cache,  # noqa: F401
                                    pagedllm_copy_kv_blocks, pagedllm_gather_kv_blocks, pagedllm_paged_attention,
                                    pagedllm_swap_kv_blocks, pagedllm_write_kv)
@@ -31,14 +31,14 @@ def pagedllm_backend_info() -> BackendInfo:
 
 @hookimpl
 def pagedllm_probe() -> ProbeResult:
-    status = ipex_guard.check()
+    status = vendor.check()
     if not status.ok:
         return ProbeResult(False, status.reason)
     try:
-        ipex_guard.load()
-    except ipex_guard.IpexUnavailable as e:
+        vendor.load()
+    except vendor.IpexUnavailable as e:
         return ProbeResult(False, str(e))
-    return ProbeResult(True, "", f"host CPU, {ipex_guard.DIST} {status.version}")
+    return ProbeResult(True, "", f"host CPU, {vendor.DIST} {status.version}")
 
 
 @hookimpl

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.backend.registry import discover
-from pagedllm_xpu import ipex_guard, xpu_probe
+from pagedllm_xpu import platform as xpu_platform, vendor as ipex_vendor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support" / "sim" / "xpu"))
 
@@ -18,11 +18,11 @@ from sim_xpu.run import run_scenario  # noqa: E402
 
 
 def test_xpu_probe_reason_on_this_machine():
-    probe = xpu_probe.probe()
+    probe = xpu_platform.probe()
     assert not probe.usable
     assert probe.reason.startswith("no Intel GPU: torch.xpu.is_available() is False"), probe.reason
     if not torch.xpu._is_compiled():
-        assert "built without XPU support" in probe.reason and xpu_probe.XPU_WHEEL_INDEX in probe.reason
+        assert "built without XPU support" in probe.reason and xpu_platform.XPU_WHEEL_INDEX in probe.reason
 
 
 def test_xpu_probe_refuses_a_triton_without_intel_backend(monkeypatch):
@@ -31,7 +31,7 @@ def test_xpu_probe_refuses_a_triton_without_intel_backend(monkeypatch):
     monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
     monkeypatch.setattr(torch.xpu, "device_count", lambda: 1)
     monkeypatch.setattr(torch.xpu, "get_device_name", lambda i=0: "Intel Arc B580")
-    probe = xpu_probe.probe()
+    probe = xpu_platform.probe()
     assert not probe.usable and probe.device_name == "Intel Arc B580"
     assert "no Intel XPU backend" in probe.reason or "needs the `triton` package" in probe.reason, probe.reason
 
@@ -62,20 +62,20 @@ def test_ipex_version_guard_reads_metadata_only(monkeypatch):
     import importlib.metadata as md
 
     def installed(version):
-        monkeypatch.setattr(ipex_guard.md, "version", lambda dist: version)
+        monkeypatch.setattr(ipex_vendor.md, "version", lambda dist: version)
 
     installed("2.8.0+cpu")
-    s = ipex_guard.check("2.13.0+cpu")
+    s = ipex_vendor.check("2.13.0+cpu")
     assert not s.ok and "built for torch 2.8.x" in s.reason and "2.13.0+cpu" in s.reason
     installed("2.13.10+xpu")
-    assert not ipex_guard.check("2.13.0").ok and "XPU build" in ipex_guard.check("2.13.0").reason
+    assert not ipex_vendor.check("2.13.0").ok and "XPU build" in ipex_vendor.check("2.13.0").reason
     installed("2.13.0+cpu")
-    assert ipex_guard.check("2.13.1+cpu").ok
-    assert not ipex_guard.check("2.1.0").ok  # 2.13 vs 2.1: compared as numbers, not string prefixes
+    assert ipex_vendor.check("2.13.1+cpu").ok
+    assert not ipex_vendor.check("2.1.0").ok  # 2.13 vs 2.1: compared as numbers, not string prefixes
 
     def missing(dist):
         raise md.PackageNotFoundError(dist)
 
-    monkeypatch.setattr(ipex_guard.md, "version", missing)
-    assert "not installed" in ipex_guard.check().reason
+    monkeypatch.setattr(ipex_vendor.md, "version", missing)
+    assert "not installed" in ipex_vendor.check().reason
     assert "intel_extension_for_pytorch" not in sys.modules

@@ -1,7 +1,8 @@
-"""Compile every Triton kernel ahead of time for GPU targets, no GPU needed (Triton bundles ptxas and the AMD
-linker): catches compile errors of the real GPU code path, which the CPU interpreter never sees.
+"""Compile every Triton kernel ahead of time for GPU targets, no GPU needed (Triton bundles its backends' assemblers
+and linkers): catches compile errors of the real GPU code path, which the CPU interpreter never sees.
 
-``python -m pagedllm.backend.triton.aot_check --target cuda:90 --target hip:gfx942`` (run without ``TRITON_INTERPRET``).
+``python -m pagedllm.backend.triton.aot_check --target BACKEND:ARCH ...`` (run without ``TRITON_INTERPRET``): each
+target as Triton names it (its backend's ``get_target_name``); the GPU plugins' docs and tests name theirs.
 """
 
 from __future__ import annotations
@@ -59,15 +60,19 @@ def configs() -> list[tuple[str, Any, str, dict]]:
     return out
 
 
-def parse_target(text: str):
+def parse_target(text: str) -> Any:
+    """``BACKEND:ARCH`` -> Triton's ``GPUTarget``: a numeric arch as a number, the warp size the backend's compiler
+    options give that arch (Triton compiles with those, whatever the target says)."""
+    from triton.backends import backends
     from triton.backends.compiler import GPUTarget
 
-    backend, _, arch = text.partition(":")
-    if backend == "cuda":
-        return GPUTarget("cuda", int(arch), 32)
-    if backend == "hip":
-        return GPUTarget("hip", arch, 64)
-    raise ValueError(f"target {text!r}: expected cuda:<sm, e.g. 90> or hip:<gfx arch, e.g. gfx942>")
+    backend, _, arch_text = text.partition(":")
+    compilers = {b.compiler for b in backends.values() if b.compiler.supports_target(GPUTarget(backend, 0, 0))}
+    if not arch_text or not compilers:
+        raise ValueError(f"target {text!r}: expected <backend>:<arch> for a backend of the installed Triton")
+    arch: Any = int(arch_text) if arch_text.isdigit() else arch_text
+    warp_size = compilers.pop()(GPUTarget(backend, arch, 0)).parse_options({}).warp_size
+    return GPUTarget(backend, arch, warp_size)
 
 
 def compile_all(targets: list[str]) -> list[tuple[str, str, str]]:
@@ -91,13 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm.backend.triton import interpreting
 
     p = argparse.ArgumentParser(prog="python -m pagedllm.backend.triton.aot_check", description=__doc__)
-    p.add_argument("--target", action="append", default=[], help="cuda:<sm> or hip:<gfx arch> (repeatable)")
+    p.add_argument("--target", action="append", required=True,
+                   help="<Triton backend>:<arch>, as Triton's get_target_name prints it (repeatable)")
     args = p.parse_args(argv)
     if interpreting():
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    results = compile_all(args.target or ["cuda:90", "hip:gfx942"])
+    results = compile_all(args.target)
     for target, label, err in results:
         print(f"{'ok  ' if not err else 'FAIL'} {target:<11} {label}{'  ' + err if err else ''}")
     failed = sum(bool(e) for _, _, e in results)

@@ -6,7 +6,7 @@ KV head (GQA packing keeps ``tl.dot`` tiles full even for single-token decodes),
 of ``TILE`` positions through the block table, and keeps an online softmax in fp32. With ``NUM_SEGMENTS > 1`` the
 key range is split across programs (split-K / flash-decoding) and ``_reduce_segments_kernel`` merges the partial
 results; the launcher picks that for small decode-only batches, where one program per (sequence, KV head) would
-leave the device idle. Lengths are read from device tensors only, so launches can be captured in CUDA/HIP graphs.
+leave the device idle. Lengths are read from device tensors only, so launches can be captured in device graphs.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Hook implementations mapping the contract's op hooks onto the Triton kernels.
 
-Device-agnostic: the cuda and rocm plugins re-export these, and so can any backend whose tensors Triton can launch
-on (other GPUs; CPU tensors under ``TRITON_INTERPRET=1``). Kernel modules are imported on first call, so loading a plugin
-that re-exports these hooks never imports Triton.
+Device-agnostic: the GPU plugins re-export these, and so can any backend whose tensors Triton can launch on (CPU
+tensors too, under ``TRITON_INTERPRET=1``). Kernel modules are imported on first call, so loading a plugin that
+re-exports these hooks never imports Triton.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Decide whether intel-extension-for-pytorch may be imported here, from its metadata alone, before importing it.
+"""The one place intel-extension-for-pytorch (the ``ipex`` backend's vendor SDK) is imported, and only after its
+metadata alone says it may be.
 
 Each IPEX release is built against one torch major.minor (IPEX 2.8 needs torch 2.8) and refuses to load beside
 any other: importing it with a mismatched torch can end the process, so a plugin that imports it blindly breaks

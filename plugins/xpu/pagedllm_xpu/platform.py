@@ -1,7 +1,8 @@
 """Can this machine run the ``xpu`` backend? torch build, visible Intel GPU, Triton with an Intel backend.
 
 Everything is read through stock ``torch.xpu`` (part of the torch wheel since 2.4) and the file system; no SYCL or
-Level Zero library is loaded by hand and Triton is not imported. Not verified on hardware.
+Level Zero library is loaded by hand and Triton is not imported. The steps are core's
+(``pagedllm.backend.accelerator.probe_device``), the words here Intel's. Not verified on hardware.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.backend.accelerator import probe_device
 from pagedllm.backend.hookspec import ProbeResult
 
 #: Where the torch XPU wheels live (https://pytorch.org/docs/stable/notes/get_start_xpu.html).
@@ -37,25 +39,23 @@ def _triton_reason() -> str:
     return ""
 
 
+def build_problem() -> str:
+    """Why this torch cannot drive Intel GPUs at all, or ''."""
+    if getattr(torch, "xpu", None) is None:
+        return f"torch {torch.__version__} has no torch.xpu module (needs torch >= 2.4)"
+    return ""
+
+
+def unavailable() -> str:
+    """Why torch.xpu sees no device: a torch built without XPU, or no visible device."""
+    if not getattr(torch.xpu, "_is_compiled", lambda: True)():
+        return (f"no Intel GPU: torch.xpu.is_available() is False (torch {torch.__version__} is built without XPU "
+                f"support; install the XPU build: pip install torch --index-url {XPU_WHEEL_INDEX})")
+    return ("no Intel GPU: torch.xpu.is_available() is False (XPU build of torch, but no device visible: check the "
+            "Level Zero driver and ZE_AFFINITY_MASK)")
+
+
 def probe() -> ProbeResult:
-    """Never raises: the reason says what is missing, most fundamental first."""
-    try:
-        xpu = getattr(torch, "xpu", None)
-        if xpu is None:
-            return ProbeResult(False, f"torch {torch.__version__} has no torch.xpu module (needs torch >= 2.4)")
-        if not xpu.is_available():
-            compiled = getattr(xpu, "_is_compiled", lambda: True)()
-            if not compiled:
-                return ProbeResult(False, f"no Intel GPU: torch.xpu.is_available() is False (torch "
-                                          f"{torch.__version__} is built without XPU support; install the XPU "
-                                          f"build: pip install torch --index-url {XPU_WHEEL_INDEX})")
-            return ProbeResult(False, "no Intel GPU: torch.xpu.is_available() is False (XPU build of torch, but no "
-                                      "device visible: check the Level Zero driver and ZE_AFFINITY_MASK)")
-        count = xpu.device_count()
-        name = xpu.get_device_name(0)  # vllm/platforms/xpu.py: XPUPlatform.get_device_name
-        reason = _triton_reason()
-        if reason:
-            return ProbeResult(False, reason, name)
-        return ProbeResult(True, "", f"{name} x{count}")
-    except Exception as e:  # a probe never raises
-        return ProbeResult(False, f"XPU probe failed: {type(e).__name__}: {e}")
+    """Never raises: the reason says what is missing, most fundamental first (core's steps, Intel's words)."""
+    return probe_device("xpu", "XPU", build_problem=build_problem, unavailable=unavailable,
+                        triton_problem=_triton_reason)
