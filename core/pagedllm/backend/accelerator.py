@@ -72,7 +72,8 @@ def pagedllm_capabilities() -> Capabilities:
         dtypes = ("float32", "float16")
     # fp8 KV: stored as bytes, encoded/decoded in integer arithmetic by the Triton kernels (kernels/fp8.py)
     return Capabilities(dtypes=dtypes, kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"), head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES,
-                        graph_capture="decode", sliding_window=True, soft_cap=True, alibi=True)
+                        graph_capture="decode", sliding_window=True, soft_cap=True, alibi=True,
+                        mla=True)  # canonical caches: core's reference MLA hooks run on them
 
 
 @hookimpl

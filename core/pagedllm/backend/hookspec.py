@@ -78,7 +78,11 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What the backend's kernels support; core checks a model/config against this before running."""
+    """What the backend's kernels support; core checks a model/config against this before running.
+
+    Every optional feature (``sliding_window``, ``soft_cap``, ``mla``, ``alibi``, ``on_device_sampling``,
+    ``quantization``, fp8 ``kv_cache_dtypes``) is off unless stated, so a backend that forgets one refuses those
+    models instead of running them wrong."""
 
     dtypes: tuple[str, ...] = ("float32",)  # the first is the default when neither user nor checkpoint decides
     # vLLM ``kv_cache_dtype`` names the kernels store and read: ``auto`` (the model dtype), ``fp8_e4m3`` (also
@@ -88,11 +92,15 @@ class Capabilities:
     block_sizes: tuple[int, ...] = (16,)  # the first is the default block size
     # none: eager only; decode: decode-only graphs (like vLLM's UNIFORM_SINGLE_TOKEN_DECODE); full: any batch
     graph_capture: str = "none"
-    sliding_window: bool = True
-    soft_cap: bool = True
-    # MLA models (DeepSeek-V2/V3): the allocator honours ``KVCacheSpec.mla`` and the MLA hooks run on its caches.
-    # A backend with its own KV layout says False until it does; core then refuses those models by name.
-    mla: bool = True
+    # Optional features default to off: a backend claims only what it states. Core refuses, by name, a model that
+    # needs one the backend does not declare, and conformance tests exactly the declared ones.
+    # Sliding-window attention (``sliding_window`` of ``pagedllm_paged_attention``: Mistral, Gemma 2, Qwen2...).
+    sliding_window: bool = False
+    # Attention logit soft-capping (``soft_cap`` of ``pagedllm_paged_attention``: Gemma 2).
+    soft_cap: bool = False
+    # MLA models (DeepSeek-V2/V3): the allocator honours ``KVCacheSpec.mla`` and the MLA hooks run on its caches
+    # (core's reference MLA hooks do, on the canonical layout).
+    mla: bool = False
     # ALiBi position bias (``alibi_slopes`` of ``pagedllm_paged_attention``); ALiBi models are refused without it.
     alibi: bool = False
     # vLLM quantization method names this backend runs (``gguf``...); weight types without a kernel from
@@ -229,7 +237,12 @@ class BackendSpec:
 
     @hookspec(firstresult=True)
     def pagedllm_capabilities(self) -> Capabilities:
-        """Dtypes, KV dtypes, head/block sizes, graph-capture level, quantization methods. Default: conservative."""
+        """Dtypes, KV dtypes, head/block sizes, graph-capture level, optional features (sliding window, soft cap, MLA,
+        ALiBi, on-device sampling), quantization methods; every optional feature is off unless stated. Default
+        (no implementation): ``Capabilities()`` plus the features of core's reference ops the backend leaves to
+        them — sliding window and soft cap when it has no ``pagedllm_paged_attention`` of its own, MLA when it has
+        neither MLA hooks nor an allocator of its own. ALiBi is added whenever the reference attention runs
+        (``registry.Backend.capabilities``)."""
 
     @hookspec(firstresult=True)
     def pagedllm_memory_info(self, device: "torch.device") -> MemoryInfo:

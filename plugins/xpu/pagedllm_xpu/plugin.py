@@ -57,7 +57,8 @@ def pagedllm_capabilities() -> Capabilities:
     if torch.xpu.is_available() and not torch.xpu.is_bf16_supported():
         dtypes = ("float32", "float16")
     return Capabilities(dtypes=dtypes, kv_cache_dtypes=("auto",), head_sizes=HEAD_SIZES, block_sizes=BLOCK_SIZES,
-                        graph_capture="decode" if graphs_enabled() else "none", sliding_window=True, soft_cap=True)
+                        graph_capture="decode" if graphs_enabled() else "none", sliding_window=True, soft_cap=True,
+                        mla=True)  # canonical caches: core's reference MLA hooks run on them
 
 
 @hookimpl
