@@ -282,8 +282,9 @@ class BackendSpec:
         """Adjust the engine config before any weight is loaded: return ``{field: value}`` for ``block_size``,
         ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``enforce_eager`` (others are refused), or raise
         :class:`~pagedllm.errors.ParamError` naming the field the device cannot run. ``config`` holds the
-        user's values (``block_size=None`` / ``dtype="auto"`` when unset); core fills what stays unset from the
-        checkpoint and ``Capabilities``. Default: no change."""
+        user's values: each of those fields is ``None`` (``dtype``: ``"auto"``) when the user left it unset, so
+        a user's ``max_num_seqs=256`` is told from the default; core fills what stays unset afterwards (from the
+        checkpoint, ``Capabilities`` and its defaults). Default: no change."""
 
     @hookspec(firstresult=True)
     def pagedllm_batch_policy(self, ctx: RunnerContext) -> "BatchPolicy":
