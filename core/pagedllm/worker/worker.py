@@ -263,11 +263,14 @@ class Worker:
         with torch.inference_mode():
             for shape in shapes:
                 meta = dummy_metadata(shape, self.block_size, self.device, self.pad_slot, block)
+                # Separate storages, as in a real step: a compiled graph guards on input aliasing, and one warmed up
+                # on aliased ids/positions would recompile every bucket at the first real step.
                 ids = torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device)
-                runner.run(ids, ids, meta)
+                positions = torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device)
+                runner.run(ids, positions, meta)
                 if runner.sample is not None:
                     rows = torch.zeros(shape.num_seqs, dtype=torch.long, device=self.device)
-                    runner.sample(ids, ids, meta, rows, SamplingTensors.build([], shape.num_seqs, self.device))
+                    runner.sample(ids, positions, meta, rows, SamplingTensors.build([], shape.num_seqs, self.device))
         self.backend.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warmed up %d batch shapes in %.2fs", len(shapes), self.warmup_seconds)
