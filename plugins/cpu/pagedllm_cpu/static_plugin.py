@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.backend.batch_policy import BucketPolicy, pow2_buckets
+from pagedllm.backend.batch_policy import BucketPolicy, capped_pow2_buckets
 from pagedllm.backend.hookspec import BackendInfo, Capabilities, GraphRunner, RunnerContext, hookimpl
 from pagedllm.backend.static_runner import make_static_runner
 from pagedllm_cpu import plugin as _cpu
@@ -44,9 +44,9 @@ def pagedllm_capabilities() -> Capabilities:
 @hookimpl
 def pagedllm_batch_policy(ctx: RunnerContext) -> BucketPolicy:
     """Powers of two up to the engine's budgets (vllm-gaudi's exponential bucketing)."""
-    return BucketPolicy(token_buckets=pow2_buckets(ctx.max_num_batched_tokens, MIN_TOKEN_BUCKET),
-                        seq_buckets=pow2_buckets(ctx.max_num_seqs),
-                        block_buckets=pow2_buckets(-(-ctx.max_model_len // ctx.block_size)),
+    return BucketPolicy(token_buckets=capped_pow2_buckets(ctx.max_num_batched_tokens, MIN_TOKEN_BUCKET),
+                        seq_buckets=capped_pow2_buckets(ctx.max_num_seqs),
+                        block_buckets=capped_pow2_buckets(-(-ctx.max_model_len // ctx.block_size)),
                         block_size=ctx.block_size)
 
 
