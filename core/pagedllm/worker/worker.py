@@ -331,8 +331,11 @@ class Worker:
 def dummy_metadata(shape: BatchShape, block_size: int, device: torch.device, pad_slot: int,
                    block: int) -> AttentionMetadata:
     """Metadata of exactly ``shape`` with every token written to ``pad_slot`` and every block-table entry ``block``:
-    warm-up and profiling touch no block a request owns. Tokens are spread evenly over the sequences."""
+    warm-up and profiling touch no block a request owns. Tokens are spread evenly over the sequences, each holding at
+    most what its ``w`` blocks do; tokens past that are padding rows (after ``query_start_loc[-1]``), as in a real
+    step padded to this shape."""
     t, s, w = shape
-    lens = [t // s + (i < t % s) for i in range(s)]
+    real = min(t, s * w * block_size)
+    lens = [real // s + (i < real % s) for i in range(s)]
     return AttentionMetadata.build(lens, lens, [[block] * w for _ in range(s)], block_size, device=device,
                                    slot_mapping=[pad_slot] * t)
