@@ -386,7 +386,9 @@ class BackendSpec:
         """Wrap the model forward in this backend's capture strategy (device graphs, compiled buckets,
         torch.compile). Default: eager. Graphs must read metadata from persistent buffers they own. ``ctx`` (v2)
         carries the engine's max_model_len, block size, budgets, dtype and batch policy; core warms up every
-        ``ctx.policy.warmup_shapes()`` shape through ``run`` right after this returns."""
+        ``ctx.policy.warmup_shapes()`` shape through ``run`` (and ``sample``) right after this returns, with separate
+        ``input_ids`` and ``positions`` tensors as in a real step. What the model reads inside a captured graph, so
+        what must live in persistent buffers: :class:`~pagedllm.backend.attention.AttentionMetadata`."""
 
     # ---- optional fused ops (fall back to reference) ------------------------------------------------
     @hookspec(firstresult=True)
