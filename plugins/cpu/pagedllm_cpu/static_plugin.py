@@ -1,11 +1,11 @@
 """``cpu-static``: the CPU backend run as a static-shape device (entry point ``cpu-static``).
 
 Same kernels, allocator and memory as ``cpu``; what changes is the engine's shape discipline, exactly as a TPU, Gaudi
-or Ascend backend would set it: every step padded to power-of-two buckets of tokens, sequences and block-table width
-(``BucketPolicy``), padding written to a sink block, every bucket warmed up before serving, the forward, logits and
-sampling replayed per bucket from persistent buffers (``StaticGraphRunner``, eager capture). It exists so the static
-path of core and the conformance suite run for real on any machine; it is slower than ``cpu`` by the padding
-(docs/benchmarks.md) and is not meant for serving.
+or Ascend backend would set it: every step padded to power-of-two buckets (capped at the budgets) of tokens,
+sequences and block-table width (``BucketPolicy``), padding written to a sink block, every bucket warmed up before
+serving, the forward, logits and sampling replayed per bucket from persistent buffers (``StaticGraphRunner``, eager
+capture). It exists so the static path of core and the conformance suite run for real on any machine; it is slower
+than ``cpu`` by the padding (docs/benchmarks.md) and is not meant for serving.
 """
 
 from __future__ import annotations
