@@ -1,4 +1,9 @@
-"""Engine settings, with vLLM's names; validated at construction so a bad value names its field."""
+"""Engine settings, with vLLM's names; validated at construction so a bad value names its field.
+
+A field a backend may adjust (``BACKEND_SETTABLE``) is ``None`` (``dtype``: ``"auto"``) until the user sets it, so
+``pagedllm_update_config`` tells a user's choice from a default; :func:`resolve_config` fills the defaults after
+that hook (``DEFAULT_MAX_NUM_SEQS``...), so the values an engine runs with are the ones the CLI and ``LLM()``
+document."""
 
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     block_size: Optional[int] = None  # None: the backend's preferred size (config hook, else its first)
     enable_prefix_caching: bool = True
-    max_num_seqs: int = 256
+    max_num_seqs: Optional[int] = None  # None: DEFAULT_MAX_NUM_SEQS, after the backend's update_config
     max_num_batched_tokens: Optional[int] = None  # default: max(2048, max_model_len) capped at 8192
     kv_cache_memory: Optional[int] = None  # bytes for the KV pool
     gpu_memory_utilization: Optional[float] = None  # fraction of free device memory for the KV pool
@@ -37,7 +42,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
     skip_tokenizer_init: bool = False
-    enforce_eager: bool = False
+    enforce_eager: Optional[bool] = None  # None: False (graphs on), after the backend's update_config
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 (pagedllm.backend.kv_quant)
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance (structured_output/manager.py)
     enable_lora: bool = False  # serve LoRA adapters (docs/lora.md)
@@ -66,7 +71,7 @@ class EngineConfig:
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1
                                             or self.block_size & (self.block_size - 1)):
             raise ParamError("block_size", f"must be a power of two, got {self.block_size!r}")
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and (not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1):
             raise ParamError("max_num_seqs", f"must be an integer >= 1, got {self.max_num_seqs!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ParamError("max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}")
@@ -110,8 +115,10 @@ class EngineConfig:
                                               f"got {self.max_cpu_loras!r}")
 
 
-#: Fields a backend's ``pagedllm_update_config`` may set.
+#: Fields a backend's ``pagedllm_update_config`` may set; each is ``None`` (dtype ``"auto"``) when the user left it.
 BACKEND_SETTABLE = ("block_size", "dtype", "max_num_batched_tokens", "max_num_seqs", "enforce_eager")
+#: ``max_num_seqs`` when neither the user nor the backend sets it (vLLM's default).
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 def dtype_name(dtype: str) -> str:
@@ -122,8 +129,8 @@ def dtype_name(dtype: str) -> str:
 def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfig:
     """The config an engine runs with: the backend's ``pagedllm_update_config`` changes first, then what is still
     unset from the checkpoint and the backend's capabilities; every capability checked here, before any weight is
-    read, with a :class:`ParamError` naming the field. Returns a new config with dtype, block_size, max_model_len
-    and max_num_batched_tokens filled in."""
+    read, with a :class:`ParamError` naming the field. Returns a new config with dtype, block_size, max_model_len,
+    max_num_seqs, max_num_batched_tokens and enforce_eager filled in."""
     user_dtype = config.dtype
     changes = backend.update_config(config, info) or {}
     refused = sorted(set(changes) - set(BACKEND_SETTABLE))
@@ -181,6 +188,9 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
                                           f"max_position_embeddings {info.max_model_len}")
     if config.max_num_batched_tokens is None:
         config.max_num_batched_tokens = min(max(2048, config.max_model_len), 8192)
+    if config.max_num_seqs is None:
+        config.max_num_seqs = DEFAULT_MAX_NUM_SEQS
+    config.enforce_eager = bool(config.enforce_eager)
     return config
 
 

@@ -170,7 +170,8 @@ def pagedllm_probe():
 
 @hookimpl
 def pagedllm_capabilities():
-    return Capabilities(dtypes=("float32", "bfloat16"), head_sizes=(64,), block_sizes=(16,))
+    return Capabilities(dtypes=("float32", "bfloat16"), head_sizes=(64,), block_sizes=(16,), sliding_window=True,
+                        soft_cap=True, mla=True)  # core's reference attention and MLA run for it
 
 
 @hookimpl

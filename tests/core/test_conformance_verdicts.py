@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.backend import ref_ops
 from pagedllm.backend.registry import Backend
-from pagedllm.backend.batch_policy import BatchShape, BucketPolicy, pow2_buckets
+from pagedllm.backend.batch_policy import BatchShape, BucketPolicy, capped_pow2_buckets
 from pagedllm.conformance import run_conformance
 from pagedllm.conformance import cli as conformance_cli
 from pagedllm.conformance.report import PARTIAL, SIMULATION, Report
@@ -167,8 +167,8 @@ class LeakyBuckets(BucketPolicy):
 
 
 def leaky_policy(ctx):
-    return LeakyBuckets(pow2_buckets(ctx.max_num_batched_tokens, 8), pow2_buckets(ctx.max_num_seqs),
-                        pow2_buckets(-(-ctx.max_model_len // ctx.block_size)), ctx.block_size)
+    return LeakyBuckets(capped_pow2_buckets(ctx.max_num_batched_tokens, 8), capped_pow2_buckets(ctx.max_num_seqs),
+                        capped_pow2_buckets(-(-ctx.max_model_len // ctx.block_size)), ctx.block_size)
 
 
 def test_static_policy_that_leaks_unbucketed_shapes_fails():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.backend.batch_policy import BatchShape, BucketPolicy, pow2_buckets
+from pagedllm.backend.batch_policy import BatchShape, BucketPolicy, capped_pow2_buckets
 from pagedllm.backend.device_sampler import SamplingTensors, sample
 from pagedllm.sample.sampler import top_k_top_p_cutoff
 from engine_parity import hf_greedy, mixed_prompts, run
@@ -18,7 +18,7 @@ STATIC = dict(device="cpu-static", dtype="float32", max_model_len=128, max_num_s
 
 
 def test_every_real_shape_pads_into_the_warmup_set():
-    policy = BucketPolicy(pow2_buckets(64, 8), pow2_buckets(8), pow2_buckets(8), block_size=16)
+    policy = BucketPolicy(capped_pow2_buckets(64, 8), capped_pow2_buckets(8), capped_pow2_buckets(8), block_size=16)
     warm = set(policy.warmup_shapes())
     padded = set()
     for t, s, w in itertools.product(range(1, 65), range(1, 9), range(1, 9)):
@@ -28,6 +28,17 @@ def test_every_real_shape_pads_into_the_warmup_set():
     assert len(warm) <= 4 * 4 * 4
     with pytest.raises(ValueError, match="num_tokens 65 exceeds the largest bucket 64"):
         policy.pad(BatchShape(65, 1, 1))
+
+
+def test_capped_pow2_buckets_are_powers_of_two_then_the_cap():
+    assert capped_pow2_buckets(100) == (1, 2, 4, 8, 16, 32, 64, 100)
+    assert capped_pow2_buckets(64, 8) == (8, 16, 32, 64) and capped_pow2_buckets(5, 8) == (5,)
+    with pytest.raises(ValueError, match="power of two"):
+        capped_pow2_buckets(100, 3)
+    with pytest.warns(DeprecationWarning, match="capped_pow2_buckets"):
+        from pagedllm.backend.batch_policy import pow2_buckets
+
+        assert pow2_buckets(100) == capped_pow2_buckets(100)  # the old name, same buckets
 
 
 def _record_shapes(llm: LLM) -> list:

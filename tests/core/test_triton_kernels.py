@@ -30,7 +30,7 @@ from pagedllm.backend.graph_runner import DecodeGraphRunner, default_buckets  # 
 from plugin_factory import make_plugin  # noqa: E402
 
 CAPS = Capabilities(dtypes=("float32", "float16", "bfloat16"), head_sizes=(32, 80), block_sizes=(16,),
-                    graph_capture="decode", alibi=True)
+                    graph_capture="decode", alibi=True, sliding_window=True, soft_cap=True, mla=True)
 
 
 class ReplayingRunner(DecodeGraphRunner):

@@ -7,7 +7,12 @@ from types import SimpleNamespace
 from pagedllm.backend.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
 
 
-def make_plugin(name: str, caps: Capabilities = Capabilities(), device_name: str = "cpu", **ops) -> SimpleNamespace:
+#: What core's reference ops run: a plugin that leaves attention and MLA to them states these features.
+REFERENCE_FEATURES = dict(sliding_window=True, soft_cap=True, mla=True)
+
+
+def make_plugin(name: str, caps: Capabilities = Capabilities(**REFERENCE_FEATURES), device_name: str = "cpu",
+                **ops) -> SimpleNamespace:
     """A CPU backend plugin: required hooks, ``caps``, and ``ops`` as ``pagedllm_<key>`` hooks (others fall back
     to core's reference ops)."""
     @hookimpl

@@ -12,7 +12,8 @@ hooks take and return — ``BackendInfo``, ``ProbeResult``, ``Capabilities``, ``
 What hooks receive or may build on:
 
 - ``AttentionMetadata`` — the explicit per-step metadata every attention hook and graph runner reads.
-- ``BatchPolicy``, ``BucketPolicy``, ``BatchShape``, ``pow2_buckets`` — batch shapes for static-shape devices.
+- ``BatchPolicy``, ``BucketPolicy``, ``BatchShape``, ``capped_pow2_buckets`` — batch shapes for static-shape devices
+  (``pow2_buckets``: its deprecated name).
 - ``make_static_runner``, ``StaticGraphRunner`` — one captured callable per bucket, for ``pagedllm_graph_runner``.
 - ``make_graph_runner``, ``DecodeGraphRunner``, ``graphs_disabled``, ``HostValuesUnavailable`` — device-graph
   capture of decode batches for devices whose torch device module has a graph class (``graph_runner.graph_class``).
@@ -44,6 +45,7 @@ _LAZY = {
     "BatchPolicy": "pagedllm.backend.batch_policy",
     "BucketPolicy": "pagedllm.backend.batch_policy",
     "BatchShape": "pagedllm.backend.batch_policy",
+    "capped_pow2_buckets": "pagedllm.backend.batch_policy",
     "pow2_buckets": "pagedllm.backend.batch_policy",
     "make_static_runner": "pagedllm.backend.static_runner",
     "StaticGraphRunner": "pagedllm.backend.static_runner",

@@ -13,6 +13,16 @@ class AttentionMetadata:
     """One step's batch: ``B`` sequences, ``T`` query tokens in total, decodes ordered first.
 
     Device tensors are what kernels read; the ``*_cpu`` lists mirror them for backends that plan on the host.
+
+    Inside a captured graph (what must live in persistent buffers): the model itself reads only ``slot_mapping``
+    (handed to ``write_kv`` / ``write_mla_kv``) and ``lora_mapping`` (``None`` whenever graphs run: LoRA steps run
+    eager), besides its ``input_ids`` and ``positions``; it hands this object unchanged to ``paged_attention`` /
+    ``mla_attention``, so every other field a graph reads is one the backend's attention kernel reads — typically
+    ``query_start_loc``, ``seq_lens``, ``block_tables``, which core's graph runners (``StaticGraphRunner``,
+    ``DecodeGraphRunner``) keep persistent with ``slot_mapping``. The host fields (``max_query_len``,
+    ``max_seq_len``, ``num_decodes``, ``*_cpu``, ``extra``) change every step outside the graph: a captured program
+    that reads one keeps the capture's value (a compiler guards on it and recompiles). Core's reference attention
+    (``ref_ops``) plans on the ``*_cpu`` lists, so a captured backend brings its own attention.
     """
 
     query_start_loc: torch.Tensor  # int32 [B+1]: sequence i owns query rows [qsl[i], qsl[i+1])

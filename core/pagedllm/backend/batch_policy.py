@@ -10,6 +10,7 @@ worker runs one forward per :meth:`BatchPolicy.warmup_shapes` shape before servi
 from __future__ import annotations
 
 import bisect
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,9 +37,24 @@ class BatchPolicy:
         return None
 
 
+def capped_pow2_buckets(max_value: int, min_value: int = 1) -> tuple[int, ...]:
+    """The powers of two from ``min_value`` that are below ``max_value``, then ``max_value`` itself (the exponential
+    bucketing of vLLM's static-shape plugins): the largest bucket is the budget, so no step pads past it —
+    ``capped_pow2_buckets(100)`` is ``(1, 2, 4, 8, 16, 32, 64, 100)``."""
+    if min_value < 1 or min_value & (min_value - 1):
+        raise ValueError(f"min_value must be a power of two, got {min_value!r}")
+    return _doubling_to(max_value, min_value)
+
+
 def pow2_buckets(max_value: int, min_value: int = 1) -> tuple[int, ...]:
-    """``min_value, 2*min_value, ...`` up to and including ``max_value`` (exponential bucketing)."""
-    out, b = [], max(1, min_value)
+    """Deprecated name of :func:`capped_pow2_buckets`: its last bucket is ``max_value``, a power of two or not."""
+    warnings.warn("pagedllm.backend.batch_policy.pow2_buckets is now capped_pow2_buckets (same buckets; pagedllm "
+                  "issue 27); the old name goes with contract v3", DeprecationWarning, stacklevel=2)
+    return _doubling_to(max_value, max(1, min_value))
+
+
+def _doubling_to(max_value: int, start: int) -> tuple[int, ...]:
+    out, b = [], start
     while b < max_value:
         out.append(b)
         b *= 2

@@ -78,7 +78,11 @@ class ProbeResult:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What the backend's kernels support; core checks a model/config against this before running."""
+    """What the backend's kernels support; core checks a model/config against this before running.
+
+    Every optional feature (``sliding_window``, ``soft_cap``, ``mla``, ``alibi``, ``on_device_sampling``,
+    ``quantization``, fp8 ``kv_cache_dtypes``) is off unless stated, so a backend that forgets one refuses those
+    models instead of running them wrong."""
 
     dtypes: tuple[str, ...] = ("float32",)  # the first is the default when neither user nor checkpoint decides
     # vLLM ``kv_cache_dtype`` names the kernels store and read: ``auto`` (the model dtype), ``fp8_e4m3`` (also
@@ -88,11 +92,15 @@ class Capabilities:
     block_sizes: tuple[int, ...] = (16,)  # the first is the default block size
     # none: eager only; decode: decode-only graphs (like vLLM's UNIFORM_SINGLE_TOKEN_DECODE); full: any batch
     graph_capture: str = "none"
-    sliding_window: bool = True
-    soft_cap: bool = True
-    # MLA models (DeepSeek-V2/V3): the allocator honours ``KVCacheSpec.mla`` and the MLA hooks run on its caches.
-    # A backend with its own KV layout says False until it does; core then refuses those models by name.
-    mla: bool = True
+    # Optional features default to off: a backend claims only what it states. Core refuses, by name, a model that
+    # needs one the backend does not declare, and conformance tests exactly the declared ones.
+    # Sliding-window attention (``sliding_window`` of ``pagedllm_paged_attention``: Mistral, Gemma 2, Qwen2...).
+    sliding_window: bool = False
+    # Attention logit soft-capping (``soft_cap`` of ``pagedllm_paged_attention``: Gemma 2).
+    soft_cap: bool = False
+    # MLA models (DeepSeek-V2/V3): the allocator honours ``KVCacheSpec.mla`` and the MLA hooks run on its caches
+    # (core's reference MLA hooks do, on the canonical layout).
+    mla: bool = False
     # ALiBi position bias (``alibi_slopes`` of ``pagedllm_paged_attention``); ALiBi models are refused without it.
     alibi: bool = False
     # vLLM quantization method names this backend runs (``gguf``...); weight types without a kernel from
@@ -229,7 +237,12 @@ class BackendSpec:
 
     @hookspec(firstresult=True)
     def pagedllm_capabilities(self) -> Capabilities:
-        """Dtypes, KV dtypes, head/block sizes, graph-capture level, quantization methods. Default: conservative."""
+        """Dtypes, KV dtypes, head/block sizes, graph-capture level, optional features (sliding window, soft cap, MLA,
+        ALiBi, on-device sampling), quantization methods; every optional feature is off unless stated. Default
+        (no implementation): ``Capabilities()`` plus the features of core's reference ops the backend leaves to
+        them — sliding window and soft cap when it has no ``pagedllm_paged_attention`` of its own, MLA when it has
+        neither MLA hooks nor an allocator of its own. ALiBi is added whenever the reference attention runs
+        (``registry.Backend.capabilities``)."""
 
     @hookspec(firstresult=True)
     def pagedllm_memory_info(self, device: "torch.device") -> MemoryInfo:
@@ -269,8 +282,9 @@ class BackendSpec:
         """Adjust the engine config before any weight is loaded: return ``{field: value}`` for ``block_size``,
         ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``enforce_eager`` (others are refused), or raise
         :class:`~pagedllm.errors.ParamError` naming the field the device cannot run. ``config`` holds the
-        user's values (``block_size=None`` / ``dtype="auto"`` when unset); core fills what stays unset from the
-        checkpoint and ``Capabilities``. Default: no change."""
+        user's values: each of those fields is ``None`` (``dtype``: ``"auto"``) when the user left it unset, so
+        a user's ``max_num_seqs=256`` is told from the default; core fills what stays unset afterwards (from the
+        checkpoint, ``Capabilities`` and its defaults). Default: no change."""
 
     @hookspec(firstresult=True)
     def pagedllm_batch_policy(self, ctx: RunnerContext) -> "BatchPolicy":
@@ -372,7 +386,9 @@ class BackendSpec:
         """Wrap the model forward in this backend's capture strategy (device graphs, compiled buckets,
         torch.compile). Default: eager. Graphs must read metadata from persistent buffers they own. ``ctx`` (v2)
         carries the engine's max_model_len, block size, budgets, dtype and batch policy; core warms up every
-        ``ctx.policy.warmup_shapes()`` shape through ``run`` right after this returns."""
+        ``ctx.policy.warmup_shapes()`` shape through ``run`` (and ``sample``) right after this returns, with separate
+        ``input_ids`` and ``positions`` tensors as in a real step. What the model reads inside a captured graph, so
+        what must live in persistent buffers: :class:`~pagedllm.backend.attention.AttentionMetadata`."""
 
     # ---- optional fused ops (fall back to reference) ------------------------------------------------
     @hookspec(firstresult=True)

@@ -14,6 +14,7 @@ from pagedllm.backend.hookspec import Capabilities, GraphRunner, KVCacheSpec, Mo
 
 @hookimpl(trylast=True)
 def pagedllm_capabilities() -> Capabilities:
+    """Every optional feature off: the registry adds those of the reference ops the backend leaves to core."""
     return Capabilities()
 
 

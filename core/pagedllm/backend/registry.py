@@ -86,9 +86,17 @@ class Backend:
 
     @cached_property
     def capabilities(self) -> Capabilities:
+        """The backend's declared capabilities, plus what core's reference ops add where they run: ALiBi whenever
+        the attention is the reference's; for a backend without ``pagedllm_capabilities``, also the sliding window
+        and soft cap of the reference attention and the reference MLA path on the canonical allocator."""
         caps = self._resolve("pagedllm_capabilities")()
-        if not caps.alibi and not self.implements("pagedllm_paged_attention"):
+        reference_attention = not self.implements("pagedllm_paged_attention")
+        if not caps.alibi and reference_attention:
             caps = replace(caps, alibi=True)  # core's reference attention runs, and it does ALiBi
+        if not self.implements("pagedllm_capabilities"):
+            reference_mla = not any(self.implements(h) for h in ("pagedllm_write_mla_kv", "pagedllm_mla_attention",
+                                                                 "pagedllm_allocate_kv_cache"))
+            caps = replace(caps, sliding_window=reference_attention, soft_cap=reference_attention, mla=reference_mla)
         return caps
 
     def device(self, index: Optional[int] = None) -> torch.device:

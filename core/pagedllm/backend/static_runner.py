@@ -8,17 +8,24 @@ outside the warmed-up set is an error, never a silent recompile. ``sample`` runs
 (``device_sampler.sample``) in the same captured program.
 
 ``capture(fn) -> replay`` is the backend's mechanism (a device module's ``graph`` capture, a vendor's graph wrapper,
-``torch.compile(dynamic=False)``...). The default, :func:`eager_capture`, re-runs ``fn`` on the buffers: the CPU
-backend's static mode uses it to exercise the whole static path (padding, buckets, warm-up, buffers, on-device
-sampling) on a machine without the device.
+``torch.compile(dynamic=False)``...); ``fn`` and ``replay`` take no arguments. The default, :func:`eager_capture`,
+re-runs ``fn`` on the buffers: the CPU backend's static mode uses it to exercise the whole static path (padding,
+buckets, warm-up, buffers, on-device sampling) on a machine without the device.
+
+Each bucket's ``fn`` is a function of its own (:func:`bucket_callable`): its own code object, calling the program with
+the bucket's tensors as explicit arguments. ``torch.compile`` keeps one cache, and one recompile count, per code
+object: closures sharing one code object would recompile for every bucket and, past torch's recompile limit (8),
+silently run eagerly. Graph breaks inside the model still resume in frames every bucket shares, so compile with
+``fullgraph=True`` (or raise ``torch._dynamo.config.recompile_limit`` to the bucket count).
 
 Host-side metadata (``query_start_loc_cpu``, ``seq_lens_cpu``, ``num_decodes``...) is refreshed on the persistent
 metadata object every step for kernels that plan on the host; a kernel that runs inside a real captured graph must
-read only the device tensors.
+read only the device tensors (``AttentionMetadata`` lists which ones the model reads).
 """
 
 from __future__ import annotations
 
+import types
 from collections import Counter
 from typing import Any, Callable, Optional
 
@@ -41,10 +48,34 @@ def batch_shape(input_ids: torch.Tensor, meta: AttentionMetadata) -> BatchShape:
     return BatchShape(int(input_ids.shape[0]), int(meta.seq_lens.shape[0]), int(meta.block_tables.shape[1]))
 
 
+def forward_program(model: Any, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """A bucket's forward: hidden states ``[T, hidden]``."""
+    return model(ids, positions, meta)
+
+
+def sample_program(model: Any, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                   logits_indices: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    """A bucket's forward, logits of ``logits_indices`` and on-device sampling: token ids ``[S]``."""
+    hidden = model(ids, positions, meta)
+    logits = model.compute_logits(hidden.index_select(0, logits_indices)).float()
+    return device_sample(logits, sampling)
+
+
+def bucket_callable(program: Callable[..., Any], shape: BatchShape, *inputs: Any) -> Callable[[], Any]:
+    """``program(*inputs)`` as a zero-argument function with a code object of its own (named after ``shape``), so a
+    compiler that caches per code object (``torch.compile``) compiles each bucket once, into a cache of its own."""
+    def call() -> Any:
+        return program(*inputs)
+
+    name = f"{program.__name__}_{shape.num_tokens}x{shape.num_seqs}x{shape.num_blocks}"
+    return types.FunctionType(call.__code__.replace(co_name=name), call.__globals__, name, None, call.__closure__)
+
+
 class _Bucket:
     """Persistent tensors of one shape and the program captured over them."""
 
     def __init__(self, shape: BatchShape, block_size: int, device: torch.device):
+        self.shape = shape
         t, s, w = shape
         self.ids = torch.zeros(t, dtype=torch.long, device=device)
         self.positions = torch.zeros(t, dtype=torch.long, device=device)
@@ -93,14 +124,11 @@ class StaticGraphRunner:
             b = self.buckets[shape] = _Bucket(shape, self.ctx.block_size, self.ctx.device)
         return b
 
-    def _forward(self, b: _Bucket) -> torch.Tensor:
-        return self.model(b.ids, b.positions, b.meta)
-
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         b = self._bucket(input_ids, meta)
         b.load(input_ids, positions, meta)
         if b.forward is None:
-            b.forward = self.capture(lambda: self._forward(b))
+            b.forward = self.capture(bucket_callable(forward_program, b.shape, self.model, b.ids, b.positions, b.meta))
             self.stats["captures"] += 1
         else:
             self.stats["replays"] += 1
@@ -115,11 +143,8 @@ class StaticGraphRunner:
         for name in ("temperature", "top_k", "top_p", "min_p"):
             getattr(b.sampling, name).copy_(getattr(tensors, name))
         if b.forward_sample is None:
-            def program() -> torch.Tensor:
-                hidden = self._forward(b)
-                logits = self.model.compute_logits(hidden.index_select(0, b.logits_indices)).float()
-                return device_sample(logits, b.sampling)
-            b.forward_sample = self.capture(program)
+            b.forward_sample = self.capture(bucket_callable(sample_program, b.shape, self.model, b.ids, b.positions,
+                                                            b.meta, b.logits_indices, b.sampling))
             self.stats["captures"] += 1
         else:
             self.stats["replays"] += 1

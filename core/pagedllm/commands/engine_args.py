@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Optional
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
 
@@ -20,7 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the backend's)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    # Unset flags stay None so the backend's update_config can tell them from a user's value (config.py).
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"most sequences in one step (default: {DEFAULT_MAX_NUM_SEQS})")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool")
@@ -28,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped KV blocks")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="no graph capture (default: the backend's graphs)")
     p.add_argument("--quantization", default=None,
                    help="vLLM method name (gguf), or none for dense weights in --dtype; default: the checkpoint's "
                         "when the backend runs it and no --dtype is given (docs/quantization.md)")

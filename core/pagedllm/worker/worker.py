@@ -263,11 +263,14 @@ class Worker:
         with torch.inference_mode():
             for shape in shapes:
                 meta = dummy_metadata(shape, self.block_size, self.device, self.pad_slot, block)
+                # Separate storages, as in a real step: a compiled graph guards on input aliasing, and one warmed up
+                # on aliased ids/positions would recompile every bucket at the first real step.
                 ids = torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device)
-                runner.run(ids, ids, meta)
+                positions = torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device)
+                runner.run(ids, positions, meta)
                 if runner.sample is not None:
                     rows = torch.zeros(shape.num_seqs, dtype=torch.long, device=self.device)
-                    runner.sample(ids, ids, meta, rows, SamplingTensors.build([], shape.num_seqs, self.device))
+                    runner.sample(ids, positions, meta, rows, SamplingTensors.build([], shape.num_seqs, self.device))
         self.backend.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - t0
         logger.info("warmed up %d batch shapes in %.2fs", len(shapes), self.warmup_seconds)
@@ -328,8 +331,11 @@ class Worker:
 def dummy_metadata(shape: BatchShape, block_size: int, device: torch.device, pad_slot: int,
                    block: int) -> AttentionMetadata:
     """Metadata of exactly ``shape`` with every token written to ``pad_slot`` and every block-table entry ``block``:
-    warm-up and profiling touch no block a request owns. Tokens are spread evenly over the sequences."""
+    warm-up and profiling touch no block a request owns. Tokens are spread evenly over the sequences, each holding at
+    most what its ``w`` blocks do; tokens past that are padding rows (after ``query_start_loc[-1]``), as in a real
+    step padded to this shape."""
     t, s, w = shape
-    lens = [t // s + (i < t % s) for i in range(s)]
+    real = min(t, s * w * block_size)
+    lens = [real // s + (i < real % s) for i in range(s)]
     return AttentionMetadata.build(lens, lens, [[block] * w for _ in range(s)], block_size, device=device,
                                    slot_mapping=[pad_slot] * t)

@@ -21,7 +21,7 @@ import torch
 from pagedllm.backend.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, hookimpl)
 from pagedllm.backend import ParamError
-from pagedllm_ascend import attention, graph, ops, probe
+from pagedllm_ascend import attention, graph, ops, platform
 from pagedllm_ascend import kv_cache as _kv
 from pagedllm_ascend.vendor import npu
 
@@ -41,7 +41,7 @@ def pagedllm_backend_info() -> BackendInfo:
 
 @hookimpl
 def pagedllm_probe() -> ProbeResult:
-    return probe.probe()
+    return platform.probe()
 
 
 @hookimpl

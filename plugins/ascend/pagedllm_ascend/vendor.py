@@ -1,5 +1,5 @@
 """The one place torch-npu is imported, lazily: loading the plugin (``pagedllm backends``) must import nothing
-vendor, and the probe decides first whether importing it is safe (see ``probe.py``)."""
+vendor, and the probe decides first whether importing it is safe (see ``platform.py``)."""
 
 from __future__ import annotations
 

@@ -47,6 +47,7 @@ def pagedllm_capabilities() -> Capabilities:
         graph_capture=graph.CAPTURE_LEVEL,
         sliding_window=True,
         soft_cap=True,
+        mla=True,  # canonical caches: core's reference MLA hooks run on them
         alibi=True,
         # kernels: quant.py (fp8: dequantized once at load onto the dense path); the rest: core reference
         quantization=("gguf", "gptq", "awq", "compressed-tensors", "fp8"),

@@ -1,11 +1,11 @@
 """``cpu-static``: the CPU backend run as a static-shape device (entry point ``cpu-static``).
 
 Same kernels, allocator and memory as ``cpu``; what changes is the engine's shape discipline, exactly as a TPU, Gaudi
-or Ascend backend would set it: every step padded to power-of-two buckets of tokens, sequences and block-table width
-(``BucketPolicy``), padding written to a sink block, every bucket warmed up before serving, the forward, logits and
-sampling replayed per bucket from persistent buffers (``StaticGraphRunner``, eager capture). It exists so the static
-path of core and the conformance suite run for real on any machine; it is slower than ``cpu`` by the padding
-(docs/benchmarks.md) and is not meant for serving.
+or Ascend backend would set it: every step padded to power-of-two buckets (capped at the budgets) of tokens,
+sequences and block-table width (``BucketPolicy``), padding written to a sink block, every bucket warmed up before
+serving, the forward, logits and sampling replayed per bucket from persistent buffers (``StaticGraphRunner``, eager
+capture). It exists so the static path of core and the conformance suite run for real on any machine; it is slower
+than ``cpu`` by the padding (docs/benchmarks.md) and is not meant for serving.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from pagedllm.backend.batch_policy import BucketPolicy, pow2_buckets
+from pagedllm.backend.batch_policy import BucketPolicy, capped_pow2_buckets
 from pagedllm.backend.hookspec import BackendInfo, Capabilities, GraphRunner, RunnerContext, hookimpl
 from pagedllm.backend.static_runner import make_static_runner
 from pagedllm_cpu import plugin as _cpu
@@ -44,9 +44,9 @@ def pagedllm_capabilities() -> Capabilities:
 @hookimpl
 def pagedllm_batch_policy(ctx: RunnerContext) -> BucketPolicy:
     """Powers of two up to the engine's budgets (vllm-gaudi's exponential bucketing)."""
-    return BucketPolicy(token_buckets=pow2_buckets(ctx.max_num_batched_tokens, MIN_TOKEN_BUCKET),
-                        seq_buckets=pow2_buckets(ctx.max_num_seqs),
-                        block_buckets=pow2_buckets(-(-ctx.max_model_len // ctx.block_size)),
+    return BucketPolicy(token_buckets=capped_pow2_buckets(ctx.max_num_batched_tokens, MIN_TOKEN_BUCKET),
+                        seq_buckets=capped_pow2_buckets(ctx.max_num_seqs),
+                        block_buckets=capped_pow2_buckets(-(-ctx.max_model_len // ctx.block_size)),
                         block_size=ctx.block_size)
 
 

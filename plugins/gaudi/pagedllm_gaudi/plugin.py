@@ -16,7 +16,8 @@ from pagedllm.backend.batch_policy import BucketPolicy
 from pagedllm.backend.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, RunnerContext, hookimpl)
 from pagedllm.backend import ParamError
-from pagedllm_gaudi import bucketing, cache, flat_pa, graphs, vendor
+from pagedllm_gaudi import bucketing, flat_pa, graph, vendor
+from pagedllm_gaudi import kv_cache as _kv
 
 logger = logging.getLogger(__name__)
 
@@ -143,17 +144,17 @@ def pagedllm_synchronize(device: torch.device) -> None:
 
 @hookimpl
 def pagedllm_allocate_kv_cache(spec: KVCacheSpec) -> list:
-    return cache.allocate(spec, spec.device)
+    return _kv.allocate(spec, spec.device)
 
 
 @hookimpl
 def pagedllm_allocate_host_kv_cache(spec: KVCacheSpec, pin_memory: bool) -> list:
-    return cache.allocate(spec, torch.device("cpu"), pin_memory=pin_memory)
+    return _kv.allocate(spec, torch.device("cpu"), pin_memory=pin_memory)
 
 
 @hookimpl
 def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: Any, slot_mapping: torch.Tensor) -> None:
-    cache.write_kv(key, value, kv_cache, slot_mapping)
+    _kv.write_kv(key, value, kv_cache, slot_mapping)
 
 
 @hookimpl
@@ -167,18 +168,18 @@ def pagedllm_paged_attention(query: torch.Tensor, kv_cache: Any, meta: Any, scal
 
 @hookimpl
 def pagedllm_gather_kv_blocks(kv_cache: Any, block_ids: torch.Tensor) -> torch.Tensor:
-    return cache.gather(kv_cache, block_ids)
+    return _kv.gather(kv_cache, block_ids)
 
 
 @hookimpl
 def pagedllm_copy_kv_blocks(kv_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
-    cache.copy_blocks(kv_caches, src, dst)
+    _kv.copy_blocks(kv_caches, src, dst)
     _mark_step_on_device(kv_caches)
 
 
 @hookimpl
 def pagedllm_swap_kv_blocks(src_caches: list, dst_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
-    cache.swap_blocks(src_caches, dst_caches, src, dst)
+    _kv.swap_blocks(src_caches, dst_caches, src, dst)
     _mark_step_on_device(src_caches + dst_caches)
 
 
@@ -192,10 +193,10 @@ def _mark_step_on_device(caches: list) -> None:
 def pagedllm_model_runner(ctx: RunnerContext, model: Any, kv: Any) -> None:
     """Core's model runner is kept; this only adds the per-layer mark_step hooks, which eager mode
     (``enforce_eager``: no graph runner) needs too."""
-    graphs.add_layer_mark_steps(model)
+    graph.add_layer_mark_steps(model)
     return None
 
 
 @hookimpl
 def pagedllm_graph_runner(model: Any, max_num_seqs: int, device: torch.device, ctx: RunnerContext) -> GraphRunner:
-    return graphs.make_runner(model, ctx)
+    return graph.make_runner(model, ctx)

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from pagedllm.backend.batch_policy import BucketPolicy, pow2_buckets
+from pagedllm.backend.batch_policy import BucketPolicy, capped_pow2_buckets
 from pagedllm.backend.hookspec import (API_VERSION, BackendInfo, Capabilities, KVCacheSpec, MemoryInfo, ModelInfo,
                                ProbeResult, RunnerContext, hookimpl)
 from pagedllm.backend import ParamError
@@ -123,8 +123,8 @@ def pagedllm_synchronize(device: torch.device) -> None:
 def pagedllm_batch_policy(ctx: RunnerContext) -> BucketPolicy:
     """Tokens and sequences in power-of-two buckets (from 16 and 8); one block-table width covering
     ``max_model_len``, as tpu-inference's fixed ``pages_per_seq``. Compilations = reachable (tokens, seqs) pairs."""
-    return BucketPolicy(token_buckets=pow2_buckets(ctx.max_num_batched_tokens, MIN_TOKEN_BUCKET),
-                        seq_buckets=pow2_buckets(ctx.max_num_seqs, MIN_SEQ_BUCKET),
+    return BucketPolicy(token_buckets=capped_pow2_buckets(ctx.max_num_batched_tokens, MIN_TOKEN_BUCKET),
+                        seq_buckets=capped_pow2_buckets(ctx.max_num_seqs, MIN_SEQ_BUCKET),
                         block_buckets=(-(-ctx.max_model_len // ctx.block_size),),
                         block_size=ctx.block_size)
 

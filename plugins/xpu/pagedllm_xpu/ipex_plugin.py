@@ -46,7 +46,8 @@ def pagedllm_capabilities() -> Capabilities:
     # vllm/v1/attention/backends/cpu_attn.py: _IPEXPagedAttention.validate_head_size accepts any head size;
     # IPEX CPU kernels run float32 and bfloat16.
     return Capabilities(dtypes=("float32", "bfloat16"), kv_cache_dtypes=("auto",), head_sizes=None,
-                        block_sizes=(16, 32, 64, 128), graph_capture="none", sliding_window=False, soft_cap=False)
+                        block_sizes=(16, 32, 64, 128), graph_capture="none", sliding_window=False, soft_cap=False,
+                        mla=True)  # canonical caches: core's reference MLA hooks run on them
 
 
 @hookimpl

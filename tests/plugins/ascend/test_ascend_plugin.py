@@ -74,23 +74,24 @@ def test_import_torch_still_works_with_the_plugin_installed():
 
 
 def test_version_mismatch_is_read_from_metadata_without_import(monkeypatch):
-    from pagedllm_ascend import probe
+    from pagedllm_ascend import platform
 
-    monkeypatch.setattr(probe.md, "version", lambda name: "2.5.1.post3")
-    reason = probe.version_mismatch()
+    monkeypatch.setattr(platform.md, "version", lambda name: "2.5.1.post3")
+    reason = platform.version_mismatch()
     assert "torch-npu 2.5.1.post3 needs torch 2.5" in reason and torch.__version__ in reason
-    monkeypatch.setattr(probe.md, "version", lambda name: probe._torch_minor() + ".0")
-    assert probe.version_mismatch() == ""
+    monkeypatch.setattr(platform.md, "version", lambda name: platform._torch_minor() + ".0")
+    assert platform.version_mismatch() == ""
 
 
 def test_cann_home_from_environment(monkeypatch, tmp_path):
-    from pagedllm_ascend import probe
+    from pagedllm_ascend import platform
 
     monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
     monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(tmp_path))
-    assert probe.cann_home() == str(tmp_path)
+    assert platform.cann_home() == str(tmp_path)
     monkeypatch.setenv("ASCEND_TOOLKIT_HOME", str(tmp_path / "missing"))
-    assert probe.cann_home() in (None, probe.CANN_DEFAULT_DIR) and probe.cann_home() != str(tmp_path / "missing")
+    assert platform.cann_home() in (None, platform.CANN_DEFAULT_DIR)
+    assert platform.cann_home() != str(tmp_path / "missing")
 
 
 def test_capabilities_are_what_the_kernels_take(ascend, monkeypatch):

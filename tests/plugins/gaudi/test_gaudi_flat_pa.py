@@ -11,7 +11,7 @@ import torch
 from pagedllm.backend import ref_ops
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.backend.hookspec import KVCacheSpec
-from pagedllm_gaudi import cache, flat_pa
+from pagedllm_gaudi import flat_pa, kv_cache
 
 BS = 128
 KV_HEADS = 2
@@ -37,10 +37,10 @@ def _fill(nb, slots, head_size, dtype, gen):
     n = slots.shape[0]
     key = torch.randn(n, KV_HEADS, head_size, generator=gen).to(dtype)
     value = torch.randn(n, KV_HEADS, head_size, generator=gen).to(dtype)
-    (ours,) = cache.allocate(KVCacheSpec(1, nb, BS, KV_HEADS, head_size, dtype, "cpu"), torch.device("cpu"))
+    (ours,) = kv_cache.allocate(KVCacheSpec(1, nb, BS, KV_HEADS, head_size, dtype, "cpu"), torch.device("cpu"))
     ours[0].fill_(float("nan"))
     ours[1].fill_(float("nan"))
-    cache.write_kv(key, value, ours, slots)
+    kv_cache.write_kv(key, value, ours, slots)
     ref = torch.full((2, nb, BS, KV_HEADS, head_size), float("nan"), dtype=dtype)
     ref_ops.write_kv(key, value, ref, slots)
     return ours, ref
@@ -124,36 +124,36 @@ def test_write_kv_index_copy_skips_minus_one_and_writes_the_sink():
     nb, n = 4, 9
     slots = torch.tensor([5, -1, 130, -1, 0, 511, -1, 260, 3])
     key, value = torch.randn(n, KV_HEADS, 16, generator=gen), torch.randn(n, KV_HEADS, 16, generator=gen)
-    (ours,) = cache.allocate(KVCacheSpec(1, nb, BS, KV_HEADS, 16, torch.float32, "cpu"), torch.device("cpu"))
+    (ours,) = kv_cache.allocate(KVCacheSpec(1, nb, BS, KV_HEADS, 16, torch.float32, "cpu"), torch.device("cpu"))
     for t in ours:
         t.fill_(float("nan"))
-    cache.write_kv(key, value, ours, slots)
+    kv_cache.write_kv(key, value, ours, slots)
     ref = torch.full((2, nb, BS, KV_HEADS, 16), float("nan"))
     ref_ops.write_kv(key, value, ref, slots)
-    torch.testing.assert_close(cache.gather(ours, torch.arange(nb)), ref, equal_nan=True, atol=0, rtol=0)
+    torch.testing.assert_close(kv_cache.gather(ours, torch.arange(nb)), ref, equal_nan=True, atol=0, rtol=0)
     all_pad = torch.full((3,), -1)
-    before = cache.gather(ours, torch.arange(nb)).clone()
-    cache.write_kv(key[:3], value[:3], ours, all_pad)
-    torch.testing.assert_close(cache.gather(ours, torch.arange(nb)), before, equal_nan=True, atol=0, rtol=0)
+    before = kv_cache.gather(ours, torch.arange(nb)).clone()
+    kv_cache.write_kv(key[:3], value[:3], ours, all_pad)
+    torch.testing.assert_close(kv_cache.gather(ours, torch.arange(nb)), before, equal_nan=True, atol=0, rtol=0)
 
 
 def test_copy_and_swap_blocks_match_reference():
     gen = torch.Generator().manual_seed(9)
     spec = KVCacheSpec(2, 6, BS, KV_HEADS, 16, torch.float32, "cpu")
-    dev = cache.allocate(spec, torch.device("cpu"))
+    dev = kv_cache.allocate(spec, torch.device("cpu"))
     for c in dev:
         for t in c:
             t.copy_(torch.randn(t.shape, generator=gen))
-    ref = [cache.gather(c, torch.arange(6)).clone() for c in dev]
+    ref = [kv_cache.gather(c, torch.arange(6)).clone() for c in dev]
     src, dst = torch.tensor([0, 3, 1]), torch.tensor([3, 5, 0])  # overlapping: 3 is read and written
-    cache.copy_blocks(dev, src, dst)
+    kv_cache.copy_blocks(dev, src, dst)
     ref_ops.copy_kv_blocks(ref, src, dst)
     for c, r in zip(dev, ref):
-        assert torch.equal(cache.gather(c, torch.arange(6)), r)
-    host = cache.allocate(KVCacheSpec(2, 3, BS, KV_HEADS, 16, torch.float32, "cpu"), torch.device("cpu"))
-    cache.swap_blocks(dev, host, torch.tensor([5, 2]), torch.tensor([0, 2]))
+        assert torch.equal(kv_cache.gather(c, torch.arange(6)), r)
+    host = kv_cache.allocate(KVCacheSpec(2, 3, BS, KV_HEADS, 16, torch.float32, "cpu"), torch.device("cpu"))
+    kv_cache.swap_blocks(dev, host, torch.tensor([5, 2]), torch.tensor([0, 2]))
     for c, h in zip(dev, host):
-        assert torch.equal(cache.gather(h, torch.tensor([0, 2])), cache.gather(c, torch.tensor([5, 2])))
+        assert torch.equal(kv_cache.gather(h, torch.tensor([0, 2])), kv_cache.gather(c, torch.tensor([5, 2])))
 
 
 def test_kernel_modules_import_nothing_from_the_vendor():

@@ -24,7 +24,7 @@ def pagedllm_probe() -> ProbeResult:
 
 @hookimpl
 def pagedllm_capabilities() -> Capabilities:
-    return Capabilities()
+    return Capabilities(sliding_window=True, soft_cap=True, mla=True)  # core's reference ops run every op
 
 
 @hookimpl

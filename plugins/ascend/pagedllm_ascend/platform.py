@@ -1,5 +1,6 @@
-"""Is an Ascend NPU usable here? Answered without importing torch-npu until the CANN runtime is known to exist:
-torch-npu imported without CANN breaks ``import torch`` itself, so the probe looks before it leaps."""
+"""Platform facts for the probe: is an Ascend NPU usable here? Answered without importing torch-npu until the CANN
+runtime is known to exist: torch-npu imported without CANN breaks ``import torch`` itself, so the probe looks before
+it leaps."""
 
 from __future__ import annotations
 
