@@ -125,7 +125,9 @@ class MemoryInfo:
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """What core asks the allocator for: one cache per layer holding ``num_blocks`` blocks."""
+    """What core asks the allocator for: ``num_layers`` caches, each holding ``num_blocks`` blocks of ``block_size``
+    tokens x ``num_kv_heads`` x ``head_size`` keys and values (one latent row per token when ``mla``), in ``dtype``
+    on ``device``. ``bytes_per_block`` is what one block costs over all layers (core sizes the pool with it)."""
 
     num_layers: int
     num_blocks: int
@@ -166,7 +168,13 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class RunnerContext:
-    """Everything a graph runner or a backend's own model runner needs to know about the engine it serves."""
+    """Everything a graph runner or a backend's own model runner needs to know about the engine it serves.
+
+    ``config`` and ``model_info``: the resolved engine config and the checkpoint's shape; ``max_model_len`` and
+    ``block_size``: the engine's context limit and KV block size (block tables are at most ``ceil(max_model_len /
+    block_size)`` wide); ``max_num_seqs`` / ``max_num_batched_tokens``: the most sequences and tokens one step
+    holds (size persistent buffers from these, never from the model's own maximum); ``dtype`` / ``device``: the
+    model's; ``policy``: the batch policy every step is padded to; ``pad_slot``: where padding tokens write."""
 
     config: "EngineConfig"  # resolved: block_size, dtype and budgets are final
     model_info: ModelInfo

@@ -153,6 +153,14 @@ class StaticGraphRunner:
 
 def make_static_runner(model: Any, ctx: RunnerContext, capture: Capture = eager_capture, level: str = "full",
                        on_device_sampling: bool = True) -> GraphRunner:
+    """A ``GraphRunner`` for ``pagedllm_graph_runner`` on a static-shape device: one program per bucket shape of
+    ``ctx.policy``, captured at warm-up over persistent buffers and replayed every step.
+
+    ``capture(fn) -> replay`` turns one bucket's program into what replays it (``fn`` and ``replay`` take no
+    arguments: the bucket's buffers are bound inside ``fn``); the default re-runs ``fn`` eagerly, a device passes its
+    graph capture or e.g. ``functools.partial(torch.compile, dynamic=False, fullgraph=True)``. ``level`` is reported
+    as ``GraphRunner.level``. ``on_device_sampling`` also captures forward + logits + sampling per bucket
+    (``GraphRunner.sample``; declare ``Capabilities.on_device_sampling``)."""
     runner = StaticGraphRunner(model, ctx, capture)
     return GraphRunner(run=runner.run, level=level, stats=runner.stats,
                        sample=runner.sample if on_device_sampling else None)

@@ -1,6 +1,7 @@
 """Static shapes: a backend with a bucketed batch policy must only ever show its model shapes from the declared
 bucket set (the warm-up set), and its outputs must equal the dynamic path: the same backend's kernels with the
-identity policy, run eagerly. Shapes are recorded at the model, as ``tests/core/test_static_buckets.py`` does."""
+identity policy, run eagerly. Shapes are recorded where core hands each step to the backend's graph runner, so a
+compiled or replayed capture is seen too."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pagedllm.conformance.checks_e2e import MAX_TOKENS, e2e_max_len, e2e_prompts
 from pagedllm.conformance.engine_context import runner_context
 from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested
 from pagedllm.backend.hookspec import hookimpl
+from pagedllm.worker.model_runner import ModelRunner
 
 #: Hooks the dynamic twin does not take from the backend: its shape discipline and its runners.
 STATIC_HOOKS = ("pagedllm_batch_policy", "pagedllm_graph_runner", "pagedllm_model_runner", "pagedllm_backend_info")
@@ -40,6 +42,28 @@ def dynamic_twin(backend: Backend) -> Backend:
     return Backend(SimpleNamespace(**hooks, pagedllm_backend_info=pagedllm_backend_info), f"{info.name}+dynamic")
 
 
+def _shape(input_ids, meta) -> tuple[int, int, int]:
+    return int(input_ids.shape[0]), int(meta.seq_lens.shape[0]), int(meta.block_tables.shape[1])
+
+
+def _record_shapes(worker, model, seen: list) -> None:
+    """Record (tokens, seqs, block-table width) of every forward. Core's model runner hands each step to the
+    backend's graph runner (``run`` / ``sample``): wrapping those records the shapes whatever the runner captured
+    (a compiled or replayed program never calls Python hooks on the model). A backend that owns the whole step
+    (``pagedllm_model_runner``) is recorded at the model's forward instead."""
+    runner = worker.runner
+    if isinstance(runner, ModelRunner):
+        for name in ("run", "sample"):
+            fn = getattr(runner, name)
+            if fn is not None:
+                def recorded(input_ids, positions, meta, *rest, _fn=fn):
+                    seen.append(_shape(input_ids, meta))
+                    return _fn(input_ids, positions, meta, *rest)
+                setattr(runner, name, recorded)
+        return
+    model.register_forward_pre_hook(lambda mod, args: seen.append(_shape(args[0], args[2])))
+
+
 def _generate(backend: Backend, path: str, prompts: list, bs: int, record: bool, eager: bool):
     from pagedllm import LLM, SamplingParams
 
@@ -49,9 +73,7 @@ def _generate(backend: Backend, path: str, prompts: list, bs: int, record: bool,
                   enforce_eager=eager)
     seen: list = []
     if record:
-        llm.llm_engine.model.register_forward_pre_hook(
-            lambda mod, args: seen.append((int(args[0].shape[0]), int(args[2].seq_lens.shape[0]),
-                                           int(args[2].block_tables.shape[1]))))
+        _record_shapes(llm.llm_engine.worker, llm.llm_engine.model, seen)
     # Rows without logprobs sample inside the backend's region where it samples on the device; rows with logprobs
     # take the forward-only program and the host sampler: both paths are compared.
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2 if i % 2 else None, ignore_eos=True)
@@ -70,8 +92,8 @@ def check_static_shapes(ctx: CaseContext) -> None:
     worker = llm.llm_engine.worker
     declared = set(worker.policy.warmup_shapes())
     if not seen:
-        raise Untested("the model was never called through its forward (the backend's own model runner bypasses "
-                       "it): shapes cannot be recorded")
+        raise Untested("no forward was recorded: the backend's own model runner (pagedllm_model_runner) never "
+                       "called the model's forward, so shapes cannot be recorded")
     outside = sorted(set(seen) - declared)
     if outside:
         raise CheckFailed(f"the model saw {len(outside)} shape(s) (tokens, seqs, block-table width) outside the "
