@@ -111,7 +111,7 @@ def check_mla_attention(ctx: CaseContext) -> None:
                 ref_ops.mla_attention(query, ref, batch.meta, scale, latent), "mla_attention output")
 
 
-# ---- block copies ---------------------------------------------------------------------------------------------------
+# ---- block gather and swap ------------------------------------------------------------------------------------------
 def _filled(ctx: CaseContext, num_layers: int, nb: int, bs: int, hs: int) -> tuple[list, list]:
     """Backend caches and canonical references with every slot written except the last block's second half."""
     caches = allocate(ctx, nb, bs, hs, num_layers)
@@ -132,16 +132,6 @@ def check_gather(ctx: CaseContext) -> None:
     ids = torch.tensor([4, 1, 3], device=ctx.device)
     ctx.compare(ctx.backend.gather_kv_blocks(cache, ids), ref_ops.gather_kv_blocks(ref, ids), "gathered blocks",
                 exact=True)
-
-
-def check_copy(ctx: CaseContext) -> None:
-    hs, bs, nb = ctx.params["head_size"], ctx.params["block_size"], 6
-    caches, refs = _filled(ctx, 2, nb, bs, hs)
-    src, dst = torch.tensor([0, 5], device=ctx.device), torch.tensor([4, 2], device=ctx.device)
-    ctx.backend.copy_kv_blocks(caches, src, dst)
-    ref_ops.copy_kv_blocks(refs, src, dst)
-    for i, (c, r) in enumerate(zip(caches, refs)):
-        ctx.compare(gather_all(ctx, c, nb), r, f"layer {i} after copy_kv_blocks", exact=True)
 
 
 def check_swap(ctx: CaseContext) -> None:

@@ -64,8 +64,7 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
             cases.append(Case("kv_cache", "write_kv", f"hs{hs}-bs{bs}", dt, K.check_write_kv,
                               dict(head_size=hs, block_size=bs)))
         for bs in caps.block_sizes:
-            for name, fn in (("gather_kv_blocks", K.check_gather), ("copy_kv_blocks", K.check_copy),
-                             ("swap_kv_blocks", K.check_swap)):
+            for name, fn in (("gather_kv_blocks", K.check_gather), ("swap_kv_blocks", K.check_swap)):
                 cases.append(Case("kv_cache", name, f"hs{hs0}-bs{bs}", dt, fn, dict(head_size=hs0, block_size=bs)))
         for scenario, hs, bs, g in product(("decode", "prefill", "mixed"), head_sizes, caps.block_sizes,
                                            gqa_ratios):
