@@ -90,6 +90,12 @@ def initialize_model_parallel(rank: int, config: ParallelConfig, backend: Any, d
     return state
 
 
+def destroy_model_parallel() -> None:
+    """Forget this process's groups (the executor's shutdown, after the process group is destroyed)."""
+    global _STATE
+    _STATE = None
+
+
 def get_parallel_state() -> Optional[ParallelState]:
     """This process's state, or None outside a distributed engine."""
     return _STATE

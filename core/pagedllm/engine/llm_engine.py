@@ -293,7 +293,7 @@ class LLMEngine:
             sched, outputs = self._schedule(max(1, share), idle_wait=not q)
             if sched is not None:
                 pending = self.worker.submit_model(sched.scheduled)
-                self.scheduler.in_flight.update(s.request.request_id for s in sched.scheduled)
+                self.scheduler.mark_in_flight(sched)
                 q.appendleft((sched, pending))
                 if len(q) < depth and self.scheduler.num_schedulable:
                     return outputs
@@ -303,7 +303,7 @@ class LLMEngine:
         try:
             step, sampled = self.worker.finish_model(pending)
         finally:
-            self.scheduler.in_flight.difference_update(s.request.request_id for s in sched.scheduled)
+            self.scheduler.mark_returned(sched)
         return outputs + self._update(sched, step, sampled)
 
     def _schedule(self, max_seqs: Optional[int] = None,
@@ -414,7 +414,7 @@ class LLMEngine:
         self.stats.slot_steps_seqs += len(sched.scheduled)
         for s in sched.scheduled:
             self.stats.slot_steps_live += s.num_computed_tokens + s.num_new_tokens
-            self.stats.slot_steps_allocated += len(self.kv.req_blocks[s.request.request_id]) * bs
+            self.stats.slot_steps_allocated += self.kv.num_blocks_of(s.request.request_id) * bs
 
     # ---- stats -----------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -423,7 +423,7 @@ class LLMEngine:
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.num_used_blocks = kv.num_used_blocks
-        s.num_cached_blocks = kv.pool.num_cached
+        s.num_cached_blocks = kv.num_cached_blocks
         s.kv_usage = kv.usage
         s.prefix_queries, s.prefix_hits = kv.stats.queries, kv.stats.hits
         s.num_preemptions = self.scheduler.num_preemptions
@@ -445,6 +445,5 @@ class LLMEngine:
             s.spec_decode_acceptance_rate, s.spec_decode_mean_accepted_length = (sp.acceptance_rate,
                                                                                  sp.mean_accepted_length)
         s.live_token_slots = sum(r.num_computed_tokens for r in self.scheduler.running)
-        s.allocated_token_slots = sum(len(kv.req_blocks.get(r.request_id, ())) for r in self.scheduler.running
-                                      ) * kv.block_size
+        s.allocated_token_slots = sum(kv.num_blocks_of(r.request_id) for r in self.scheduler.running) * kv.block_size
         return s

@@ -14,9 +14,11 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.binding import pin_process
+from pagedllm.distributed.parallel_state import destroy_model_parallel
 from pagedllm.executor.rank_worker import RankWorker
 from pagedllm.executor.step import run_step, split_micro_batches
 
@@ -156,13 +158,9 @@ class DistributedExecutor:
         try:
             self._stop_ranks()
         finally:
-            import torch.distributed as dist
-
-            from pagedllm.distributed import parallel_state
-
             if dist.is_initialized():
                 dist.destroy_process_group()
-            parallel_state._STATE = None
+            destroy_model_parallel()
             if self._saved_affinity is not None:
                 pin_process(frozenset(self._saved_affinity))
             torch.set_num_threads(self._saved_threads)
