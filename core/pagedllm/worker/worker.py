@@ -32,6 +32,7 @@ from pagedllm.errors import ParamError
 from pagedllm.sched.scheduler import ScheduledRequest
 from pagedllm.spec_decode.config import MODEL_METHODS
 from pagedllm.spec_decode.verify import sample_rows, verified_spans, verify
+from pagedllm.structured_output.manager import GrammarBitmask
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +101,6 @@ class Worker:
                                     config.max_cpu_loras or config.max_loras)
         self.draft_proposer: Any = None
         self.sampler = Sampler()
-        self.structured: Any = None  # the engine's StructuredOutputManager (token bitmasks for grammar rows)
         self.runner: Any = None
         self.graph_level = "none"
         self.graph_stats: dict = {}
@@ -273,9 +273,11 @@ class Worker:
         logger.info("warmed up %d batch shapes in %.2fs", len(shapes), self.warmup_seconds)
 
     # ---- the step --------------------------------------------------------------------------------------------
-    def execute_model(self, scheduled: list[ScheduledRequest]) -> tuple[StepOutput, Optional[SamplerOutput]]:
-        """Run one scheduled step; returns the runner's output and the sampled tokens of the rows that sample."""
-        return self.finish_model(self.submit_model(scheduled))
+    def execute_model(self, scheduled: list[ScheduledRequest], grammar: Optional[GrammarBitmask] = None,
+                      ) -> tuple[StepOutput, Optional[SamplerOutput]]:
+        """Run one scheduled step; returns the runner's output and the sampled tokens of the rows that sample
+        (``grammar``: the step's token masks, applied before sampling)."""
+        return self.finish_model(self.submit_model(scheduled), grammar)
 
     def submit_model(self, scheduled: list[ScheduledRequest]) -> PendingStep:
         """Start one step (a pipeline-parallel runner returns before the last stage is done: the engine's batch
@@ -285,16 +287,18 @@ class Worker:
             return PendingStep(self.runner.execute(scheduled))
         return submit(scheduled)
 
-    def finish_model(self, pending: PendingStep) -> tuple[StepOutput, Optional[SamplerOutput]]:
-        """Wait for a submitted step's logits and sample them (grammar masks apply to the matchers' state now)."""
+    def finish_model(self, pending: PendingStep, grammar: Optional[GrammarBitmask] = None,
+                     ) -> tuple[StepOutput, Optional[SamplerOutput]]:
+        """Wait for a submitted step's logits, mask the constrained rows with the step's ``grammar`` bitmask (the
+        engine's, made when it scheduled the step) and sample them."""
         step = pending.result()
         sampled = None
         if step.sampled is not None:
             sampled = step.sampled
         elif step.requests:
-            masked = self.structured.bitmask(step.requests) if self.structured is not None else None
-            if masked is not None:  # (grammar requests never speculate: their row is the first of one)
-                self._apply_bitmask(step.logits, sample_rows(step.num_logits, masked[0]), masked[1])
+            rows, mask = grammar.rows_in(step.requests) if grammar is not None else ([], None)
+            if rows:  # (grammar requests never speculate: their row is the first of one)
+                self._apply_bitmask(step.logits, sample_rows(step.num_logits, rows), mask)
             if step.num_logits is not None:
                 sampled = verify(self.sampler, step.logits, step.requests, step.num_logits, step.spec_token_ids)
             else:
