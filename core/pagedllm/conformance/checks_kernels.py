@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedllm.backend import ref_ops
-from pagedllm.conformance.harness import (CaseContext, PagedBatch, Untested, canonical_cache, make_batch, poison,
-                                          poison_allocator)
-from pagedllm.backend.hookspec import KVCacheSpec
+from pagedllm.conformance.harness import (CaseContext, CheckFailed, PagedBatch, Untested, canonical_cache, make_batch,
+                                          poison, poison_allocator)
+from pagedllm.backend.hookspec import KVCacheSpec, QuantizedWeight
 from pagedllm.backend.kv_quant import kv_torch_dtype
+from pagedllm.lora.ops import LoRAMapping
+from pagedllm.quantization import reference_kernel
+from pagedllm.quantization.fp8 import random_fp8_weight
+from pagedllm.quantization.gguf import random_blocks
+from pagedllm.quantization.rtn import random_weight
 
 NUM_KV_HEADS = 2
 
@@ -84,7 +90,7 @@ def check_attention(ctx: CaseContext) -> None:
     poison_allocator(query.numel(), ctx.dtype, ctx.device)
     alibi = {}
     if p.get("alibi"):  # the slopes of this head count (non-power-of-two heads take the interleaved extras)
-        from pagedllm.models.alibi import alibi_slopes
+        from pagedllm.models.alibi import alibi_slopes  # heavy: pagedllm.models, not at CLI start
 
         alibi = dict(alibi_slopes=alibi_slopes(heads).to(ctx.device))
     out = ctx.backend.paged_attention(query, cache, batch.meta, scale, window, cap, *kv_scales(ctx), **alibi)
@@ -222,8 +228,6 @@ def check_add_lora(ctx: CaseContext) -> None:
     """Multi-LoRA against a per-token gather (punica's bgmv) computed here, on a step mixing 3 slots and base
     tokens, laid out as adjacent equal runs (the batched grid) in slot order or not, or as uneven, interleaved
     runs."""
-    from pagedllm.lora.ops import LoRAMapping
-
     slots = {"uniform": [-1, -1, 0, 0, 0, 2, 2, 2, 1, 1, 1, -1],
              "uniform_consecutive": [-1, 1, 1, 1, 2, 2, 2, 3, 3, 3, -1, -1],
              "uneven": [-1, 1, 1, 0, -1, 2, 2, 2, 2, 0, -1, 1]}[ctx.params["layout"]]
@@ -256,7 +260,7 @@ def check_fused_moe(ctx: CaseContext) -> None:
 def check_dense_linear(ctx: CaseContext) -> None:
     """The backend's dense kernel (``quantized_linear("unquantized", dtype)``, e.g. pre-packed weights) against
     ``F.linear`` at a decode-sized and a prefill-sized batch, with and without a bias."""
-    from pagedllm.models.dense_linears import dense_weight
+    from pagedllm.models.dense_linears import dense_weight  # heavy: pagedllm.models, not at CLI start
 
     n, k = ctx.params["out_features"], ctx.params["in_features"]
     kernel = ctx.backend.quantized_linear("unquantized", str(ctx.dtype).removeprefix("torch."))
@@ -279,13 +283,6 @@ QUANT_REL_TOL = 1e-2
 def check_quantized_linear(ctx: CaseContext) -> None:
     """The backend's kernel for one method / weight type against core's reference in float32 (dequantize, then
     matmul; W8A8: its exact int8 math), at a decode-sized and a prefill-sized batch, with a bias."""
-    import numpy as np
-
-    from pagedllm.backend.hookspec import QuantizedWeight
-    from pagedllm.quantization import reference_kernel
-    from pagedllm.quantization.gguf import random_blocks
-    from pagedllm.quantization.rtn import random_weight
-
     method, wtype, n, k = (ctx.params[x] for x in ("method", "weight_type", "out_features", "in_features"))
     kernel = ctx.backend.quantized_linear(method, wtype)
     if kernel is None:
@@ -294,8 +291,6 @@ def check_quantized_linear(ctx: CaseContext) -> None:
         weight = QuantizedWeight(method, wtype, torch.from_numpy(random_blocks(wtype, n, k, np.random.default_rng(
             ctx.seed))), (n, k))
     elif method == "fp8":
-        from pagedllm.quantization.fp8 import random_fp8_weight
-
         weight = random_fp8_weight(wtype, n, k, torch.Generator().manual_seed(ctx.seed))
     else:
         weight = random_weight(method, wtype, n, k, torch.Generator().manual_seed(ctx.seed))

@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
+import pagedllm
 from pagedllm.backend.registry import Backend, BackendError, get_backend
 from pagedllm.conformance import checks_e2e, checks_kernels as K, checks_layout, checks_runtime as R, checks_static
 from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested, case_seed
@@ -215,8 +216,6 @@ def run_conformance(backend: Union[str, Backend], report_dir: Optional[str] = No
     be = get_backend(backend) if isinstance(backend, str) else backend
     if not be.probe.usable:
         raise BackendError(f"backend {be.name!r} is not usable here: {be.probe.reason}")
-    import pagedllm
-
     caps = be.capabilities
     report = Report(be.name, str(be.device()), environment={
         "pagedllm": getattr(pagedllm, "__version__", "?"), "torch": torch.__version__,

@@ -23,6 +23,8 @@ from pagedllm.errors import ParamError
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.sched.request import Request
 from pagedllm.sched.scheduler import ScheduledRequest
+from pagedllm.structured_output.backend_guidance import GuidanceBackend
+from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +90,7 @@ class GrammarBitmask:
 
 class StructuredOutputManager:
     """``backend``: ``auto`` (xgrammar, then llguidance for what xgrammar refuses), ``xgrammar`` or ``guidance``.
-    Backends are built on first use: an engine that never sees a grammar never loads one."""
+    Backends are built on first use: an engine that never sees a grammar never loads their libraries."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], backend: str = "auto"):
         if backend not in BACKENDS:
@@ -104,10 +106,7 @@ class StructuredOutputManager:
     def _backend(self, name: str) -> Any:
         be = self._backends.get(name)
         if be is None:
-            if name == "xgrammar":
-                from pagedllm.structured_output.backend_xgrammar import XgrammarBackend as cls
-            else:
-                from pagedllm.structured_output.backend_guidance import GuidanceBackend as cls
+            cls = XgrammarBackend if name == "xgrammar" else GuidanceBackend
             be = self._backends[name] = cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return be
 

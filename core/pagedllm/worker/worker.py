@@ -26,13 +26,16 @@ from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.backend.kv_quant import kv_torch_dtype
 from pagedllm.lora.slots import LoRAManager
 from pagedllm.worker.model_runner import ModelRunner, PendingStep, StepOutput
-from pagedllm.models import load_model
+from pagedllm.models import load_config, load_model, resolve_model_path
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.errors import ParamError
 from pagedllm.sched.scheduler import ScheduledRequest
 from pagedllm.spec_decode.config import MODEL_METHODS
 from pagedllm.spec_decode.verify import sample_rows, verified_spans, verify
 from pagedllm.structured_output.manager import GrammarBitmask
+from pagedllm.distributed.binding import local_device
+from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.eagle import EagleProposer, load_eagle_head
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,6 @@ class Worker:
         """``config`` is resolved (``config.resolve_config``): dtype, block size, max_model_len and the token budget
         are final, and the backend's capabilities were checked against the checkpoint. ``device``: this rank's
         (distributed engines); default: data-parallel replica ``config.data_parallel_rank``'s device."""
-        from pagedllm.distributed.binding import local_device
-
         self.config, self.backend, self.info = config, backend, info
         self.device = device if device is not None else local_device(backend, config.data_parallel_rank)
         backend.set_device(self.device)
@@ -109,11 +110,7 @@ class Worker:
     def _load_draft(self, path: str, method: str) -> Any:
         """The draft model or EAGLE head, in the target's dtype on the same device (its KV cache, of the target's
         block count and ids, is allocated with the pool). Its vocabulary must be the target's."""
-        from pagedllm.models import load_config, resolve_model_path
-
         if method == "eagle":
-            from pagedllm.spec_decode.eagle import load_eagle_head
-
             return load_eagle_head(path, self.model, self.backend, self.dtype, self.device, self.max_model_len)
 
         try:
@@ -229,9 +226,6 @@ class Worker:
                                                    f"{'its own model runner' if own is not None else 'static batch shapes'}"
                                                    ", which does not verify speculative tokens; use a dynamic backend")
         if self.draft_model is not None:
-            from pagedllm.spec_decode.draft_model import DraftModelProposer
-            from pagedllm.spec_decode.eagle import EagleProposer
-
             eagle = self.config.speculative_config.method == "eagle"
             self.draft_proposer = (EagleProposer if eagle else DraftModelProposer)(self.draft_model, kv, self.device)
         if self.lora is not None and (own is not None or self.policy.static):
