@@ -5,6 +5,8 @@ Names are loaded lazily so ``import pagedllm`` (and the CLI's ``backends`` comma
 
 from __future__ import annotations
 
+import importlib
+
 from pagedllm import deprecated as _deprecated
 
 __version__ = "0.2.0"
@@ -32,7 +34,5 @@ _deprecated.install()
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'pagedllm' has no attribute {name!r}")

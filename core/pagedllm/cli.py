@@ -14,6 +14,8 @@ import sys
 import traceback
 from typing import Optional, Sequence
 
+from pagedllm.errors import UserError
+
 COMMANDS = (
     "pagedllm.commands.generate",
     "pagedllm.commands.chat",
@@ -49,8 +51,6 @@ def _debug(args: argparse.Namespace) -> bool:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from pagedllm.errors import UserError
-
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
+from pagedllm.deprecated import moved
 from pagedllm.errors import ParamError as _ParamError
 
 
@@ -165,8 +166,6 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def clone(self, **changes) -> "SamplingParams":
-        from dataclasses import replace
-
         return replace(self, **changes)
 
 
@@ -193,8 +192,6 @@ class BeamSearchParams:
 
 def __getattr__(name: str):
     if name == "ParamError":  # contract v2's path; removed with v3
-        from pagedllm.deprecated import moved
-
         globals()["ParamError"] = moved("pagedllm.sampling_params.ParamError", "pagedllm.errors.ParamError",
                                         _ParamError)  # one warning, not one per lookup
         return _ParamError

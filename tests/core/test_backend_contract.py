@@ -3,6 +3,7 @@ host caches and profiling through the backend, and a model of any head size on t
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -13,7 +14,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.backend import ref_ops
 from pagedllm.backend.registry import Backend, register_backend
 from pagedllm.config import EngineConfig, resolve_config
-from pagedllm.backend.hookspec import Capabilities, KVCacheSpec, MemoryInfo, ModelInfo
+from pagedllm.backend.hookspec import (HOOK_NAMES, RETIRED_HOOK_NAMES, Capabilities, KVCacheSpec, MemoryInfo,
+                                       ModelInfo)
 from pagedllm.models import load_config
 from pagedllm.models.info import read_model_info
 from pagedllm.errors import ParamError
@@ -86,23 +88,34 @@ def test_kv_cache_dtype_is_checked():
 
 
 def test_in_place_hooks_never_fall_through_to_the_reference(monkeypatch):
-    """A tuple layout's own copy returning None is the whole implementation: the reference never runs after it."""
+    """A tuple layout's own swap returning None is the whole implementation: the reference never runs after it."""
     calls = []
 
     def refuse(*a, **k):
         raise AssertionError("reference op ran on the backend's own layout")
 
-    monkeypatch.setattr(ref_ops, "copy_kv_blocks", refuse)
     monkeypatch.setattr(ref_ops, "swap_kv_blocks", refuse)
     monkeypatch.setattr(ref_ops, "write_kv", refuse)
-    b = backend("tuples", copy_kv_blocks=lambda kv_caches, src, dst: calls.append("copy"),
-                swap_kv_blocks=lambda src_caches, dst_caches, src, dst: calls.append("swap"),
+    b = backend("tuples", swap_kv_blocks=lambda src_caches, dst_caches, src, dst: calls.append("swap"),
                 write_kv=lambda key, value, kv_cache, slot_mapping: calls.append("write"))
     caches = [(torch.zeros(2, 4), torch.zeros(2, 4))]
-    b.copy_kv_blocks(caches, torch.tensor([0]), torch.tensor([1]))
     b.swap_kv_blocks(caches, caches, torch.tensor([0]), torch.tensor([1]))
     b.write_kv(torch.zeros(1), torch.zeros(1), caches[0], torch.tensor([0]))
-    assert calls == ["copy", "swap", "write"]
+    assert calls == ["swap", "write"]
+
+
+def test_a_plugin_implementing_a_retired_hook_still_loads():
+    """``pagedllm_copy_kv_blocks`` was retired (core never copies blocks): a plugin written against the earlier v2
+    contract that implements it loads with one DeprecationWarning naming it, and the hook is never bound."""
+    calls = []
+    with pytest.warns(DeprecationWarning, match=r"retired hook\(s\) \['pagedllm_copy_kv_blocks'\]") as w:
+        b = backend("retired", copy_kv_blocks=lambda kv_caches, src, dst: calls.append("copy"))
+    assert len([x for x in w if issubclass(x.category, DeprecationWarning)]) == 1
+    assert "pagedllm_copy_kv_blocks" in RETIRED_HOOK_NAMES and "pagedllm_copy_kv_blocks" not in HOOK_NAMES
+    assert not hasattr(b, "copy_kv_blocks") and b.info.name == "retired" and calls == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a plugin without retired hooks loads silently
+        backend("current")
 
 
 def test_hook_implementations_may_name_fewer_arguments_than_the_spec():

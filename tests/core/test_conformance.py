@@ -65,7 +65,7 @@ def test_reference_backend_passes_everything(ref_backend, tmp_path):
     assert report.status == "PASS"
     kernels = {r.kernel for r in report.results}
     assert {"write_kv", "paged_attention.decode", "paged_attention.prefill", "paged_attention.mixed",
-            "paged_attention.sliding_window", "paged_attention.soft_cap", "paged_attention.alibi", "gather_kv_blocks", "copy_kv_blocks",
+            "paged_attention.sliding_window", "paged_attention.soft_cap", "paged_attention.alibi", "gather_kv_blocks",
             "swap_kv_blocks", "allocate_kv_cache", "memory_info", "rms_norm", "rotary", "silu_and_mul",
             "graph_runner.replay_vs_eager", "greedy_parity_vs_hf", "layout_ownership", "add_lora",
             "apply_token_bitmask"} <= kernels

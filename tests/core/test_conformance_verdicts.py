@@ -44,11 +44,6 @@ def bf_attention(query, kv_cache, meta, scale, sliding_window, soft_cap):
                                    soft_cap)
 
 
-def bf_copy(kv_caches, src, dst):
-    for c in kv_caches:
-        c[dst] = c[src]
-
-
 def bf_swap(src_caches, dst_caches, src, dst):
     for s, d in zip(src_caches, dst_caches):
         d[dst.to(d.device)] = s[src.to(s.device)].to(d.device)
@@ -64,21 +59,22 @@ BLOCKS_FIRST = dict(allocate_kv_cache=bf_allocate, write_kv=bf_write, gather_kv_
 
 def test_reference_op_on_a_backends_own_layout_fails():
     half = Backend(make_plugin("half-own", **BLOCKS_FIRST), "half-own")
-    report = run_conformance(half, allow=["layout_ownership", "copy_kv_blocks", "write_kv"])
+    report = run_conformance(half, allow=["layout_ownership", "swap_kv_blocks", "write_kv"])
     (own,) = [r for r in report.results if r.kernel == "layout_ownership"]
     assert own.status == "failing" and report.status == "FAIL"
-    for hook in ("pagedllm_copy_kv_blocks", "pagedllm_swap_kv_blocks", "pagedllm_allocate_host_kv_cache"):
+    for hook in ("pagedllm_swap_kv_blocks", "pagedllm_allocate_host_kv_cache"):
         assert hook in own.error
     assert "resolve(s) to core's reference op" in own.error and "[2, num_blocks" in own.error
-    assert all(r.status == "failing" for r in report.results if r.kernel == "copy_kv_blocks")
+    swaps = [r.status for r in report.results if r.kernel == "swap_kv_blocks"]
+    assert swaps and all(s == "failing" for s in swaps)
     assert all(r.status == "passing" for r in report.results if r.kernel == "write_kv")
 
-    whole = Backend(make_plugin("all-own", **BLOCKS_FIRST, copy_kv_blocks=bf_copy, swap_kv_blocks=bf_swap,
+    whole = Backend(make_plugin("all-own", **BLOCKS_FIRST, swap_kv_blocks=bf_swap,
                                 allocate_host_kv_cache=bf_host), "all-own")
     report = run_conformance(whole, allow=["kv_cache"])
     assert report.passed, [(r.id, r.error) for r in report.failing]
     kernels = {r.kernel for r in report.results if r.status == "passing"}
-    assert {"layout_ownership", "copy_kv_blocks", "swap_kv_blocks", "gather_kv_blocks"} <= kernels
+    assert {"layout_ownership", "swap_kv_blocks", "gather_kv_blocks"} <= kernels
 
 
 class Box:
@@ -100,7 +96,6 @@ BOXED = dict(allocate_kv_cache=lambda spec: [Box(c) for c in ref_ops.allocate_kv
              paged_attention=lambda query, kv_cache, meta, scale, sliding_window, soft_cap: ref_ops.paged_attention(
                  query, kv_cache.t, meta, scale, sliding_window, soft_cap),
              gather_kv_blocks=lambda kv_cache, block_ids: ref_ops.gather_kv_blocks(kv_cache.t, block_ids),
-             copy_kv_blocks=lambda kv_caches, src, dst: ref_ops.copy_kv_blocks([c.t for c in kv_caches], src, dst),
              swap_kv_blocks=lambda src_caches, dst_caches, src, dst: ref_ops.swap_kv_blocks(
                  [c.t for c in src_caches], [c.t for c in dst_caches], src, dst))
 
@@ -108,10 +103,10 @@ BOXED = dict(allocate_kv_cache=lambda spec: [Box(c) for c in ref_ops.allocate_kv
 def test_untested_checks_make_the_run_partial_never_pass():
     be = Backend(make_plugin("boxed", **BOXED), "boxed")
     cases = [c for c in enumerate_cases(be) if c.kernel in ("layout_ownership", "swap_kv_blocks",
-                                                            "graph_runner.replay_vs_eager", "copy_kv_blocks")]
+                                                            "graph_runner.replay_vs_eager", "gather_kv_blocks")]
     report = Report(be.name, "cpu", [run_case(be, c) for c in cases])
     by_kernel = {r.kernel: r.status for r in report.results}
-    assert by_kernel == {"layout_ownership": "passing", "copy_kv_blocks": "passing", "swap_kv_blocks": "untested",
+    assert by_kernel == {"layout_ownership": "passing", "gather_kv_blocks": "passing", "swap_kv_blocks": "untested",
                          "graph_runner.replay_vs_eager": "untested"}
     assert report.passed and report.status == PARTIAL
     text = report.to_markdown()

@@ -213,3 +213,69 @@ def test_mixed_batch_masks_only_constrained_rows(llm):
                         use_tqdm=False)
     assert outs[0].outputs[0].token_ids == alone == outs[2].outputs[0].token_ids
     _validate_all(outs[1:2], schema)
+
+
+def test_grammar_row_beside_speculative_rows(llm):
+    """A grammar request admitted while others speculate (n-gram): its prefill row follows their speculative rows,
+    so its mask must land on its own logits row, not on its index among the sampling requests; the speculating
+    requests still produce plain decoding's tokens and the grammar's output validates."""
+    from pagedllm.spec_decode.verify import sample_rows
+    from test_spec_decode import NGRAM
+
+    spec = LLM(tiny_chat_model(), device="cpu", max_model_len=512, kv_cache_memory=64 << 20, speculative_config=NGRAM)
+    eng, worker = spec.llm_engine, spec.llm_engine.worker
+    prompts = ["one two three four one two three four one two three four one two",
+               "red green blue red green blue red green blue red"]
+    plain = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    finish, moved = worker.finish_model, []
+
+    def recording_finish(pending, grammar=None):
+        step, sampled = finish(pending, grammar)
+        if grammar is not None and step.num_logits is not None:
+            rows = grammar.rows_in(step.requests)[0]
+            moved.append(sample_rows(step.num_logits, rows) != rows)
+        return step, sampled
+
+    worker.finish_model = recording_finish
+    try:
+        for i, p in enumerate(prompts):
+            eng.add_request(f"p{i}", p, plain)
+        while eng.get_stats().spec_decode_num_drafts == 0:
+            eng.step()
+        schema = SCHEMAS[0]
+        eng.add_request("g", "rec:", _json_params(schema, temperature=0))
+        eng.requests["g"][1].structured.future.result(timeout=120)  # compiled: admitted at the next step
+        done = {}
+        while eng.has_unfinished_requests():
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+    finally:
+        del worker.finish_model
+    assert any(moved), moved
+    assert [done[f"p{i}"].outputs[0].token_ids for i in range(2)] == want
+    _validate_all([done["g"]], schema)
+    assert eng.kv.num_used_blocks == 0
+
+
+def test_grammar_masks_travel_with_pipeline_batches(llm):
+    """Pipeline parallel keeps two batches of disjoint requests in flight: each carries the masks made when it was
+    scheduled, so grammar and plain requests give the one-rank engine's greedy tokens."""
+    threads = torch.get_num_threads()
+    pp = LLM(tiny_chat_model(), device="cpu", max_model_len=512, kv_cache_memory=64 << 20, pipeline_parallel_size=2)
+    try:
+        grammars = [StructuredOutputsParams(choice=["yes", "no", "maybe later"]),
+                    StructuredOutputsParams(regex=r"[a-z]{3,8}( [0-9]{1,3})?")]
+        prompts = [f"Answer {i}:" for i in range(6)]
+        params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=grammars[i % 2]) if i % 3 else
+                  SamplingParams(temperature=0, max_tokens=24, ignore_eos=True) for i in range(6)]
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs = pp.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        for i in (1, 2, 4, 5):
+            c = outs[i].outputs[0]
+            ok = c.text in grammars[0].choice if i % 2 == 0 else re.fullmatch(grammars[1].regex, c.text)
+            assert c.finish_reason == "stop" and ok, (i, c)
+        assert pp.llm_engine.executor.max_in_flight == 2
+    finally:
+        pp.llm_engine.shutdown()
+        torch.set_num_threads(threads)

@@ -62,8 +62,8 @@ def test_two_batches_of_disjoint_requests_in_flight(setup):
         in_flight[id(pending)] = ids
         return pending
 
-    def recording_finish(pending):
-        out = finish(pending)
+    def recording_finish(pending, grammar=None):
+        out = finish(pending, grammar)
         in_flight.pop(id(pending))
         return out
 

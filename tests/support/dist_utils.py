@@ -129,14 +129,14 @@ def run_capturing_keyed_logits(llm: LLM, prompts: list[list[int]], max_tokens: i
     worker = llm.llm_engine.worker
     inner, rows = worker.finish_model, {}
 
-    def capture(pending):
+    def capture(pending, grammar=None):
         step = pending.result()  # (idempotent: finish_model asks again)
         for i, req in enumerate(step.requests):  # one sampled row per request (no speculation here)
             rows[(req.request_id, req.num_tokens)] = step.logits[i].clone()
         for req, first, plogits in step.prompt_logits:
             for j in range(plogits.shape[0]):
                 rows[(req.request_id, "prompt", first + j)] = plogits[j].clone()
-        return inner(pending)
+        return inner(pending, grammar)
 
     worker.finish_model = capture
     try:

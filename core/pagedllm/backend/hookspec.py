@@ -7,12 +7,15 @@ falls back to core's pure-torch reference ops. Hooks are resolved once, when the
 calls plain functions, not pluggy.
 
 Contract version: :data:`API_VERSION`. Core N loads plugins built for N or N-1 (``BackendInfo.api_version``) and
-refuses others with a message naming both versions. Hooks are only ever added, never changed in place: a spec may
-gain an argument (pluggy passes an implementation only the arguments it names, so older implementations keep
-working), but a changed meaning is a new hook name and a new API version.
+refuses others with a message naming both versions. Hooks are never changed in place: a spec may gain an argument
+(pluggy passes an implementation only the arguments it names, so older implementations keep working), but a changed
+meaning is a new hook name and a new API version. A hook core stopped calling is *retired*: its spec moves to
+:class:`RetiredSpec`, where it is never bound nor called but still lets a plugin that implements it load (pluggy
+refuses an implementation without a spec), with a ``DeprecationWarning``. A retired spec is deleted once core no
+longer loads any contract version whose plugins may implement it.
 
 No fall-through: core resolves every hook once to exactly one implementation — the backend's own when it has one,
-else core's reference — and calls that alone. A backend's in-place hook (``write_kv``, ``copy_kv_blocks``...) may
+else core's reference — and calls that alone. A backend's in-place hook (``write_kv``, ``swap_kv_blocks``...) may
 return ``None``; the reference never runs after it on the backend's layout.
 
 Version 2 added the hooks a static-shape or graph-first device needs to shape the engine around itself without
@@ -25,12 +28,12 @@ memory), ``pagedllm_allocate_host_kv_cache`` (host swap caches in the backend's 
 KV-cache layout is the backend's choice. The *canonical* layout, used by the reference ops and by the conformance
 suite, is one tensor per layer of shape ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = keys,
 1 = values). A backend with another layout implements ``pagedllm_gather_kv_blocks`` so conformance can read it back,
-and ``pagedllm_copy_kv_blocks`` / ``pagedllm_swap_kv_blocks`` so core can copy-on-write and swap.
+and ``pagedllm_swap_kv_blocks`` so core can swap blocks to and from host memory.
 
 MLA models (DeepSeek-V2/V3) cache one compressed latent row per token instead of per-head keys and values:
 ``KVCacheSpec.mla`` is set, ``num_kv_heads`` is 1 and ``head_size`` is the latent width (``kv_lora_rank +
-qk_rope_head_dim``); the canonical layout is ``[1, num_blocks, block_size, 1, head_size]`` (so the block copy, swap
-and gather hooks work unchanged on it), written by ``pagedllm_write_mla_kv`` and read by ``pagedllm_mla_attention``.
+qk_rope_head_dim``); the canonical layout is ``[1, num_blocks, block_size, 1, head_size]`` (so the block swap and
+gather hooks work unchanged on it), written by ``pagedllm_write_mla_kv`` and read by ``pagedllm_mla_attention``.
 """
 
 from __future__ import annotations
@@ -378,10 +381,6 @@ class BackendSpec:
         """Read blocks back in canonical layout ``[2, n, block_size, num_kv_heads, head_size]``."""
 
     @hookspec(firstresult=True)
-    def pagedllm_copy_kv_blocks(self, kv_caches: list, src: "torch.Tensor", dst: "torch.Tensor") -> None:
-        """Copy whole blocks ``src[i] -> dst[i]`` in every layer (copy-on-write, beam forks)."""
-
-    @hookspec(firstresult=True)
     def pagedllm_swap_kv_blocks(
         self, src_caches: list, dst_caches: list, src: "torch.Tensor", dst: "torch.Tensor"
     ) -> None:
@@ -458,7 +457,21 @@ class BackendSpec:
         then up rows); ``w2`` ``[E, H, I]``; ``topk_weights`` float32 and ``topk_ids`` int64, both ``[T, k]``.
         Returns ``[T, H]`` in the hidden states' dtype. Reference: ``pagedllm.backend.ref_ops.fused_moe``."""
 
+
+class RetiredSpec:
+    """Hooks core no longer calls (see the module docstring): specs kept only so plugins written against an older
+    contract that still implement them keep loading. Never bound on a ``Backend``, never called."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_copy_kv_blocks(self, kv_caches: list, src: "torch.Tensor", dst: "torch.Tensor") -> None:
+        """Retired during v2 (was: copy whole blocks ``src[i] -> dst[i]`` in every layer). Core shares only full
+        blocks through the prefix cache and beam search recomputes its forks, so no block is ever copied on the
+        device (as in vLLM v1, whose attention backends dropped ``copy_blocks``)."""
+
+
 #: Hooks every backend must implement itself (no reference fallback).
 REQUIRED_HOOKS = ("pagedllm_backend_info", "pagedllm_probe", "pagedllm_memory_info")
 #: Every hook of the contract, in spec order (core binds each once per backend: see ``backends.Backend``).
 HOOK_NAMES = tuple(n for n in vars(BackendSpec) if n.startswith("pagedllm_"))
+#: Retired hooks: a plugin may still implement them (it loads, with a DeprecationWarning); core never calls them.
+RETIRED_HOOK_NAMES = tuple(n for n in vars(RetiredSpec) if n.startswith("pagedllm_"))

@@ -38,11 +38,6 @@ def gather_kv_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.T
     return kv_cache[:, block_ids.long()]
 
 
-def copy_kv_blocks(kv_caches: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
-    for cache in kv_caches:
-        cache[:, dst.long()] = cache[:, src.long()]
-
-
 def swap_kv_blocks(src_caches: list[torch.Tensor], dst_caches: list[torch.Tensor], src: torch.Tensor,
                    dst: torch.Tensor) -> None:
     for s, d in zip(src_caches, dst_caches):

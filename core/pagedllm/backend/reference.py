@@ -100,11 +100,6 @@ def pagedllm_gather_kv_blocks(kv_cache, block_ids):
 
 
 @hookimpl(trylast=True)
-def pagedllm_copy_kv_blocks(kv_caches, src, dst) -> None:
-    ref_ops.copy_kv_blocks(kv_caches, src, dst)
-
-
-@hookimpl(trylast=True)
 def pagedllm_swap_kv_blocks(src_caches, dst_caches, src, dst) -> None:
     ref_ops.swap_kv_blocks(src_caches, dst_caches, src, dst)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import traceback
+import warnings
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Callable, Optional
@@ -13,8 +14,9 @@ import torch
 
 from pagedllm.backend import hookspec, reference
 from pagedllm.errors import UserError
-from pagedllm.backend.hookspec import (API_VERSION, ENTRY_POINT_GROUP, HOOK_NAMES, PROJECT, REQUIRED_HOOKS, BackendInfo,
-                               Capabilities, GraphRunner, KVCacheSpec, MemoryInfo, ProbeResult, RunnerContext)
+from pagedllm.backend.hookspec import (API_VERSION, ENTRY_POINT_GROUP, HOOK_NAMES, PROJECT, REQUIRED_HOOKS,
+                                       RETIRED_HOOK_NAMES, BackendInfo, Capabilities, GraphRunner, KVCacheSpec,
+                                       MemoryInfo, ProbeResult, RunnerContext)
 
 
 class BackendError(RuntimeError, UserError):
@@ -33,6 +35,7 @@ class Backend:
     def __init__(self, plugin: Any, plugin_name: str):
         self.pm = pluggy.PluginManager(PROJECT)
         self.pm.add_hookspecs(hookspec.BackendSpec)
+        self.pm.add_hookspecs(hookspec.RetiredSpec)  # an older plugin implementing a retired hook still loads
         self.pm.register(reference, name="pagedllm-reference")
         self.pm.register(plugin, name=plugin_name)
         self.plugin = plugin
@@ -41,6 +44,10 @@ class Backend:
         if missing:
             raise BackendError(f"backend plugin {plugin_name!r} does not implement required hook(s): {missing}")
         self.pm.check_pending()
+        retired = sorted(own.intersection(RETIRED_HOOK_NAMES))
+        if retired:
+            warnings.warn(f"backend plugin {plugin_name!r} implements retired hook(s) {retired}: core never calls "
+                          "them (pagedllm.backend.hookspec.RetiredSpec); drop them", DeprecationWarning, stacklevel=2)
         for name in HOOK_NAMES:
             if name not in ("pagedllm_probe", "pagedllm_capabilities"):  # cached properties below
                 setattr(self, name.removeprefix("pagedllm_"), self._resolve(name))
@@ -123,7 +130,6 @@ class Backend:
         write_mla_kv: Callable[..., None]
         mla_attention: Callable[..., torch.Tensor]
         gather_kv_blocks: Callable[[Any, torch.Tensor], torch.Tensor]
-        copy_kv_blocks: Callable[[list, torch.Tensor, torch.Tensor], None]
         swap_kv_blocks: Callable[[list, list, torch.Tensor, torch.Tensor], None]
         graph_runner: Callable[..., GraphRunner]
         rms_norm: Callable[..., torch.Tensor]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from pagedllm.backend import registry
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("backends", help="list installed backends and whether they are usable here")
@@ -14,10 +16,8 @@ def add_parser(sub) -> None:
 
 def rows() -> list[dict]:
     """Installed backends (probed), then every backend extra of ours that is not installed, with how to get it."""
-    from pagedllm.backend.registry import discover, known_extras
-
     out = []
-    found = discover()
+    found = registry.discover()
     for name, d in sorted(found.items()):
         if d.backend is None:
             out.append({"name": name, "distribution": d.distribution, "loaded": False, "usable": False,
@@ -30,7 +30,7 @@ def rows() -> list[dict]:
                     "quantization": list(b.capabilities.quantization),
                     "kv_cache_dtypes": list(b.capabilities.kv_cache_dtypes)})
     installed = {d.backend.info.extra for d in found.values() if d.backend is not None} | set(found)
-    for extra in known_extras():
+    for extra in registry.known_extras():
         if extra not in installed:
             out.append({"name": extra, "distribution": "", "loaded": False, "usable": False, "priority": None,
                         "device_type": None, "reason": f"not installed: pip install \"pagedllm[{extra}]\""})

@@ -9,10 +9,12 @@ answers one message and exits (scripts).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable, Iterator
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config
+from pagedllm.commands.stream_clients import LocalStreams, RemoteStreams
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
 
@@ -38,17 +40,12 @@ def add_parser(sub) -> None:
 
 def _streams(args: argparse.Namespace):
     if args.url:
-        import os
-
-        from pagedllm.commands.stream_clients import RemoteStreams
-
         if args.model is not None:
             raise ParamError("model", "--model loads a model in process; with --url name the served model with "
                                       "--model-name")
         return RemoteStreams(args.url, args.model_name, args.api_key or os.environ.get("OPENAI_API_KEY"),
                              args.max_tokens, args.temperature)
-    from pagedllm.commands.stream_clients import LocalStreams
-    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.entrypoints.llm import LLM  # heavy: the engine stack, only when the command runs
 
     sp = SamplingParams(max_tokens=args.max_tokens or 256,
                         temperature=args.temperature if args.temperature is not None else 0.7, seed=args.seed)
@@ -67,7 +64,7 @@ def _print_stream(pieces: Iterator[str]) -> str:
 
 def _loop(prompt: str, handle: Callable[[str], None]) -> int:
     try:
-        import readline  # noqa: F401  (line editing and history for input())
+        import readline  # noqa: F401 (optional, not on Windows: line editing and history for input())
     except ImportError:
         pass
     while True:

@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config
+from pagedllm.commands.stream_clients import LocalStreams
+from pagedllm.sampling_params import SamplingParams
 
 
 def add_parser(sub) -> None:
@@ -23,8 +25,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedllm.entrypoints.llm import LLM
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.entrypoints.llm import LLM  # heavy: the engine stack, only when the command runs
 
     # bad sampling values fail before the model loads
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -44,8 +45,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_streamed(llm, sp, args: argparse.Namespace) -> int:
-    from pagedllm.commands.stream_clients import LocalStreams
-
     streams = LocalStreams(llm, sp)
     for prompt in args.prompts:
         if len(args.prompts) > 1:

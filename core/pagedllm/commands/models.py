@@ -13,7 +13,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedllm.models.support import fallback_architectures, markdown_table, rows
+    from pagedllm.models.support import fallback_architectures, markdown_table, rows  # heavy: pagedllm.models
 
     if args.json:
         print(json.dumps({"models": rows(), "fallback_architectures": fallback_architectures()}, indent=2))

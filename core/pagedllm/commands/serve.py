@@ -13,11 +13,8 @@ import logging
 import socket
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config, lora_modules
-from pagedllm.entrypoints.openai.limits import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_NUM_QUEUED_REQS,
-    DEFAULT_TEMPLATE_RENDER_TIMEOUT,
-)
+from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_NUM_QUEUED_REQS,
+                                                DEFAULT_TEMPLATE_RENDER_TIMEOUT, ServerLimits)
 from pagedllm.errors import ParamError
 
 
@@ -133,9 +130,8 @@ def _check_port(host: str, port: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from pagedllm.entrypoints.openai.api_server import serve
-        from pagedllm.entrypoints.openai.auth import load_api_keys
-        from pagedllm.entrypoints.openai.limits import ServerLimits
+        from pagedllm.entrypoints.openai.api_server import serve  # heavy: fastapi, uvicorn
+        from pagedllm.entrypoints.openai.auth import load_api_keys  # heavy: fastapi
     except ImportError as e:
         raise SystemExit(f"pagedllm serve needs the serving extras ({e.name} is missing): "
                          "pip install 'pagedllm[serve]'") from None

@@ -60,7 +60,7 @@ class RemoteStreams:
 
     def __init__(self, url: str, model_name: Optional[str], api_key: Optional[str], max_tokens: Optional[int],
                  temperature: Optional[float]):
-        import openai
+        import openai  # optional: openai, only for --url
 
         base = url.rstrip("/")
         self.client = openai.OpenAI(base_url=base if base.endswith("/v1") else base + "/v1",

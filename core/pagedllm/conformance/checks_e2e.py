@@ -22,7 +22,7 @@ MAX_TOKENS = 8
 @lru_cache(maxsize=None)
 def tiny_llama(head_size: int, seed: int = 0, max_positions: int = 256) -> str:
     """A seeded random 2-layer GQA Llama saved with ``save_pretrained`` (cached per process)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig  # heavy: transformers
 
     config = LlamaConfig(vocab_size=128, hidden_size=4 * head_size, intermediate_size=8 * head_size,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_size,
@@ -37,7 +37,7 @@ def tiny_llama(head_size: int, seed: int = 0, max_positions: int = 256) -> str:
 
 
 def hf_greedy(path: str, prompts: list[list[int]]) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: transformers
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     outs = []
@@ -85,7 +85,7 @@ def first_mismatch(got: list[int], want: list[int], prompt_len: int, block_size:
 
 def check_greedy_parity(ctx: CaseContext) -> None:
     try:
-        from pagedllm import LLM, SamplingParams
+        from pagedllm import LLM, SamplingParams  # heavy: the engine stack, not at CLI start
     except ImportError as e:
         raise Untested(f"pagedllm.LLM is not importable yet: {e}") from e
     bs = ctx.params["block_size"]

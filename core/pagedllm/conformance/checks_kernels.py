@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedllm.backend import ref_ops
-from pagedllm.conformance.harness import (CaseContext, PagedBatch, Untested, canonical_cache, make_batch, poison,
-                                          poison_allocator)
-from pagedllm.backend.hookspec import KVCacheSpec
+from pagedllm.conformance.harness import (CaseContext, CheckFailed, PagedBatch, Untested, canonical_cache, make_batch,
+                                          poison, poison_allocator)
+from pagedllm.backend.hookspec import KVCacheSpec, QuantizedWeight
 from pagedllm.backend.kv_quant import kv_torch_dtype
+from pagedllm.lora.ops import LoRAMapping
+from pagedllm.quantization import reference_kernel
+from pagedllm.quantization.fp8 import random_fp8_weight
+from pagedllm.quantization.gguf import random_blocks
+from pagedllm.quantization.rtn import random_weight
 
 NUM_KV_HEADS = 2
 
@@ -84,7 +90,7 @@ def check_attention(ctx: CaseContext) -> None:
     poison_allocator(query.numel(), ctx.dtype, ctx.device)
     alibi = {}
     if p.get("alibi"):  # the slopes of this head count (non-power-of-two heads take the interleaved extras)
-        from pagedllm.models.alibi import alibi_slopes
+        from pagedllm.models.alibi import alibi_slopes  # heavy: pagedllm.models, not at CLI start
 
         alibi = dict(alibi_slopes=alibi_slopes(heads).to(ctx.device))
     out = ctx.backend.paged_attention(query, cache, batch.meta, scale, window, cap, *kv_scales(ctx), **alibi)
@@ -111,7 +117,7 @@ def check_mla_attention(ctx: CaseContext) -> None:
                 ref_ops.mla_attention(query, ref, batch.meta, scale, latent), "mla_attention output")
 
 
-# ---- block copies ---------------------------------------------------------------------------------------------------
+# ---- block gather and swap ------------------------------------------------------------------------------------------
 def _filled(ctx: CaseContext, num_layers: int, nb: int, bs: int, hs: int) -> tuple[list, list]:
     """Backend caches and canonical references with every slot written except the last block's second half."""
     caches = allocate(ctx, nb, bs, hs, num_layers)
@@ -132,16 +138,6 @@ def check_gather(ctx: CaseContext) -> None:
     ids = torch.tensor([4, 1, 3], device=ctx.device)
     ctx.compare(ctx.backend.gather_kv_blocks(cache, ids), ref_ops.gather_kv_blocks(ref, ids), "gathered blocks",
                 exact=True)
-
-
-def check_copy(ctx: CaseContext) -> None:
-    hs, bs, nb = ctx.params["head_size"], ctx.params["block_size"], 6
-    caches, refs = _filled(ctx, 2, nb, bs, hs)
-    src, dst = torch.tensor([0, 5], device=ctx.device), torch.tensor([4, 2], device=ctx.device)
-    ctx.backend.copy_kv_blocks(caches, src, dst)
-    ref_ops.copy_kv_blocks(refs, src, dst)
-    for i, (c, r) in enumerate(zip(caches, refs)):
-        ctx.compare(gather_all(ctx, c, nb), r, f"layer {i} after copy_kv_blocks", exact=True)
 
 
 def check_swap(ctx: CaseContext) -> None:
@@ -232,8 +228,6 @@ def check_add_lora(ctx: CaseContext) -> None:
     """Multi-LoRA against a per-token gather (punica's bgmv) computed here, on a step mixing 3 slots and base
     tokens, laid out as adjacent equal runs (the batched grid) in slot order or not, or as uneven, interleaved
     runs."""
-    from pagedllm.lora.ops import LoRAMapping
-
     slots = {"uniform": [-1, -1, 0, 0, 0, 2, 2, 2, 1, 1, 1, -1],
              "uniform_consecutive": [-1, 1, 1, 1, 2, 2, 2, 3, 3, 3, -1, -1],
              "uneven": [-1, 1, 1, 0, -1, 2, 2, 2, 2, 0, -1, 1]}[ctx.params["layout"]]
@@ -266,7 +260,7 @@ def check_fused_moe(ctx: CaseContext) -> None:
 def check_dense_linear(ctx: CaseContext) -> None:
     """The backend's dense kernel (``quantized_linear("unquantized", dtype)``, e.g. pre-packed weights) against
     ``F.linear`` at a decode-sized and a prefill-sized batch, with and without a bias."""
-    from pagedllm.models.dense_linears import dense_weight
+    from pagedllm.models.dense_linears import dense_weight  # heavy: pagedllm.models, not at CLI start
 
     n, k = ctx.params["out_features"], ctx.params["in_features"]
     kernel = ctx.backend.quantized_linear("unquantized", str(ctx.dtype).removeprefix("torch."))
@@ -289,13 +283,6 @@ QUANT_REL_TOL = 1e-2
 def check_quantized_linear(ctx: CaseContext) -> None:
     """The backend's kernel for one method / weight type against core's reference in float32 (dequantize, then
     matmul; W8A8: its exact int8 math), at a decode-sized and a prefill-sized batch, with a bias."""
-    import numpy as np
-
-    from pagedllm.backend.hookspec import QuantizedWeight
-    from pagedllm.quantization import reference_kernel
-    from pagedllm.quantization.gguf import random_blocks
-    from pagedllm.quantization.rtn import random_weight
-
     method, wtype, n, k = (ctx.params[x] for x in ("method", "weight_type", "out_features", "in_features"))
     kernel = ctx.backend.quantized_linear(method, wtype)
     if kernel is None:
@@ -304,8 +291,6 @@ def check_quantized_linear(ctx: CaseContext) -> None:
         weight = QuantizedWeight(method, wtype, torch.from_numpy(random_blocks(wtype, n, k, np.random.default_rng(
             ctx.seed))), (n, k))
     elif method == "fp8":
-        from pagedllm.quantization.fp8 import random_fp8_weight
-
         weight = random_fp8_weight(wtype, n, k, torch.Generator().manual_seed(ctx.seed))
     else:
         weight = random_weight(method, wtype, n, k, torch.Generator().manual_seed(ctx.seed))

@@ -12,7 +12,7 @@ from pagedllm.backend.hookspec import KVCacheSpec
 
 #: Hooks that touch a KV cache object, so must match the allocator's layout.
 CACHE_HOOKS = ("pagedllm_allocate_host_kv_cache", "pagedllm_write_kv", "pagedllm_paged_attention",
-               "pagedllm_gather_kv_blocks", "pagedllm_copy_kv_blocks", "pagedllm_swap_kv_blocks")
+               "pagedllm_gather_kv_blocks", "pagedllm_swap_kv_blocks")
 
 
 def layout_of(cache: object) -> str:

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
+import torch
+
 from pagedllm.backend.registry import Backend
 from pagedllm.conformance.checks_e2e import MAX_TOKENS, e2e_max_len, e2e_prompts, selected_by_name, tiny_llama
 from pagedllm.conformance.engine_context import runner_context
@@ -21,8 +23,6 @@ STATIC_HOOKS = ("pagedllm_batch_policy", "pagedllm_graph_runner", "pagedllm_mode
 
 def is_static(backend: Backend, block_size: int) -> bool:
     """Whether the backend's batch policy (asked as the Worker asks it) is bucketed."""
-    import torch
-
     ctx = runner_context(backend, num_heads=4, num_kv_heads=2, head_size=16, vocab=128, block_size=block_size,
                          max_model_len=4 * block_size, max_num_seqs=4, max_num_batched_tokens=8 * block_size,
                          dtype=torch.float32, device=backend.device())
@@ -65,7 +65,7 @@ def _record_shapes(worker, model, seen: list) -> None:
 
 
 def _generate(backend: Backend, path: str, prompts: list, bs: int, record: bool, eager: bool):
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM, SamplingParams  # heavy: the engine stack, not at CLI start
 
     with selected_by_name(backend):
         llm = LLM(model=path, device=backend.name, dtype="float32", block_size=bs, skip_tokenizer_init=True,

@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedllm.backend import registry
+from pagedllm.conformance import run_conformance
+from pagedllm.conformance.matrix import load_reports, support_matrix
+
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("conformance", help="check a backend's hooks against core's reference ops",
@@ -50,13 +54,9 @@ def parse_tolerances(items: list[str]) -> dict[str, tuple[float, float]]:
 
 
 def write_matrix(args: argparse.Namespace, extra: list) -> None:
-    from pagedllm.conformance.matrix import load_reports, support_matrix
-
     reports = load_reports(args.from_reports) + extra
     if args.backends is None:
-        from pagedllm.backend.registry import discover
-
-        names = [n for n in discover() if not n.startswith("<")]
+        names = [n for n in registry.discover() if not n.startswith("<")]
     else:
         names = args.backends
     with open(args.support_matrix, "w") as f:
@@ -65,9 +65,6 @@ def write_matrix(args: argparse.Namespace, extra: list) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedllm.backend.registry import BackendError
-    from pagedllm.conformance import run_conformance
-
     if not args.device:
         if not args.support_matrix:
             print("error: give --device NAME, or --support-matrix OUT.md --from-reports JSON ...", file=sys.stderr)
@@ -84,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         report = run_conformance(args.device, report_dir=args.report, allow=args.allow, exclude=args.exclude,
                                  tolerances=parse_tolerances(args.tolerance), seed=args.seed, progress=progress,
                                  simulated=args.simulated)
-    except BackendError as e:
+    except registry.BackendError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report.to_markdown())

@@ -29,7 +29,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _backend(config: pytest.Config):
-    from pagedllm.backend.registry import get_backend
+    from pagedllm.backend.registry import get_backend  # heavy: torch, not at pytest start
 
     name = config.getoption("--conformance-device")
     if not name:
@@ -39,7 +39,7 @@ def _backend(config: pytest.Config):
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "conformance_case" in metafunc.fixturenames:
-        from pagedllm.conformance.runner import enumerate_cases
+        from pagedllm.conformance.runner import enumerate_cases  # heavy: torch, not at pytest start
 
         cases = enumerate_cases(_backend(metafunc.config))
         metafunc.parametrize("conformance_case", cases, ids=[c.id for c in cases])
@@ -63,10 +63,10 @@ def conformance_results() -> list:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     report_dir = session.config.getoption("--conformance-report", None)
     if report_dir and _results:
-        from pagedllm.conformance.report import Report
+        from pagedllm.conformance.report import Report  # heavy: torch, not at pytest start
 
         backend = _backend(session.config)
-        from pagedllm.conformance.runner import SIMULATED_ENV, SIMULATION
+        from pagedllm.conformance.runner import SIMULATED_ENV, SIMULATION  # heavy: torch, not at pytest start
 
         report = Report(backend.name, str(backend.device()), list(_results))
         if os.environ.get(SIMULATED_ENV):

@@ -12,6 +12,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
+import pagedllm
 from pagedllm.backend.registry import Backend, BackendError, get_backend
 from pagedllm.conformance import checks_e2e, checks_kernels as K, checks_layout, checks_runtime as R, checks_static
 from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested, case_seed
@@ -64,8 +65,7 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
             cases.append(Case("kv_cache", "write_kv", f"hs{hs}-bs{bs}", dt, K.check_write_kv,
                               dict(head_size=hs, block_size=bs)))
         for bs in caps.block_sizes:
-            for name, fn in (("gather_kv_blocks", K.check_gather), ("copy_kv_blocks", K.check_copy),
-                             ("swap_kv_blocks", K.check_swap)):
+            for name, fn in (("gather_kv_blocks", K.check_gather), ("swap_kv_blocks", K.check_swap)):
                 cases.append(Case("kv_cache", name, f"hs{hs0}-bs{bs}", dt, fn, dict(head_size=hs0, block_size=bs)))
         for scenario, hs, bs, g in product(("decode", "prefill", "mixed"), head_sizes, caps.block_sizes,
                                            gqa_ratios):
@@ -216,8 +216,6 @@ def run_conformance(backend: Union[str, Backend], report_dir: Optional[str] = No
     be = get_backend(backend) if isinstance(backend, str) else backend
     if not be.probe.usable:
         raise BackendError(f"backend {be.name!r} is not usable here: {be.probe.reason}")
-    import pagedllm
-
     caps = be.capabilities
     report = Report(be.name, str(be.device()), environment={
         "pagedllm": getattr(pagedllm, "__version__", "?"), "torch": torch.__version__,

@@ -18,6 +18,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from pagedllm.distributed.binding import local_device
+from pagedllm.distributed.communicator import TorchCommunicator, init_world
+from pagedllm.distributed.parallel_state import STARTUP_TIMEOUT_S
 from pagedllm.errors import ParamError
 
 
@@ -89,10 +92,6 @@ def init_dp_ep(cfg: DPEPConfig, backend: Any) -> DPEPState:
     """Join the replicas' world (blocks until every replica arrived) and make the data communicator (the backend's
     collective library, through ``pagedllm_communicator``) and the host-side gloo one for the per-step flags."""
     global _STATE
-    from pagedllm.distributed.communicator import TorchCommunicator, init_world
-    from pagedllm.distributed.parallel_state import STARTUP_TIMEOUT_S
-    from pagedllm.distributed.binding import local_device
-
     device = local_device(backend, cfg.dp_rank)  # the replica's own device where devices are indexed
     backend.set_device(device)
     init_world(cfg.dp_rank, cfg.dp_size, cfg.init_method, "gloo", max(cfg.timeout_s, STARTUP_TIMEOUT_S))

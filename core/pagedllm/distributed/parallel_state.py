@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 import torch
 
+from pagedllm.distributed.communicator import TorchCommunicator
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -71,8 +73,6 @@ def initialize_model_parallel(rank: int, config: ParallelConfig, backend: Any, d
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     collective = backend.distributed_backend()
     state = ParallelState(rank, config)
-    from pagedllm.distributed.communicator import TorchCommunicator
-
     # Start-up work (KV sizing after every rank loaded its weights) waits on the slowest rank's load, not a step.
     state.world_group = TorchCommunicator(list(range(config.world_size)), torch.device("cpu"),
                                           max(timeout_s, STARTUP_TIMEOUT_S), "gloo")
@@ -88,6 +88,12 @@ def initialize_model_parallel(rank: int, config: ParallelConfig, backend: Any, d
             state.pp_group = comm
     _STATE = state
     return state
+
+
+def destroy_model_parallel() -> None:
+    """Forget this process's groups (the executor's shutdown, after the process group is destroyed)."""
+    global _STATE
+    _STATE = None
 
 
 def get_parallel_state() -> Optional[ParallelState]:

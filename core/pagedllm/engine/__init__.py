@@ -11,12 +11,12 @@ to, its async client, data-parallel clients, and CPU pinning.
 
 from __future__ import annotations
 
+from pagedllm.deprecated import package_attr
+
 
 def __getattr__(name: str):
     if name == "LLMEngine":  # ``from pagedllm.engine import LLMEngine`` (vLLM's spelling), without importing torch early
-        from pagedllm.engine.llm_engine import LLMEngine
+        from pagedllm.engine.llm_engine import LLMEngine  # heavy: torch (`import pagedllm.engine` stays light)
 
         return LLMEngine
-    from pagedllm.deprecated import package_attr  # contract v2's ``pagedllm.engine`` module
-
     return package_attr(__name__, name)

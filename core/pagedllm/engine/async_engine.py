@@ -25,6 +25,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.models import load_tokenizer as load_tokenizer_, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,6 @@ class AsyncEngine:
         self.index = index
         #: Requests the engine accepted (its ``pagedllm:engine_requests`` counter).
         self.num_requests = 0
-        from pagedllm.models import load_tokenizer as load_tokenizer_, resolve_model_path
-
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold accelerator state
         self._conn, child_out = ctx.Pipe(duplex=False)  # engine -> server
         child_in, self._cmd_conn = ctx.Pipe(duplex=False)  # server -> engine

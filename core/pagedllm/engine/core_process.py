@@ -20,7 +20,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import pickle
 import signal
 import sys
 from multiprocessing.connection import Connection
@@ -29,6 +28,9 @@ from typing import Any, Optional, Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.errors import portable_exception
 from pagedllm.engine.cpu_split import pin_engine
+from pagedllm.backend.registry import get_backend
+from pagedllm.distributed.dp_ep import init_dp_ep
+from pagedllm.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -63,16 +65,11 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    from pagedllm.engine.llm_engine import LLMEngine
-
     try:
         if cpus:
             threads = pin_engine(cpus)
             logger.info("engine process on CPUs %s, %d torch threads", ",".join(map(str, sorted(cpus))), threads)
         if dp_ep is not None:  # a DP+EP replica: join the other replicas before the model (and its experts) loads
-            from pagedllm.backend.registry import get_backend
-            from pagedllm.distributed.dp_ep import init_dp_ep
-
             init_dp_ep(dp_ep, get_backend(config.device))
         engine = LLMEngine(config)
         for lora in lora_modules:  # --lora-modules: a bad folder fails the start, naming it
@@ -85,7 +82,7 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
     info = {"max_model_len": engine.max_model_len, "model_path": engine.model_path,
             "vocab_size": engine.model.vocab_size, "stats": engine.get_stats()}
     if dp_ep is not None:
-        from pagedllm.engine.dp_lockstep import expert_info, lockstep_loop
+        from pagedllm.engine.dp_lockstep import expert_info, lockstep_loop  # cycle: dp_lockstep imports this module
 
         info["expert_parallel"] = expert_info(engine)
     outputs.send(("ready", info))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import torch
+
 from pagedllm.errors import ParamError
 from pagedllm.distributed.binding import pin_process
 
@@ -40,8 +42,6 @@ def pin_engine(cpus: frozenset[int]) -> int:
 
     Called before the model is built: OpenMP threads start on first use and inherit the main thread's CPU mask.
     """
-    import torch
-
     pin_process(cpus)
     torch.set_num_threads(len(cpus))
     return torch.get_num_threads()

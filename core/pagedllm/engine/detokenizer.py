@@ -11,6 +11,12 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+try:
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # optional: DecodeStream needs tokenizers >= 0.21.1 (else vLLM's offset algorithm)
+    Tokenizer = DecodeStream = None
+
 from pagedllm.sampling_params import SamplingParams
 
 _REPLACEMENT = "\ufffd"
@@ -21,10 +27,7 @@ _INVALID_PREFIX = "Invalid prefix encountered"  # DecodeStream's error on non-mo
 
 def _backend_tokenizer(tokenizer: Any):
     """The ``tokenizers.Tokenizer`` behind an HF fast tokenizer (or the tokenizer itself), else None."""
-    try:
-        from tokenizers import Tokenizer
-        from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21.1)
-    except ImportError:
+    if DecodeStream is None:
         return None
     if isinstance(tokenizer, Tokenizer):
         return tokenizer
@@ -59,8 +62,6 @@ class IncrementalDetokenizer:
         self._ids: list[int] = self._prime(list(prompt_token_ids)) if params.detokenize else []
         self._pending = 0  # trailing tokens fed to the decoder whose text is not out yet
         if self._backend is not None:
-            from tokenizers.decoders import DecodeStream
-
             self._stream = DecodeStream(self._ids, skip_special_tokens=self._skip)
         self._prefix_offset = max(len(self._ids) - _CONTEXT, 0)
         self._read_offset = len(self._ids)
@@ -151,8 +152,6 @@ class IncrementalDetokenizer:
             except Exception as e:  # tokenizers raises a plain Exception here
                 if _INVALID_PREFIX not in str(e):
                     raise
-                from tokenizers.decoders import DecodeStream
-
                 self._stream = DecodeStream(skip_special_tokens=self._skip)
                 chunk = self._stream.step(self._backend, token_id)
             if chunk is None:

@@ -31,6 +31,9 @@ from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestSt
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.distributed.dp_ep import DPEPConfig, check_dp_ep
+from pagedllm.executor.base import free_port
+from pagedllm.models import load_config, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +121,6 @@ class DataParallelEngine:
     def _expert_parallel_configs(config: EngineConfig, n: int) -> list:
         """One DPEPConfig per replica (checked first: a replica that fails to start would keep the others waiting
         in the rendezvous)."""
-        from pagedllm.distributed.dp_ep import DPEPConfig, check_dp_ep
-        from pagedllm.executor.base import free_port
-        from pagedllm.models import load_config, resolve_model_path
-
         check_dp_ep(load_config(resolve_model_path(config.model)), config, n)
         init = f"tcp://127.0.0.1:{free_port()}"
         return [DPEPConfig(i, n, init, config.distributed_timeout_s) for i in range(n)]

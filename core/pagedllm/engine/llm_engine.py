@@ -27,7 +27,7 @@ from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.scheduler import Scheduler, SchedulerOutput
 from pagedllm.spec_decode.manager import build as build_spec_decoder
-from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.structured_output import GrammarBitmask, StructuredOutputManager
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -104,15 +104,15 @@ class LLMEngine:
         self.spec = build_spec_decoder(config.speculative_config, self.max_model_len, w.draft_proposer)
         self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size, self.model.eos_token_ids,
                                                   config.structured_outputs_backend)
-        w.structured = self.structured
         self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
         self.requests: dict[str, tuple[ParentRequest, Request]] = {}
         self.stats = EngineStats(num_blocks=self.num_blocks)
         self._ids = itertools.count()
         self._warned_spaces = False
-        # Pipeline parallel: (step, submitted model step) in flight, newest first (``_step_with_batch_queue``)
-        self.batch_queue: deque[tuple[SchedulerOutput, PendingStep]] = deque()
+        # Pipeline parallel: (step, submitted model step, its grammar masks) in flight, newest first
+        # (``_step_with_batch_queue``)
+        self.batch_queue: deque[tuple[SchedulerOutput, PendingStep, Optional[GrammarBitmask]]] = deque()
         self.init_seconds = time.perf_counter() - t0
         logger.info("engine ready in %.2fs: backend=%s dtype=%s block_size=%d blocks=%d max_model_len=%d graph=%s",
                     self.init_seconds, self.backend.name, config.dtype, config.block_size, self.num_blocks,
@@ -277,7 +277,7 @@ class LLMEngine:
         sched, outputs = self._schedule()
         if sched is None:
             return outputs
-        step, sampled = self.worker.execute_model(sched.scheduled)
+        step, sampled = self.worker.execute_model(sched.scheduled, self.structured.grammar_bitmask(sched.scheduled))
         return self._update(sched, step, sampled)
 
     def _step_with_batch_queue(self) -> list[RequestOutput]:
@@ -293,17 +293,18 @@ class LLMEngine:
             sched, outputs = self._schedule(max(1, share), idle_wait=not q)
             if sched is not None:
                 pending = self.worker.submit_model(sched.scheduled)
-                self.scheduler.in_flight.update(s.request.request_id for s in sched.scheduled)
-                q.appendleft((sched, pending))
+                self.scheduler.mark_in_flight(sched)
+                # Made while the later stages run the batch; its requests' matchers stay put until it returns.
+                q.appendleft((sched, pending, self.structured.grammar_bitmask(sched.scheduled)))
                 if len(q) < depth and self.scheduler.num_schedulable:
                     return outputs
         if not q:
             return outputs
-        sched, pending = q.pop()
+        sched, pending, grammar = q.pop()
         try:
-            step, sampled = self.worker.finish_model(pending)
+            step, sampled = self.worker.finish_model(pending, grammar)
         finally:
-            self.scheduler.in_flight.difference_update(s.request.request_id for s in sched.scheduled)
+            self.scheduler.mark_returned(sched)
         return outputs + self._update(sched, step, sampled)
 
     def _schedule(self, max_seqs: Optional[int] = None,
@@ -414,7 +415,7 @@ class LLMEngine:
         self.stats.slot_steps_seqs += len(sched.scheduled)
         for s in sched.scheduled:
             self.stats.slot_steps_live += s.num_computed_tokens + s.num_new_tokens
-            self.stats.slot_steps_allocated += len(self.kv.req_blocks[s.request.request_id]) * bs
+            self.stats.slot_steps_allocated += self.kv.num_blocks_of(s.request.request_id) * bs
 
     # ---- stats -----------------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -423,7 +424,7 @@ class LLMEngine:
         s.num_running = len(self.scheduler.running)
         s.num_waiting = len(self.scheduler.waiting)
         s.num_used_blocks = kv.num_used_blocks
-        s.num_cached_blocks = kv.pool.num_cached
+        s.num_cached_blocks = kv.num_cached_blocks
         s.kv_usage = kv.usage
         s.prefix_queries, s.prefix_hits = kv.stats.queries, kv.stats.hits
         s.num_preemptions = self.scheduler.num_preemptions
@@ -445,6 +446,5 @@ class LLMEngine:
             s.spec_decode_acceptance_rate, s.spec_decode_mean_accepted_length = (sp.acceptance_rate,
                                                                                  sp.mean_accepted_length)
         s.live_token_slots = sum(r.num_computed_tokens for r in self.scheduler.running)
-        s.allocated_token_slots = sum(len(kv.req_blocks.get(r.request_id, ())) for r in self.scheduler.running
-                                      ) * kv.block_size
+        s.allocated_token_slots = sum(kv.num_blocks_of(r.request_id) for r in self.scheduler.running) * kv.block_size
         return s

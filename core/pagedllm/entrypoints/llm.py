@@ -12,6 +12,7 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
+from pagedllm.entrypoints.beam_search import beam_search
 
 
 class LLM:
@@ -109,6 +110,4 @@ class LLM:
                     lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None,
                     use_tqdm: bool = False) -> list:
         """vLLM's ``LLM.beam_search``: beams share their common prefix's blocks through the prefix cache."""
-        from pagedllm.entrypoints.beam_search import beam_search
-
         return beam_search(self, prompts, params, use_tqdm, lora_request)

@@ -14,11 +14,16 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from pagedllm.config import EngineConfig
-from pagedllm.distributed.binding import pin_process
+from pagedllm.distributed.binding import bind_rank, pin_process
+from pagedllm.distributed.parallel_state import destroy_model_parallel
+from pagedllm.distributed.sharding import check_shardable
+from pagedllm.errors import ParamError
 from pagedllm.executor.rank_worker import RankWorker
 from pagedllm.executor.step import run_step, split_micro_batches
+from pagedllm.models import load_config
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +70,6 @@ class DistributedExecutor:
             self.driver = RankWorker(0, config, model_path, init_method, self.driver_cpus)
             self._wait_ready()
             if self.driver.worker.policy.static:
-                from pagedllm.errors import ParamError
-
                 raise ParamError("tensor_parallel_size", f"backend {config.device!r} pads to static batch shapes, "
                                                          "which the distributed step does not do yet")
         except BaseException as e:
@@ -84,8 +87,6 @@ class DistributedExecutor:
 
     def rebind(self) -> int:
         """Pin this process to rank 0's CPUs and threads again (a benchmark that ran something else in between)."""
-        from pagedllm.distributed.binding import bind_rank
-
         return bind_rank(self.driver_cpus)
 
     def attach(self, runner: Any) -> None:
@@ -156,13 +157,9 @@ class DistributedExecutor:
         try:
             self._stop_ranks()
         finally:
-            import torch.distributed as dist
-
-            from pagedllm.distributed import parallel_state
-
             if dist.is_initialized():
                 dist.destroy_process_group()
-            parallel_state._STATE = None
+            destroy_model_parallel()
             if self._saved_affinity is not None:
                 pin_process(frozenset(self._saved_affinity))
             torch.set_num_threads(self._saved_threads)
@@ -193,20 +190,15 @@ class DistributedExecutor:
 def make_executor(config: EngineConfig, model_path: str) -> Optional[DistributedExecutor]:
     """The executor ``config.distributed_executor_backend`` names (mp by default), or None for a one-rank engine."""
     if config.enable_expert_parallel and config.tensor_parallel_size == 1:
-        from pagedllm.errors import ParamError
-
         raise ParamError("enable_expert_parallel", "needs tensor_parallel_size > 1 (experts split across its ranks)")
     if config.tensor_parallel_size * config.pipeline_parallel_size == 1:
         return None
-    from pagedllm.distributed.sharding import check_shardable
-    from pagedllm.models import load_config
-
     check_shardable(load_config(model_path), config.tensor_parallel_size, config.pipeline_parallel_size,
                     config.enable_expert_parallel)
     if config.distributed_executor_backend == "ray":
-        from pagedllm.executor.ray_executor import RayExecutor
+        from pagedllm.executor.ray_executor import RayExecutor  # cycle: it subclasses ours; optional: ray
 
         return RayExecutor(config, model_path)
-    from pagedllm.executor.mp_executor import MultiprocExecutor
+    from pagedllm.executor.mp_executor import MultiprocExecutor  # cycle: it subclasses ours
 
     return MultiprocExecutor(config, model_path)

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import pickle
 from collections import deque
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
 import torch
@@ -19,6 +20,10 @@ from pagedllm.distributed.parallel_state import STARTUP_TIMEOUT_S, ParallelConfi
 from pagedllm.errors import portable_exception
 from pagedllm.distributed.binding import bind_rank, local_device, local_index
 from pagedllm.executor.step import run_step
+from pagedllm.backend.registry import get_backend
+from pagedllm.models import load_config
+from pagedllm.models.info import read_model_info
+from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +40,6 @@ class RankWorker:
                  cpus: Optional[frozenset[int]] = None, local_rank: Optional[int] = None):
         """``local_rank``: this rank's device index on its host; None: every rank on this host (the mp executor,
         the driver), so ``local_index(config, rank)``."""
-        from pagedllm.backend.registry import get_backend
-        from pagedllm.models import load_config
-        from pagedllm.models.info import read_model_info
-        from pagedllm.worker.worker import Worker
-
         self.rank = rank
         self.threads = bind_rank(cpus)
         backend = get_backend(config.device)
@@ -71,7 +71,7 @@ class RankWorker:
 
     def node_id(self) -> str:
         """The Ray node this rank runs on (Ray executor), for placement checks."""
-        import ray
+        import ray  # optional: ray
 
         return ray.get_runtime_context().get_node_id()
 
@@ -95,8 +95,6 @@ def to_device(x: Any, device: torch.device) -> Any:
 def _main(fd: int) -> int:
     """A multiprocessing-executor rank: read its start arguments from the driver's connection, report ready (or the
     error), then run every broadcast step until "stop" or the driver's end of the connection closes."""
-    from multiprocessing.connection import Connection
-
 
     conn = Connection(fd)
     rank, config, model_path, init_method, cpus, log_level = pickle.loads(conn.recv_bytes())

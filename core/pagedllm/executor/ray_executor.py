@@ -16,17 +16,17 @@ import logging
 import os
 from typing import Any, Optional
 
+from pagedllm.errors import ParamError
 from pagedllm.executor.base import DistributedExecutor, WorkerDiedError, free_port
+from pagedllm.executor.rank_worker import RankWorker
 
 logger = logging.getLogger(__name__)
 
 
 def _import_ray() -> Any:
     try:
-        import ray
+        import ray  # optional: ray
     except ImportError:
-        from pagedllm.errors import ParamError
-
         raise ParamError("distributed_executor_backend", "'ray' needs Ray: pip install 'pagedllm[ray]'") from None
     return ray
 
@@ -36,10 +36,8 @@ class RayExecutor(DistributedExecutor):
 
     def _start_ranks(self) -> tuple[str, Optional[frozenset[int]]]:
         ray = _import_ray()
-        from ray.util.placement_group import placement_group, placement_group_table
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from pagedllm.executor.rank_worker import RankWorker
+        from ray.util.placement_group import placement_group, placement_group_table  # optional: ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # optional: ray
 
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
@@ -90,6 +88,6 @@ class RayExecutor(DistributedExecutor):
         for a in getattr(self, "actors", []):
             ray.kill(a)
         if getattr(self, "pg", None) is not None:
-            from ray.util.placement_group import remove_placement_group
+            from ray.util.placement_group import remove_placement_group  # optional: ray
 
             remove_placement_group(self.pg)

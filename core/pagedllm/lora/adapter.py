@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 from pagedllm.errors import ParamError
 
@@ -87,8 +88,6 @@ def read_config(path: str, max_lora_rank: int) -> dict:
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     st = os.path.join(path, "adapter_model.safetensors")
     if os.path.isfile(st):
-        from safetensors.torch import load_file
-
         return load_file(st)
     pt = os.path.join(path, "adapter_model.bin")
     if os.path.isfile(pt):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.falcon import falcon_kv_heads
+from pagedllm.models.transformers_impl import transformers_architecture
 
 
 @dataclass(frozen=True)
@@ -85,8 +87,6 @@ def resolve_model_impl(config: Any, model_impl: str = "auto") -> tuple[str, str]
     """``(architecture, "native" | "transformers")`` for ``--model-impl`` (vLLM's flag): ``auto`` prefers our native
     decoder and falls back to transformers' module with our paged attention; an error names the architecture and
     what is supported when neither can run it."""
-    from pagedllm.models.transformers_impl import transformers_architecture
-
     if model_impl not in MODEL_IMPLS:
         raise UnsupportedModelError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
     if model_impl == "native":
@@ -110,8 +110,6 @@ def kv_cache_shape(config: Any, spec: ArchSpec) -> tuple[int, int, bool]:
         return 1, config.kv_lora_rank + config.qk_rope_head_dim, True
     heads = config.num_attention_heads
     if spec.module == "falcon":
-        from pagedllm.models.falcon import falcon_kv_heads
-
         return falcon_kv_heads(config), config.hidden_size // heads, False
     return (getattr(config, "num_key_value_heads", None) or heads,
             getattr(config, "head_dim", None) or config.hidden_size // heads, False)

@@ -48,13 +48,13 @@ import functools
 import os
 from typing import Any
 
+from pagedllm.models.gguf_weights import read_tensors
+
 #: GGUF architectures whose config is built here (the rest go through transformers).
 OWN_CONFIG_ARCHS = ("glm4", "baichuan", "chatglm", "deepseek2")
 
 
 def gguf_architecture(path: str) -> str:
-    from pagedllm.models.gguf_weights import read_tensors
-
     return read_tensors(path)[0]
 
 
@@ -62,9 +62,8 @@ def gguf_architecture(path: str) -> str:
 def _metadata(path: str, size: int, mtime_ns: int) -> tuple[dict, dict[str, tuple[int, ...]]]:
     """(scalar metadata, tensor shapes innermost first) of a file, once per file and process; string arrays (the
     vocabulary) are skipped by transformers' header reader."""
-    from transformers.integrations.gguf.reader import read_gguf_metadata
+    from transformers.integrations.gguf.reader import read_gguf_metadata  # heavy: transformers
 
-    from pagedllm.models.gguf_weights import read_tensors
 
     meta, _ = read_gguf_metadata(path)
     return meta, {t.name: t.shape for t in read_tensors(path)[1]}
@@ -95,7 +94,7 @@ def _common(path: str, arch: str) -> tuple[dict, dict[str, Any], dict[str, tuple
 
 
 def glm4_config(path: str) -> Any:
-    from transformers import Glm4Config
+    from transformers import Glm4Config  # heavy: transformers
 
     meta, fields, shapes = _common(path, "glm4")
     head_dim = int(meta.get("glm4.attention.key_length", fields["hidden_size"] // fields["num_attention_heads"]))
@@ -105,7 +104,7 @@ def glm4_config(path: str) -> Any:
 
 
 def baichuan_config(path: str) -> Any:
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # heavy: transformers
 
     _, fields, _ = _common(path, "baichuan")
     config = LlamaConfig(**fields, architectures=["LlamaForCausalLM"])
@@ -115,7 +114,7 @@ def baichuan_config(path: str) -> Any:
 
 
 def chatglm_config(path: str) -> Any:
-    from transformers import GlmConfig
+    from transformers import GlmConfig  # heavy: transformers
 
     meta, fields, shapes = _common(path, "chatglm")
     heads, kv = fields["num_attention_heads"], fields["num_key_value_heads"]
@@ -151,7 +150,7 @@ def _deepseek2_rope(meta: dict, path: str, theta: float) -> dict[str, Any]:
 
 
 def deepseek2_config(path: str) -> Any:
-    from transformers import DeepseekV2Config, DeepseekV3Config
+    from transformers import DeepseekV2Config, DeepseekV3Config  # heavy: transformers
 
     meta, fields, _ = _common(path, "deepseek2")
     rope_parameters = _deepseek2_rope(meta, path, fields.pop("rope_theta"))
@@ -197,8 +196,6 @@ def complete_falcon_config(path: str, config: Any) -> Any:
 
 def complete_phi3_config(path: str, config: Any) -> Any:
     """transformers' Phi-3 config of the GGUF at ``path`` with the file's LongRoPE parameters, when it has them."""
-    from pagedllm.models.gguf_weights import read_tensors
-
     st = os.stat(path)
     meta, shapes = _metadata(os.path.realpath(path), st.st_size, st.st_mtime_ns)
     params = dict(getattr(config, "rope_parameters", None) or {})

@@ -17,6 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pagedllm.models.gguf_archs import OWN_CONFIG_ARCHS, gguf_architecture
+
 logger = logging.getLogger(__name__)
 
 
@@ -25,7 +27,7 @@ def cache_root() -> Path:
 
 
 def _cache_dir(path: str) -> Path:
-    import transformers
+    import transformers  # heavy: transformers
 
     st = os.stat(path)
     key = f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}"
@@ -34,7 +36,7 @@ def _cache_dir(path: str) -> Path:
 
 def load_gguf_config(path: str) -> Any:
     """transformers' config for the GGUF file at ``path``, from the per-file cache when it is there."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy: transformers
 
     cached = _cache_dir(path)
     if (cached / "config.json").is_file():
@@ -56,10 +58,10 @@ def load_gguf_config(path: str) -> Any:
 def load_gguf_tokenizer(path: str, config: Any) -> Any:
     """The tokenizer ``AutoTokenizer`` would build for this GGUF, without re-deriving its config first. Files of
     ``OWN_CONFIG_ARCHS`` (no transformers config) go through transformers' GGUF tokenizer conversion as well."""
-    from transformers import TokenizersBackend
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    from transformers import TokenizersBackend  # heavy: transformers
+    from transformers.models.auto.tokenization_auto import (TOKENIZER_MAPPING_NAMES,  # heavy: transformers
+                                                            tokenizer_class_from_name)
 
-    from pagedllm.models.gguf_archs import OWN_CONFIG_ARCHS, gguf_architecture
 
     name = TOKENIZER_MAPPING_NAMES.get(getattr(config, "model_type", None))
     cls = (tokenizer_class_from_name(name) if isinstance(name, str) else None) or TokenizersBackend

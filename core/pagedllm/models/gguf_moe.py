@@ -31,7 +31,7 @@ def _metadata_int(path: str, key: str) -> int:
 def _metadata_int_cached(path: str, key: str, size: int, mtime_ns: int) -> int:
     """Once per file and process: ``GGUFReader`` parses every metadata array (seconds for a 32k vocabulary), and
     the config is read by the engine, the executor and each worker."""
-    import gguf
+    import gguf  # heavy: gguf
 
     field = gguf.GGUFReader(path).fields.get(key)
     if field is None:
@@ -53,7 +53,7 @@ def complete_moe_config(path: str, config: Any) -> Any:
         return config
     if experts is None:
         return config
-    from transformers import MixtralConfig
+    from transformers import MixtralConfig  # heavy: transformers
 
     fields = {k: v for k, v in config.to_dict().items()
               if k not in ("architectures", "model_type", "transformers_version", "intermediate_size")}

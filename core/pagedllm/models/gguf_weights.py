@@ -41,10 +41,10 @@ def read_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
     """(architecture, tensors) of a GGUF file. transformers' header reader parses only the tensor table (~10 ms for
     SmolLM2); ``gguf.GGUFReader`` also parses every metadata array (2.2 s for its 49k-token vocabulary), so it is
     the fallback for transformers versions without one."""
-    import gguf
+    import gguf  # heavy: gguf
 
     try:
-        from transformers.integrations.gguf.reader import GgufHeader
+        from transformers.integrations.gguf.reader import GgufHeader  # heavy: transformers
     except ImportError:
         reader = gguf.GGUFReader(path)
         field = reader.fields["general.architecture"]
@@ -102,7 +102,7 @@ class GGUFWeights:
     """A ``WeightSource`` over a ``.gguf`` file (memory-mapped)."""
 
     def __init__(self, path: str, config: Any):
-        import gguf
+        import gguf  # heavy: gguf
 
         self.arch, tensors = read_tensors(path)
         arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
@@ -162,7 +162,7 @@ class GGUFWeights:
 
     def take(self, name: str) -> torch.Tensor:
         """Dense float32 (block types dequantized by ``gguf.quants``)."""
-        from gguf.quants import dequantize
+        from gguf.quants import dequantize  # heavy: gguf
 
         split = self._split_kv_b(name)
         if split is not None:  # [heads, nope + v, kv_lora_rank] from k_b transposed back and v_b

@@ -32,24 +32,22 @@ from pagedllm.models.weights import SafetensorsWeights, checkpoint_prefix, fused
 from pagedllm.quantization.config import checkpoint_quant_config, checkpoint_quantization
 from pagedllm.quantization.fp8 import FP8Weights, is_fp8_checkpoint
 from pagedllm.quantization.linear import QuantizedLinear
+from pagedllm.models.gguf_archs import (OWN_CONFIG_ARCHS, complete_falcon_config, complete_gemma_config,
+                                        complete_phi3_config, gguf_architecture, own_gguf_config)
+from pagedllm.models.gguf_config import load_gguf_config
 
 logger = logging.getLogger(__name__)
 
 
 def load_config(model_path: str) -> Any:
     """The HF config, never running remote code; for GGUF, the one transformers derives from the metadata."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy: transformers
 
     if is_gguf(model_path):
-        from pagedllm.models.gguf_archs import OWN_CONFIG_ARCHS, gguf_architecture, own_gguf_config
-        from pagedllm.models.gguf_config import load_gguf_config
-
         arch = gguf_architecture(model_path)
         if arch in OWN_CONFIG_ARCHS:  # transformers' GGUF config mapping has no entry for these
             return own_gguf_config(model_path, arch)
         config = load_gguf_config(model_path)
-        from pagedllm.models.gguf_archs import complete_falcon_config, complete_gemma_config, complete_phi3_config
-
         complete = {"falcon": complete_falcon_config, "phi3": complete_phi3_config,  # what transformers' GGUF
                     "gemma2": complete_gemma_config, "gemma3_text": complete_gemma_config}  # config cannot say
         return complete.get(config.model_type, complete_moe_config)(model_path, config)
@@ -76,7 +74,7 @@ def eos_token_ids(model_path: str, config: Any) -> list[int]:
     """Stop ids: ``generation_config.json`` when the folder has one (chat models list several), else the config's."""
     eos = getattr(config, "eos_token_id", None)
     if not is_gguf(model_path) and os.path.isfile(os.path.join(model_path, "generation_config.json")):
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # heavy: transformers
 
         gen = GenerationConfig.from_pretrained(model_path)
         if gen.eos_token_id is not None:

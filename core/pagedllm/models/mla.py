@@ -19,7 +19,7 @@ from pagedllm.backend.attention import AttentionMetadata
 
 def mla_softmax_scale(config: Any) -> float:
     """HF's scale: ``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under YaRN."""
-    from transformers.modeling_rope_utils import yarn_apply_mscale
+    from transformers.modeling_rope_utils import yarn_apply_mscale  # heavy: transformers
 
     return float(yarn_apply_mscale(getattr(config, "rope_parameters", None) or {},
                                    (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5))

@@ -16,6 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.models.gguf_weights import GGUFWeights, drop_pages
+from pagedllm.models.weights import checkpoint_prefix
+
 
 class QuantizedEmbedding(nn.Module):
     """``nn.Embedding`` over GGUF rows (``blocks``: the file's read-only ``[num_embeddings, row bytes]`` uint8 map);
@@ -28,7 +31,7 @@ class QuantizedEmbedding(nn.Module):
         self.dtype, self.device = dtype, torch.device(device)
 
     def _dense(self, rows: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        from gguf.quants import dequantize
+        from gguf.quants import dequantize  # heavy: gguf
 
         dense = np.asarray(dequantize(rows, self.weight_type), dtype=np.float32)
         return torch.from_numpy(dense).to(device=self.device, dtype=dtype)
@@ -40,8 +43,6 @@ class QuantizedEmbedding(nn.Module):
     def dequantize(self, dtype: torch.dtype, rows: int = 8192) -> Iterator[torch.Tensor]:
         """The whole table in ``dtype``, ``rows`` rows at a time, each dequantized through float32 1024 rows at a
         time (small transients), its file pages unmapped once read."""
-        from pagedllm.models.gguf_weights import drop_pages
-
         for i in range(0, self.num_embeddings, rows):
             out = torch.empty(min(rows, self.num_embeddings - i), self.embedding_dim, dtype=dtype, device=self.device)
             for j in range(0, out.shape[0], 1024):
@@ -57,9 +58,6 @@ class QuantizedEmbedding(nn.Module):
 def quantize_embedding(model: nn.Module, weights: Any, dtype: torch.dtype, device: Any) -> bool:
     """Swap ``model.embed_tokens`` for a ``QuantizedEmbedding`` when ``weights`` is a GGUF file storing it as
     blocks; returns whether it did."""
-    from pagedllm.models.gguf_weights import GGUFWeights
-    from pagedllm.models.weights import checkpoint_prefix
-
     embed = getattr(model, "embed_tokens", None)
     if not isinstance(weights, GGUFWeights) or not isinstance(embed, nn.Embedding):
         return False

@@ -14,6 +14,7 @@ positions, GeLU, post-layernorm residuals) is refused by name.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import torch
@@ -47,7 +48,7 @@ def chatglm_config(raw: dict) -> Any:
     if unsupported:
         raise UnsupportedModelError(f"{archs} with {unsupported} is a ChatGLM variant pagedllm does not map "
                                     "onto Glm")
-    from transformers import GlmConfig
+    from transformers import GlmConfig  # heavy: transformers
 
     heads = raw["num_attention_heads"]
     config = GlmConfig(
@@ -77,7 +78,7 @@ def remote_code_config(raw: dict) -> Optional[Any]:
     # vLLM's rule: BaiChuanForCausalLM is Baichuan-7B (rotary); BaichuanForCausalLM is rotary at hidden 4096
     # (Baichuan2-7B) and ALiBi otherwise (Baichuan-13B, Baichuan2-13B).
     alibi = "BaiChuanForCausalLM" not in archs and raw.get("hidden_size") != 4096
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # heavy: transformers
 
     heads = raw["num_attention_heads"]
     config = LlamaConfig(
@@ -148,8 +149,6 @@ class ChatGLMWeights:
     @staticmethod
     def name(ours: str) -> Optional[str]:
         """The ChatGLM checkpoint name of a Glm tensor name, or None (q_proj... exist only fused)."""
-        import re
-
         for pattern, repl in _CHATGLM_NAMES:
             if re.fullmatch(pattern, ours):
                 return re.sub(pattern, repl, ours)

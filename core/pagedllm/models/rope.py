@@ -32,7 +32,7 @@ def rope_inv_freq(config: Any, max_model_len: int | None = None,
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dim = int(dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # heavy: transformers
 
     if rope_type == "longrope":
         original = params.get("original_max_position_embeddings") or config.max_position_embeddings

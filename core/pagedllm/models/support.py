@@ -94,7 +94,7 @@ def _features(name: str) -> str:
 
 
 def _gguf(name: str, model_type: str) -> str:
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES  # heavy: transformers
 
     if name in _GGUF_TESTED:
         return _GGUF_TESTED[name]
@@ -104,8 +104,8 @@ def _gguf(name: str, model_type: str) -> str:
 def fallback_architectures() -> list[str]:
     """Every transformers ``*ForCausalLM`` the fallback accepts (decoder-only, attention routed through
     ``AttentionInterface`` with the caller's arguments)."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    import transformers  # heavy: transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # heavy: transformers
 
     names = set()
     for name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
@@ -143,7 +143,7 @@ def rows() -> list[dict[str, Any]]:
 
 
 def markdown_table() -> str:
-    import transformers
+    import transformers  # heavy: transformers
 
     lines = ["| Architecture | Path | Native features | GGUF (dequantized at load) | LoRA | Oracle tests |",
              "|---|---|---|---|---|---|"]

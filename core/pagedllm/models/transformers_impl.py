@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.paths import is_gguf
 
 ATTN_IMPLEMENTATION = "pagedllm"
 
@@ -54,14 +55,14 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
 
 def register_attention() -> None:
     """Register ``pagedllm`` in transformers' AttentionInterface (idempotent)."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # heavy: transformers
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
 def transformers_architecture(config: Any) -> str:
     """The ``*ForCausalLM`` class transformers has for ``config``; UnsupportedModelError naming it otherwise."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # heavy: transformers
 
     archs = list(getattr(config, "architectures", None) or [])
     model_type = getattr(config, "model_type", None)
@@ -76,7 +77,7 @@ def transformers_architecture(config: Any) -> str:
     if found is None:
         raise UnsupportedModelError(f"architecture {', '.join(archs) or repr(model_type)} has no decoder-only "
                                     "*ForCausalLM class in transformers (remote code never runs)")
-    import transformers
+    import transformers  # heavy: transformers
 
     if not getattr(getattr(transformers, found, None), "_supports_attention_backend", False):
         raise UnsupportedModelError(f"transformers' {found} does not route attention through AttentionInterface "
@@ -156,9 +157,8 @@ class TransformersCausalLM(nn.Module):
 def load_transformers_model(path: str, config: Any, *, backend: Any, dtype: torch.dtype,
                             device: torch.device) -> TransformersCausalLM:
     """transformers' own loader (safetensors folders) with our attention registered; remote code never runs."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: transformers
 
-    from pagedllm.models.paths import is_gguf
 
     transformers_architecture(config)
     register_attention()

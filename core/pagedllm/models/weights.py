@@ -8,6 +8,7 @@ import os
 from typing import Any, Protocol
 
 import torch
+from safetensors import safe_open
 
 from pagedllm.errors import ModelNotFoundError
 from pagedllm.models.moe import expert_tensor
@@ -26,8 +27,6 @@ class SafetensorsWeights:
     """A HF folder's ``*.safetensors`` (single file or sharded via ``model.safetensors.index.json``), mmapped."""
 
     def __init__(self, folder: str):
-        from safetensors import safe_open
-
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index) as f:

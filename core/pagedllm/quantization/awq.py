@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.backend.hookspec import QuantizedWeight
+from pagedllm.errors import UnsupportedModelError
 from pagedllm.quantization.base import QuantizationMethod, register_method
 from pagedllm.quantization.grouped import GroupedInt, contiguous_g_idx, pack_cols, unpack_cols
 
@@ -26,8 +27,6 @@ class AWQMethod(QuantizationMethod):
         return ("int4",)
 
     def check_config(self, qc: dict) -> None:
-        from pagedllm.errors import UnsupportedModelError
-
         bits, version = qc.get("bits", qc.get("w_bit")), str(qc.get("version", "gemm")).lower()
         if bits != 4 or version != "gemm":
             raise UnsupportedModelError(f"awq: bits={bits} version={version!r} is not supported (4-bit GEMM only)")

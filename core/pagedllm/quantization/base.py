@@ -48,6 +48,7 @@ def register_method(method: QuantizationMethod) -> QuantizationMethod:
 
 def get_method(name: str) -> QuantizationMethod:
     if name not in _METHODS:  # each module registers itself on import
+        # cycle: each of them imports register_method from here
         from pagedllm.quantization import awq, compressed_tensors, fp8, gguf, gptq  # noqa: F401
     return _METHODS[name]
 

@@ -18,8 +18,10 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.backend.hookspec import QuantizedLinearKernel, QuantizedWeight
+from pagedllm.errors import UnsupportedModelError
 from pagedllm.quantization.base import QuantizationMethod, register_method
 from pagedllm.quantization.grouped import GroupedInt, contiguous_g_idx, unpack_cols
+from pagedllm.quantization.int8 import W8A8_REFERENCE
 
 FORMATS = ("pack-quantized", "int-quantized")
 
@@ -45,8 +47,6 @@ class CompressedTensorsMethod(QuantizationMethod):
         return ("W4A16", "W8A16", "W8A8")
 
     def check_config(self, qc: dict) -> None:
-        from pagedllm.errors import UnsupportedModelError
-
         fmts = {qc.get("format")} | {g.get("format") for g in (qc.get("config_groups") or {}).values()}
         bad = sorted(str(f) for f in fmts - {None, *FORMATS})
         for w in _weights_args(qc):
@@ -112,8 +112,6 @@ class CompressedTensorsMethod(QuantizationMethod):
 
     def reference_kernel(self, weight_type: str) -> QuantizedLinearKernel:
         if weight_type == "W8A8":
-            from pagedllm.quantization.int8 import W8A8_REFERENCE
-
             return W8A8_REFERENCE
         return super().reference_kernel(weight_type)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from pagedllm.errors import ParamError
+from pagedllm.errors import ParamError, UnsupportedModelError
+from pagedllm.quantization.base import get_method
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +30,6 @@ def checkpoint_quant_config(config: Any) -> Optional[dict]:
 def checkpoint_quantization(config: Any) -> Optional[str]:
     """The method of a quantized safetensors checkpoint, its config checked (an unsupported variant fails here,
     before any weight is read, naming what is unsupported)."""
-    from pagedllm.errors import UnsupportedModelError
-    from pagedllm.quantization.base import get_method
-
     qc = checkpoint_quant_config(config)
     if qc is None:
         return None

@@ -16,13 +16,13 @@ class GGUFMethod(QuantizationMethod):
     name = "gguf"
 
     def weight_types(self) -> tuple[str, ...]:
-        import gguf
+        import gguf  # heavy: gguf
 
         return tuple(t.name for t in gguf.GGMLQuantizationType if t.name not in DENSE_TYPES)
 
     def dequantize(self, weight: QuantizedWeight) -> torch.Tensor:
-        import gguf
-        from gguf.quants import dequantize
+        import gguf  # heavy: gguf
+        from gguf.quants import dequantize  # heavy: gguf
 
         qtype = gguf.GGMLQuantizationType[weight.weight_type]
         raw = weight.data.cpu().numpy() if isinstance(weight.data, torch.Tensor) else np.asarray(weight.data)
@@ -45,8 +45,8 @@ def random_blocks(weight_type: str, rows: int, cols: int, gen: np.random.Generat
     """Valid packed bytes ``[rows, bytes_per_row]`` of ``weight_type`` for tests and conformance: llama.cpp's own
     quantizer (``gguf.quants.quantize``) over normal weights, or for K-quants random nibbles, sub-scales and high
     bits under fp16 scales of a sensible size. Either way ``dequantize`` of these bytes is the oracle."""
-    import gguf
-    from gguf.quants import quantize
+    import gguf  # heavy: gguf
+    from gguf.quants import quantize  # heavy: gguf
 
     if weight_type not in _K_LAYOUT:
         dense = (0.1 * gen.standard_normal((rows, cols))).astype(np.float32)

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.backend.hookspec import QuantizedWeight
+from pagedllm.errors import UnsupportedModelError
 from pagedllm.quantization.base import QuantizationMethod, register_method
 from pagedllm.quantization.grouped import GroupedInt, contiguous_g_idx, pack_cols, unpack_cols
 
@@ -28,8 +29,6 @@ class GPTQMethod(QuantizationMethod):
         return tuple(f"int{b}" for b in BITS)
 
     def check_config(self, qc: dict) -> None:
-        from pagedllm.errors import UnsupportedModelError
-
         if qc.get("bits") not in BITS:
             raise UnsupportedModelError(f"gptq: bits={qc.get('bits')} is not supported (supported: {BITS})")
         fmt = qc.get("checkpoint_format", "gptq")

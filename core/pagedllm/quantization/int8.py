@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.backend.hookspec import QuantizedLinearKernel
+from pagedllm.quantization.base import get_method
 
 #: compressed-tensors' symmetric int8 scale divisor: (127 - (-128)) / 2.
 INT8_HALF_RANGE = 127.5
@@ -40,8 +41,6 @@ def w8a8_reference(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
 
 
 def _prepare(weight: Any, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    from pagedllm.quantization.base import get_method
-
     g = get_method(weight.method).unpack(weight)
     if g.scales.shape[0] != 1 or bool((g.zeros != 0).any()):
         raise ValueError(f"{weight.method} {weight.weight_type}: W8A8 needs symmetric per-channel int8 weights")

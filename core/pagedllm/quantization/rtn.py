@@ -15,8 +15,13 @@ import shutil
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
-from pagedllm.quantization.grouped import contiguous_g_idx, round_to_nearest
+from pagedllm.backend.hookspec import QuantizedWeight
+from pagedllm.quantization.awq import write_awq
+from pagedllm.quantization.gptq import write_gptq
+from pagedllm.quantization.grouped import contiguous_g_idx, pack_cols, round_to_nearest
+from pagedllm.quantization.int8 import quantize_weight_per_channel
 
 #: HF names of the decoder linears these formats quantize (lm_head and embeddings stay dense, as llm-compressor's
 #: and AutoGPTQ's defaults do).
@@ -36,12 +41,6 @@ def quantize_folder(src: str, dst: str, method: str, *, bits: int = 4, group_siz
                     desc_act: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
     """Copy the HF folder ``src`` to ``dst`` with its decoder linears in ``method``'s format (``gptq``, ``awq``,
     or ``w8a8``: compressed-tensors int-quantized, per-channel int8 weights + dynamic per-token int8 activations)."""
-    from safetensors.torch import load_file, save_file
-
-    from pagedllm.quantization.awq import write_awq
-    from pagedllm.quantization.gptq import write_gptq
-    from pagedllm.quantization.int8 import quantize_weight_per_channel
-
     os.makedirs(dst, exist_ok=True)
     for name in os.listdir(src):
         if not name.endswith(".safetensors") and not name.endswith(".index.json") and \
@@ -107,12 +106,6 @@ def random_weight(method: str, weight_type: str, n: int, k: int, gen: torch.Gene
     """A random ``[n, k]`` weight (std 0.02) packed as ``method`` / ``weight_type`` (conformance and bench): GPTQ
     int4 with act-order groups of 128 (a permuted g_idx), int8 per channel; AWQ groups of 64, asymmetric;
     compressed-tensors W4A16 groups of 32, W8A16 / W8A8 int8 per channel."""
-    from pagedllm.backend.hookspec import QuantizedWeight
-    from pagedllm.quantization.awq import write_awq
-    from pagedllm.quantization.gptq import write_gptq
-    from pagedllm.quantization.grouped import pack_cols
-    from pagedllm.quantization.int8 import quantize_weight_per_channel
-
     w = torch.randn(n, k, generator=gen) * 0.02
     if method == "gptq":
         bits = int(weight_type.removeprefix("int"))

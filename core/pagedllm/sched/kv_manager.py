@@ -138,11 +138,20 @@ class KVCacheManager:
         return self.pool.num_blocks - self.pool.num_free
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the prefix cache can serve (in use or idle in the free queue)."""
+        return self.pool.num_cached
+
+    @property
     def usage(self) -> float:
         return self.num_used_blocks / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def num_blocks_of(self, request_id: str) -> int:
+        """Blocks the request holds now (0 when it holds none)."""
+        return len(self.req_blocks.get(request_id, ()))
 
     # ---- prefix cache ----------------------------------------------------------------------------
     def _block_hashes(self, req: Request, upto: int) -> list[bytes]:

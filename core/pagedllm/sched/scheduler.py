@@ -92,6 +92,14 @@ class Scheduler:
         return len(self.waiting) + len(self.running) - len(self.in_flight.intersection(
             r.request_id for r in self.running))
 
+    def mark_in_flight(self, out: SchedulerOutput) -> None:
+        """The step's batch was submitted: its requests are neither scheduled again nor preempted until it returns."""
+        self.in_flight.update(s.request.request_id for s in out.scheduled)
+
+    def mark_returned(self, out: SchedulerOutput) -> None:
+        """The step's batch returned (or failed): its requests may be scheduled again."""
+        self.in_flight.difference_update(s.request.request_id for s in out.scheduled)
+
     def _preemptible(self) -> list[Request]:
         return [r for r in self.running if r.request_id not in self.in_flight]
 

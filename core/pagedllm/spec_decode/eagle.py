@@ -37,6 +37,11 @@ from pagedllm.sched.request import Request
 from pagedllm.errors import ParamError
 from pagedllm.spec_decode.draft_model import draft_batch
 from pagedllm.spec_decode.manager import eligible
+from pagedllm.models import load_config, resolve_model_path
+from pagedllm.models.arch import ARCHITECTURES
+from pagedllm.models.causal_lm import DecoderLayer
+from pagedllm.models.rope import build_cos_sin_cache
+from pagedllm.models.weights import SafetensorsWeights, fused_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +55,6 @@ class EagleHead(nn.Module):
 
     def __init__(self, config: Any, backend: Any, target: Any, fc_bias: bool, own_lm_head: bool):
         super().__init__()
-        from pagedllm.models.arch import ARCHITECTURES
-        from pagedllm.models.causal_lm import DecoderLayer
-
         spec = ARCHITECTURES["LlamaForCausalLM"]
         self.config = config
         self.hidden_size: int = config.hidden_size
@@ -103,8 +105,6 @@ class _Renamed:
 
 
 def _open(path: str) -> _Renamed:
-    from pagedllm.models.weights import SafetensorsWeights
-
     if glob.glob(os.path.join(path, "*.safetensors")):
         st = SafetensorsWeights(path)
         return _Renamed(dict.fromkeys(st.names()), st.take)
@@ -120,10 +120,6 @@ def _open(path: str) -> _Renamed:
 def load_eagle_head(path: str, target: Any, backend: Any, dtype: torch.dtype, device: torch.device,
                     max_model_len: int) -> EagleHead:
     """Build the EAGLE head in ``path`` for ``target`` (a native decoder); errors name ``speculative_config.model``."""
-    from pagedllm.models import load_config, resolve_model_path
-    from pagedllm.models.rope import build_cos_sin_cache
-    from pagedllm.models.weights import fused_state_dict
-
     field = "speculative_config.model"
     try:
         path = resolve_model_path(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
@@ -15,9 +16,9 @@ class GuidanceBackend:
     name = "guidance"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
-        import llguidance
-        import llguidance.hf
-        import llguidance.torch
+        import llguidance  # heavy: llguidance.hf imports transformers
+        import llguidance.hf  # heavy: llguidance.hf imports transformers
+        import llguidance.torch  # heavy: llguidance.hf imports transformers
 
         self.llg = llguidance
         self.fill_fn = llguidance.torch.fill_next_token_bitmask
@@ -43,7 +44,7 @@ class GuidanceBackend:
             else:
                 text = spec.grammar
                 if "::=" in text:
-                    from llguidance.gbnf_to_lark import any_to_lark
+                    from llguidance.gbnf_to_lark import any_to_lark  # heavy: llguidance, only for GBNF
 
                     text = any_to_lark(text)
                 grammar = M.grammar_from_lark(text)
@@ -90,8 +91,6 @@ class GuidanceMatcher:
 
 
 def _escape(s: str) -> str:
-    import re
-
     return re.escape(s)
 
 

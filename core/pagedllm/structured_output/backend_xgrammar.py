@@ -19,7 +19,7 @@ class XgrammarBackend:
     name = "xgrammar"
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
-        import xgrammar as xgr
+        import xgrammar as xgr  # heavy: xgrammar (seconds), on the first grammar
 
         self.xgr = xgr
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)

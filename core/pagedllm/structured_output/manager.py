@@ -4,7 +4,9 @@ As in vLLM v1: ``add_request`` parses the spec at once (a bad schema, regex or g
 before the request is queued), the tokenizer-dependent compile runs in a worker thread (cached by spec, so a
 repeated schema costs nothing), and the scheduler does not schedule a request until its grammar is ready. Each
 request (each of ``n`` samples) gets its own matcher, advanced by every sampled token; the matcher's state follows
-``output_token_ids``, which recompute preemption keeps, so preempted requests resume where they were.
+``output_token_ids``, which recompute preemption keeps, so preempted requests resume where they were. After each
+schedule the engine asks ``grammar_bitmask`` for the step's masks and hands them to the worker with the step (vLLM's
+``get_grammar_bitmask`` beside the scheduler output): the worker never sees a grammar.
 """
 
 from __future__ import annotations
@@ -12,12 +14,17 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.sched.request import Request
+from pagedllm.sched.scheduler import ScheduledRequest
+from pagedllm.structured_output.backend_guidance import GuidanceBackend
+from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +70,27 @@ class StructuredRequest:
         return self.future.exception() if self.future.done() else None
 
 
+@dataclass
+class GrammarBitmask:
+    """One step's token masks (vLLM's ``GrammarOutput``): row j of ``mask`` (int32 ``[rows, ceil(vocab / 32)]``, bit
+    set = allowed) constrains request ``request_ids[j]``."""
+
+    request_ids: list[str]
+    mask: torch.Tensor
+
+    def rows_in(self, reqs: Sequence[Request]) -> tuple[list[int], torch.Tensor]:
+        """Positions in ``reqs`` (a step's sampling requests, in the model runner's order) of the constrained ones,
+        and their mask rows in that order."""
+        index = {rid: j for j, rid in enumerate(self.request_ids)}
+        found = [(i, index[r.request_id]) for i, r in enumerate(reqs) if r.request_id in index]
+        order = [j for _, j in found]
+        mask = self.mask if order == list(range(len(self.request_ids))) else self.mask[order]
+        return [i for i, _ in found], mask
+
+
 class StructuredOutputManager:
     """``backend``: ``auto`` (xgrammar, then llguidance for what xgrammar refuses), ``xgrammar`` or ``guidance``.
-    Backends are built on first use: an engine that never sees a grammar never loads one."""
+    Backends are built on first use: an engine that never sees a grammar never loads their libraries."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], backend: str = "auto"):
         if backend not in BACKENDS:
@@ -81,10 +106,7 @@ class StructuredOutputManager:
     def _backend(self, name: str) -> Any:
         be = self._backends.get(name)
         if be is None:
-            if name == "xgrammar":
-                from pagedllm.structured_output.backend_xgrammar import XgrammarBackend as cls
-            else:
-                from pagedllm.structured_output.backend_guidance import GuidanceBackend as cls
+            cls = XgrammarBackend if name == "xgrammar" else GuidanceBackend
             be = self._backends[name] = cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
         return be
 
@@ -119,15 +141,16 @@ class StructuredOutputManager:
         to do sleeps here instead of spinning."""
         cf.wait([r.future for r in reqs], timeout=timeout, return_when=cf.FIRST_COMPLETED)
 
-    def bitmask(self, reqs: Sequence[Any]) -> Optional[tuple[list[int], torch.Tensor]]:
-        """(rows, int32 ``[len(rows), ceil(vocab / 32)]`` bitmask, bit set = allowed) for the constrained rows among
-        this step's sampling requests, or None when no row is constrained."""
-        rows = [(i, r.structured) for i, r in enumerate(reqs) if r.structured is not None]
-        if not rows:
+    def grammar_bitmask(self, scheduled: Sequence[ScheduledRequest]) -> Optional[GrammarBitmask]:
+        """The masks of the scheduled requests that sample this step and follow a grammar, from their matchers'
+        state now (a request's matcher only advances once its step returns), or None when no row is constrained."""
+        reqs = [s.request for s in scheduled if s.samples and s.request.structured is not None]
+        if not reqs:
             return None
         words = (self.vocab_size + 31) // 32
-        mask = torch.full((len(rows), words), -1, dtype=torch.int32)
-        for j, (_, s) in enumerate(rows):
-            if s.matcher is not None and not s.matcher.is_terminated():
-                s.matcher.fill(mask, j)
-        return [i for i, _ in rows], mask
+        mask = torch.full((len(reqs), words), -1, dtype=torch.int32)
+        for j, r in enumerate(reqs):
+            m = r.structured.matcher
+            if m is not None and not m.is_terminated():
+                m.fill(mask, j)
+        return GrammarBitmask([r.request_id for r in reqs], mask)

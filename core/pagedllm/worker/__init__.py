@@ -6,8 +6,8 @@
 Sampling itself is ``pagedllm.sample`` (speculative decoding shares it).
 """
 
+from pagedllm.deprecated import package_attr
+
 
 def __getattr__(name: str):  # contract v2's ``pagedllm.worker`` module (now ``pagedllm.worker.worker``)
-    from pagedllm.deprecated import package_attr
-
     return package_attr(__name__, name)

@@ -26,12 +26,16 @@ from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.backend.kv_quant import kv_torch_dtype
 from pagedllm.lora.slots import LoRAManager
 from pagedllm.worker.model_runner import ModelRunner, PendingStep, StepOutput
-from pagedllm.models import load_model
+from pagedllm.models import load_config, load_model, resolve_model_path
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.errors import ParamError
 from pagedllm.sched.scheduler import ScheduledRequest
 from pagedllm.spec_decode.config import MODEL_METHODS
 from pagedllm.spec_decode.verify import sample_rows, verified_spans, verify
+from pagedllm.structured_output.manager import GrammarBitmask
+from pagedllm.distributed.binding import local_device
+from pagedllm.spec_decode.draft_model import DraftModelProposer
+from pagedllm.spec_decode.eagle import EagleProposer, load_eagle_head
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +46,6 @@ class Worker:
         """``config`` is resolved (``config.resolve_config``): dtype, block size, max_model_len and the token budget
         are final, and the backend's capabilities were checked against the checkpoint. ``device``: this rank's
         (distributed engines); default: data-parallel replica ``config.data_parallel_rank``'s device."""
-        from pagedllm.distributed.binding import local_device
-
         self.config, self.backend, self.info = config, backend, info
         self.device = device if device is not None else local_device(backend, config.data_parallel_rank)
         backend.set_device(self.device)
@@ -100,7 +102,6 @@ class Worker:
                                     config.max_cpu_loras or config.max_loras)
         self.draft_proposer: Any = None
         self.sampler = Sampler()
-        self.structured: Any = None  # the engine's StructuredOutputManager (token bitmasks for grammar rows)
         self.runner: Any = None
         self.graph_level = "none"
         self.graph_stats: dict = {}
@@ -109,11 +110,7 @@ class Worker:
     def _load_draft(self, path: str, method: str) -> Any:
         """The draft model or EAGLE head, in the target's dtype on the same device (its KV cache, of the target's
         block count and ids, is allocated with the pool). Its vocabulary must be the target's."""
-        from pagedllm.models import load_config, resolve_model_path
-
         if method == "eagle":
-            from pagedllm.spec_decode.eagle import load_eagle_head
-
             return load_eagle_head(path, self.model, self.backend, self.dtype, self.device, self.max_model_len)
 
         try:
@@ -229,9 +226,6 @@ class Worker:
                                                    f"{'its own model runner' if own is not None else 'static batch shapes'}"
                                                    ", which does not verify speculative tokens; use a dynamic backend")
         if self.draft_model is not None:
-            from pagedllm.spec_decode.draft_model import DraftModelProposer
-            from pagedllm.spec_decode.eagle import EagleProposer
-
             eagle = self.config.speculative_config.method == "eagle"
             self.draft_proposer = (EagleProposer if eagle else DraftModelProposer)(self.draft_model, kv, self.device)
         if self.lora is not None and (own is not None or self.policy.static):
@@ -276,9 +270,11 @@ class Worker:
         logger.info("warmed up %d batch shapes in %.2fs", len(shapes), self.warmup_seconds)
 
     # ---- the step --------------------------------------------------------------------------------------------
-    def execute_model(self, scheduled: list[ScheduledRequest]) -> tuple[StepOutput, Optional[SamplerOutput]]:
-        """Run one scheduled step; returns the runner's output and the sampled tokens of the rows that sample."""
-        return self.finish_model(self.submit_model(scheduled))
+    def execute_model(self, scheduled: list[ScheduledRequest], grammar: Optional[GrammarBitmask] = None,
+                      ) -> tuple[StepOutput, Optional[SamplerOutput]]:
+        """Run one scheduled step; returns the runner's output and the sampled tokens of the rows that sample
+        (``grammar``: the step's token masks, applied before sampling)."""
+        return self.finish_model(self.submit_model(scheduled), grammar)
 
     def submit_model(self, scheduled: list[ScheduledRequest]) -> PendingStep:
         """Start one step (a pipeline-parallel runner returns before the last stage is done: the engine's batch
@@ -288,16 +284,18 @@ class Worker:
             return PendingStep(self.runner.execute(scheduled))
         return submit(scheduled)
 
-    def finish_model(self, pending: PendingStep) -> tuple[StepOutput, Optional[SamplerOutput]]:
-        """Wait for a submitted step's logits and sample them (grammar masks apply to the matchers' state now)."""
+    def finish_model(self, pending: PendingStep, grammar: Optional[GrammarBitmask] = None,
+                     ) -> tuple[StepOutput, Optional[SamplerOutput]]:
+        """Wait for a submitted step's logits, mask the constrained rows with the step's ``grammar`` bitmask (the
+        engine's, made when it scheduled the step) and sample them."""
         step = pending.result()
         sampled = None
         if step.sampled is not None:
             sampled = step.sampled
         elif step.requests:
-            masked = self.structured.bitmask(step.requests) if self.structured is not None else None
-            if masked is not None:  # (grammar requests never speculate: their row is the first of one)
-                self._apply_bitmask(step.logits, sample_rows(step.num_logits, masked[0]), masked[1])
+            rows, mask = grammar.rows_in(step.requests) if grammar is not None else ([], None)
+            if rows:  # (grammar requests never speculate: their row is the first of one)
+                self._apply_bitmask(step.logits, sample_rows(step.num_logits, rows), mask)
             if step.num_logits is not None:
                 sampled = verify(self.sampler, step.logits, step.requests, step.num_logits, step.spec_token_ids)
             else:

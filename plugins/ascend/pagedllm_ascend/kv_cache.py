@@ -2,7 +2,7 @@
 head_size]`` — the layout torch-npu's ``_npu_reshape_and_cache``, ``_npu_paged_attention`` and (viewed as
 ``[num_blocks, block_size, num_kv_heads * head_size]``) ``npu_fused_infer_attention_score`` read, as vllm-ascend
 allocates it (vllm-project/vllm-ascend vllm_ascend/worker/model_runner_v1.py: ``kv_caches[layer_name] = (k_cache,
-v_cache)``). Block copies and swaps follow vllm-ascend's ``AscendAttentionBackend.copy_blocks`` / ``swap_blocks``
+v_cache)``). Block swaps follow vllm-ascend's ``AscendAttentionBackend.swap_blocks``
 (vllm_ascend/attention/attention_v1.py, v0.9.1): plain indexed copies on each of the two tensors, in place.
 """
 
@@ -36,14 +36,6 @@ def gather(kv_cache: KVPair, block_ids: torch.Tensor) -> torch.Tensor:
     k, v = kv_cache
     ids = block_ids.to(device=k.device, dtype=torch.long)
     return torch.stack((k[ids], v[ids]))
-
-
-def copy_blocks(kv_caches: list[KVPair], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``src[i] -> dst[i]`` in every layer, in place on both tensors (copy-on-write, beam forks)."""
-    for k, v in kv_caches:
-        s, d = src.to(device=k.device, dtype=torch.long), dst.to(device=k.device, dtype=torch.long)
-        k[d] = k[s]
-        v[d] = v[s]
 
 
 def swap_blocks(src_caches: list[KVPair], dst_caches: list[KVPair], src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ cited where each call is made) and tested on CPU through a simulated torch-npu k
 needs the device (the probe only imports it once the CANN runtime is found).
 
 KV caches: a ``(key_cache, value_cache)`` pair per layer (``kv_cache.py``), so this backend implements every
-cache hook itself (write, gather, copy, swap, host caches) — core's reference ops only know the canonical layout.
+cache hook itself (write, gather, swap, host caches) — core's reference ops only know the canonical layout.
 rms_norm and silu_and_mul go through torch-npu's fused ops (``ops.py``); rotary stays on core's torch reference.
 """
 
@@ -135,11 +135,6 @@ def pagedllm_paged_attention(query: torch.Tensor, kv_cache: Any, meta: Any, scal
 @hookimpl
 def pagedllm_gather_kv_blocks(kv_cache: Any, block_ids: torch.Tensor) -> torch.Tensor:
     return _kv.gather(kv_cache, block_ids)
-
-
-@hookimpl
-def pagedllm_copy_kv_blocks(kv_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
-    _kv.copy_blocks(kv_caches, src, dst)
 
 
 @hookimpl

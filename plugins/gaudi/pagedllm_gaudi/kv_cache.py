@@ -1,8 +1,8 @@
 """KV caches in vllm-gaudi's layout: separate key and value tensors per layer, each
 ``[num_blocks * block_size, num_kv_heads, head_size]`` (vllm_gaudi/attention/ops/hpu_paged_attn.py
 ``get_kv_cache_shape``), written with ``index_copy_`` on flat slots (vllm_gaudi/extension/utils.py ``VLLMKVCache``)
-and copied/swapped block-wise with ``index_select`` + ``index_copy_`` (vllm_gaudi/extension/cache_ops.py
-``copy_blocks`` / ``swap_blocks``). Not verified on hardware.
+and swapped block-wise with ``index_select`` + ``index_copy_`` (vllm_gaudi/extension/cache_ops.py
+``swap_blocks``). Not verified on hardware.
 """
 
 from __future__ import annotations
@@ -73,17 +73,6 @@ def gather(kv_cache: HPUKVCache, block_ids: torch.Tensor) -> torch.Tensor:
     """Canonical ``[2, n, block_size, num_kv_heads, head_size]``."""
     ids = block_ids.to(device=kv_cache[0].device, dtype=torch.int64)
     return torch.stack([kv_cache.blocks(0).index_select(0, ids), kv_cache.blocks(1).index_select(0, ids)])
-
-
-def copy_blocks(kv_caches: list[HPUKVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
-    """All source blocks are read before any destination is written (vllm_gaudi/extension/cache_ops.py
-    ``copy_blocks``), so overlapping src/dst lists behave like the reference."""
-    for cache in kv_caches:
-        s = src.to(device=cache[0].device, dtype=torch.int64)
-        d = dst.to(device=cache[0].device, dtype=torch.int64)
-        for i in (0, 1):
-            blocks = cache.blocks(i)
-            blocks.index_copy_(0, d, blocks.index_select(0, s))
 
 
 def swap_blocks(src_caches: list[HPUKVCache], dst_caches: list[HPUKVCache], src: torch.Tensor,

@@ -172,19 +172,13 @@ def pagedllm_gather_kv_blocks(kv_cache: Any, block_ids: torch.Tensor) -> torch.T
 
 
 @hookimpl
-def pagedllm_copy_kv_blocks(kv_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
-    _kv.copy_blocks(kv_caches, src, dst)
-    _mark_step_on_device(kv_caches)
-
-
-@hookimpl
 def pagedllm_swap_kv_blocks(src_caches: list, dst_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
     _kv.swap_blocks(src_caches, dst_caches, src, dst)
     _mark_step_on_device(src_caches + dst_caches)
 
 
 def _mark_step_on_device(caches: list) -> None:
-    """vllm_gaudi/extension/cache_ops.py ends a block copy with mark_step when the cache is on an HPU."""
+    """vllm_gaudi/extension/cache_ops.py ends a block swap with mark_step when the cache is on an HPU."""
     if any(c[0].device.type == "hpu" for c in caches):
         vendor.mark_step()
 

@@ -8,10 +8,10 @@ builds it by ``concat([k, v], -1).reshape(T, 2 * Hkv, D)``). The v3 Pallas kerne
 dtype's packing and ``head_dim`` to 128 lanes; that padding only serves the TPU kernel's tiling and is not applied by
 the jnp path here.
 
-JAX arrays are immutable, while core's cache objects are written in place (``write_kv``, ``copy_kv_blocks``,
+JAX arrays are immutable, while core's cache objects are written in place (``write_kv``,
 ``swap_kv_blocks``). Each layer's cache is therefore a :class:`JaxKVCache` holder whose ``array`` is replaced by the
 updated array (the jitted step donates the old buffer, so the update is in place on the device). The torch bridges
-below serve core's tensor-level hooks (conformance, copy-on-write, swap); the model runner never leaves JAX.
+below serve core's tensor-level hooks (conformance, swap); the model runner never leaves JAX.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def to_torch(a: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
 
 def pad_pow2(*index_lists: np.ndarray) -> list[np.ndarray]:
     """Pad index vectors to the next power of two by repeating their last entry (a repeated copy is idempotent), so
-    block copies compile once per power of two, not once per count."""
+    block gathers and scatters compile once per power of two, not once per count."""
     n = len(index_lists[0])
     m = 1 << max(0, (n - 1).bit_length())
     return [np.concatenate([x, np.repeat(x[-1:], m - n)]).astype(np.int32) for x in index_lists]
@@ -124,7 +124,7 @@ _jitted: dict[str, Any] = {}
 
 
 def block_program(name: str) -> Any:
-    """Block gather/copy/scatter programs, jitted once per process (the cache argument donated where updated)."""
+    """Block gather/scatter programs, jitted once per process (the cache argument donated where updated)."""
     if not _jitted:
         import jax
 
@@ -132,8 +132,6 @@ def block_program(name: str) -> Any:
 
         kv = mesh.kv_sharding()  # updated caches keep the step's sharding (else the step would see a new signature)
         _jitted["gather"] = jax.jit(lambda cache, ids: cache[ids], out_shardings=mesh.replicated())
-        _jitted["copy"] = jax.jit(lambda cache, src, dst: cache.at[dst].set(cache[src]), donate_argnums=0,
-                                  out_shardings=kv)
         _jitted["scatter"] = jax.jit(lambda cache, dst, blocks: cache.at[dst].set(blocks.astype(cache.dtype)),
                                      donate_argnums=0, out_shardings=kv)
     return _jitted[name]
@@ -149,12 +147,6 @@ def gather_blocks(cache: JaxKVCache, block_ids: torch.Tensor) -> torch.Tensor:
     pages = np.asarray(block_program("gather")(cache.array, padded))[: len(ids)]
     k, v = split_kv(pages)
     return to_torch(np.stack([k, v]))
-
-
-def copy_blocks(caches: list[JaxKVCache], src: torch.Tensor, dst: torch.Tensor) -> None:
-    s, d = pad_pow2(src.detach().cpu().numpy(), dst.detach().cpu().numpy())
-    for c in caches:
-        c.array = block_program("copy")(c.array, s, d)
 
 
 def swap_blocks(src_caches: list, dst_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:

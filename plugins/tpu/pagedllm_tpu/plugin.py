@@ -3,7 +3,7 @@
 Stack: JAX (see docs/backends/tpu.md for why not torch-xla). The backend owns the step through
 ``pagedllm_model_runner`` (a jitted JAX program per bucket shape, :mod:`pagedllm_tpu.runner`); core still loads the
 torch model (the runner takes its weights), schedules, pads with the backend's ``BucketPolicy`` and sizes the pool.
-The tensor-level hooks (``write_kv``, ``paged_attention``, fused ops, block gather/copy/swap) bridge torch tensors to
+The tensor-level hooks (``write_kv``, ``paged_attention``, fused ops, block gather/swap) bridge torch tensors to
 the very JAX functions the runner traces, so core's conformance suite checks those functions against its reference
 ops. Importing this module imports neither jax nor any TPU runtime: the probe does, lazily.
 """
@@ -183,11 +183,6 @@ def pagedllm_paged_attention(query: torch.Tensor, kv_cache: Any, meta: Any, scal
 @hookimpl
 def pagedllm_gather_kv_blocks(kv_cache: Any, block_ids: torch.Tensor) -> torch.Tensor:
     return kvc.gather_blocks(kv_cache, block_ids)
-
-
-@hookimpl
-def pagedllm_copy_kv_blocks(kv_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
-    kvc.copy_blocks(kv_caches, src, dst)
 
 
 @hookimpl

@@ -74,7 +74,7 @@ class TPUModelRunner:
         compiles.install()
         self.cache_dir = platform.enable_compilation_cache()
         self.ctx, self.model = ctx, model
-        self.caches = model.kv_caches  # JaxKVCache holders, shared with the worker (swap, copy-on-write)
+        self.caches = model.kv_caches  # JaxKVCache holders, shared with the worker (swap)
         self.device = platform.device()
         self.spec, self.params = jmodel.params_from_torch(model, ctx.dtype)
         # Core's input preparation and padding, without its forward (run=None: never called).

@@ -3,7 +3,7 @@
 Layout (vLLM's IPEX CPU path, vllm/v1/attention/backends/cpu_attn.py ``_IPEXPagedAttention.split_kv_cache``): one
 tensor per layer ``[2, num_blocks, num_kv_heads, block_size, head_size]``; ``cache[0]`` is the key cache and
 ``cache[1]`` the value cache, each ``[num_blocks, num_kv_heads, block_size, head_size]`` as IPEX's kernels read them.
-This is not core's canonical layout, so every cache hook (allocate, host allocate, gather, copy, swap) is
+This is not core's canonical layout, so every cache hook (allocate, host allocate, gather, swap) is
 implemented here; core's reference never touches it. Not verified on hardware: tested against a simulated IPEX
 that implements these calls with core's reference semantics (tests/support/sim/xpu).
 """
@@ -37,12 +37,6 @@ def pagedllm_allocate_host_kv_cache(spec: KVCacheSpec, pin_memory: bool) -> list
 @hookimpl
 def pagedllm_gather_kv_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return kv_cache[:, block_ids.to(kv_cache.device).long()].transpose(2, 3).contiguous()
-
-
-@hookimpl
-def pagedllm_copy_kv_blocks(kv_caches: list, src: torch.Tensor, dst: torch.Tensor) -> None:
-    for cache in kv_caches:
-        cache[:, dst.to(cache.device).long()] = cache[:, src.to(cache.device).long()]
 
 
 @hookimpl
@@ -117,4 +111,4 @@ def pagedllm_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: 
 
 
 __all__ = ["pagedllm_allocate_kv_cache", "pagedllm_allocate_host_kv_cache", "pagedllm_gather_kv_blocks",
-           "pagedllm_copy_kv_blocks", "pagedllm_swap_kv_blocks", "pagedllm_write_kv", "pagedllm_paged_attention"]
+           "pagedllm_swap_kv_blocks", "pagedllm_write_kv", "pagedllm_paged_attention"]

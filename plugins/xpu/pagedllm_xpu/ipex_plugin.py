@@ -16,8 +16,8 @@ import torch
 from pagedllm.backend.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
 from pagedllm_xpu import vendor
 from pagedllm_xpu.ipex_ops import (pagedllm_allocate_host_kv_cache, pagedllm_allocate_kv_cache,  # noqa: F401
-                                   pagedllm_copy_kv_blocks, pagedllm_gather_kv_blocks, pagedllm_paged_attention,
-                                   pagedllm_swap_kv_blocks, pagedllm_write_kv)
+                                   pagedllm_gather_kv_blocks, pagedllm_paged_attention, pagedllm_swap_kv_blocks,
+                                   pagedllm_write_kv)
 
 #: KV budget when the user gives none: vLLM CPU's VLLM_CPU_KVCACHE_SPACE default (4 GiB); RAM is shared.
 DEFAULT_KV_BYTES = 4 << 30

@@ -122,7 +122,7 @@ def test_full_conformance_kernel_and_runtime_sweep_on_the_simulation():
     passing = {i for i, _, s, _ in rows if s == "passing"}
     assert len(passing) > 150
     for kernel in ("write_kv[hs64-bs128|float32]", "gather_kv_blocks[hs64-bs128|bfloat16]",
-                   "copy_kv_blocks[hs64-bs128|float32]", "paged_attention.decode[hs80-bs128-gqa3|float32]",
+                   "swap_kv_blocks[hs64-bs128|float32]", "paged_attention.decode[hs80-bs128-gqa3|float32]",
                    "paged_attention.mixed[hs16-bs128-gqa4|bfloat16]", "allocate_kv_cache[hs64-bs128|bfloat16]",
                    "memory_info[-|-]"):
         assert kernel in passing, kernel

@@ -121,7 +121,7 @@ def test_persistent_compilation_cache_serves_a_second_process(tiny_model_dirs, t
 
 #: Conformance cases that apply to this backend, selected to keep the run in minutes (the full suite, every head
 #: size x block size x GQA ratio x dtype, is ``PAGEDLLM_TPU_PLATFORM=cpu pagedllm conformance --device tpu``).
-CONFORMANCE_ALLOW = ["memory_info", "write_kv*[hs64-*", "write_kv*[hs16-*", "gather_kv_blocks*", "copy_kv_blocks*",
+CONFORMANCE_ALLOW = ["memory_info", "write_kv*[hs64-*", "write_kv*[hs16-*", "gather_kv_blocks*",
                      "swap_kv_blocks*", "paged_attention.*[hs64-bs16-*", "paged_attention.*[hs16-bs128-*",
                      "paged_attention.*[hs80-bs32-gqa3*", "rms_norm*", "silu_and_mul*", "rotary*[hs64*",
                      "rotary*[hs16*", "graph_runner.replay_vs_eager*", "greedy_parity_vs_hf*"]
@@ -133,7 +133,7 @@ def test_conformance_applicable_cases():
     kernel hooks (the runner's own jnp functions) against the reference ops, and greedy parity through the engine.
     Two cases cannot apply to a cache of JAX arrays and report untested with the suite's own reason (swap needs torch
     host copies; graph replay snapshots a torch cache); ``allocate_kv_cache`` counts torch tensors' bytes and is left
-    out. All three are checked directly in ``test_tpu_kernels.py``/above (allocator bytes, copy/swap, program vs
+    out. All three are checked directly in ``test_tpu_kernels.py``/above (allocator bytes, swap, program vs
     core's torch model, zero compiles while serving)."""
     r = child("conformance", *CONFORMANCE_ALLOW, timeout=1500)
     rows = r["results"]
@@ -144,7 +144,7 @@ def test_conformance_applicable_cases():
     assert not bad, bad[:5]
     assert untested == {"swap_kv_blocks", "graph_runner.replay_vs_eager"}, untested
     kernels = {x["kernel"] for x in ran}
-    assert {"write_kv", "gather_kv_blocks", "copy_kv_blocks", "paged_attention.decode", "paged_attention.prefill",
+    assert {"write_kv", "gather_kv_blocks", "paged_attention.decode", "paged_attention.prefill",
             "paged_attention.mixed", "paged_attention.sliding_window", "paged_attention.soft_cap", "rms_norm",
             "rotary", "silu_and_mul", "greedy_parity_vs_hf"} <= kernels, sorted(kernels)
     print(f"conformance: {len(ran)} cases passing in {r['seconds']} s")

@@ -17,7 +17,7 @@ from sim_xpu.run import run_scenario  # noqa: E402
 
 MATCHING = ".".join(torch.__version__.split(".")[:2]) + ".0+cpu"  # a build for this torch's major.minor
 
-CASES = ("memory_info", "allocate_kv_cache", "write_kv", "gather_kv_blocks", "copy_kv_blocks", "swap_kv_blocks",
+CASES = ("memory_info", "allocate_kv_cache", "write_kv", "gather_kv_blocks", "swap_kv_blocks",
          "paged_attention.*[hs16-*", "paged_attention.*[hs80-bs16-*", "paged_attention.*[hs64-bs128-*",
          "paged_attention.sliding_window", "paged_attention.soft_cap", "graph_runner.replay_vs_eager",
          "greedy_parity_vs_hf")
@@ -50,7 +50,7 @@ def test_ipex_backend_passes_conformance_on_fake_ipex(tmp_path):
     assert out["ipex_calls"] == ["flash_attn_varlen_func", "reshape_and_cache", "single_query_cached_kv_attention"]
     passing = out["passing"]
     assert any(p.startswith("greedy_parity_vs_hf[") for p in passing), passing
-    for kernel in ("write_kv", "gather_kv_blocks", "copy_kv_blocks", "swap_kv_blocks", "paged_attention.decode",
+    for kernel in ("write_kv", "gather_kv_blocks", "swap_kv_blocks", "paged_attention.decode",
                    "paged_attention.prefill", "paged_attention.mixed"):
         assert {p.split("|")[1] for p in passing if p.startswith(kernel + "[")} == {"float32]", "bfloat16]"}, kernel
     # undeclared features are reported untested with the reason, never as passing

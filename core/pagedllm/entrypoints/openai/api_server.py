@@ -23,6 +23,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, Optional, Sequence, Union
 
+import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -291,8 +292,6 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     process may use) split evenly among them.
     ``exit_on_engine_failure``: if the engine process dies, fail the in-flight requests, then exit with code 1.
     """
-    import uvicorn
-
     template = load_chat_template(chat_template)
     if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
         raise ParamError("data_parallel_size", f"must be an integer >= 1, got {data_parallel_size!r}")

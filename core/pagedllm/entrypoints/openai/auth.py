@@ -13,6 +13,8 @@ import json
 import os
 from typing import Iterable, Optional, Sequence
 
+from starlette.middleware.cors import CORSMiddleware
+
 from pagedllm.entrypoints.openai.errors import error_body
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
@@ -80,7 +82,5 @@ def add_cors(app, allowed_origins: Optional[Sequence[str]], allow_credentials: b
     """CORS only when the operator lists origins (default closed: browsers on other origins get no access)."""
     if not allowed_origins:
         return
-    from starlette.middleware.cors import CORSMiddleware
-
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=allow_credentials,
                        allow_methods=list(allowed_methods or ["*"]), allow_headers=list(allowed_headers or ["*"]))

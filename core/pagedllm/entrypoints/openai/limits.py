@@ -101,7 +101,7 @@ class RequestBodyMiddleware:
         return await self.app(scope, replay, send)
 
     async def _too_large(self, send) -> None:
-        from pagedllm.entrypoints.openai.errors import error_body
+        from pagedllm.entrypoints.openai.errors import error_body  # heavy: fastapi, not at CLI start
 
         body = json.dumps(error_body(413, f"request body is larger than the server's limit of {self.max_bytes} "
                                           "bytes (--max-request-body-bytes)", code="request_too_large")).encode()
@@ -135,7 +135,7 @@ class Admission:
         self.on_reject = on_reject
 
     def acquire(self, slots: int, param: str = "n") -> Ticket:
-        from pagedllm.entrypoints.openai.errors import APIError  # (this module's constants are imported without fastapi)
+        from pagedllm.entrypoints.openai.errors import APIError  # heavy: fastapi, not at CLI start
 
         slots = max(int(slots), 1)
         if self.limit is not None:

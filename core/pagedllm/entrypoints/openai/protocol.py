@@ -12,6 +12,7 @@ on the routes, so ``/openapi.json`` is the real API (a test validates live respo
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
@@ -213,8 +214,6 @@ class ChatMessage(_Base):
 
 
 def _json_or_text(s: str) -> Any:
-    import json
-
     try:
         return json.loads(s)
     except ValueError:

@@ -48,7 +48,7 @@ def _context() -> multiprocessing.context.BaseContext:
 def warm_up_forkserver() -> None:
     """Start the forkserver (it imports transformers) now, so it overlaps with the engine's model load."""
     if _context().get_start_method() == "forkserver":
-        from multiprocessing import forkserver
+        from multiprocessing import forkserver  # optional: POSIX-only (forkserver)
 
         forkserver.ensure_running()
 

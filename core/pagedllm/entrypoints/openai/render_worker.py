@@ -106,7 +106,7 @@ def main(conn: Connection, tokenizer_blob: bytes, mem_limit_bytes: Optional[int]
     except Exception:  # noqa: BLE001 - a template that needs more than this is fine; requests will say so
         pass
     if mem_limit_bytes and os.path.exists("/proc/self/statm"):
-        import resource
+        import resource  # optional: POSIX-only (resource)
 
         limit = _vm_bytes() + mem_limit_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
