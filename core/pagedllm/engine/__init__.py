@@ -15,8 +15,8 @@ from pagedllm.deprecated import package_attr
 
 
 def __getattr__(name: str):
-    if name == "LLMEngine":  # ``from pagedllm.engine import LLMEngine`` (vLLM's spelling), without importing torch early
+    if name == "LLMEngine":  # ``from pagedllm.engine import LLMEngine`` (vLLM's spelling)
         from pagedllm.engine.llm_engine import LLMEngine  # heavy: torch (`import pagedllm.engine` stays light)
 
         return LLMEngine
-    return package_attr(__name__, name)
+    return package_attr(__name__, name)  # contract v2's ``pagedllm.engine`` module
