@@ -7,20 +7,15 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
+from pagedllm.bench.llama_cpp_peer import add_options
+
 PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("llama-cpp", help="llama.cpp (gpt4all 2.8.2, another venv) batch-1 decode on a GGUF file")
     p.add_argument("--python", required=True, help="a Python with gpt4all==2.8.2 (never the project venv)")
-    p.add_argument("--gguf", default=None, help="GGUF file (default: the embedded SmolLM2 Q4_1)")
-    p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--json", default=None)
-    p.add_argument("--cpu-time", action="store_true",
-                   help="rate from the process's CPU time (with --threads 1) instead of wall time: for a "
-                        "loaded machine")
+    add_options(p, gguf_help="GGUF file (default: the embedded SmolLM2 Q4_1)", gguf_required=False)
     p.set_defaults(func=main)
 
 

@@ -11,7 +11,8 @@ gpt4all's 2024 llama.cpp rejects the file's ``tokenizer.ggml.pre = "smollm"``; t
 value changed to ``"falcon"`` (same length; decode speed does not depend on the pre-tokenizer).
 """
 
-# Lives beside vllm_peer.py, not in ci/: a peer driver started by path under the peer's own venv, never imported.
+# Lives beside vllm_peer.py, not in ci/: a peer driver started by path under the peer's own venv; pagedllm imports
+# it only for add_options (its top level imports the standard library alone).
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,9 @@ def patched_copy(src: str, dst_dir: str) -> str:
     return dst
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--gguf", required=True)
+def add_options(p: argparse.ArgumentParser, gguf_help: str = "GGUF file", gguf_required: bool = True) -> None:
+    """This script's options; ``pagedllm bench llama-cpp`` takes the same ones and passes them through."""
+    p.add_argument("--gguf", required=gguf_required, default=None, help=gguf_help)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -52,6 +53,11 @@ def main() -> None:
     p.add_argument("--cpu-time", action="store_true",
                    help="rate from the process's CPU time (with --threads 1) instead of wall time: for a "
                         "loaded machine")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    add_options(p)
     args = p.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
     from gpt4all import GPT4All
