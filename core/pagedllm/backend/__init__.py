@@ -34,6 +34,8 @@ oracle), ``kv_quant`` (fp8 KV semantics), ``accelerator`` (the device-generic GP
 
 from __future__ import annotations
 
+import importlib
+
 from pagedllm.backend.hookspec import (API_VERSION, ENTRY_POINT_GROUP, BackendInfo, BackendSpec, Capabilities,
                                        GraphRunner, KVCacheSpec, MemoryInfo, ModelInfo, ProbeResult,
                                        QuantizedLinearKernel, QuantizedWeight, RunnerContext, hookimpl)
@@ -79,8 +81,6 @@ __all__ = ["API_VERSION", "ENTRY_POINT_GROUP", "BackendInfo", "BackendSpec", "Ca
 
 
 def __getattr__(name: str):
-    import importlib
-
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _RENAMED:

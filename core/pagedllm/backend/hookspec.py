@@ -144,7 +144,7 @@ class KVCacheSpec:
 
     @property
     def bytes_per_block(self) -> int:
-        import torch
+        import torch  # heavy: torch
 
         elem = torch.empty((), dtype=self.dtype).element_size()
         return (1 if self.mla else 2) * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import torch
-
 from typing import Any, Optional
 
+import torch
+
 from pagedllm.backend import ref_ops
-from pagedllm.lora import ops as lora_ops
 from pagedllm.backend.batch_policy import BatchPolicy
 from pagedllm.backend.hookspec import Capabilities, GraphRunner, KVCacheSpec, ModelInfo, RunnerContext, hookimpl
+from pagedllm.lora import ops as lora_ops
 
 
 @hookimpl(trylast=True)
@@ -45,7 +45,7 @@ def pagedllm_distributed_backend() -> str:
 
 @hookimpl(trylast=True)
 def pagedllm_communicator(ranks: list[int], device: torch.device, collective: str, timeout_s: float) -> Any:
-    from pagedllm.distributed.communicator import TorchCommunicator
+    from pagedllm.distributed.communicator import TorchCommunicator  # heavy: torch
 
     return TorchCommunicator(ranks, device, timeout_s, collective)
 

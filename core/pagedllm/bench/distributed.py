@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import torch
 
+from pagedllm.sampling_params import SamplingParams
+
 
 @dataclass
 class EngineRun:
@@ -78,10 +80,9 @@ def _time_one(llm: Any, batch: list, sp: Any, run: EngineRun, executor: Any) -> 
 
 
 def run(args) -> DistributedBenchResult:
-    from pagedllm.bench.throughput import make_prompts
-    from pagedllm.commands.engine_args import engine_config
-    from pagedllm.entrypoints.llm import LLM
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.bench.throughput import make_prompts  # heavy: torch, not at CLI start
+    from pagedllm.commands.engine_args import engine_config  # heavy: torch, not at CLI start
+    from pagedllm.entrypoints.llm import LLM  # heavy: torch, not at CLI start
 
     cfg = engine_config(args)
     world = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
@@ -134,7 +135,7 @@ def run(args) -> DistributedBenchResult:
 
 
 def add_parser(sub) -> None:
-    from pagedllm.commands.engine_args import add_engine_args
+    from pagedllm.commands.engine_args import add_engine_args  # heavy: torch, not at CLI start
 
     p = sub.add_parser("distributed", help="N ranks x 1 thread vs 1 rank x N threads (tensor/pipeline parallel)")
     add_engine_args(p)

@@ -17,6 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pagedllm.bench.server_process import ServeProcess, bench_serve
+from pagedllm.errors import UserError
+
 CONFIGS = {"dp1": ["--engine-cpus", "0-1"], "dp2": ["--data-parallel-size", "2"],
            "dp2_ep": ["--data-parallel-size", "2", "--enable-expert-parallel"]}
 SERVE_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "256", "--served-model-name", "m"]
@@ -53,7 +56,6 @@ def descendants_rss_mb(pid: int) -> list[float]:
 
 def run_one(model: str, name: str, bench: list[str]) -> dict:
     """Start the ``name`` server alone, measure it, stop it; the replicas' exchange summary comes from its log."""
-    from pagedllm.bench.server_process import ServeProcess, bench_serve
 
     fd, log = tempfile.mkstemp(prefix=f"bench-dp-ep-{name}-", suffix=".log")
     os.close(fd)
@@ -75,12 +77,10 @@ def main(args) -> int:
         return run(args, args.model)
     tests = Path(__file__).resolve().parents[3] / "tests" / "support"  # a source checkout's test helpers
     if not (tests / "tiny_models.py").exists():
-        from pagedllm.errors import UserError
-
         raise UserError(f"no {tests}/tiny_models.py to build the bench Mixtral from: give --model")
     sys.path.insert(0, str(tests))
-    from server_utils import tiny_chat_model
-    from tiny_models import make_bench_mixtral
+    from server_utils import tiny_chat_model  # test helpers: on sys.path only from here
+    from tiny_models import make_bench_mixtral  # test helpers: on sys.path only from here
 
     with tempfile.TemporaryDirectory(prefix="bench-mixtral-") as d:
         return run(args, make_bench_mixtral(d, tiny_chat_model()))

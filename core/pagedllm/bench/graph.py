@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import torch
 
+from pagedllm.backend.hookspec import REQUIRED_HOOKS, KVCacheSpec, hookimpl
+
 BLOCK = 16
 
 
@@ -31,8 +33,7 @@ def add_parser(sub) -> None:
 def reference_only(backend):
     """``backend`` reduced to the contract's required hooks (its own identity, probe and memory info), so every
     kernel falls back to core's reference ops."""
-    from pagedllm.backend.registry import Backend
-    from pagedllm.backend.hookspec import REQUIRED_HOOKS, hookimpl
+    from pagedllm.backend.registry import Backend  # heavy: torch, not at CLI start
 
     name = f"{backend.name}-reference"
     plugin = SimpleNamespace(**{h: getattr(backend.plugin, h) for h in REQUIRED_HOOKS})
@@ -41,12 +42,11 @@ def reference_only(backend):
 
 
 def build_model(backend, num_blocks: int):
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # heavy: transformers
 
-    from pagedllm.backend.hookspec import KVCacheSpec
-    from pagedllm.models.arch import ARCHITECTURES
-    from pagedllm.models.causal_lm import CausalLM
-    from pagedllm.models.rope import build_cos_sin_cache
+    from pagedllm.models.arch import ARCHITECTURES  # heavy: torch, not at CLI start
+    from pagedllm.models.causal_lm import CausalLM  # heavy: torch, not at CLI start
+    from pagedllm.models.rope import build_cos_sin_cache  # heavy: torch, not at CLI start
 
     cfg = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                       num_key_value_heads=4, head_dim=32, vocab_size=32000, max_position_embeddings=2048)
@@ -72,7 +72,7 @@ class Batch:
         self.ctx = list(ctx)
 
     def step(self, qlens: list[int]):
-        from pagedllm.backend.attention import AttentionMetadata
+        from pagedllm.backend.attention import AttentionMetadata  # heavy: torch, not at CLI start
 
         seq_lens = [c + q for c, q in zip(self.ctx, qlens)]
         tables = [t[:(s + BLOCK - 1) // BLOCK] for t, s in zip(self.tables, seq_lens)]
@@ -95,7 +95,7 @@ def timed(run, batch: Batch, qlens: list[int], n: int, clock=time.perf_counter) 
 
 
 def make_variant(name: str, model):
-    from pagedllm.backend import ref_ops
+    from pagedllm.backend import ref_ops  # heavy: torch, not at CLI start
 
     if name in ("eager", "reference"):
         return model
@@ -122,7 +122,7 @@ def make_variant(name: str, model):
 
 
 def main(args) -> int:
-    from pagedllm.backend.registry import get_backend
+    from pagedllm.backend.registry import get_backend  # heavy: torch, not at CLI start
 
     if args.threads:
         torch.set_num_threads(args.threads)

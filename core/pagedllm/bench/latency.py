@@ -17,6 +17,9 @@ from typing import Optional
 import torch
 
 from pagedllm.bench.ceiling import weight_bytes_per_token
+from pagedllm.bench.peer import VLLMPeer
+from pagedllm.sampling_params import SamplingParams
+
 
 @dataclass
 class Latency:
@@ -66,8 +69,6 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 7) -> float:
 
 
 def stream_ours(engine, prompt: list[int], max_tokens: int) -> list[float]:
-    from pagedllm.sampling_params import SamplingParams
-
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens)
     stamps, seen = [], 0
     t = time.perf_counter()
@@ -83,9 +84,9 @@ def stream_ours(engine, prompt: list[int], max_tokens: int) -> list[float]:
 
 def hf_streamer(model_path: str):
     """An HF model and a function timing each new token of ``generate`` (a stopping criterion is called per token)."""
-    from transformers import StoppingCriteria, StoppingCriteriaList
+    from transformers import StoppingCriteria, StoppingCriteriaList  # heavy: transformers
 
-    from pagedllm.bench.throughput import hf_fp32_model
+    from pagedllm.bench.throughput import hf_fp32_model  # heavy: torch, not at CLI start
 
     model = hf_fp32_model(model_path)
 
@@ -111,9 +112,9 @@ def hf_streamer(model_path: str):
 
 
 def run(args) -> LatencyResult:
-    from pagedllm.bench.throughput import make_prompts
-    from pagedllm.commands.engine_args import engine_config
-    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.bench.throughput import make_prompts  # heavy: torch, not at CLI start
+    from pagedllm.commands.engine_args import engine_config  # heavy: torch, not at CLI start
+    from pagedllm.entrypoints.llm import LLM  # heavy: torch, not at CLI start
 
     cfg = engine_config(args)
     llm = LLM(**vars(cfg))
@@ -122,8 +123,6 @@ def run(args) -> LatencyResult:
     streams = {"pagedllm": lambda p, n: stream_ours(engine, p, n)}
     peer = None
     if args.compare_vllm:
-        from pagedllm.bench.peer import VLLMPeer
-
         peer = VLLMPeer(args.compare_vllm, engine.model_path, str(engine.dtype).removeprefix("torch."),
                         cfg.max_model_len, cfg.seed)
         streams["vllm"] = peer.stream
@@ -148,7 +147,7 @@ def run(args) -> LatencyResult:
 
 
 def add_parser(sub) -> None:
-    from pagedllm.commands.engine_args import add_engine_args
+    from pagedllm.commands.engine_args import add_engine_args  # heavy: torch, not at CLI start
 
     p = sub.add_parser("latency", help="single-request latency: time to first token, per-token decode latency")
     add_engine_args(p)

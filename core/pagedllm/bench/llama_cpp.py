@@ -23,7 +23,7 @@ def peer_command(python: str, gguf: Optional[str], tokens: int, repeats: int, th
                  json_path: Optional[str] = None, cpu_time: bool = False) -> list[str]:
     """The anchor's command line; ``gguf`` None means the embedded model."""
     if gguf is None:
-        from pagedllm.models.paths import default_model_path
+        from pagedllm.models.paths import default_model_path  # heavy: torch, not at CLI start
 
         gguf = str(default_model_path())
     return [python, str(PEER_SCRIPT), "--gguf", gguf, "--tokens", str(tokens), "--repeats", str(repeats),

@@ -60,7 +60,7 @@ def main() -> None:
     add_options(p)
     args = p.parse_args()
     clock = time.process_time if args.cpu_time else time.perf_counter
-    from gpt4all import GPT4All
+    from gpt4all import GPT4All  # optional: gpt4all (the peer's own venv)
 
     with tempfile.TemporaryDirectory() as tmp:
         path = patched_copy(args.gguf, tmp)

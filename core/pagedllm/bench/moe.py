@@ -32,9 +32,9 @@ def _time(fn, device, backend) -> float:
 
 
 def main(args) -> int:
-    from pagedllm.backend import ref_ops
-    from pagedllm.backend.registry import get_backend
-    from pagedllm.config import DTYPES
+    from pagedllm.backend import ref_ops  # heavy: torch, not at CLI start
+    from pagedllm.backend.registry import get_backend  # heavy: torch, not at CLI start
+    from pagedllm.config import DTYPES  # heavy: torch, not at CLI start
 
     backend = get_backend(args.device)
     device, dtype = backend.device(), DTYPES[args.dtype]

@@ -25,11 +25,11 @@ def hf_folder(model_path: str) -> str:
     """``model_path`` itself for an HF folder; for a ``.gguf`` file an fp32 HF folder converted once and cached."""
     if not model_path.endswith(".gguf"):
         return model_path
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # heavy: torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers
 
-    from pagedllm.bench.throughput import hf_fp32_model
-    from pagedllm.models.gguf_config import cache_root
+    from pagedllm.bench.throughput import hf_fp32_model  # heavy: torch, not at CLI start
+    from pagedllm.models.gguf_config import cache_root  # heavy: torch, not at CLI start
 
     out = cache_root() / "peer-models" / (Path(model_path).stem + "-fp32")
     if not (out / "config.json").exists():

@@ -8,10 +8,15 @@ Python and its license agreements, real English prose and legal text; the first 
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import io
 import json
 import os
 import time
 from typing import Any
+
+from pagedllm import SamplingParams
 
 #: name -> engine keyword arguments (beside model, device, max_model_len); the first is the reference.
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -26,10 +31,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 def text(name: str) -> str:
     if name == "pep20":
-        import codecs
-        import contextlib
-        import io
-
         with contextlib.redirect_stdout(io.StringIO()):
             import this  # noqa: F401  (prints the text on first import)
         return codecs.decode(this.s, "rot13")
@@ -52,9 +53,7 @@ def add_parser(sub) -> None:
 
 
 def perplexity(llm: Any, ids: list[int]) -> float:
-    import torch
-
-    from pagedllm import SamplingParams
+    import torch  # heavy: torch
 
     out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
                        use_tqdm=False)[0]
@@ -63,7 +62,7 @@ def perplexity(llm: Any, ids: list[int]) -> float:
 
 
 def main(args) -> int:
-    from pagedllm import LLM
+    from pagedllm import LLM  # heavy: torch, not at CLI start
 
     names = [c for c in args.configs.split(",") if c]
     unknown = [c for c in names if c not in CONFIGS]

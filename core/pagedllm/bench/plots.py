@@ -9,6 +9,8 @@ import os
 
 import numpy as np
 
+from pagedllm.errors import ParamError
+
 FIGSIZE, DPI = (8.0, 5.0), 100  # every chart is 800 x 500 pixels
 
 
@@ -16,7 +18,6 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        from pagedllm.errors import ParamError
 
         raise ParamError("plot", "needs matplotlib: pip install matplotlib") from None
 
@@ -38,10 +39,10 @@ def _name(mns) -> str:
 
 def plot_sweep(rows: list[dict], out_dir: str) -> list[str]:
     """Write throughput.png, ttft.png, tpot.png and latency_cdf.png into ``out_dir``; return their paths."""
-    import matplotlib
+    import matplotlib  # optional: matplotlib (pagedllm[bench])
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib (pagedllm[bench])
 
     os.makedirs(out_dir, exist_ok=True)
     labels = list(dict.fromkeys(_rate_label(r["request_rate"]) for r in rows))

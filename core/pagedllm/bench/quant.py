@@ -15,6 +15,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from pagedllm.bench.llama_cpp import peer_command
+from pagedllm.bench.peer import hf_folder
 from pagedllm.bench.server_process import PAGEDLLM
 
 CONFIGS = ("fp32", "q4_1", "bf16", "w8a8")  # run order; the table lists fp32, bf16, q4_1, w8a8
@@ -38,9 +40,8 @@ def w8a8_folder(out: str) -> str:
     """The embedded model's weights as compressed-tensors W8A8 (round-to-nearest), made once under ``out``."""
     folder = os.path.join(out, "smollm2-w8a8")
     if not os.path.exists(os.path.join(folder, "config.json")):
-        from pagedllm.bench.peer import hf_folder
-        from pagedllm.models.paths import default_model_path
-        from pagedllm.quantization.rtn import quantize_folder
+        from pagedllm.models.paths import default_model_path  # heavy: torch, not at CLI start
+        from pagedllm.quantization.rtn import quantize_folder  # heavy: torch, not at CLI start
 
         quantize_folder(hf_folder(str(default_model_path())), folder, "w8a8")
     return folder
@@ -51,8 +52,6 @@ def _run_quietly(cmd: list[str]) -> None:
 
 
 def run_rounds(out: str, rounds: int, llama_python: str | None) -> None:
-    from pagedllm.bench.llama_cpp import peer_command
-
     flags = {"fp32": ["--quantization", "none"], "q4_1": [], "bf16": ["--dtype", "bfloat16"],
              "w8a8": ["--model", w8a8_folder(out)]}
     for r in range(1, rounds + 1):

@@ -37,7 +37,7 @@ def own_rss_mb() -> float:
 
 def main(args) -> int:
     clock = time.process_time if args.cpu_time else time.perf_counter
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import LLM, SamplingParams  # heavy: torch, not at CLI start
 
     configs = {n: KNOWN[n] for n in args.configs.split(",")}
     engines, added = {}, {}

@@ -31,10 +31,10 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    from pagedllm.backend.registry import get_backend
-    from pagedllm.quantization import dequantize, reference_kernel
-    from pagedllm.quantization.int8 import quantize_per_token
-    from pagedllm.quantization.rtn import random_weight
+    from pagedllm.backend.registry import get_backend  # heavy: torch, not at CLI start
+    from pagedllm.quantization import dequantize, reference_kernel  # heavy: torch, not at CLI start
+    from pagedllm.quantization.int8 import quantize_per_token  # heavy: torch, not at CLI start
+    from pagedllm.quantization.rtn import random_weight  # heavy: torch, not at CLI start
 
     backend = get_backend(args.device)
     device = backend.device()

@@ -167,7 +167,7 @@ def crossing(m: ModelShape, dev: Device, links: Links, tp: int, pp: int, phase: 
 # ---- measurement ---------------------------------------------------------------------------------------------
 def measure_layer_gemms(m: ModelShape, tp: int, tokens: Sequence[int], repeats: int = 3) -> dict[int, float]:
     """Median seconds of one rank's four layer GEMMs (fp32, this process's torch threads) per token count."""
-    import torch
+    import torch  # heavy: torch
 
     g = torch.Generator().manual_seed(0)
     ws = [torch.rand(i, o, generator=g) - 0.5 for i, o in m.shard_shapes(tp)]
@@ -211,7 +211,7 @@ def add_parser(sub) -> None:
 
 
 def main(args) -> int:
-    import torch
+    import torch  # heavy: torch
 
     m, links = LLAMA3_70B, Links(allreduce_latency=args.allreduce_latency_us * 1e-6)
     ints = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731

@@ -134,7 +134,7 @@ async def run_async(base_url: str, num_prompts: int, request_rate: float, input_
                     model: Optional[str] = None, api_key: Optional[str] = None, max_concurrency: Optional[int] = None,
                     seed: int = 0, token_id_range: tuple[int, int] = (100, 1000),
                     warmup: bool = True, keep_samples: bool = False) -> ServeBenchResult:
-    import aiohttp
+    import aiohttp  # optional: aiohttp (pagedllm[serve])
 
     base = base_url.rstrip("/")
     if base.endswith("/v1"):
@@ -215,7 +215,7 @@ def _event_loop_runner():
     """uvloop when installed (it comes with the serve extra): the client shares the machine with the server, so
     its per-chunk cost is taken from the server's throughput."""
     try:
-        import uvloop
+        import uvloop  # optional: uvloop
     except ImportError:
         return asyncio.run
     return uvloop.run

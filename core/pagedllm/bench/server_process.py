@@ -23,7 +23,7 @@ class ServeProcess:
 
     def __init__(self, model: Optional[str], serve_args: Sequence[str], log_path: str, timeout: float = 600.0,
                  env: Optional[dict] = None):
-        from pagedllm.executor.base import free_port
+        from pagedllm.executor.base import free_port  # heavy: torch, not at CLI start
 
         port = free_port()
         self.base_url = f"http://127.0.0.1:{port}"

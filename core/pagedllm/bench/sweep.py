@@ -15,6 +15,7 @@ import os
 import shlex
 from dataclasses import asdict
 
+from pagedllm.bench.serve import _event_loop_runner, run_async
 from pagedllm.bench.server_process import ServeProcess
 from pagedllm.errors import ParamError
 
@@ -51,8 +52,6 @@ def add_parser(sub) -> None:
 
 
 def _point(base_url: str, rate: float, args) -> dict:
-    from pagedllm.bench.serve import _event_loop_runner, run_async
-
     res = _event_loop_runner()(run_async(base_url, args.num_prompts, rate, args.input_len, args.output_len,
                                          seed=args.seed, keep_samples=True))
     return asdict(res)
@@ -110,8 +109,6 @@ def main(args) -> int:
     json_path, csv_path = write_results(rows, args.output_dir)
     print(f"wrote {json_path} and {csv_path}")
     if args.plot:
-        from pagedllm.bench import plots
-
         for path in plots.plot_sweep(rows, args.plot):
             print(f"wrote {path}")
     return 0 if failed == 0 else 1

@@ -12,12 +12,20 @@ constrained request stops when its JSON is complete).
 from __future__ import annotations
 
 import json
+import os
+import resource
 import statistics
+import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Optional
 
 import torch
+
+from pagedllm.bench.peer import VLLMPeer
+from pagedllm.bench.spec_workload import repeat_prompts
+from pagedllm.lora.request import LoRARequest
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 @dataclass
@@ -80,9 +88,8 @@ def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 
 
 def hf_fp32_model(model_path: str) -> torch.nn.Module:
     """HF transformers' float32 model of a folder or a ``.gguf`` file (dequantized by transformers), in eval mode."""
-    import os
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM  # heavy: transformers
 
     if model_path.endswith(".gguf"):
         return AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
@@ -107,9 +114,8 @@ def run_hf(model_path: str, prompts: list[list[int]], output_len: int, repeats: 
 
 
 def run(args) -> ThroughputResult:
-    from pagedllm.commands.engine_args import engine_config
-    from pagedllm.entrypoints.llm import LLM
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.commands.engine_args import engine_config  # heavy: torch, not at CLI start
+    from pagedllm.entrypoints.llm import LLM  # heavy: torch, not at CLI start
 
     cfg = engine_config(args)
     t0 = time.perf_counter()
@@ -118,7 +124,6 @@ def run(args) -> ThroughputResult:
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     cold = time.perf_counter() - t0
     if args.dataset == "repeat":  # input-grounded chat prompts (bench/spec_workload.py)
-        from pagedllm.bench.spec_workload import repeat_prompts
 
         batch = repeat_prompts(llm.get_tokenizer(), args.num_prompts)
         prompts = [b["prompt_token_ids"] for b in batch]
@@ -132,7 +137,6 @@ def run(args) -> ThroughputResult:
     if args.compare_no_spec:
         if cfg.speculative_config is None:
             raise SystemExit("--compare-no-spec needs --speculative-config")
-        from dataclasses import replace
 
         plain_llm = LLM(**vars(replace(cfg, speculative_config=None)))
         plain_llm.generate(batch[: min(4, len(batch))], sp.clone(max_tokens=2), use_tqdm=False)
@@ -150,16 +154,12 @@ def run(args) -> ThroughputResult:
         llm.generate(batch[: len(loras)], sp.clone(max_tokens=2), use_tqdm=False, lora_request=loras[: len(batch)])
     schema_sp = None
     if args.json_schema:
-        from pagedllm.sampling_params import StructuredOutputsParams
-
         with open(args.json_schema) as f:
             schema_sp = sp.clone(structured_outputs=StructuredOutputsParams(json=json.load(f)))
         res.json_schema = args.json_schema
         llm.generate(batch[:1], schema_sp.clone(max_tokens=2), use_tqdm=False)  # compile once, outside timing
     peer = None
     if args.compare_vllm:
-        from pagedllm.bench.peer import VLLMPeer
-
         peer = VLLMPeer(args.compare_vllm, engine.model_path, res.dtype, cfg.max_model_len, cfg.seed)
         res.vllm_init_s = peer.init_s
     prefill, plain_tok, json_tok = [], [], []
@@ -218,7 +218,7 @@ def run(args) -> ThroughputResult:
     res.prefill_tok_s = args.num_prompts * args.input_len / statistics.median(prefill)
     res.decode_tok_s = args.num_prompts * (args.output_len - 1) / (med - statistics.median(prefill))
     if args.gemm_ceiling:
-        from pagedllm.bench.ceiling import gemm_step_seconds, gemm_workload_seconds
+        from pagedllm.bench.ceiling import gemm_step_seconds, gemm_workload_seconds  # heavy: torch, not at CLI start
 
         res.gemm_ceiling_tok_s = args.num_prompts / gemm_step_seconds(engine.model, args.num_prompts)
         res.decode_vs_ceiling = res.decode_tok_s / res.gemm_ceiling_tok_s
@@ -238,17 +238,13 @@ def run(args) -> ThroughputResult:
 
 
 def _peak_rss_mb() -> float:
-    import resource
-    import sys
-
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return rss / (1 << 20) if sys.platform == "darwin" else rss / 1024
 
 
 def _lora_requests(args) -> list:
     """``--num-loras`` adapters from ``--lora-modules`` (cycled when fewer folders are given, each use its own id)."""
-    from pagedllm.commands.engine_args import lora_modules
-    from pagedllm.lora.request import LoRARequest
+    from pagedllm.commands.engine_args import lora_modules  # heavy: torch, not at CLI start
 
     mods = lora_modules(args.lora_modules, args.enable_lora)
     n = args.num_loras if args.num_loras is not None else len(mods)
@@ -259,7 +255,7 @@ def _lora_requests(args) -> list:
 
 
 def add_parser(sub) -> None:
-    from pagedllm.commands.engine_args import add_engine_args
+    from pagedllm.commands.engine_args import add_engine_args  # heavy: torch, not at CLI start
 
     p = sub.add_parser("throughput", help="offline throughput (output tok/s, total tok/s)")
     add_engine_args(p)

@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from pagedllm.backend.triton import interpreting
+
 _INT_PTRS = {"block_tables_ptr": "i32", "seq_lens_ptr": "i32", "qsl_ptr": "i32", "slot_ptr": "i64",
              "pos_ptr": "i64", "part_acc_ptr": "fp32", "part_max_ptr": "fp32", "part_sum_ptr": "fp32",
              "alibi_ptr": "fp32"}
@@ -34,7 +36,7 @@ def _signature(kernel: Any, dtype: str, cx: dict) -> dict[str, str]:
 
 def configs() -> list[tuple[str, Any, str, dict]]:
     """(label, kernel, element dtype, constexprs) covering each kernel's distinct code paths."""
-    from pagedllm.backend.triton import attention, fused_ops, kv_write
+    from pagedllm.backend.triton import attention, fused_ops, kv_write  # heavy: triton
 
     out = []
     for dt in ("fp16", "bf16", "fp32"):
@@ -63,8 +65,8 @@ def configs() -> list[tuple[str, Any, str, dict]]:
 def parse_target(text: str) -> Any:
     """``BACKEND:ARCH`` -> Triton's ``GPUTarget``: a numeric arch as a number, the warp size the backend's compiler
     options give that arch (Triton compiles with those, whatever the target says)."""
-    from triton.backends import backends
-    from triton.backends.compiler import GPUTarget
+    from triton.backends import backends  # heavy: triton
+    from triton.backends.compiler import GPUTarget  # heavy: triton
 
     backend, _, arch_text = text.partition(":")
     compilers = {b.compiler for b in backends.values() if b.compiler.supports_target(GPUTarget(backend, 0, 0))}
@@ -77,8 +79,8 @@ def parse_target(text: str) -> Any:
 
 def compile_all(targets: list[str]) -> list[tuple[str, str, str]]:
     """[(target, label, '' or error)] for every config on every target."""
-    import triton
-    from triton.compiler import ASTSource
+    import triton  # heavy: triton
+    from triton.compiler import ASTSource  # heavy: triton
 
     results = []
     for text in targets:
@@ -93,8 +95,6 @@ def compile_all(targets: list[str]) -> list[tuple[str, str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedllm.backend.triton import interpreting
-
     p = argparse.ArgumentParser(prog="python -m pagedllm.backend.triton.aot_check", description=__doc__)
     p.add_argument("--target", action="append", required=True,
                    help="<Triton backend>:<arch>, as Triton's get_target_name prints it (repeatable)")
