@@ -25,7 +25,7 @@ def reply(obj) -> None:
 
 
 def main() -> None:
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams  # optional: vllm (the peer's own venv)
 
     args = json.loads(sys.argv[1])
     t0 = time.perf_counter()
