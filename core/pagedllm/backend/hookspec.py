@@ -27,8 +27,10 @@ memory), ``pagedllm_allocate_host_kv_cache`` (host swap caches in the backend's 
 
 KV-cache layout is the backend's choice. The *canonical* layout, used by the reference ops and by the conformance
 suite, is one tensor per layer of shape ``[2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = keys,
-1 = values). A backend with another layout implements ``pagedllm_gather_kv_blocks`` so conformance can read it back,
-and ``pagedllm_swap_kv_blocks`` so core can swap blocks to and from host memory.
+1 = values). A backend with another layout implements every hook that touches a cache — ``pagedllm_write_kv``,
+``pagedllm_paged_attention``, ``pagedllm_allocate_host_kv_cache``, ``pagedllm_swap_kv_blocks`` (core swaps blocks to
+and from host memory) and ``pagedllm_gather_kv_blocks`` (conformance reads the layout back): core's reference ops
+index the canonical layout, and conformance fails a run that leaves one of them to core.
 
 MLA models (DeepSeek-V2/V3) cache one compressed latent row per token instead of per-head keys and values:
 ``KVCacheSpec.mla`` is set, ``num_kv_heads`` is 1 and ``head_size`` is the latent width (``kv_lora_rank +
@@ -199,7 +201,7 @@ class QuantizedWeight:
     ``method`` is the vLLM quantization name (``gguf``); ``weight_type`` the scheme inside it (GGUF: ``Q4_1``...);
     ``data`` the packed tensor (GGUF: the raw blocks, uint8 ``[out_features, bytes_per_row]``); ``shape`` is the
     dense ``(out_features, in_features)``; ``tensors`` the layout's other tensors by checkpoint leaf name (fp8:
-    ``weight_scale``). ``core.quantization.dequantize`` is its exact meaning."""
+    ``weight_scale``). ``pagedllm.backend.dequantize`` is its exact meaning."""
 
     method: str
     weight_type: str
@@ -292,7 +294,7 @@ class BackendSpec:
     def pagedllm_update_config(self, config: "EngineConfig", model_info: ModelInfo) -> Optional[dict]:
         """Adjust the engine config before any weight is loaded: return ``{field: value}`` for ``block_size``,
         ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``enforce_eager`` (others are refused), or raise
-        :class:`~pagedllm.errors.ParamError` naming the field the device cannot run. ``config`` holds the
+        :class:`~pagedllm.backend.ParamError` naming the field the device cannot run. ``config`` holds the
         user's values: each of those fields is ``None`` (``dtype``: ``"auto"``) when the user left it unset, so
         a user's ``max_num_seqs=256`` is told from the default; core fills what stays unset afterwards (from the
         checkpoint, ``Capabilities`` and its defaults). Default: no change."""
@@ -384,7 +386,9 @@ class BackendSpec:
     def pagedllm_swap_kv_blocks(
         self, src_caches: list, dst_caches: list, src: "torch.Tensor", dst: "torch.Tensor"
     ) -> None:
-        """Copy blocks between a device cache and a host (pinned) cache, in either direction."""
+        """Copy blocks ``src[i]`` of ``src_caches`` to blocks ``dst[i]`` of ``dst_caches`` (one cache per layer each),
+        between the device caches and the host caches of ``pagedllm_allocate_host_kv_cache``, in either direction.
+        ``src`` / ``dst`` are int64 block-id tensors, on the host or on a cache's device: move them where your copy needs."""
 
     # ---- graph capture ----------------------------------------------------------------------------
     @hookspec(firstresult=True)
@@ -433,9 +437,9 @@ class BackendSpec:
         """Multi-LoRA shrink + expand, in place: ``y[t] += lora_b[s] @ (lora_a[s] @ x[t])`` for each token t whose
         slot ``s = mapping.token_indices[t]`` is >= 0 (-1: base model, untouched). ``y`` ``[T, out]``, ``x``
         ``[T, in]``, ``lora_a`` ``[max_loras, R, in]``, ``lora_b`` ``[max_loras, out, R]`` with the scaling folded
-        in. ``mapping`` (``pagedllm.lora.ops.LoRAMapping``) also gives the contiguous runs of tokens per slot and,
+        in. ``mapping`` (``pagedllm.backend.LoRAMapping``) also gives the contiguous runs of tokens per slot and,
         when they are adjacent and equally long, a grid view for batched kernels, built on the host once per step.
-        Reference: ``pagedllm.lora.ops.add_lora`` (vLLM's sgmv/bgmv shrink + expand)."""
+        Reference: ``pagedllm.backend.add_lora_reference`` (vLLM's sgmv/bgmv shrink + expand)."""
 
     # ---- quantization -------------------------------------------------------------------------------
     @hookspec(firstresult=True)
