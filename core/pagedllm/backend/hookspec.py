@@ -388,7 +388,8 @@ class BackendSpec:
     ) -> None:
         """Copy blocks ``src[i]`` of ``src_caches`` to blocks ``dst[i]`` of ``dst_caches`` (one cache per layer each),
         between the device caches and the host caches of ``pagedllm_allocate_host_kv_cache``, in either direction.
-        ``src`` / ``dst`` are int64 block-id tensors, on the host or on a cache's device: move them where your copy needs."""
+        ``src`` / ``dst`` are int64 block-id tensors, on the host or on a cache's device: move them where your copy
+        needs them."""
 
     # ---- graph capture ----------------------------------------------------------------------------
     @hookspec(firstresult=True)
