@@ -28,7 +28,7 @@ def cpu() -> backends.Backend:
 
 # ---- discovery, identity, host facts ------------------------------------------------------------------------------
 def test_entry_point_is_declared_by_the_distribution():
-    eps = [ep for ep in md.entry_points(group="pagedllm.backend.registry") if ep.name == "cpu"]
+    eps = [ep for ep in md.entry_points(group="pagedllm.backends") if ep.name == "cpu"]
     assert len(eps) == 1 and eps[0].value == "pagedllm_cpu.plugin" and eps[0].dist.name == "pagedllm-cpu"
 
 
