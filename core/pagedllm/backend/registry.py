@@ -13,10 +13,10 @@ import pluggy
 import torch
 
 from pagedllm.backend import hookspec, reference
-from pagedllm.errors import UserError
 from pagedllm.backend.hookspec import (API_VERSION, ENTRY_POINT_GROUP, HOOK_NAMES, PROJECT, REQUIRED_HOOKS,
                                        RETIRED_HOOK_NAMES, BackendInfo, Capabilities, GraphRunner, KVCacheSpec,
                                        MemoryInfo, ProbeResult, RunnerContext)
+from pagedllm.errors import UserError
 
 
 class BackendError(RuntimeError, UserError):

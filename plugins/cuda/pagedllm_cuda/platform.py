@@ -35,7 +35,8 @@ def capability_problem(cuda: Any, name: str) -> str:
     """Why device 0 is too old for the Triton kernels, or ''."""
     major, minor = cuda.get_device_capability(0)
     if (major, minor) < MIN_CAPABILITY:
-        return f"{name} has compute capability {major}.{minor}; the Triton kernels need >= 7.5"
+        need = ".".join(map(str, MIN_CAPABILITY))
+        return f"{name} has compute capability {major}.{minor}; the Triton kernels need >= {need}"
     return ""
 
 
