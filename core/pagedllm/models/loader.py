@@ -17,6 +17,7 @@ from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_i
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
+from pagedllm.models.stablelm import StableLmCausalLM
 from pagedllm.models.gguf_moe import complete_moe_config
 from pagedllm.models.gguf_weights import GGUFWeights
 from pagedllm.models.heap import trim_heap
@@ -33,7 +34,8 @@ from pagedllm.quantization.config import checkpoint_quant_config, checkpoint_qua
 from pagedllm.quantization.fp8 import FP8Weights, is_fp8_checkpoint
 from pagedllm.quantization.linear import QuantizedLinear
 from pagedllm.models.gguf_archs import (OWN_CONFIG_ARCHS, complete_falcon_config, complete_gemma_config,
-                                        complete_phi3_config, gguf_architecture, own_gguf_config)
+                                        complete_phi3_config, complete_stablelm_config, gguf_architecture,
+                                        own_gguf_config)
 from pagedllm.models.gguf_config import load_gguf_config
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,8 @@ def load_config(model_path: str) -> Any:
             return own_gguf_config(model_path, arch)
         config = load_gguf_config(model_path)
         complete = {"falcon": complete_falcon_config, "phi3": complete_phi3_config,  # what transformers' GGUF
-                    "gemma2": complete_gemma_config, "gemma3_text": complete_gemma_config}  # config cannot say
+                    "gemma2": complete_gemma_config, "gemma3_text": complete_gemma_config,  # config cannot say
+                    "stablelm": complete_stablelm_config}
         return complete.get(config.model_type, complete_moe_config)(model_path, config)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=False)
@@ -121,10 +124,12 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
             raise UnsupportedModelError("tensor/pipeline parallel runs unquantized native models only")
         config = local_config(config, par)
     with torch.device("meta"):
-        model = (FalconCausalLM if spec.module == "falcon" else CausalLM)(config, spec, backend)
+        module = {"falcon": FalconCausalLM, "stablelm": StableLmCausalLM}.get(spec.module, CausalLM)
+        model = module(config, spec, backend)
         if par is not None:
-            if spec.module == "falcon":
-                raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel does not shard Falcon layouts yet")
+            if spec.module != "decoder":
+                raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel does not shard {spec.module} layouts "
+                                            "yet")
             parallelize(model, full_config, par)
         dp_ep = get_dp_ep_state()
         if dp_ep is not None:  # a DP+EP replica: this replica's experts only (distributed/dp_ep.py)
