@@ -27,8 +27,8 @@ _SMALL = {
     "num_attention_heads": 4, "n_head": 4, "num_heads": 4, "num_key_value_heads": 2, "num_kv_heads": 2,
     "multi_query_group_num": 2, "head_dim": 16, "kv_channels": 16, "attention_head_dim": 16,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
-    "moe_topk": 2, "moe_k": 2, "n_group": 1, "rotary_dim": 8, "topk_group": 1, "first_k_dense_replace": 1,
-    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "n_shared_experts": 1, "moe_topk": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "rotary_dim": 8, "qk_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "sliding_window": 8, "attention_chunk_size": 8, "max_position_embeddings": 512, "n_positions": 512,
     "initializer_range": 0.15,
 }
@@ -62,24 +62,22 @@ def causal_lm_architectures() -> dict[str, str]:
     return {k: v for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if isinstance(v, str)}
 
 
-def tiny_config(model_type: str, arch: str, **overrides: Any) -> Any:
-    """A small config of ``model_type`` with ``architectures=[arch]``: the default's sizes shrunk generically."""
-    from transformers import AutoConfig
-
-    default = AutoConfig.for_model(model_type)
-    d = default.to_dict()
+def _shrink(d: dict[str, Any]) -> dict[str, Any]:
+    """The overrides that shrink the config dict ``d``."""
     kw: dict[str, Any] = {}
     for key, small in _SMALL.items():
         if key in d and (isinstance(d[key], int) and not isinstance(d[key], bool)
-                         or d[key] is None and key in ("head_dim", "num_key_value_heads")):
+                         or d[key] is None and key in ("head_dim", "num_key_value_heads", "n_routed_experts",
+                                                          "n_shared_experts")):
             kw[key] = small
         elif key in d and isinstance(d[key], float) and key == "initializer_range":
             kw[key] = small
     for key in ("num_experts_per_tok",):  # None in some defaults, required once experts are set
         if key in d and any(k in d for k in ("n_routed_experts", "num_experts", "num_local_experts")):
             kw[key] = 2
-    if "qk_rope_head_dim" in d and "head_dim" in d:  # MLA: head_dim is the rotary part, K/V heads = heads
-        kw["head_dim"] = kw.get("qk_rope_head_dim", 8)
+    if "qk_rope_head_dim" in d:  # MLA: head_dim is the rotary part, K/V heads = heads
+        if "head_dim" in d:
+            kw["head_dim"] = kw.get("qk_rope_head_dim", 8)
         kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
     for key, token in (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", 2)):
         if isinstance(d.get(key), int):
@@ -104,6 +102,18 @@ def tiny_config(model_type: str, arch: str, **overrides: Any) -> Any:
         if "original_max_position_embeddings" in rp:
             rp["original_max_position_embeddings"] = 256
         kw["rope_parameters"] = rp
+    return kw
+
+
+def tiny_config(model_type: str, arch: str, **overrides: Any) -> Any:
+    """A small config of ``model_type`` with ``architectures=[arch]``: the default's sizes shrunk generically."""
+    from transformers import AutoConfig
+
+    d = AutoConfig.for_model(model_type).to_dict()
+    kw = _shrink(d)
+    for sub in ("text_config",):  # composite configs: their text model too
+        if isinstance(d.get(sub), dict):
+            kw[sub] = {**d[sub], **_shrink(d[sub])}
     kw["is_decoder"] = True  # BERT-style classes run causally only as decoders (the default refuses: tested apart)
     kw.update(REPRESENTATIVE.get(model_type, {}))
     kw.update(overrides)

@@ -200,10 +200,6 @@ class AttentionProbe:
         return out.transpose(0, 1).unsqueeze(0).to(query.dtype)
 
 
-def _layer_count(config: Any) -> int:
-    return config.get_text_config(decoder=True).num_hidden_layers
-
-
 def probe(model: Any, arch: str) -> None:
     """Run a few tokens through ``model`` (a ``TransformersCausalLM`` with weights) with a recording attention; refuse
     what the paged path would run differently from HF (see the module docstring)."""
@@ -226,7 +222,7 @@ def probe(model: Any, arch: str) -> None:
         raise _refuse(arch, f"its module does not run as decoder + lm_head with the paged attention function "
                             f"({type(e).__name__} at start-up: {str(e)[:200]})") from e
     types = layer_types(config)
-    n = _layer_count(config)
+    n = model.num_layers
     by_layer: dict[Any, list[dict]] = {}
     for c in layer_calls:
         by_layer.setdefault(c["layer_idx"], []).append(c)

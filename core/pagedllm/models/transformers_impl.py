@@ -119,16 +119,17 @@ class TransformersCausalLM(nn.Module):
         self.hf = hf_model
         self.config = config
         self.architecture = transformers_architecture(config, check)
-        self.num_layers: int = config.num_hidden_layers
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = num_kv_heads_of(config)
-        self.head_size: int = _head_size(config)
-        self.hidden_size: int = config.hidden_size
-        self.vocab_size: int = config.vocab_size
-        self.max_model_len: int = getattr(config, "max_position_embeddings", 2048)
+        text = config.get_text_config(decoder=True)  # the config itself, or a composite model's text part
+        self.num_layers: int = text.num_hidden_layers
+        self.num_heads: int = text.num_attention_heads
+        self.num_kv_heads: int = num_kv_heads_of(text)
+        self.head_size: int = _head_size(text)
+        self.hidden_size: int = text.hidden_size
+        self.vocab_size: int = text.vocab_size
+        self.max_model_len: int = getattr(text, "max_position_embeddings", 2048)
         self.sliding_window: Optional[int] = None  # no model-wide block freeing: layers may differ
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.final_logit_softcapping: Optional[float] = getattr(config, "final_logit_softcapping", None)
+        self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False))
+        self.final_logit_softcapping: Optional[float] = getattr(text, "final_logit_softcapping", None)
         self.eos_token_ids: list[int] = []
         self.kv_caches: list = []
         self.write_kv, self.paged_attention = backend.write_kv, backend.paged_attention
