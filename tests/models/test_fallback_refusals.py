@@ -12,7 +12,6 @@ exercised one by one on real models below, through the loader as the engine call
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -20,10 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fallback_sweep import build_pair, causal_lm_architectures, greedy_mismatch, tiny_config, verdict
+from pagedllm import LLM
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models import load_model
 from pagedllm.models.fallback_support import AttentionProbe, probe
-from pagedllm.models.transformers_impl import TransformersCausalLM
+from pagedllm.models.transformers_impl import TransformersCausalLM, transformers_architecture
 
 _SINKS = "attention sinks"
 _LAYER_KINDS = "config.layer_types has layers the paged cache cannot hold"
@@ -150,6 +150,8 @@ def test_gpt_oss_sinks_are_refused_before_any_weight_is_read(tmp_path, backend):
     with pytest.raises(UnsupportedModelError, match=r"GptOssForCausalLM: model\.layers\.0\.self_attn\.sinks: "
                                                     r"attention sinks"):
         load_model(path, backend=backend, dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(UnsupportedModelError, match=r"GptOssForCausalLM: .*attention sinks"):  # as users start it
+        LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
 
 
 def test_gpt_oss_sinks_are_seen_by_the_probe_too(backend):
@@ -175,7 +177,7 @@ def test_a_window_the_module_does_not_pass_is_refused(backend):
     attention function would attend to the whole prefix."""
     config = tiny_config("qwen2", "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=8,
                          max_window_layers=1, layer_types=["full_attention", "sliding_attention"])
-    hf, paged = build_pair(config)
+    _, paged = build_pair(config)
     assert TransformersCausalLM(paged, backend).architecture == "Qwen2ForCausalLM"  # as HF ships it: accepted
     paged.model.layers[1].self_attn.sliding_window = None
     with pytest.raises(UnsupportedModelError, match=r"layer 1: HF masks it as causal attention within a window "
@@ -188,17 +190,11 @@ def test_logit_transforms_of_the_head_are_refused(backend):
     """Granite divides its logits by config.logits_scaling (named up front); RoBERTa's LM head is a dense + norm
     before the output embedding, which only the probe's comparison with the model's own logits can see."""
     with pytest.raises(UnsupportedModelError, match=r"config\.logits_scaling scales the logits after lm_head"):
-        verdict_of("granite")
+        transformers_architecture(tiny_config("granite", "GraniteForCausalLM"))  # Granite 3: logits_scaling 8
     _, paged = build_pair(tiny_config("roberta", "RobertaForCausalLM"))
     with pytest.raises(UnsupportedModelError, match=r"RobertaForCausalLM\.forward transforms the logits after "
                                                     r"lm_head"):
         TransformersCausalLM(paged, backend)
-
-
-def verdict_of(model_type: str) -> None:
-    from pagedllm.models.transformers_impl import transformers_architecture
-
-    transformers_architecture(tiny_config(model_type, causal_lm_architectures()[model_type]))
 
 
 def test_bidirectional_encoders_are_refused(backend):
@@ -230,4 +226,3 @@ def test_accepted_models_are_probed_and_match(backend):
 def test_expected_table_covers_transformers():
     """The recorded verdicts name only architectures transformers still ships (a stale row fails here)."""
     assert set(EXPECTED) <= set(causal_lm_architectures()), sorted(set(EXPECTED) - set(causal_lm_architectures()))
-    assert json.dumps(EXPECTED)  # plain data

@@ -28,7 +28,8 @@ _SMALL = {
     "multi_query_group_num": 2, "head_dim": 16, "kv_channels": 16, "attention_head_dim": 16,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4, "num_experts_per_tok": 2,
     "n_shared_experts": 1, "moe_topk": 2, "moe_k": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-    "rotary_dim": 8, "qk_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "rotary_dim": 8, "qk_head_dim": 16, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8, "v_head_dim": 16,
     "sliding_window": 8, "attention_chunk_size": 8, "max_position_embeddings": 512, "n_positions": 512,
     "initializer_range": 0.15,
 }
@@ -201,7 +202,8 @@ def build_pair(config: Any, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Mo
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32, attn_implementation="eager")
     randomize(hf, seed + 1)
-    paged = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION)
+    paged = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32,
+                                             attn_implementation=ATTN_IMPLEMENTATION)
     paged.load_state_dict(hf.state_dict(), strict=True)
     return hf.eval(), paged.eval()
 

@@ -218,7 +218,7 @@ def probe(model: Any, arch: str) -> None:
     except MissingPagedContext as e:
         raise _refuse(arch, "its attention modules do not pass the forward's keyword arguments on to the attention "
                             "function, so the step's paged-cache metadata cannot reach it") from e
-    except Exception as e:  # noqa: BLE001 - a module that cannot run this way would fail (or worse) when serving
+    except Exception as e:  # a module that cannot run this way would fail (or worse) when serving
         raise _refuse(arch, f"its module does not run as decoder + lm_head with the paged attention function "
                             f"({type(e).__name__} at start-up: {str(e)[:200]})") from e
     types = layer_types(config)
@@ -244,18 +244,20 @@ def probe(model: Any, arch: str) -> None:
             what = "attention sinks" if any("aux" in e or "sink" in e for e in c["extra"]) else "attention inputs"
             raise _refuse(arch, f"layer {i} ({c['module']}) passes {', '.join(c['extra'])} to the attention "
                                 f"function ({what} the paged attention ignores)")
-        if ks != vs or ks[1] != model.num_kv_heads or ks[-1] != model.head_size or qs[1] != model.num_heads:
+        if ks != vs or ks[1] != model.num_kv_heads or ks[-1] != model.head_size or qs[1] != model.num_heads \
+                or qs[-1] != model.head_size:
             raise _refuse(arch, f"layer {i}: query/key/value shapes {qs}/{ks}/{vs} are not the paged cache's "
                                 f"{model.num_heads} query heads and {model.num_kv_heads} KV heads of size "
                                 f"{model.head_size}")
         mask = c["mask"]
         if not c["is_causal"] or (isinstance(mask, MaskSpec) and (mask.other or not mask.causal)):
             shown = mask.describe() if isinstance(mask, MaskSpec) else "bidirectional attention (is_causal=False)"
-            raise _refuse(arch, f"layer {i} runs {shown}, not causal attention "
-                                "(encoder-style models need config.is_decoder=True)")
+            hint = "" if isinstance(mask, MaskSpec) and mask.causal else " (an encoder: BERT-style classes attend " \
+                "causally only with config.is_decoder=True)"
+            raise _refuse(arch, f"layer {i} runs {shown}, not causal attention{hint}")
         if isinstance(mask, MaskSpec) and (mask.window or None) != (c["window"] or None):
-            field_name = "config.layer_types / config.sliding_window" if types else "config.sliding_window"
-            raise _refuse(arch, f"layer {i}: HF masks it as {mask.describe()} ({field_name}) but its attention "
+            source = "config.layer_types / config.sliding_window" if types else "config.sliding_window"
+            raise _refuse(arch, f"layer {i}: HF masks it as {mask.describe()} ({source}) but its attention "
                                 f"module passes sliding_window={c['window']} to the attention function")
     if not torch.allclose(ours.float(), theirs.float(), rtol=1e-3, atol=1e-3 * max(1.0, theirs.abs().max().item())):
         raise _refuse(arch, f"{type(hf).__name__}.forward transforms the logits after lm_head of the decoder's "
