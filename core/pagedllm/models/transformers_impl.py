@@ -5,7 +5,9 @@ As vLLM's Transformers backend does, the HF module runs as-is (its embeddings, n
 K/V into the paged cache and calls the backend's ``paged_attention``. The step's metadata reaches it explicitly, as a
 keyword argument the HF model forwards down to every attention call (no global state). HF builds no mask for an
 attention implementation it does not know, and runs with ``use_cache=False``: the paged cache is the only cache, so
-continuous batching, chunked prefill and prefix caching work as for native models.
+continuous batching, chunked prefill and prefix caching work as for native models. A model this would run wrong
+(state other than attention K/V, attention or head features the paged path does not apply) is refused at start-up,
+naming the feature (``fallback_support``).
 """
 
 from __future__ import annotations
@@ -171,8 +173,13 @@ def load_transformers_model(path: str, config: Any, *, backend: Any, dtype: torc
 
     arch = transformers_architecture(config)
     register_attention()
-    with torch.device("meta"):  # the module's rules before any weight is read
-        check_modules(AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION), arch)
+    try:  # the module's rules before any weight is read (they run again on the loaded module)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    except Exception:  # noqa: BLE001 - a module that cannot be built on the meta device is checked once loaded
+        skeleton = None
+    if skeleton is not None:
+        check_modules(skeleton, arch)
     where = dict(gguf_file=os.path.basename(path)) if is_gguf(path) else {}
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if where else path, config=config, dtype=dtype,
                                               device_map=device, attn_implementation=ATTN_IMPLEMENTATION,
