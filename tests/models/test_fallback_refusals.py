@@ -32,6 +32,7 @@ _ENC_DEC = "is an encoder-decoder model"
 _NO_CLASS = "has no decoder-only *ForCausalLM class"
 _HEAD = "transforms the logits after lm_head"
 _SHAPES = "are not the paged cache's"
+_MLA = "config.kv_lora_rank: multi-head latent attention"
 _TWICE = "attend more than once per forward"
 _KV_SHARE = "share another layer's KV cache"
 _MODULE = "its module does not run as decoder + lm_head"
@@ -79,16 +80,16 @@ EXPECTED: dict[str, str] = {
         "gemma3n_text", "gemma4_text", "gemma4_unified_assistant", "gemma4_unified_text"
     ], _KV_SHARE),
     **dict.fromkeys([
-        "cohere", "cohere2", "cohere2_moe", "granite", "granitemoe", "granitemoeshared", "minicpm3"
+        "cohere", "cohere2", "cohere2_moe", "granite", "granitemoe", "granitemoeshared"
     ], _SCALE),
     **dict.fromkeys([
         "camembert", "data2vec-text", "ernie", "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta",
         "xlm-roberta-xl"
     ], _HEAD),
     **dict.fromkeys([
-        "axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "gpt_bigcode", "laguna", "longcat_flash",
-        "sarvam_mla", "youtu"
-    ], _SHAPES),
+        "axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3", "sarvam_mla", "youtu"
+    ], _MLA),
+    **dict.fromkeys(["gpt_bigcode", "laguna"], _SHAPES),
     **dict.fromkeys([
         "diffllama", "hrm_text"
     ], _TWICE),

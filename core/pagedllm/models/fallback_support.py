@@ -7,7 +7,7 @@ start-up with ``UnsupportedModelError``, in three passes that look for the *feat
 
 1. ``check_config`` (before any weight is read): encoder-decoder; layer kinds other than full/sliding attention
    (transformers' own ``get_layer_types_and_kwargs``: ``conv``, ``mamba``, ``linear_attention``, ``chunked_attention``,
-   ...); KV shared between layers; logit scales the fallback does not apply.
+   ...); KV shared between layers; multi-head latent attention; logit scales the fallback does not apply.
 2. ``check_modules`` (the module built on the meta device, still before weights): state-keeping mixers (causal
    ``nn.Conv1d``, Mamba/SSM, recurrent, RWKV, xLSTM, linear attention, DeltaNet), attention sinks (parameters).
 3. ``probe`` (weights loaded, a few tokens through the model with a recording attention): each decoder layer must
@@ -89,6 +89,10 @@ def check_config(config: Any, arch: str) -> None:
     if getattr(text, "kv_sharing_modes", None) or (getattr(text, "num_kv_shared_layers", 0) or 0) > 0:
         raise _refuse(arch, "layers share another layer's KV cache (config.kv_sharing_modes / "
                             "num_kv_shared_layers)")
+    if getattr(text, "kv_lora_rank", None):
+        raise _refuse(arch, "config.kv_lora_rank: multi-head latent attention (keys of qk_nope_head_dim + "
+                            "qk_rope_head_dim, values of v_head_dim), which the fallback's per-head paged cache is "
+                            "not sized for (the native decoder caches the latent: DeepseekV2/V3ForCausalLM)")
     for name in LOGIT_SCALES:
         if getattr(text, name, None) not in (None, 1, 1.0):
             raise _refuse(arch, f"config.{name} scales the logits after lm_head, which the fallback does not apply")
