@@ -84,7 +84,7 @@ EXPECTED: dict[str, str] = {
     ], _SCALE),
     **dict.fromkeys([
         "camembert", "data2vec-text", "ernie", "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta",
-        "xlm-roberta-xl"
+        "xlm-roberta-xl", "xmod"
     ], _HEAD),
     **dict.fromkeys([
         "axk1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "longcat_flash", "minicpm3", "sarvam_mla", "youtu"
@@ -100,7 +100,7 @@ EXPECTED: dict[str, str] = {
         "nemotron"
     ], _KWARGS),
     **dict.fromkeys([
-        "cohere_compass_text", "dory", "gemma4_assistant", "phi4_multimodal", "xmod"
+        "cohere_compass_text", "dory", "gemma4_assistant", "phi4_multimodal"
     ], NO_TINY),
 }
 

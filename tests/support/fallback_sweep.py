@@ -45,6 +45,7 @@ REPRESENTATIVE: dict[str, dict[str, Any]] = {
     "granitemoe": dict(logits_scaling=8.0),
     "granitemoeshared": dict(logits_scaling=8.0),
     # Gemma 3n: its last layers reuse earlier layers' KV (num_kv_shared_layers)
+    "xmod": dict(default_language="en_XX"),
     "gemma3n_text": dict(num_hidden_layers=4, num_kv_shared_layers=2, layer_types=[
         "sliding_attention", "full_attention", "sliding_attention", "full_attention"]),
     "dbrx": dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=512, vocab_size=128,

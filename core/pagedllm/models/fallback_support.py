@@ -164,11 +164,15 @@ def _probe_masks(name: str) -> Iterator[None]:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # heavy: transformers
 
     mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    before = mapping.get(name)
     mapping[name] = _probe_mask
     try:
         yield
     finally:
-        mapping.pop(name, None)
+        if before is None:
+            mapping.pop(name, None)
+        else:
+            mapping[name] = before
 
 
 @dataclass
