@@ -9,7 +9,7 @@ start-up with ``UnsupportedModelError``, in three passes that look for the *feat
    (transformers' own ``get_layer_types_and_kwargs``: ``conv``, ``mamba``, ``linear_attention``, ``chunked_attention``,
    ...); KV shared between layers; multi-head latent attention; logit scales the fallback does not apply.
 2. ``check_modules`` (the module built on the meta device, still before weights): state-keeping mixers (causal
-   ``nn.Conv1d``, Mamba/SSM, recurrent, RWKV, xLSTM, linear attention, DeltaNet), attention sinks (parameters).
+   ``nn.Conv1d``, Mamba, recurrent, RWKV, xLSTM, linear attention, DeltaNet), attention sinks (parameters).
 3. ``probe`` (weights loaded, a few tokens through the model with a recording attention): each decoder layer must
    attend exactly once, under its own ``layer_idx``, with key/value shapes the paged cache holds, and no argument the
    paged attention ignores (``s_aux``: sinks); the mask HF builds for each layer (read from HF's own mask function,
