@@ -159,7 +159,8 @@ def markdown_table() -> str:
                      f"| {r['verified']} |")
     others = [n for n in fallback_architectures() if n not in ARCHITECTURES and n not in VERIFIED]
     lines.append("")
-    lines.append(f"Through the transformers fallback, untested here: {len(others)} more decoder-only `*ForCausalLM` "
-                 f"classes of transformers {transformers.__version__} route attention through `AttentionInterface` "
-                 "(`pagedllm models --json` lists them).")
+    lines.append(f"Through the transformers fallback: {len(others)} more decoder-only `*ForCausalLM` classes of "
+                 f"transformers {transformers.__version__} route attention through `AttentionInterface` (`pagedllm "
+                 "models --json` lists them); each checkpoint is checked at start-up and refused, naming the feature, "
+                 "if the fallback would run it wrong (see [What the fallback refuses](#what-the-fallback-refuses)).")
     return "\n".join(lines) + "\n"
