@@ -36,6 +36,7 @@ from pagedllm.structured_output.manager import GrammarBitmask
 from pagedllm.distributed.binding import local_device
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.eagle import EagleProposer, load_eagle_head
+from pagedllm.startup_log import stage
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class Worker:
         par = get_parallel_state()
         if par is not None:  # every rank holds the same block ids: the smallest rank's pool decides
             self.num_blocks = par.world_group.all_reduce_min(self.num_blocks)
+        stage("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", self.num_blocks, self.block_size,
+              self.num_blocks * self.block_size, self.num_blocks * self._bytes_per_block() / 2**30,
+              str(self.kv_dtype).removeprefix("torch."))
         # Static backends get one block more than the pool hands out: padding tokens write there.
         self.sink_block: Optional[int] = self.num_blocks if self.policy.static else None
         self.pad_slot = self.sink_block * self.block_size if self.sink_block is not None else -1
@@ -235,6 +239,12 @@ class Worker:
         if own is not None:  # the backend owns the step, warm-up included
             self.runner, self.graph_level = own, getattr(own, "level", "custom")
             return
+        capture = self.backend.capabilities.graph_capture if not self.config.enforce_eager else "none"
+        shapes = len(self.policy.warmup_shapes())
+        if capture != "none" or shapes:
+            stage("warming up on %s: %s", self.backend.name, ", ".join(
+                ([f"{shapes} batch shapes"] if shapes else []) + ([f"{capture} graph capture"] if capture != "none"
+                                                                   else [])))
         graph = (self.backend.graph_runner(self.model, self.max_num_seqs, self.device, self.ctx)
                  if not self.config.enforce_eager else None)
         if graph is not None:
