@@ -102,9 +102,10 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     config = config if config is not None else load_config(path)
     name, impl = resolve_model_impl(config, model_impl)
     shown = f"{config.pagedllm_source_architecture} (as {name})" if hasattr(config, "pagedllm_layout") else name
+    logger.info("model %s: %s implementation%s", shown, impl,
+                " (transformers' module, pagedllm paged attention)" if impl == "transformers" else "")
     t0 = time.perf_counter()
-    stage("reading weights: %s, %s, %s implementation%s", path, shown, impl,
-          " (transformers' module, pagedllm paged attention)" if impl == "transformers" else "")
+    stage("reading weights: %s (%s, %s)", path, shown, "native decoder" if impl == "native" else "transformers module")
     if impl == "transformers":
         if get_parallel_state() is not None:
             raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel runs native models only, not the "
