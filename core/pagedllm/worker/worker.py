@@ -224,6 +224,11 @@ class Worker:
     # ---- runners ---------------------------------------------------------------------------------------------
     def start(self, kv: KVCacheManager) -> None:
         """Build the model runner (the backend's own, or core's with the backend's graph runner) and warm up."""
+        capture = self.backend.capabilities.graph_capture if not self.config.enforce_eager else "none"
+        shapes = len(self.policy.warmup_shapes())
+        what = [f"{shapes} batch shapes"] * bool(shapes) + [f"{capture} graph capture"] * (capture != "none")
+        if what:
+            stage("warming up on %s: %s", self.backend.name, ", ".join(what))
         own = self.backend.model_runner(self.ctx, self.model, kv)
         if self.config.speculative_config is not None and (own is not None or self.policy.static):
             raise ParamError("speculative_config", f"backend {self.backend.name!r} runs "
@@ -239,12 +244,6 @@ class Worker:
         if own is not None:  # the backend owns the step, warm-up included
             self.runner, self.graph_level = own, getattr(own, "level", "custom")
             return
-        capture = self.backend.capabilities.graph_capture if not self.config.enforce_eager else "none"
-        shapes = len(self.policy.warmup_shapes())
-        if capture != "none" or shapes:
-            stage("warming up on %s: %s", self.backend.name, ", ".join(
-                ([f"{shapes} batch shapes"] if shapes else []) + ([f"{capture} graph capture"] if capture != "none"
-                                                                   else [])))
         graph = (self.backend.graph_runner(self.model, self.max_num_seqs, self.device, self.ctx)
                  if not self.config.enforce_eager else None)
         if graph is not None:
