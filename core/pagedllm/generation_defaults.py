@@ -55,6 +55,11 @@ def get_diff_sampling_param(model_path: str, generation_config: str = "auto") ->
     params = {key: diff[key] for key in SAMPLING_KEYS if diff.get(key) is not None}
     if "max_new_tokens" in params:
         params["max_tokens"] = params.pop("max_new_tokens")
+    try:  # a value no request could use fails here, at start-up, not in every request
+        SamplingParams(**params)
+    except ParamError as e:
+        raise ParamError("generation_config", f"{path} sets {e.field}: {e.message}; fix the file, or pass "
+                                              "--generation-config vllm to ignore it") from None
     if params:
         stage("generation defaults from %s: %s (for requests that leave them unset; --generation-config vllm "
               "ignores them)", path, ", ".join(f"{k}={v}" for k, v in params.items()))

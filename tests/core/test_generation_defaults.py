@@ -46,9 +46,13 @@ def test_defaults_are_the_sampling_fields_that_differ(model_dir, tmp_path):
     assert get_diff_sampling_param(model_dir, str(other)) == {"temperature": 0.6, "min_p": 0.05}
 
 
-def test_bad_generation_config_names_the_field():
+def test_bad_generation_config_names_the_field(tmp_path):
     with pytest.raises(ParamError, match="generation_config"):
         EngineConfig(generation_config="/no/such/folder")
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    with pytest.raises(ParamError, match=r"^generation_config: .*generation_config.json sets top_p: .*"
+                                         r"--generation-config vllm"):
+        get_diff_sampling_param(str(tmp_path), "auto")
 
 
 def test_llm_generate_without_params_uses_them(model_dir):
