@@ -101,6 +101,7 @@ class DataParallelEngine:
                     f.result().shutdown()
             raise first_error if first_error is not None else failed[0]
         self.replicas: list[AsyncEngine] = [f.result() for f in futures]
+        self.config = config
         first = self.replicas[0]
         self.tokenizer = first.tokenizer
         self.max_model_len, self.model_path, self.vocab_size = first.max_model_len, first.model_path, first.vocab_size

@@ -27,6 +27,7 @@ from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.scheduler import Scheduler, SchedulerOutput
 from pagedllm.spec_decode.manager import build as build_spec_decoder
+from pagedllm.startup_log import stage
 from pagedllm.structured_output import GrammarBitmask, StructuredOutputManager
 from pagedllm.worker.worker import Worker
 
@@ -114,9 +115,9 @@ class LLMEngine:
         # (``_step_with_batch_queue``)
         self.batch_queue: deque[tuple[SchedulerOutput, PendingStep, Optional[GrammarBitmask]]] = deque()
         self.init_seconds = time.perf_counter() - t0
-        logger.info("engine ready in %.2fs: backend=%s dtype=%s block_size=%d blocks=%d max_model_len=%d graph=%s",
-                    self.init_seconds, self.backend.name, config.dtype, config.block_size, self.num_blocks,
-                    self.max_model_len, w.graph_level)
+        stage("engine ready in %.2fs: backend=%s dtype=%s block_size=%d blocks=%d max_model_len=%d graph=%s",
+              self.init_seconds, self.backend.name, config.dtype, config.block_size, self.num_blocks,
+              self.max_model_len, w.graph_level)
 
     def shutdown(self) -> None:
         """Stop the other ranks of a distributed engine (a one-rank engine holds nothing to release)."""

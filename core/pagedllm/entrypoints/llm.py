@@ -11,6 +11,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.errors import ParamError
+from pagedllm.generation_defaults import default_sampling_params, get_diff_sampling_param
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.entrypoints.beam_search import beam_search
 
@@ -29,6 +30,13 @@ class LLM:
                                                    "run one LLM per process on its share of the prompts")
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
+        #: The model's generation_config.json sampling defaults (``generation_config``: auto | vllm | a folder)
+        self.default_sampling_params = get_diff_sampling_param(self.llm_engine.model_path,
+                                                               self.llm_engine.config.generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without SamplingParams: the model's generation defaults (vLLM's)."""
+        return default_sampling_params(self.default_sampling_params)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -44,7 +52,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+from collections import Counter
 from typing import Any, Optional
 
 import torch
@@ -37,12 +39,14 @@ from pagedllm.models.gguf_archs import (OWN_CONFIG_ARCHS, complete_falcon_config
                                         complete_phi3_config, complete_stablelm_config, gguf_architecture,
                                         own_gguf_config)
 from pagedllm.models.gguf_config import load_gguf_config
+from pagedllm.startup_log import progress_bar, stage
 
 logger = logging.getLogger(__name__)
 
 
 def load_config(model_path: str) -> Any:
     """The HF config, never running remote code; for GGUF, the one transformers derives from the metadata."""
+    stage("resolving model %s: reading its %s", model_path, "GGUF metadata" if is_gguf(model_path) else "config")
     from transformers import AutoConfig  # heavy: transformers
 
     if is_gguf(model_path):
@@ -103,6 +107,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     shown = f"{config.pagedllm_source_architecture} (as {name})" if hasattr(config, "pagedllm_layout") else name
     logger.info("model %s: %s implementation%s", shown, impl,
                 " (transformers' module, pagedllm paged attention)" if impl == "transformers" else "")
+    t0 = time.perf_counter()
+    stage("reading weights: %s (%s, %s)", path, shown, "native decoder" if impl == "native" else "transformers module")
     if impl == "transformers":
         if get_parallel_state() is not None:
             raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel runs native models only, not the "
@@ -116,6 +122,7 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
                                         f"to {dtype} at load)")
         model = load_transformers_model(path, config, backend=backend, dtype=dtype, device=device)
         model.eos_token_ids = eos_token_ids(path, config)
+        stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
     _, spec = architecture_of(config)
     full_config, par = config, get_parallel_state()
@@ -145,11 +152,13 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         weights = wrap_weights(SafetensorsWeights(path), config)
     if quantization == "fp8" or fp8_checkpoint:  # e4m3 weights + scales, or online quantization (quantization/fp8.py)
         weights = FP8Weights(weights, online=not fp8_checkpoint)
+    bar = progress_bar(len(model.state_dict()), "reading weights", unit="tensor")
     if quantization is not None:
         quantize_embedding(model, weights, dtype, device)
-        quantize_linears(model, weights, backend, dtype, device)
+        quantize_linears(model, weights, backend, dtype, device, progress=bar.update)
         trim_heap()
-    sd = fused_state_dict(model, weights, dtype, device)
+    sd = fused_state_dict(model, weights, dtype, device, progress=bar.update)
+    bar.close()
     if par is not None:
         sd = shard_state_dict(sd, full_config, par)
     if dp_ep is not None:
@@ -173,4 +182,20 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.rope_caches = {t: build_cos_sin_cache(config, model.max_model_len, device, max_model_len, t)
                              for t in sorted(set(config.layer_types))}
     model.eos_token_ids = eos_token_ids(path, config)
+    stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
     return model.requires_grad_(False).eval()
+
+
+def weights_summary(model: Any, path: str, dtype: torch.dtype) -> str:
+    """How the weights are held, for the start-up line (``serve`` shows the quantization in use): "GGUF Q4_1 packed
+    (210 linears, kernel ...); float32 activations", or the dense dtype."""
+    kinds = Counter((m.method, m.weight_type, m.kernel_name) for m in model.modules()
+                    if isinstance(m, QuantizedLinear))
+    act = str(dtype).removeprefix("torch.")
+    if not kinds:
+        return f"GGUF dequantized to {act}" if is_gguf(path) else f"{act}, not quantized"
+    parts = []
+    for (method, weight_type, kernel), n in kinds.most_common():
+        how = "dequantized at load" if kernel.startswith("reference") else "packed"
+        parts.append(f"{method.upper()} {weight_type} {how} ({n} linear{'s' * (n != 1)}, kernel {kernel})")
+    return f"{', '.join(parts)}; {act} activations"
