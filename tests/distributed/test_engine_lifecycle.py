@@ -86,7 +86,9 @@ class Ledger:
         self.base = census.take()
         self.c10d = False
 
-    def check(self, what: str) -> None:
+    def check(self, what: str, rebase_counts: bool = False) -> None:
+        """``rebase_counts``: check what can be named (processes, Python threads, shared memory, sockets), then take
+        this census's thread and descriptor counts as the baseline (a library's once-per-process state)."""
         after = census.take()
         tracker = {c for c in after.children - self.base.children if "multiprocessing.resource_tracker" in c}
         if tracker:
@@ -94,6 +96,9 @@ class Ledger:
         if not self.c10d and after.fds >= self.base.fds + 2:
             self.base = dataclasses.replace(self.base, fds=self.base.fds + 2)
             self.c10d = True
+        if rebase_counts:
+            self.base = dataclasses.replace(self.base, os_threads=after.os_threads, fds=after.fds,
+                                            fd_targets=after.fd_targets)
         assert census.leaks(self.base, after) == [], f"{what} left: {census.leaks(self.base, after)}"
 
 
@@ -199,10 +204,18 @@ def test_server_engine_restarted_in_process(model):
 
 
 ORPHAN = textwrap.dedent("""
-    import os, sys, time
+    import os, sys, threading, time
     sys.path.insert(0, {support!r})
     from dist_utils import engine
-    llm = engine({path!r}, tp=2)
+    made = []
+    if {in_thread!r}:  # started from a thread that then ends: the kernel's parent-death signal must not be armed
+        t = threading.Thread(target=lambda: made.append(engine({path!r}, tp=2)))
+        t.start()
+        t.join()
+        time.sleep(1.0)
+    else:
+        made.append(engine({path!r}, tp=2))
+    llm = made[0]
     if os.fork() == 0:  # a child holding every descriptor, the driver's pipe ends included: no EOF will come
         time.sleep(120)
         os._exit(0)
@@ -213,24 +226,27 @@ ORPHAN = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_worker_exits_when_its_parent_is_killed(model):
+@pytest.mark.parametrize("in_thread", [False, True], ids=["main-thread", "from-a-thread"])
+def test_worker_exits_when_its_parent_is_killed(model, in_thread):
     """SIGKILL leaves no finalizer to run, and a forked sibling keeps the worker's pipe open: the worker must notice
-    its parent's death itself (parent-death signal, parent watch)."""
+    its parent's death itself — by the parent-death signal (engine started from the main thread) or its parent watch
+    (started from another thread, which ended: the worker outlived that thread first)."""
     path, _ = model
     support = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
-    parent = subprocess.Popen([sys.executable, "-c", ORPHAN.format(support=support, path=path)],
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN.format(support=support, path=path, in_thread=in_thread)],
                               stdout=subprocess.PIPE, text=True)
     sibling: list[int] = []
     try:
         workers = [int(p) for p in parent.stdout.readline().split()]
         assert len(workers) == 1, "the TP=2 engine did not start"
+        assert not gone(workers)
         sibling = [c.pid for c in psutil.Process(parent.pid).children() if c.pid not in workers]
         assert len(sibling) == 1
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait()
         t0 = time.monotonic()
         while not gone(workers) and time.monotonic() - t0 < 30:
-            time.sleep(0.1)
+            time.sleep(0.05)
         took = time.monotonic() - t0
         print(f"the orphaned worker exited {took:.2f}s after its parent was killed")
         assert gone(workers), "the worker outlived its parent"
@@ -244,3 +260,47 @@ def test_worker_exits_when_its_parent_is_killed(model):
         if parent.poll() is None:
             parent.kill()
             parent.wait()
+
+
+AT_EXIT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {support!r})
+    from dist_utils import engine
+    from pagedllm import SamplingParams
+    llm = engine({path!r}, tp=2)
+    llm.generate([{{"prompt_token_ids": [5, 6, 7]}}], SamplingParams(max_tokens=2), use_tqdm=False)
+    print(*llm.llm_engine.executor.worker_pids, flush=True)
+""")  # ends with the engine still referenced: only the interpreter's exit releases it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_interpreter_exit_stops_an_engine_left_running(model):
+    path, _ = model
+    support = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support")
+    proc = subprocess.run([sys.executable, "-c", AT_EXIT.format(support=support, path=path)], capture_output=True,
+                          text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    workers = [int(p) for p in proc.stdout.split()]
+    assert len(workers) == 1 and gone(workers)  # stopped and reaped before the interpreter was gone
+    assert "Traceback" not in proc.stderr and "did not stop" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ray_engine_stops_the_ray_it_started(model, monkeypatch):
+    """The Ray executor with no RAY_ADDRESS starts a local Ray; its shutdown stops it: no Ray process, Python thread,
+    shared memory or TCP socket is left. Thread and descriptor counts are not asserted here: Ray's core-worker
+    library keeps native threads and descriptors in the process after ``ray.shutdown()`` (Ray 2.60: its event
+    loops, and each ``ray.init``'s driver log file and two Unix sockets), which no engine can close."""
+    ray = pytest.importorskip("ray")  # an optional extra: pagedllm[ray]
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    path, want = model
+    ledger = Ledger()
+    for shape in (dict(tp=2), dict(pp=2)):
+        with engine(path, distributed_executor_backend="ray", **shape) as llm:
+            assert llm.llm_engine.executor.name == "ray" and ray.is_initialized()
+            assert offline_tokens(llm) == want
+        assert not ray.is_initialized()
+        ledger.check(f"{shape} on a local Ray", rebase_counts=True)
