@@ -220,9 +220,10 @@ class AsyncEngine:
             return False
 
     def _close_pipes(self) -> None:
-        for t in (self._writer, self._reader):
-            if t is not None:
-                t.close()
+        if self._loop is not None and not self._loop.is_closed():  # (a closed loop watches nothing any more)
+            for t in (self._writer, self._reader):
+                if t is not None:
+                    t.close()
         self._writer = self._reader = None
         self._finalizer()  # the process is reaped: this closes both pipes
 
