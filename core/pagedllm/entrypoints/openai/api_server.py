@@ -135,7 +135,6 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
             if renderer is not None:
                 await asyncio.to_thread(renderer.shutdown)
             await asyncio.to_thread(engine.shutdown)
-            gc.unfreeze()  # an app started again in this process must not keep this engine's objects for good
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan,
                   docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
