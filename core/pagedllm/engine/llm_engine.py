@@ -153,7 +153,7 @@ class LLMEngine:
         try:
             self._finalizer()
         finally:
-            if hasattr(self, "parents"):  # (absent if the start failed before them)
+            if hasattr(self, "batch_queue"):  # (absent if the start failed before it, the last one made)
                 self.abort_request(list(self.parents))
                 self.batch_queue.clear()
             self.worker = self.model = self.spec = None  # what holds tensors (a draft model too)
