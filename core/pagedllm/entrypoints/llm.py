@@ -1,7 +1,14 @@
-"""Offline API, a drop-in for vLLM's ``LLM``: generate, chat, (beam search in beam_search.py)."""
+"""Offline API, a drop-in for vLLM's ``LLM``: generate, chat, (beam search in beam_search.py).
+
+Lifecycle: ``llm.shutdown()`` (idempotent) or ``with LLM(...) as llm:`` releases the engine — a distributed one's
+worker processes, process group and ports, the model and KV caches — so another engine, of any parallel shape, can
+start in the same process. An LLM dropped without it is released when it is garbage collected (the engine's
+finalizer), and any left at interpreter exit then.
+"""
 
 from __future__ import annotations
 
+from types import TracebackType
 from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
@@ -37,6 +44,18 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What ``generate`` and ``chat`` use without SamplingParams: the model's generation defaults (vLLM's)."""
         return default_sampling_params(self.default_sampling_params)
+
+    def shutdown(self) -> None:
+        """Release the engine (idempotent): a distributed engine's other ranks exit, its process group and ports
+        close, and the model and KV caches are dropped. Generating afterwards raises ``EngineClosedError``."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
