@@ -57,17 +57,24 @@ BLOCKS_FIRST = dict(allocate_kv_cache=bf_allocate, write_kv=bf_write, gather_kv_
                     paged_attention=bf_attention)
 
 
-def test_reference_op_on_a_backends_own_layout_fails():
-    half = Backend(make_plugin("half-own", **BLOCKS_FIRST), "half-own")
-    report = run_conformance(half, allow=["layout_ownership", "swap_kv_blocks", "write_kv"])
+def test_reference_op_on_a_backends_own_layout_fails_and_swap_without_its_hook_is_refused():
+    no_gather = {k: v for k, v in BLOCKS_FIRST.items() if k != "gather_kv_blocks"}
+    half = Backend(make_plugin("half-own", **no_gather, swap_kv_blocks=bf_swap), "half-own")
+    report = run_conformance(half, allow=["layout_ownership", "write_kv"])
     (own,) = [r for r in report.results if r.kernel == "layout_ownership"]
     assert own.status == "failing" and report.status == "FAIL"
-    for hook in ("pagedllm_swap_kv_blocks", "pagedllm_allocate_host_kv_cache"):
-        assert hook in own.error
+    assert "pagedllm_gather_kv_blocks" in own.error and "pagedllm_allocate_host_kv_cache" not in own.error
     assert "resolve(s) to core's reference op" in own.error and "[2, num_blocks" in own.error
-    swaps = [r.status for r in report.results if r.kernel == "swap_kv_blocks"]
-    assert swaps and all(s == "failing" for s in swaps)
-    assert all(r.status == "passing" for r in report.results if r.kernel == "write_kv")
+
+    # own layout, no swap hook: core refuses swap (preemption recomputes) instead of running the reference swap on
+    # that layout; the swap cases are not applicable, with the reason, and nothing fails
+    no_swap = Backend(make_plugin("no-swap", **BLOCKS_FIRST), "no-swap")
+    report = run_conformance(no_swap, allow=["layout_ownership", "swap_kv_blocks", "write_kv"])
+    (own,) = [r for r in report.results if r.kernel == "layout_ownership"]
+    assert own.status == "passing" and "swap not supported by backend 'no-swap'" in own.detail
+    swaps = [r for r in report.results if r.kernel == "swap_kv_blocks"]
+    assert swaps and all(r.not_applicable and "preemption uses recompute" in r.error for r in swaps)
+    assert report.passed and all(r.status == "passing" for r in report.results if r.kernel == "write_kv")
 
     whole = Backend(make_plugin("all-own", **BLOCKS_FIRST, swap_kv_blocks=bf_swap,
                                 allocate_host_kv_cache=bf_host), "all-own")
@@ -127,11 +134,18 @@ def test_off_by_one_block_offset_at_block_size_64_is_caught_and_located():
     caps = Capabilities(block_sizes=(16, 64), head_sizes=(64,))
     bad = Backend(make_plugin("obo64", caps=caps, paged_attention=off_by_one_attention), "obo64")
     report = run_conformance(bad, allow=["greedy_parity_vs_hf", "graph_runner.*"])
-    rows = {r.kernel: r for r in report.results if r.status != "untested"}
-    assert set(rows) == {"greedy_parity_vs_hf", "graph_runner.replay_vs_eager"}
-    assert all("bs64" in r.model for r in rows.values())  # the largest declared block size
-    e2e = rows["greedy_parity_vs_hf"]
-    assert e2e.status == "failing" and "sequence" in e2e.error and "position" in e2e.error and "block" in e2e.error
+    rows = {r.id: r for r in report.results if r.status != "untested"}
+    assert {r.kernel for r in rows.values()} == {"greedy_parity_vs_hf", "graph_runner.replay_vs_eager"}
+    e2e = {r.model: r for r in rows.values() if r.feature == "e2e"}
+    assert set(e2e) == {"tiny-llama-hs64-bs64", "tiny-llama-hs64-bs16"}  # every declared block size
+    for bs in (16, 64):  # caught by the top-k logprobs against core's reference backend, at the block's last slot
+        row = e2e[f"tiny-llama-hs64-bs{bs}"]
+        assert row.status == "failing" and "against core's reference backend" in row.error, row.error
+        assert f"sequence 1: prompt logprobs of the token at position {bs}, computed at position {bs - 1}, block 0 " \
+               f"offset {bs - 1}" in row.error, row.error
+    (graph,) = [r for r in rows.values() if r.feature == "graph"]
+    assert "bs64" in graph.model  # the largest declared block size
+    rows = {r.kernel: r for r in rows.values()}
     # replay vs eager runs the same broken kernel on both sides, so it agrees; the kernel check catches it
     assert rows["graph_runner.replay_vs_eager"].status == "passing"
     kern = run_conformance(bad, allow=["paged_attention.prefill"], gqa_ratios=(1,))
@@ -193,7 +207,7 @@ def test_graph_runner_gets_a_runner_context():
 
 
 def test_verification_level_json_and_support_matrix(tmp_path, monkeypatch, capsys):
-    be = Backend(make_plugin("simmed"), "simmed")
+    be = Backend(make_plugin("simmed", silu_and_mul=ref_ops.silu_and_mul), "simmed")
     report = run_conformance(be, allow=["fused_ops"], simulated="tests/fake layer", report_dir=str(tmp_path))
     assert report.verification == SIMULATION and report.simulated == "tests/fake layer"
     data = json.loads((tmp_path / "conformance-simmed.json").read_text())
@@ -206,7 +220,8 @@ def test_verification_level_json_and_support_matrix(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("PAGEDLLM_CONFORMANCE_SIMULATED", "env layer")
     assert run_conformance(be, allow=["rms_norm"]).simulated == "env layer"
     monkeypatch.delenv("PAGEDLLM_CONFORMANCE_SIMULATED")
-    hw = run_conformance(Backend(make_plugin("hw"), "hw"), allow=["fused_ops"], report_dir=str(tmp_path))
+    hw = run_conformance(Backend(make_plugin("hw", silu_and_mul=ref_ops.silu_and_mul), "hw"), allow=["fused_ops"],
+                         report_dir=str(tmp_path))
     assert hw.verification == "verified-on-hardware"
 
     out = tmp_path / "support-matrix.md"
