@@ -14,9 +14,11 @@ from pagedllm.backend.registry import Backend
 from pagedllm.backend.batch_policy import BatchShape, BucketPolicy, capped_pow2_buckets
 from pagedllm.conformance import run_conformance
 from pagedllm.conformance import cli as conformance_cli
+from pagedllm.conformance.evidence import device_evidence
+from pagedllm.conformance.matrix import support_matrix
 from pagedllm.conformance.report import PARTIAL, SIMULATION, Report
 from pagedllm.conformance.runner import enumerate_cases, run_case
-from pagedllm.backend.hookspec import Capabilities
+from pagedllm.backend.hookspec import BackendInfo, Capabilities
 from plugin_factory import make_plugin
 from test_conformance import off_by_one_attention
 
@@ -238,3 +240,65 @@ def test_verification_level_json_and_support_matrix(tmp_path, monkeypatch, capsy
     assert "not verified (" in rows["simmed"]  # attention: declared, not run
     assert rows["nothere"].count("not verified") == 7 and "no report" in rows["nothere"]
     assert "✅" not in text
+
+
+def write_kv_off_by_one_offset(key, value, kv_cache, slot_mapping, k_scale, v_scale):
+    """Canonical layout, but every token lands one slot further on (an off-by-one block offset in the write)."""
+    keep = slot_mapping >= 0
+    shifted = (slot_mapping[keep] + 1) % (kv_cache.shape[1] * kv_cache.shape[2])
+    ref_ops.write_kv(key[keep], value[keep], kv_cache, shifted, k_scale, v_scale)
+
+
+def test_a_write_bug_fails_the_write_cases_not_every_attention_case():
+    """Attention cases fill a canonical cache with core's reference write, so a write bug shows in the write_kv
+    cases only, located (input token, slot, block, offset, head), and the attention cases say which write they used."""
+    be = Backend(make_plugin("badwrite", write_kv=write_kv_off_by_one_offset), "badwrite")
+    report = run_conformance(be, allow=["write_kv", "paged_attention.*"], gqa_ratios=(1,))
+    write = [r for r in report.results if r.kernel == "write_kv"]
+    assert write and all(r.status == "failing" for r in write)
+    assert all("slot " in r.error and " = block " in r.error and "offset " in r.error and "head " in r.error
+               for r in write), write[0].error
+    attention = [r for r in report.results if r.feature == "attention" and not r.not_applicable]
+    assert attention and all(r.status == "passing" for r in attention), [(r.id, r.error) for r in attention]
+    assert all("cache filled by core's reference write_kv (canonical layout)" in r.detail for r in attention)
+
+
+def test_static_shapes_are_recorded_at_the_runner_boundary_when_the_graph_never_runs_python_hooks():
+    """A compiled program never runs the model's forward hooks: shapes are recorded where core hands each step to the
+    graph runner, so a static backend without a model runner of its own is checked, never reported untested."""
+    from pagedllm.backend.hookspec import GraphRunner
+
+    def bucket_policy(ctx):
+        return BucketPolicy(capped_pow2_buckets(ctx.max_num_batched_tokens, 8), capped_pow2_buckets(ctx.max_num_seqs),
+                            capped_pow2_buckets(-(-ctx.max_model_len // ctx.block_size)), ctx.block_size)
+
+    def compiled_runner(model, max_num_seqs, device, ctx):  # calls forward directly: no nn.Module hooks run
+        return GraphRunner(run=lambda ids, pos, meta: model.forward(ids, pos, meta), level="compile")
+
+    be = Backend(make_plugin("hookless", batch_policy=bucket_policy, graph_runner=compiled_runner), "hookless")
+    (row,) = [r for r in run_conformance(be, allow=["static_shapes"]).results if r.feature == "static_shapes"]
+    assert row.status == "passing", row.error
+    assert "distinct shapes seen of" in row.detail and " 0 forwards" not in row.detail
+
+
+def test_a_simulation_run_without_simulated_is_not_verified_on_hardware(tmp_path):
+    """No evidence of the device, no "verified on hardware": a probe describing a simulation, or a device type torch
+    cannot see, makes the report not verified, with the reason, in the report and the support matrix."""
+    own_silu = dict(silu_and_mul=ref_ops.silu_and_mul)
+    sim = Backend(make_plugin("simnpu", device_name="NPU-910 (simulated on CPU)", **own_silu), "simnpu")
+    report = run_conformance(sim, allow=["silu_and_mul"], report_dir=str(tmp_path))
+    assert report.verification == "not-verified" and "simulated device" in report.evidence
+    assert report.features()["fused_ops"] == "not-verified"
+    assert "Verification: not-verified" in report.to_markdown()
+    data = json.loads((tmp_path / "conformance-simnpu.json").read_text())
+    assert data["verification"] == "not-verified" and "simulated" in data["evidence"]
+    assert device_evidence(Backend(make_plugin("hw2", **own_silu), "hw2"))[0]  # the host CPU is its device
+
+    from pagedllm.backend.hookspec import hookimpl
+    ghost = make_plugin("ghost")
+    ghost.pagedllm_backend_info = hookimpl(lambda: BackendInfo(name="ghost", device_type="xla"))
+    ok, why = device_evidence(Backend(ghost, "ghost"))
+    assert not ok and "'xla'" in why
+    text = support_matrix([report], [])
+    row = next(line for line in text.splitlines() if line.startswith("| simnpu"))
+    assert "unverified: the backend's probe describes a simulated device" in row and "verified on" not in row
