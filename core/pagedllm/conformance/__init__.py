@@ -8,10 +8,10 @@ Cases come only from what the backend's Capabilities declare; partners narrow or
 exclusions and tolerance overrides, like PyTorch's device-generic tests for PrivateUse1 backends.
 """
 
-from pagedllm.conformance.report import (FAIL, HARDWARE, NOT_VERIFIED, PARTIAL, PASS, SIMULATION, CaseResult,
-                                         Report)
+from pagedllm.conformance.report import (FAIL, HARDWARE, NOT_VERIFIED, PARTIAL, PASS, REFERENCE_FALLBACK, SIMULATION,
+                                         CaseResult, Report)
 from pagedllm.conformance.runner import (DEFAULT_TOLERANCES, SIMULATED_ENV, enumerate_cases, run_case,
                                          run_conformance)
 
 __all__ = ["run_conformance", "Report", "CaseResult", "DEFAULT_TOLERANCES", "enumerate_cases", "run_case",
-           "PASS", "PARTIAL", "FAIL", "HARDWARE", "SIMULATION", "NOT_VERIFIED", "SIMULATED_ENV"]
+           "PASS", "PARTIAL", "FAIL", "HARDWARE", "SIMULATION", "NOT_VERIFIED", "REFERENCE_FALLBACK", "SIMULATED_ENV"]
