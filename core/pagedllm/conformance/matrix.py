@@ -70,6 +70,7 @@ def support_matrix(reports: Sequence[Report], backends: Iterable[str] = ()) -> s
         lines += ["", "## Where each report was produced", ""]
         lines += [f"- `{r.backend}` ({r.device}): {r.verification}" + (f", simulated by {r.simulated}" if r.simulated
                                                                        else "")
+                  + (f" (evidence: {r.evidence})" if r.evidence else "")
                   + "; " + ", ".join(f"{k} {v}" for k, v in r.environment.items()) for r in envs]
     failing = [(r.backend, x) for r in reports if r.status == FAIL for x in r.failing]
     if failing:

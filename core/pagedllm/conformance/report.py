@@ -17,6 +17,8 @@ HARDWARE, SIMULATION, NOT_VERIFIED = "verified-on-hardware", "verified-on-CPU-si
 #: A feature whose passing cases all ran core's reference code (the backend implements none of their hooks): it works
 #: on the backend, but nothing of the backend's own was verified.
 REFERENCE_FALLBACK = "reference-fallback"
+#: A feature all of whose cases the backend's capabilities rule out.
+NOT_APPLICABLE = "not-applicable"
 
 
 @dataclass
@@ -76,11 +78,15 @@ class Report:
     def features(self) -> dict[str, str]:
         """``{feature: verification level}``: the report's level where every applicable case of the feature ran and
         passed and one of them ran the backend's own hooks; :data:`REFERENCE_FALLBACK` where they all passed on core's
-        reference code alone; else :data:`NOT_VERIFIED` (never claimed for a case that was not run)."""
+        reference code alone; :data:`NOT_APPLICABLE` where the backend declares none of it; else :data:`NOT_VERIFIED`
+        (never claimed for a case that was not run)."""
         out: dict[str, str] = {}
         for feature in dict.fromkeys(r.feature for r in self.results):
             rows = [r for r in self.results if r.feature == feature and not r.not_applicable]
-            ok = bool(rows) and all(r.status == "passing" for r in rows)
+            if not rows:
+                out[feature] = NOT_APPLICABLE
+                continue
+            ok = all(r.status == "passing" for r in rows)
             own = any(not r.fallback for r in rows)
             out[feature] = (self.verification if own else REFERENCE_FALLBACK) if ok else NOT_VERIFIED
         return out
