@@ -157,7 +157,8 @@ def _where(pos: int, bs: int) -> str:
 
 
 def _fmt(d: dict) -> str:
-    return "{" + ", ".join(f"{t}: {float(v.logprob):.4f}" for t, v in sorted(d.items(), key=lambda x: -x[1].logprob)) + "}"
+    ranked = sorted(d.items(), key=lambda x: -x[1].logprob)
+    return "{" + ", ".join(f"{t}: {float(v.logprob):.4f}" for t, v in ranked) + "}"
 
 
 def check_e2e(ctx: CaseContext) -> None:

@@ -170,8 +170,8 @@ def check_swap(ctx: CaseContext) -> None:
     except SwapUnsupported as e:  # core refuses swap for it and preempts by recompute: nothing to check
         raise NotApplicable(str(e)) from e
     if not ctx.backend.implements("pagedllm_allocate_host_kv_cache"):
-        ctx.notes.append("host caches from core's fallback: " + ("the backend's own allocator on the host"
-                                                                  if ctx.backend.implements("pagedllm_allocate_kv_cache")
+        own = ctx.backend.implements("pagedllm_allocate_kv_cache")
+        ctx.notes.append("host caches from core's fallback: " + ("the backend's own allocator on the host" if own
                                                                   else "the canonical reference allocator"))
     for h in host:
         poison(h)

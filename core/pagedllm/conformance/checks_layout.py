@@ -48,7 +48,8 @@ def check_layout_ownership(ctx: CaseContext) -> None:
         borrowed.remove("pagedllm_allocate_host_kv_cache")
         try:
             ctx.backend.allocate_host_kv_cache(replace(spec, device=torch.device("cpu")), False)
-            ctx.notes.append("host caches: the backend's own allocator on the host (no pagedllm_allocate_host_kv_cache)")
+            ctx.notes.append("host caches: the backend's own allocator on the host (no "
+                             "pagedllm_allocate_host_kv_cache)")
         except SwapUnsupported as e:  # core never swaps for it, so the swap hook is not needed
             borrowed = [h for h in borrowed if h != "pagedllm_swap_kv_blocks"]
             ctx.notes.append(str(e))
