@@ -14,9 +14,11 @@ from pagedllm.backend.registry import Backend
 from pagedllm.backend.batch_policy import BatchShape, BucketPolicy, capped_pow2_buckets
 from pagedllm.conformance import run_conformance
 from pagedllm.conformance import cli as conformance_cli
+from pagedllm.conformance.evidence import device_evidence
+from pagedllm.conformance.matrix import support_matrix
 from pagedllm.conformance.report import PARTIAL, SIMULATION, Report
 from pagedllm.conformance.runner import enumerate_cases, run_case
-from pagedllm.backend.hookspec import Capabilities
+from pagedllm.backend.hookspec import BackendInfo, Capabilities
 from plugin_factory import make_plugin
 from test_conformance import off_by_one_attention
 
@@ -57,17 +59,24 @@ BLOCKS_FIRST = dict(allocate_kv_cache=bf_allocate, write_kv=bf_write, gather_kv_
                     paged_attention=bf_attention)
 
 
-def test_reference_op_on_a_backends_own_layout_fails():
-    half = Backend(make_plugin("half-own", **BLOCKS_FIRST), "half-own")
-    report = run_conformance(half, allow=["layout_ownership", "swap_kv_blocks", "write_kv"])
+def test_reference_op_on_a_backends_own_layout_fails_and_swap_without_its_hook_is_refused():
+    no_gather = {k: v for k, v in BLOCKS_FIRST.items() if k != "gather_kv_blocks"}
+    half = Backend(make_plugin("half-own", **no_gather, swap_kv_blocks=bf_swap), "half-own")
+    report = run_conformance(half, allow=["layout_ownership", "write_kv"])
     (own,) = [r for r in report.results if r.kernel == "layout_ownership"]
     assert own.status == "failing" and report.status == "FAIL"
-    for hook in ("pagedllm_swap_kv_blocks", "pagedllm_allocate_host_kv_cache"):
-        assert hook in own.error
+    assert "pagedllm_gather_kv_blocks" in own.error and "pagedllm_allocate_host_kv_cache" not in own.error
     assert "resolve(s) to core's reference op" in own.error and "[2, num_blocks" in own.error
-    swaps = [r.status for r in report.results if r.kernel == "swap_kv_blocks"]
-    assert swaps and all(s == "failing" for s in swaps)
-    assert all(r.status == "passing" for r in report.results if r.kernel == "write_kv")
+
+    # own layout, no swap hook: core refuses swap (preemption recomputes) instead of running the reference swap on
+    # that layout; the swap cases are not applicable, with the reason, and nothing fails
+    no_swap = Backend(make_plugin("no-swap", **BLOCKS_FIRST), "no-swap")
+    report = run_conformance(no_swap, allow=["layout_ownership", "swap_kv_blocks", "write_kv"])
+    (own,) = [r for r in report.results if r.kernel == "layout_ownership"]
+    assert own.status == "passing" and "swap not supported by backend 'no-swap'" in own.detail
+    swaps = [r for r in report.results if r.kernel == "swap_kv_blocks"]
+    assert swaps and all(r.not_applicable and "preemption uses recompute" in r.error for r in swaps)
+    assert report.passed and all(r.status == "passing" for r in report.results if r.kernel == "write_kv")
 
     whole = Backend(make_plugin("all-own", **BLOCKS_FIRST, swap_kv_blocks=bf_swap,
                                 allocate_host_kv_cache=bf_host), "all-own")
@@ -120,18 +129,25 @@ def test_untested_checks_make_the_run_partial_never_pass():
     assert sw and all(r.not_applicable and r.status == "untested" for r in sw)
     ran = [r for r in ref.results if r.status == "passing" or r.not_applicable]
     assert Report("nocap", "cpu", ran).status == "PASS"
-    assert Report("nocap", "cpu", ran).features()["attention"] == "not-verified"  # nothing applicable ran
+    assert Report("nocap", "cpu", ran).features()["attention"] == "not-applicable"  # nothing applicable ran
 
 
 def test_off_by_one_block_offset_at_block_size_64_is_caught_and_located():
     caps = Capabilities(block_sizes=(16, 64), head_sizes=(64,))
     bad = Backend(make_plugin("obo64", caps=caps, paged_attention=off_by_one_attention), "obo64")
     report = run_conformance(bad, allow=["greedy_parity_vs_hf", "graph_runner.*"])
-    rows = {r.kernel: r for r in report.results if r.status != "untested"}
-    assert set(rows) == {"greedy_parity_vs_hf", "graph_runner.replay_vs_eager"}
-    assert all("bs64" in r.model for r in rows.values())  # the largest declared block size
-    e2e = rows["greedy_parity_vs_hf"]
-    assert e2e.status == "failing" and "sequence" in e2e.error and "position" in e2e.error and "block" in e2e.error
+    rows = {r.id: r for r in report.results if r.status != "untested"}
+    assert {r.kernel for r in rows.values()} == {"greedy_parity_vs_hf", "graph_runner.replay_vs_eager"}
+    e2e = {r.model: r for r in rows.values() if r.feature == "e2e"}
+    assert set(e2e) == {"tiny-llama-hs64-bs64", "tiny-llama-hs64-bs16"}  # every declared block size
+    for bs in (16, 64):  # caught by the top-k logprobs against core's reference backend, at the block's last slot
+        row = e2e[f"tiny-llama-hs64-bs{bs}"]
+        assert row.status == "failing" and "against core's reference backend" in row.error, row.error
+        assert f"sequence 1: prompt logprobs of the token at position {bs}, computed at position {bs - 1}, block 0 " \
+               f"offset {bs - 1}" in row.error, row.error
+    (graph,) = [r for r in rows.values() if r.feature == "graph"]
+    assert "bs64" in graph.model  # the largest declared block size
+    rows = {r.kernel: r for r in rows.values()}
     # replay vs eager runs the same broken kernel on both sides, so it agrees; the kernel check catches it
     assert rows["graph_runner.replay_vs_eager"].status == "passing"
     kern = run_conformance(bad, allow=["paged_attention.prefill"], gqa_ratios=(1,))
@@ -193,7 +209,7 @@ def test_graph_runner_gets_a_runner_context():
 
 
 def test_verification_level_json_and_support_matrix(tmp_path, monkeypatch, capsys):
-    be = Backend(make_plugin("simmed"), "simmed")
+    be = Backend(make_plugin("simmed", silu_and_mul=ref_ops.silu_and_mul), "simmed")
     report = run_conformance(be, allow=["fused_ops"], simulated="tests/fake layer", report_dir=str(tmp_path))
     assert report.verification == SIMULATION and report.simulated == "tests/fake layer"
     data = json.loads((tmp_path / "conformance-simmed.json").read_text())
@@ -206,7 +222,8 @@ def test_verification_level_json_and_support_matrix(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("PAGEDLLM_CONFORMANCE_SIMULATED", "env layer")
     assert run_conformance(be, allow=["rms_norm"]).simulated == "env layer"
     monkeypatch.delenv("PAGEDLLM_CONFORMANCE_SIMULATED")
-    hw = run_conformance(Backend(make_plugin("hw"), "hw"), allow=["fused_ops"], report_dir=str(tmp_path))
+    hw = run_conformance(Backend(make_plugin("hw", silu_and_mul=ref_ops.silu_and_mul), "hw"), allow=["fused_ops"],
+                         report_dir=str(tmp_path))
     assert hw.verification == "verified-on-hardware"
 
     out = tmp_path / "support-matrix.md"
@@ -223,3 +240,65 @@ def test_verification_level_json_and_support_matrix(tmp_path, monkeypatch, capsy
     assert "not verified (" in rows["simmed"]  # attention: declared, not run
     assert rows["nothere"].count("not verified") == 7 and "no report" in rows["nothere"]
     assert "✅" not in text
+
+
+def write_kv_off_by_one_offset(key, value, kv_cache, slot_mapping, k_scale, v_scale):
+    """Canonical layout, but every token lands one slot further on (an off-by-one block offset in the write)."""
+    keep = slot_mapping >= 0
+    shifted = (slot_mapping[keep] + 1) % (kv_cache.shape[1] * kv_cache.shape[2])
+    ref_ops.write_kv(key[keep], value[keep], kv_cache, shifted, k_scale, v_scale)
+
+
+def test_a_write_bug_fails_the_write_cases_not_every_attention_case():
+    """Attention cases fill a canonical cache with core's reference write, so a write bug shows in the write_kv
+    cases only, located (input token, slot, block, offset, head), and the attention cases say which write they used."""
+    be = Backend(make_plugin("badwrite", write_kv=write_kv_off_by_one_offset), "badwrite")
+    report = run_conformance(be, allow=["write_kv", "paged_attention.*"], gqa_ratios=(1,))
+    write = [r for r in report.results if r.kernel == "write_kv"]
+    assert write and all(r.status == "failing" for r in write)
+    assert all("slot " in r.error and " = block " in r.error and "offset " in r.error and "head " in r.error
+               for r in write), write[0].error
+    attention = [r for r in report.results if r.feature == "attention" and not r.not_applicable]
+    assert attention and all(r.status == "passing" for r in attention), [(r.id, r.error) for r in attention]
+    assert all("cache filled by core's reference write_kv (canonical layout)" in r.detail for r in attention)
+
+
+def test_static_shapes_are_recorded_at_the_runner_boundary_when_the_graph_never_runs_python_hooks():
+    """A compiled program never runs the model's forward hooks: shapes are recorded where core hands each step to the
+    graph runner, so a static backend without a model runner of its own is checked, never reported untested."""
+    from pagedllm.backend.hookspec import GraphRunner
+
+    def bucket_policy(ctx):
+        return BucketPolicy(capped_pow2_buckets(ctx.max_num_batched_tokens, 8), capped_pow2_buckets(ctx.max_num_seqs),
+                            capped_pow2_buckets(-(-ctx.max_model_len // ctx.block_size)), ctx.block_size)
+
+    def compiled_runner(model, max_num_seqs, device, ctx):  # calls forward directly: no nn.Module hooks run
+        return GraphRunner(run=lambda ids, pos, meta: model.forward(ids, pos, meta), level="compile")
+
+    be = Backend(make_plugin("hookless", batch_policy=bucket_policy, graph_runner=compiled_runner), "hookless")
+    (row,) = [r for r in run_conformance(be, allow=["static_shapes"]).results if r.feature == "static_shapes"]
+    assert row.status == "passing", row.error
+    assert "distinct shapes seen of" in row.detail and " 0 forwards" not in row.detail
+
+
+def test_a_simulation_run_without_simulated_is_not_verified_on_hardware(tmp_path):
+    """No evidence of the device, no "verified on hardware": a probe describing a simulation, or a device type torch
+    cannot see, makes the report not verified, with the reason, in the report and the support matrix."""
+    own_silu = dict(silu_and_mul=ref_ops.silu_and_mul)
+    sim = Backend(make_plugin("simnpu", device_name="NPU-910 (simulated on CPU)", **own_silu), "simnpu")
+    report = run_conformance(sim, allow=["silu_and_mul"], report_dir=str(tmp_path))
+    assert report.verification == "not-verified" and "simulated device" in report.evidence
+    assert report.features()["fused_ops"] == "not-verified"
+    assert "Verification: not-verified" in report.to_markdown()
+    data = json.loads((tmp_path / "conformance-simnpu.json").read_text())
+    assert data["verification"] == "not-verified" and "simulated" in data["evidence"]
+    assert device_evidence(Backend(make_plugin("hw2", **own_silu), "hw2"))[0]  # the host CPU is its device
+
+    from pagedllm.backend.hookspec import hookimpl
+    ghost = make_plugin("ghost")
+    ghost.pagedllm_backend_info = hookimpl(lambda: BackendInfo(name="ghost", device_type="xla"))
+    ok, why = device_evidence(Backend(ghost, "ghost"))
+    assert not ok and "'xla'" in why
+    text = support_matrix([report], [])
+    row = next(line for line in text.splitlines() if line.startswith("| simnpu"))
+    assert "unverified: the backend's probe describes a simulated device" in row and "verified on" not in row

@@ -324,7 +324,9 @@ class BackendSpec:
     @hookspec(firstresult=True)
     def pagedllm_allocate_host_kv_cache(self, spec: KVCacheSpec, pin_memory: bool) -> list:
         """Host (CPU) caches for swapped-out blocks, in whatever layout ``pagedllm_swap_kv_blocks`` copies between;
-        page-locked when ``pin_memory`` (core passes ``MemoryInfo.pinned_host``). Default: canonical layout."""
+        page-locked when ``pin_memory`` (core passes ``MemoryInfo.pinned_host``). Default: canonical layout; for a
+        backend with its own ``pagedllm_allocate_kv_cache``, that allocator on the host spec, or no swap (preemption
+        recomputes) where it cannot serve ``pagedllm_swap_kv_blocks`` (``registry.SwapUnsupported``)."""
 
     @hookspec(firstresult=True)
     def pagedllm_write_kv(

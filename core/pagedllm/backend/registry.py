@@ -23,6 +23,10 @@ class BackendError(RuntimeError, UserError):
     """A backend is unknown, failed to load, breaks the contract, or is not usable here."""
 
 
+class SwapUnsupported(BackendError):
+    """The backend cannot hold swapped-out KV blocks on the host: core preempts by recompute instead."""
+
+
 class Backend:
     """One backend: its plugin plus core's reference fallbacks in a private PluginManager.
 
@@ -51,6 +55,8 @@ class Backend:
         for name in HOOK_NAMES:
             if name not in ("pagedllm_probe", "pagedllm_capabilities"):  # cached properties below
                 setattr(self, name.removeprefix("pagedllm_"), self._resolve(name))
+        if self.implements("pagedllm_allocate_kv_cache") and not self.implements("pagedllm_allocate_host_kv_cache"):
+            self.allocate_host_kv_cache = self._own_layout_host_cache  # contract v1 had no host allocator
         self.info: BackendInfo = self.backend_info()
         if self.info.api_version not in (API_VERSION - 1, API_VERSION):
             raise BackendError(
@@ -75,6 +81,32 @@ class Backend:
             return fn(**call_kwargs)
 
         return call
+
+    def _own_layout_host_cache(self, spec: KVCacheSpec, pin_memory: bool) -> list:
+        """Host caches for a backend with its own allocator but no ``pagedllm_allocate_host_kv_cache``: its own
+        allocator asked for host memory, so its swap copies between caches of one layout. Raises
+        :class:`SwapUnsupported` (core then preempts by recompute) where that cannot serve its swap."""
+        def refuse(why: str) -> SwapUnsupported:
+            return SwapUnsupported(f"swap not supported by backend {self.name!r}; preemption uses recompute ({why})")
+
+        try:
+            caches = self.allocate_kv_cache(spec)
+        except Exception as e:
+            raise refuse(f"its allocate_kv_cache failed for a host spec: {type(e).__name__}: {e}") from e
+        tensors = [t for c in caches for t in _flat_tensors(c)]
+        if not tensors or any(t.device.type != "cpu" for t in tensors):
+            raise refuse("its allocate_kv_cache did not return torch tensors in host memory for a host spec")
+        canonical = all(isinstance(c, torch.Tensor) and c.is_contiguous() and tuple(c.shape) == (
+            1 if spec.mla else 2, spec.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size) for c in caches)
+        if not canonical and not self.implements("pagedllm_swap_kv_blocks"):
+            raise refuse("it allocates its own KV layout and has no pagedllm_swap_kv_blocks; core's reference swap "
+                         "indexes the canonical layout")
+        if pin_memory:
+            try:
+                caches = [_pinned(c) for c in caches]
+            except RuntimeError as e:  # no page-locking here: unpinned host memory still swaps
+                warnings.warn(f"backend {self.name!r}: host KV caches left unpinned ({e})", RuntimeWarning)
+        return caches
 
     def implements(self, hook_name: str) -> bool:
         """True when the backend itself (not core's reference fallback) implements ``hook_name``."""
@@ -140,6 +172,18 @@ class Backend:
         add_lora: Callable[..., None]
         fused_moe: Callable[..., torch.Tensor]
         quantized_linear: Callable[[str, str], Any]
+
+
+def _flat_tensors(obj: Any) -> list:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return [t for x in obj for t in _flat_tensors(x)] if isinstance(obj, (list, tuple)) else []
+
+
+def _pinned(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.pin_memory()
+    return type(obj)(_pinned(x) for x in obj) if isinstance(obj, (list, tuple)) else obj
 
 
 @dataclass

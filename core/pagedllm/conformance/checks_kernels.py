@@ -6,8 +6,10 @@ import numpy as np
 import torch
 
 from pagedllm.backend import ref_ops
-from pagedllm.conformance.harness import (CaseContext, CheckFailed, PagedBatch, Untested, canonical_cache, make_batch,
-                                          poison, poison_allocator)
+from pagedllm.backend.registry import SwapUnsupported
+from pagedllm.conformance.harness import (CaseContext, CheckFailed, NotApplicable, PagedBatch, Untested,
+                                          cache_locator, canonical_cache, make_batch, poison, poison_allocator,
+                                          slot_locator, token_locator)
 from pagedllm.backend.hookspec import KVCacheSpec, QuantizedWeight
 from pagedllm.backend.kv_quant import kv_torch_dtype
 from pagedllm.lora.ops import LoRAMapping
@@ -53,7 +55,8 @@ def check_write_kv(ctx: CaseContext) -> None:
     ctx.backend.write_kv(key, value, cache, slots, *kv_scales(ctx))
     ref = canonical_cache(nb, bs, NUM_KV_HEADS, hs, kv_dtype(ctx), ctx.device)
     ref_ops.write_kv(key, value, ref, slots, *kv_scales(ctx))
-    ctx.compare(gather_all(ctx, cache, nb), ref, "cache after write_kv", exact=True)
+    ctx.compare(gather_all(ctx, cache, nb), ref, "cache after write_kv", exact=True,
+                where=slot_locator(slots, bs))
 
 
 # ---- paged attention ----------------------------------------------------------------------------------------------
@@ -67,23 +70,31 @@ def scenario_lengths(scenario: str, bs: int) -> tuple[list[int], list[int]]:
     return [1, 1, 6, bs + 2], [bs - 1, 3 * bs + 2, bs + 9, 2 * bs + 2]
 
 
-def fill_context(ctx: CaseContext, batch: PagedBatch, head_size: int) -> tuple[object, torch.Tensor]:
-    """Write every context token's K/V through the backend, and the same into a canonical reference cache."""
+def fill_context(ctx: CaseContext, batch: PagedBatch, head_size: int) -> tuple[object, torch.Tensor, str]:
+    """Every context token's K/V in the backend's cache and in a canonical reference cache. A canonical cache is
+    filled by core's reference write, so an attention case checks attention alone (a write bug shows in the write_kv
+    cases, not as every attention case failing); a cache of the backend's own layout can only be filled by its own
+    write_kv. Returns the caches and which write filled the backend's."""
     n = batch.context_slots.shape[0]
     key, value = ctx.randn(n, NUM_KV_HEADS, head_size), ctx.randn(n, NUM_KV_HEADS, head_size)
-    (cache,) = allocate(ctx, batch.num_blocks, batch.meta.block_size, head_size)
-    ctx.backend.write_kv(key, value, cache, batch.context_slots, *kv_scales(ctx))
-    ref = canonical_cache(batch.num_blocks, batch.meta.block_size, NUM_KV_HEADS, head_size, kv_dtype(ctx),
-                          ctx.device)
+    nb, bs = batch.num_blocks, batch.meta.block_size
+    (cache,) = allocate(ctx, nb, bs, head_size)
+    ref = canonical_cache(nb, bs, NUM_KV_HEADS, head_size, kv_dtype(ctx), ctx.device)
     ref_ops.write_kv(key, value, ref, batch.context_slots, *kv_scales(ctx))
-    return cache, ref
+    if isinstance(cache, torch.Tensor) and cache.is_contiguous() and cache.shape == ref.shape:
+        ref_ops.write_kv(key, value, cache, batch.context_slots, *kv_scales(ctx))
+        return cache, ref, "cache filled by core's reference write_kv (canonical layout)"
+    ctx.backend.write_kv(key, value, cache, batch.context_slots, *kv_scales(ctx))
+    return cache, ref, ("cache filled by the backend's own write_kv (its own layout): if write_kv cases fail, fix "
+                        "those first")
 
 
 def check_attention(ctx: CaseContext) -> None:
     p = ctx.params
     hs, bs, heads = p["head_size"], p["block_size"], NUM_KV_HEADS * p["gqa"]
     batch = make_batch(ctx, *scenario_lengths(p["scenario"], bs), bs)
-    cache, ref_cache = fill_context(ctx, batch, hs)
+    cache, ref_cache, filled = fill_context(ctx, batch, hs)
+    ctx.notes.append(filled)
     query = ctx.randn(batch.meta.num_tokens, heads, hs, scale=p.get("query_scale", 1.0))
     scale = hs ** -0.5
     window, cap = p.get("sliding_window"), p.get("soft_cap")
@@ -95,7 +106,10 @@ def check_attention(ctx: CaseContext) -> None:
         alibi = dict(alibi_slopes=alibi_slopes(heads).to(ctx.device))
     out = ctx.backend.paged_attention(query, cache, batch.meta, scale, window, cap, *kv_scales(ctx), **alibi)
     ref = ref_ops.paged_attention(query, ref_cache, batch.meta, scale, window, cap, *kv_scales(ctx), **alibi)
-    ctx.compare(out, ref, "attention output")
+    try:
+        ctx.compare(out, ref, "attention output", where=token_locator(batch.meta, hs))
+    except CheckFailed as e:
+        raise CheckFailed(f"{e} [{filled}]") from None
 
 
 def check_mla_attention(ctx: CaseContext) -> None:
@@ -114,7 +128,8 @@ def check_mla_attention(ctx: CaseContext) -> None:
     scale = (latent + rope) ** -0.5
     poison_allocator(query.numel(), ctx.dtype, ctx.device)
     ctx.compare(ctx.backend.mla_attention(query, cache, batch.meta, scale, latent),
-                ref_ops.mla_attention(query, ref, batch.meta, scale, latent), "mla_attention output")
+                ref_ops.mla_attention(query, ref, batch.meta, scale, latent), "mla_attention output",
+                where=token_locator(batch.meta, latent))
 
 
 # ---- block gather and swap ------------------------------------------------------------------------------------------
@@ -137,7 +152,8 @@ def check_gather(ctx: CaseContext) -> None:
     (cache,), (ref,) = _filled(ctx, 1, nb, bs, hs)
     ids = torch.tensor([4, 1, 3], device=ctx.device)
     ctx.compare(ctx.backend.gather_kv_blocks(cache, ids), ref_ops.gather_kv_blocks(ref, ids), "gathered blocks",
-                exact=True)
+                exact=True, where=lambda idx: cache_locator(idx) + f" (gathered position {idx[1]} of blocks "
+                                                                      f"{ids.tolist()})")
 
 
 def check_swap(ctx: CaseContext) -> None:
@@ -149,7 +165,14 @@ def check_swap(ctx: CaseContext) -> None:
         raise Untested("the cache is not made of torch tensors: host copies cannot be checked")
     pin = ctx.device.type != "cpu" and ctx.backend.memory_info(ctx.device).pinned_host
     spec = KVCacheSpec(2, nb, bs, NUM_KV_HEADS, hs, kv_dtype(ctx), torch.device("cpu"))
-    host = ctx.backend.allocate_host_kv_cache(spec, pin)
+    try:
+        host = ctx.backend.allocate_host_kv_cache(spec, pin)
+    except SwapUnsupported as e:  # core refuses swap for it and preempts by recompute: nothing to check
+        raise NotApplicable(str(e)) from e
+    if not ctx.backend.implements("pagedllm_allocate_host_kv_cache"):
+        own = ctx.backend.implements("pagedllm_allocate_kv_cache")
+        ctx.notes.append("host caches from core's fallback: " + ("the backend's own allocator on the host" if own
+                                                                  else "the canonical reference allocator"))
     for h in host:
         poison(h)
     ref_host = [torch.full(r.shape, float("nan"), dtype=r.dtype) for r in refs]
@@ -160,7 +183,8 @@ def check_swap(ctx: CaseContext) -> None:
     ref_ops.swap_kv_blocks(refs, ref_host, out_src, out_dst)
     ref_ops.swap_kv_blocks(ref_host, refs, in_src, in_dst)
     for i, (c, r) in enumerate(zip(caches, refs)):
-        ctx.compare(gather_all(ctx, c, nb), r, f"layer {i} after swap out and back in", exact=True)
+        ctx.compare(gather_all(ctx, c, nb), r, f"layer {i} after swap out and back in", exact=True,
+                    where=cache_locator)
 
 
 def _torch_tensors(obj) -> bool:

@@ -1,12 +1,17 @@
 """Layout ownership: core's reference ops assume the canonical layout, so a backend whose ``allocate_kv_cache``
 returns anything else must implement every hook that reads or writes a cache itself. ``Backend`` binds each hook to
 exactly one implementation (``Backend.implements`` says whether it is the backend's own); a hook left to the reference
-on a backend's own layout would crash on a tuple or silently corrupt a ``[num_blocks, 2, ...]`` tensor."""
+on a backend's own layout would crash on a tuple or silently corrupt a ``[num_blocks, 2, ...]`` tensor. Host caches
+are the exception: without ``pagedllm_allocate_host_kv_cache`` core asks the backend's own allocator for host memory
+(contract v1 had no host allocator), or refuses swap and preempts by recompute."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from pagedllm.backend.registry import SwapUnsupported
 from pagedllm.conformance.harness import CaseContext, CheckFailed
 from pagedllm.backend.hookspec import KVCacheSpec
 
@@ -39,6 +44,15 @@ def check_layout_ownership(ctx: CaseContext) -> None:
     if not ctx.backend.implements("pagedllm_allocate_kv_cache"):
         raise CheckFailed("core's reference allocator returned a non-canonical cache: " + layout_of(cache))
     borrowed = [h for h in CACHE_HOOKS if not ctx.backend.implements(h)]
+    if "pagedllm_allocate_host_kv_cache" in borrowed:  # core's fallback: the backend's own allocator on the host
+        borrowed.remove("pagedllm_allocate_host_kv_cache")
+        try:
+            ctx.backend.allocate_host_kv_cache(replace(spec, device=torch.device("cpu")), False)
+            ctx.notes.append("host caches: the backend's own allocator on the host (no "
+                             "pagedllm_allocate_host_kv_cache)")
+        except SwapUnsupported as e:  # core never swaps for it, so the swap hook is not needed
+            borrowed = [h for h in borrowed if h != "pagedllm_swap_kv_blocks"]
+            ctx.notes.append(str(e))
     if borrowed:
         raise CheckFailed(
             f"backend {ctx.backend.name!r} allocates its own KV layout ({layout_of(cache)}; canonical is "

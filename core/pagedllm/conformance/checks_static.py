@@ -92,6 +92,8 @@ def check_static_shapes(ctx: CaseContext) -> None:
     worker = llm.llm_engine.worker
     declared = set(worker.policy.warmup_shapes())
     if not seen:
+        if isinstance(worker.runner, ModelRunner):  # recorded at run/sample: a step that reached neither is a bug
+            raise CheckFailed("core's model runner handed no step to the backend's graph runner (run / sample)")
         raise Untested("no forward was recorded: the backend's own model runner (pagedllm_model_runner) never "
                        "called the model's forward, so shapes cannot be recorded")
     outside = sorted(set(seen) - declared)

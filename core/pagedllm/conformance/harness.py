@@ -21,6 +21,11 @@ class Untested(Exception):
     """The check cannot run here (feature not declared, dependency missing); the reason goes in the report."""
 
 
+class NotApplicable(Untested):
+    """The backend does not offer what the case checks, by a choice the contract allows (e.g. no host swap: core
+    preempts by recompute). Reported not applicable with the reason: never a failure, never a testing gap."""
+
+
 @dataclass
 class CaseContext:
     backend: Backend
@@ -161,3 +166,19 @@ def cache_locator(idx: tuple) -> str:
         return f"index {idx}"
     kv, blk, off, head, _ = idx
     return f"{'value' if kv else 'key'} cache, physical block {blk}, offset {off}, head {head}"
+
+
+def slot_locator(slots: torch.Tensor, block_size: int) -> Callable[[tuple], str]:
+    """For a canonical cache written at ``slots`` (one per input token, -1 skipped): which input token, block,
+    offset and head an element index of the cache is."""
+    owner = {int(x): t for t, x in enumerate(slots.cpu().tolist()) if int(x) >= 0}
+
+    def where(idx: tuple) -> str:
+        if len(idx) != 5:
+            return f"index {idx}"
+        kv, blk, off, head, _ = idx
+        slot = blk * block_size + off
+        tok = f"input token {owner[slot]}" if slot in owner else "no input token (a slot that must stay unwritten)"
+        return f"{'value' if kv else 'key'} cache, slot {slot} = block {blk} offset {off}, head {head}: {tok}"
+
+    return where

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from pagedllm.conformance.report import FAIL, HARDWARE, NOT_VERIFIED, SIMULATION, Report
+from pagedllm.conformance.report import FAIL, HARDWARE, NOT_VERIFIED, REFERENCE_FALLBACK, SIMULATION, Report
 
 FEATURES = ("memory", "kv_cache", "attention", "fused_ops", "graph", "e2e", "static_shapes")
-MARK = {HARDWARE: "verified on hardware", SIMULATION: "verified on CPU simulation", NOT_VERIFIED: "not verified"}
+MARK = {HARDWARE: "verified on hardware", SIMULATION: "verified on CPU simulation", NOT_VERIFIED: "not verified",
+        REFERENCE_FALLBACK: "reference fallback"}
 
 
 def load_reports(paths: Iterable[str]) -> list[Report]:
@@ -30,8 +31,12 @@ def _cell(report: Report, feature: str) -> str:
         return "n/a" if feature == "static_shapes" else MARK[NOT_VERIFIED] + " (not run)"
     level = report.features().get(feature, NOT_VERIFIED)
     ok = sum(r.status == "passing" for r in applicable)
+    own = [r for r in applicable if not r.fallback]
+    if level == REFERENCE_FALLBACK:
+        return f"{MARK[level]} ({ok}/{len(applicable)}: core's reference code, none of the backend's own)"
     if level != NOT_VERIFIED:
-        return f"{MARK[level]} ({ok}/{len(applicable)})"
+        fb = len(applicable) - len(own)
+        return f"{MARK[level]} ({len(own)}/{len(own)}" + (f"; {fb} more on core's reference fallback)" if fb else ")")
     fail = sum(r.status == "failing" for r in applicable)
     why = f"{fail} failing" if fail else f"{len(applicable) - ok} of {len(applicable)} not run"
     return f"{MARK[NOT_VERIFIED]} ({why})"
@@ -46,8 +51,10 @@ def support_matrix(reports: Sequence[Report], backends: Iterable[str] = ()) -> s
              "REPORT.json ...` from conformance reports; do not edit by hand. A cell says *verified on hardware* "
              "only when every applicable case of the feature ran and passed on the backend's real device, *verified "
              "on CPU simulation* when they ran and passed on a simulated device layer (tests/support/sim, never "
-             "shipped), and *not verified* otherwise; *n/a* marks features the backend does not declare (or, for "
-             "static shapes, a dynamic-shape backend).", "",
+             "shipped), *reference fallback* when the cases that passed ran only core's reference code (the backend "
+             "implements none of their hooks), and *not verified* otherwise (also a run without evidence of the "
+             "device); the counts are the cases of the backend's own hooks. *n/a* marks features the backend does "
+             "not declare (or, for static shapes, a dynamic-shape backend).", "",
              "| backend | run | " + " | ".join(FEATURES) + " |", "|---|---|" + "---|" * len(FEATURES)]
     for name in names:
         rep = by_name.get(name)
@@ -55,12 +62,15 @@ def support_matrix(reports: Sequence[Report], backends: Iterable[str] = ()) -> s
             lines.append(f"| {name} | no report | " + " | ".join([MARK[NOT_VERIFIED]] * len(FEATURES)) + " |")
             continue
         run = rep.status + (f" ({rep.simulated})" if rep.simulated else "")
+        if rep.verification == NOT_VERIFIED:
+            run += f" (unverified: {rep.evidence or 'no evidence of the device'})"
         lines.append(f"| {name} | {run} | " + " | ".join(_cell(rep, f) for f in FEATURES) + " |")
     envs = [r for r in reports if r.environment]
     if envs:
         lines += ["", "## Where each report was produced", ""]
         lines += [f"- `{r.backend}` ({r.device}): {r.verification}" + (f", simulated by {r.simulated}" if r.simulated
                                                                        else "")
+                  + (f" (evidence: {r.evidence})" if r.evidence else "")
                   + "; " + ", ".join(f"{k} {v}" for k, v in r.environment.items()) for r in envs]
     failing = [(r.backend, x) for r in reports if r.status == FAIL for x in r.failing]
     if failing:

@@ -66,9 +66,14 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         from pagedllm.conformance.report import Report  # heavy: torch, not at pytest start
 
         backend = _backend(session.config)
-        from pagedllm.conformance.runner import SIMULATED_ENV, SIMULATION  # heavy: torch, not at pytest start
+        from pagedllm.conformance.evidence import device_evidence  # heavy: torch, not at pytest start
+        from pagedllm.conformance.report import NOT_VERIFIED, SIMULATION
+        from pagedllm.conformance.runner import SIMULATED_ENV
 
         report = Report(backend.name, str(backend.device()), list(_results))
         if os.environ.get(SIMULATED_ENV):
             report.verification, report.simulated = SIMULATION, os.environ[SIMULATED_ENV]
+        else:  # "on hardware" only with evidence of the device
+            real, report.evidence = device_evidence(backend)
+            report.verification = report.verification if real else NOT_VERIFIED
         report.write(report_dir)

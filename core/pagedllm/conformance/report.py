@@ -9,11 +9,16 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-STATUSES = ("passing", "failing", "untested")
+STATUSES = ("passing", "failing", "untested")  # CaseResult.status
 #: A whole run: FAIL (a case failed), PARTIAL (nothing failed, but a case the backend declares was not run), PASS.
 PASS, PARTIAL, FAIL = "PASS", "PARTIAL", "FAIL"
 #: How a passing feature was verified (``Report.verification``); a feature not run or failing is not verified.
 HARDWARE, SIMULATION, NOT_VERIFIED = "verified-on-hardware", "verified-on-CPU-simulation", "not-verified"
+#: A feature whose passing cases all ran core's reference code (the backend implements none of their hooks): it works
+#: on the backend, but nothing of the backend's own was verified.
+REFERENCE_FALLBACK = "reference-fallback"
+#: A feature all of whose cases the backend's capabilities rule out.
+NOT_APPLICABLE = "not-applicable"
 
 
 @dataclass
@@ -31,6 +36,8 @@ class CaseResult:
     seconds: float = 0.0
     #: untested because the backend's capabilities rule the case out (not a gap in testing: it never runs there)
     not_applicable: bool = False
+    #: the backend implements none of the case's hooks: it ran core's reference code, not the backend's own
+    fallback: bool = False
 
     @property
     def id(self) -> str:
@@ -48,9 +55,11 @@ class Report:
     device: str
     results: list[CaseResult] = field(default_factory=list)
     environment: dict = field(default_factory=dict)
-    #: HARDWARE when run on the backend's real device, SIMULATION under a simulated device layer
+    #: HARDWARE when run on the backend's real device (with ``evidence``), SIMULATION under a simulated device layer,
+    #: NOT_VERIFIED when nothing showed the device is real
     verification: str = HARDWARE
     simulated: str = ""  # what simulated the device, when verification is SIMULATION
+    evidence: str = ""  # what showed the device is real, or why the run is not verified
 
     @property
     def passed(self) -> bool:
@@ -68,12 +77,18 @@ class Report:
 
     def features(self) -> dict[str, str]:
         """``{feature: verification level}``: the report's level where every applicable case of the feature ran and
-        passed, else :data:`NOT_VERIFIED` (never claimed for a case that was not run)."""
+        passed and one of them ran the backend's own hooks; :data:`REFERENCE_FALLBACK` where they all passed on core's
+        reference code alone; :data:`NOT_APPLICABLE` where the backend declares none of it; else :data:`NOT_VERIFIED`
+        (never claimed for a case that was not run)."""
         out: dict[str, str] = {}
         for feature in dict.fromkeys(r.feature for r in self.results):
             rows = [r for r in self.results if r.feature == feature and not r.not_applicable]
-            ok = bool(rows) and all(r.status == "passing" for r in rows)
-            out[feature] = self.verification if ok else NOT_VERIFIED
+            if not rows:
+                out[feature] = NOT_APPLICABLE
+                continue
+            ok = all(r.status == "passing" for r in rows)
+            own = any(not r.fallback for r in rows)
+            out[feature] = (self.verification if own else REFERENCE_FALLBACK) if ok else NOT_VERIFIED
         return out
 
     @property
@@ -81,12 +96,19 @@ class Report:
         return [r for r in self.results if r.status == "failing"]
 
     def counts(self) -> dict[str, int]:
-        return {s: sum(r.status == s for r in self.results) for s in STATUSES}
+        """``passing`` / ``failing`` by status; ``untested``: applicable cases not run; ``not_applicable``: cases the
+        backend's capabilities rule out (never run); ``reference_fallback``: the passing cases that ran only core's
+        reference code."""
+        return {"passing": sum(r.status == "passing" for r in self.results),
+                "failing": sum(r.status == "failing" for r in self.results),
+                "untested": sum(r.status == "untested" and not r.not_applicable for r in self.results),
+                "not_applicable": sum(r.not_applicable for r in self.results),
+                "reference_fallback": sum(r.status == "passing" and r.fallback for r in self.results)}
 
     # ---- renderings ------------------------------------------------------------------------------------------
     def to_json(self) -> str:
         return json.dumps({"backend": self.backend, "device": self.device, "status": self.status,
-                           "verification": self.verification, "simulated": self.simulated,
+                           "verification": self.verification, "simulated": self.simulated, "evidence": self.evidence,
                            "features": self.features(), "environment": self.environment,
                            "counts": self.counts(), "results": [asdict(r) for r in self.results]}, indent=1)
 
@@ -96,11 +118,13 @@ class Report:
         known = set(CaseResult.__dataclass_fields__)
         return cls(d["backend"], d["device"], [CaseResult(**{k: v for k, v in r.items() if k in known})
                                               for r in d["results"]],
-                   d.get("environment", {}), d.get("verification", HARDWARE), d.get("simulated", ""))
+                   d.get("environment", {}), d.get("verification", HARDWARE), d.get("simulated", ""),
+                   d.get("evidence", ""))
 
     def to_csv(self) -> str:
         buf = io.StringIO()
-        names = ["feature", "kernel", "model", "dtype", "status", "max_abs_err", "seconds", "error", "detail"]
+        names = ["feature", "kernel", "model", "dtype", "status", "not_applicable", "fallback", "max_abs_err",
+                 "seconds", "error", "detail"]
         w = csv.DictWriter(buf, fieldnames=names, lineterminator="\n")
         w.writeheader()
         for r in self.results:
@@ -119,11 +143,13 @@ class Report:
 
     def to_markdown(self) -> str:
         c = self.counts()
-        na = sum(r.not_applicable for r in self.results)
+        own = c["passing"] - c["reference_fallback"]
         lines = [f"# Conformance: backend `{self.backend}` ({self.device})", "",
-                 f"**{self.status}**: {c['passing']} passing, {c['failing']} failing, "
-                 f"{c['untested']} untested ({na} not applicable: capabilities rule them out).", "",
-                 f"Verification: {self.verification}" + (f" ({self.simulated})" if self.simulated else ""), ""]
+                 f"**{self.status}**: {own} passing on the backend's own hooks, {c['reference_fallback']} passing on "
+                 f"core's reference fallback, {c['failing']} failing, {c['untested']} untested; "
+                 f"{c['not_applicable']} not applicable (the backend does not declare them: never run).", "",
+                 f"Verification: {self.verification}" + (f" ({self.simulated})" if self.simulated else "")
+                 + (f"; evidence: {self.evidence}" if self.evidence else ""), ""]
         if self.environment:
             lines += [", ".join(f"{k}: {v}" for k, v in self.environment.items()), ""]
         dtypes, cells = self.matrix()
@@ -131,11 +157,18 @@ class Report:
         for (feature, kernel), by_dtype in cells.items():
             row = [feature, kernel] + [_cell(by_dtype.get(d, [])) for d in dtypes]
             lines.append("| " + " | ".join(row) + " |")
-        for title, status in (("Failing", "failing"), ("Untested", "untested")):
-            rows = [r for r in self.results if r.status == status]
+        for title, pick in (("Failing", lambda r: r.status == "failing"),
+                            ("Untested", lambda r: r.status == "untested" and not r.not_applicable),
+                            ("Not applicable", lambda r: r.not_applicable)):
+            rows = [r for r in self.results if pick(r)]
             if rows:
                 lines += ["", f"## {title}", ""]
                 lines += [f"- `{r.id}`: {r.error.splitlines()[0] if r.error else ''}" for r in rows]
+        fallback = [r for r in self.results if r.status == "passing" and r.fallback]
+        if fallback:
+            lines += ["", "## Reference fallback", "", "Passing, but on core's reference code (the backend implements "
+                      "none of these hooks), so not counted as the backend's verified features: "
+                      + ", ".join(f"`{k}`" for k in dict.fromkeys(r.kernel for r in fallback))]
         return "\n".join(lines) + "\n"
 
     def write(self, report_dir: str) -> dict[str, str]:
@@ -157,6 +190,9 @@ def _cell(results: list[CaseResult]) -> str:
     ok = sum(r.status == "passing" for r in results)
     if fail:
         return f"FAIL {fail}/{n}"
+    if all(r.not_applicable for r in results):
+        return "n/a"
+    word = "ref fallback" if ok and all(r.fallback for r in results if r.status == "passing") else "pass"
     if ok == n:
-        return f"pass {n}/{n}" if n > 1 else "pass"
-    return f"pass {ok}/{n}, untested {n - ok}" if ok else "untested"
+        return f"{word} {n}/{n}" if n > 1 else word
+    return f"{word} {ok}/{n}, untested {n - ok}" if ok else "untested"

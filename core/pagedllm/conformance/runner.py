@@ -15,8 +15,9 @@ import torch
 import pagedllm
 from pagedllm.backend.registry import Backend, BackendError, get_backend
 from pagedllm.conformance import checks_e2e, checks_kernels as K, checks_layout, checks_runtime as R, checks_static
-from pagedllm.conformance.harness import CaseContext, CheckFailed, Untested, case_seed
-from pagedllm.conformance.report import SIMULATION, CaseResult, Report, case_id
+from pagedllm.conformance.evidence import device_evidence
+from pagedllm.conformance.harness import CaseContext, CheckFailed, NotApplicable, Untested, case_seed
+from pagedllm.conformance.report import NOT_VERIFIED, SIMULATION, CaseResult, Report, case_id
 
 #: Set by tests that run a backend on a simulated device layer: a description of that layer
 #: (e.g. "tests/support/sim/<vendor>, torch PrivateUse1 python backend").
@@ -45,10 +46,43 @@ class Case:
     check: Callable[[CaseContext], None]
     params: dict = field(default_factory=dict)
     untested: str = ""  # set when the backend's capabilities rule the case out
+    #: the hooks the case checks: when the backend implements none of them, it ran core's reference code
+    hooks: tuple[str, ...] = ()
 
     @property
     def id(self) -> str:
         return case_id(self.kernel, self.model, self.dtype)
+
+    def fallback(self, backend: Backend) -> bool:
+        return bool(self.hooks) and not any(backend.implements(h) for h in self.hooks)
+
+
+#: The hooks each check exercises (the graph, e2e and static cases run the backend's whole set of op hooks).
+OP_HOOKS = ("pagedllm_write_kv", "pagedllm_paged_attention", "pagedllm_rms_norm", "pagedllm_fused_add_rms_norm",
+            "pagedllm_rotary", "pagedllm_silu_and_mul", "pagedllm_graph_runner", "pagedllm_model_runner",
+            "pagedllm_batch_policy")
+CHECK_HOOKS = {
+    R.check_memory_info: ("pagedllm_memory_info",),
+    R.check_allocator: ("pagedllm_allocate_kv_cache",),
+    K.check_write_kv: ("pagedllm_write_kv",),
+    K.check_gather: ("pagedllm_gather_kv_blocks",),
+    K.check_swap: ("pagedllm_swap_kv_blocks", "pagedllm_allocate_host_kv_cache"),
+    K.check_attention: ("pagedllm_paged_attention",),
+    K.check_mla_attention: ("pagedllm_write_mla_kv", "pagedllm_mla_attention"),
+    K.check_rms_norm: ("pagedllm_rms_norm",),
+    K.check_fused_add_rms_norm: ("pagedllm_fused_add_rms_norm",),
+    K.check_silu_and_mul: ("pagedllm_silu_and_mul",),
+    K.check_rotary: ("pagedllm_rotary",),
+    K.check_add_lora: ("pagedllm_add_lora",),
+    K.check_fused_moe: ("pagedllm_fused_moe",),
+    K.check_apply_token_bitmask: ("pagedllm_apply_token_bitmask",),
+    K.check_dense_linear: ("pagedllm_quantized_linear",),
+    K.check_quantized_linear: ("pagedllm_quantized_linear",),
+    checks_layout.check_layout_ownership: ("pagedllm_allocate_kv_cache",),
+    R.check_graph_replay: ("pagedllm_graph_runner",),
+    checks_e2e.check_e2e: OP_HOOKS,
+    checks_static.check_static_shapes: ("pagedllm_batch_policy",),
+}
 
 
 def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) -> list[Case]:
@@ -130,17 +164,40 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                       R.check_graph_replay, dict(head_size=hs0, block_size=bs_max)))
     hs_e2e = 64 if 64 in head_sizes else hs0
     no_f32 = "" if "float32" in caps.dtypes else "needs float32, not declared"
-    cases.append(Case("e2e", "greedy_parity_vs_hf", f"tiny-llama-hs{hs_e2e}-bs{bs_max}", "float32",
-                      checks_e2e.check_greedy_parity, dict(head_size=hs_e2e, block_size=bs_max),
-                      untested=no_f32 and f"greedy parity {no_f32}"))
+    for bs in sorted(caps.block_sizes, reverse=True):  # every block size it accepts, prompts crossing several blocks
+        cases.append(Case("e2e", "greedy_parity_vs_hf", f"tiny-llama-hs{hs_e2e}-bs{bs}", "float32",
+                          checks_e2e.check_e2e, dict(head_size=hs_e2e, block_size=bs),
+                          untested=no_f32 and f"capabilities do not declare float32: end-to-end parity {no_f32}"))
     if _static(backend, bs_max):
         cases.append(Case("static_shapes", "buckets_only_and_equal_to_dynamic", f"tiny-llama-hs{hs_e2e}-bs{bs_max}",
                           "float32", checks_static.check_static_shapes, dict(head_size=hs_e2e, block_size=bs_max),
                           untested=no_f32 and f"static-shape parity {no_f32}"))
+    cases += undeclared_cases(caps, hs0, bs0)
     for c in cases:
         if c.dtype not in DTYPES and c.dtype != "-" and not c.untested:
             c.untested = f"dtype {c.dtype!r} is not known to the conformance suite"
+        c.hooks = c.hooks or CHECK_HOOKS.get(c.check, ())
     return cases
+
+
+def undeclared_cases(caps, hs0: int, bs0: int) -> list[Case]:
+    """One not-applicable row per model dtype, fp8 KV dtype and quantization method the backend does not declare,
+    so the report says what it does not run, and why."""
+    from pagedllm.quantization import IMPLEMENTED  # heavy: pagedllm.quantization, not at CLI start
+
+    out = []
+    for dt in (d for d in DTYPES if d not in caps.dtypes):  # dtype "-": no column of its own in the matrix
+        out.append(Case("dtype", f"dtype.{dt}", "-", "-", K.check_attention,
+                        untested=f"capabilities do not declare dtype {dt}"))
+    for kvd in ("fp8_e4m3", "fp8_e5m2"):
+        if kvd not in caps.kv_cache_dtypes and not (kvd == "fp8_e4m3" and "fp8" in caps.kv_cache_dtypes):
+            out.append(Case("kv_cache", f"write_kv.{kvd}", f"hs{hs0}-bs{bs0}", caps.dtypes[0], K.check_write_kv,
+                            dict(head_size=hs0, block_size=bs0, kv_cache_dtype=kvd),
+                            untested=f"capabilities do not declare kv_cache_dtype {kvd}"))
+    for method in (m for m in CONFORMANCE_WEIGHT_TYPES if m not in caps.quantization and m in IMPLEMENTED):
+        out.append(Case("quantization", f"quantized_linear.{method}", "-", caps.dtypes[0], K.check_quantized_linear,
+                        untested=f"capabilities do not declare quantization {method}"))
+    return out
 
 
 def _static(backend: Backend, block_size: int) -> bool:
@@ -183,10 +240,12 @@ def run_case(backend: Backend, case: Case, tolerances: Optional[dict] = None, se
     ctx = CaseContext(backend, backend.device(), DTYPES.get(case.dtype, torch.float32), case.params, atol, rtol,
                       case_seed(seed, case.id))
     t0 = time.perf_counter()
-    status, error = "passing", ""
+    status, error, na = "passing", "", False
     try:
         with torch.no_grad():
             case.check(ctx)
+    except NotApplicable as e:
+        status, error, na = "untested", str(e), True
     except Untested as e:
         status, error = "untested", str(e)
     except CheckFailed as e:
@@ -196,7 +255,8 @@ def run_case(backend: Backend, case: Case, tolerances: Optional[dict] = None, se
         status, error = "failing", f"{type(e).__name__}: {e} (at {where.filename}:{where.lineno})"
     return CaseResult(case.feature, case.kernel, case.model, case.dtype, status, error,
                       "; ".join(dict.fromkeys(ctx.notes)), ctx.max_abs_err if status != "untested" else None,
-                      round(time.perf_counter() - t0, 3))
+                      round(time.perf_counter() - t0, 3), not_applicable=na,
+                      fallback=status != "untested" and case.fallback(backend))
 
 
 def run_conformance(backend: Union[str, Backend], report_dir: Optional[str] = None,
@@ -223,6 +283,9 @@ def run_conformance(backend: Union[str, Backend], report_dir: Optional[str] = No
     simulated = simulated if simulated is not None else os.environ.get(SIMULATED_ENV, "")
     if simulated:
         report.verification, report.simulated = SIMULATION, simulated
+    else:  # "on hardware" only with evidence of the device
+        real, report.evidence = device_evidence(be)
+        report.verification = report.verification if real else NOT_VERIFIED
     for case in enumerate_cases(be, tuple(gqa_ratios)):
         reason = selection_reason(case, allow, exclude)
         if reason:

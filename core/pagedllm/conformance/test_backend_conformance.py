@@ -12,7 +12,8 @@ def test_conformance(conformance_backend, conformance_case: Case, conformance_se
     case = conformance_case
     reason = selection_reason(case, *conformance_selection)
     if reason:
-        result = CaseResult(case.feature, case.kernel, case.model, case.dtype, "untested", reason)
+        result = CaseResult(case.feature, case.kernel, case.model, case.dtype, "untested", reason,
+                            not_applicable=bool(case.untested))
     else:
         result = run_case(conformance_backend, case)
     conformance_results.append(result)

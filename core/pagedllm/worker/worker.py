@@ -24,6 +24,7 @@ from pagedllm.distributed.parallel_state import get_parallel_state
 from pagedllm.backend.hookspec import KVCacheSpec, ModelInfo, RunnerContext
 from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.backend.kv_quant import kv_torch_dtype
+from pagedllm.backend.registry import SwapUnsupported
 from pagedllm.lora.slots import LoRAManager
 from pagedllm.worker.model_runner import ModelRunner, PendingStep, StepOutput
 from pagedllm.models import load_config, load_model, resolve_model_path
@@ -95,10 +96,15 @@ class Worker:
         if self.num_host_blocks > 0:
             pinned = backend.memory_info(self.device).pinned_host
             host_spec = replace(spec, num_blocks=self.num_host_blocks, device=torch.device("cpu"))
-            self.host_caches = backend.allocate_host_kv_cache(host_spec, pinned)
-            if draft_spec is not None:  # swapped with the target's blocks (spec_decode keeps the draft's K/V)
-                self.draft_host_caches = backend.allocate_host_kv_cache(
-                    replace(draft_spec, num_blocks=self.num_host_blocks, device=torch.device("cpu")), pinned)
+            try:
+                self.host_caches = backend.allocate_host_kv_cache(host_spec, pinned)
+                if draft_spec is not None:  # swapped with the target's blocks (spec_decode keeps the draft's K/V)
+                    self.draft_host_caches = backend.allocate_host_kv_cache(
+                        replace(draft_spec, num_blocks=self.num_host_blocks, device=torch.device("cpu")), pinned)
+            except SwapUnsupported as e:  # no host pool: the scheduler preempts by recompute
+                logger.warning("%s", e)
+                self.host_caches = self.draft_host_caches = None
+                self.num_host_blocks = 0
         self.ctx = self._context(self.policy)
         self.lora: Optional[LoRAManager] = None
         if config.enable_lora:
