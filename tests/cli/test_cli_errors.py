@@ -102,7 +102,8 @@ def test_argparse_errors_keep_exit_2():
 
 
 @pytest.mark.parametrize("args,hint", [
-    (("generate", "--max-model-lenn", "64", "x"), "unrecognized argument --max-model-lenn; did you mean --max-model-len?"),
+    (("generate", "--max-model-lenn", "64", "x"),
+     "unrecognized argument --max-model-lenn; did you mean --max-model-len?"),
     (("serve", "--model-im", "native"), "unrecognized argument --model-im; did you mean --model-impl?"),
     (("bench", "sweep", "--request-rats", "1"), "did you mean --request-rates?"),
     (("serv", "--port", "0"), "unknown command 'serv'; did you mean serve?"),
@@ -117,5 +118,6 @@ def test_mistyped_name_gets_one_line_with_the_closest(args, hint):
 
 def test_serve_accepts_model_as_a_flag():
     """`serve --model X` is the model (vLLM accepts it beside the positional form), not `--model-impl X`."""
-    _one_line_error(_run("serve", "--model", "/no/such/model", "--port", "0"), 2, "model: /no/such/model does not exist")
+    _one_line_error(_run("serve", "--model", "/no/such/model", "--port", "0"), 2,
+                    "model: /no/such/model does not exist")
     _one_line_error(_run("serve", "/a", "--model", "/b", "--port", "0"), 2, "model: given twice")

@@ -131,7 +131,8 @@ def test_ctrl_c_stops_the_answer_then_leaves(tmp_path):
     try:
         t.wait_for(lambda s: "/exit" in s and _prompts(s) == 1, "the complete banner and prompt")
         t.send("Hello", "Enter")
-        t.wait_for(lambda s: len(s.split("> Hello", 1)[-1].strip()) > 20, "the completion to start")
+        t.wait_for(lambda s: "> Hello" in s and len(s.split("> Hello", 1)[1].strip()) > 20,
+                   "the completion to start")
         t.send("C-c")
         t.wait_for(lambda s: "answer stopped" in s and _prompts(s) == 2, "the stopped completion", timeout=30)
         t.send("/help", "Enter")
@@ -168,7 +169,8 @@ def test_chat_commands_and_ctrl_c_stops_the_answer_not_the_session(server, tmp_p
         assert after["pagedllm:prompt_tokens_total"] == before["pagedllm:prompt_tokens_total"], "a command was sent"
 
         t.send("Tell me a long story", "Enter")
-        t.wait_for(lambda s: len(s.split("Tell me a long story", 1)[-1].strip()) > 20, "the answer to start")
+        asked = "> Tell me a long story"
+        t.wait_for(lambda s: asked in s and len(s.split(asked, 1)[1].strip()) > 20, "the answer to start")
         t.send("C-c")
         screen = t.wait_for(lambda s: "answer stopped" in s and _prompts(s) == 6, "the stopped answer", timeout=30)
         assert "Traceback" not in screen and not t.code_file.exists(), "the session must go on after one Ctrl-C"
