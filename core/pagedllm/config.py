@@ -16,6 +16,7 @@ import torch
 from pagedllm.backend.kv_quant import KV_CACHE_DTYPES, canonical_kv_dtype
 from pagedllm.quantization.config import resolve_quantization, validate_quantization
 from pagedllm.errors import ParamError
+from pagedllm.generation_defaults import check_generation_config
 from pagedllm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float3
 
 @dataclass
 class EngineConfig:
-    model: Optional[str] = None  # HF folder or .gguf file; None = the embedded default model
+    model: Optional[str] = None  # HF folder, .gguf file or Hub id org/name; None = the embedded default model
     device: str = "auto"
     dtype: str = "auto"  # auto: float32 on backends without fast half precision, else the checkpoint's
     max_model_len: Optional[int] = None
@@ -63,6 +64,9 @@ class EngineConfig:
     # This engine's number among data-parallel replicas on its host (the DP server sets it per replica): its ranks
     # use device indices [data_parallel_rank * tp * pp, ...) on backends whose devices are indexed (not CPU).
     data_parallel_rank: int = 0
+    # Default sampling parameters: auto (the model's generation_config.json) | vllm (ignore it) | a folder holding
+    # one (vLLM's --generation-config; generation_defaults.py)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
@@ -91,6 +95,7 @@ class EngineConfig:
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ParamError("model_impl", f"must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
         validate_quantization(self.quantization)
+        check_generation_config(self.generation_config)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -21,7 +21,8 @@ def _run(*args: str, env: dict | None = None, timeout: float = 180) -> subproces
 
 
 def _one_line_error(p: subprocess.CompletedProcess, code: int, *words: str) -> str:
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    # start-up stage lines ("INFO ... pagedllm.startup: reading weights ...") may precede the error
+    lines = [line for line in p.stderr.splitlines() if line.strip() and not line.startswith("INFO ")]
     assert p.returncode == code, (p.returncode, p.stderr[-3000:])
     assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
     assert lines[0].startswith("pagedllm ") and ": error: " in lines[0], lines[0]

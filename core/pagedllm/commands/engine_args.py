@@ -13,11 +13,13 @@ from pagedllm.errors import ParamError
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
-        p.add_argument("model", nargs="?", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
+        p.add_argument("model", nargs="?", default=None,
+                       help="HF folder, .gguf file or Hugging Face Hub id org/name (default: embedded SmolLM2)")
         p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
                        help="the same as the positional MODEL (vLLM accepts both)")
     else:
-        p.add_argument("--model", default=None, help="HF folder or .gguf file (default: embedded SmolLM2)")
+        p.add_argument("--model", default=None,
+                       help="HF folder, .gguf file or Hugging Face Hub id org/name (default: embedded SmolLM2)")
     p.add_argument("--device", default="auto", help="backend name, or auto (see `pagedllm backends`)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -45,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
                    help="native decoder, or transformers' module with pagedllm paged attention (auto: native when "
                         "the architecture has one; docs/models.md)")
+    p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
+                   help="default sampling parameters for requests that leave them unset: auto (the model's "
+                        "generation_config.json), vllm (ignore it), or a folder holding a generation_config.json")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (docs/lora.md)")
     p.add_argument("--max-loras", type=int, default=1, help="adapters one batch may use (device slots); default 1")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted; default 16")
@@ -84,7 +89,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
-        enable_expert_parallel=getattr(args, "enable_expert_parallel", False))
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+        generation_config=getattr(args, "generation_config", "auto"))
 
 
 

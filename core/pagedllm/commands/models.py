@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import textwrap
 
 WIDTH = 120
@@ -51,7 +52,8 @@ def terminal_table(rows: list[dict], footer: list[str], width: int = WIDTH) -> s
             lines.append("  ".join(f"{p:<{w}}" for p, (_, w) in zip(parts, COLUMNS)) + "  " + parts[-1])
     lines.append("")
     for text in footer:
-        lines += textwrap.wrap(text.replace("`", ""), width, break_on_hyphens=False)
+        text = re.sub(r"\[([^]]+)\]\(#[^)]+\)", r"'\1' in docs/models.md", text.replace("`", ""))  # no markdown
+        lines += textwrap.wrap(text, width, break_on_hyphens=False)
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import socket
+from dataclasses import replace
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config, lora_modules
 from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_NUM_QUEUED_REQS,
@@ -152,8 +153,13 @@ def run(args: argparse.Namespace) -> int:
     cors = dict(allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
                 allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-    return serve(engine_config(args), host=args.host, port=args.port, api_key=keys,
-                 served_model_names=args.served_model_name, chat_template=args.chat_template,
+    config, names = engine_config(args), args.served_model_name
+    if config.model is not None:  # a Hub id is downloaded once, here, not by each engine process; clients keep its id
+        from pagedllm.models.paths import resolve_model_path  # heavy: the model package
+
+        config, names = replace(config, model=resolve_model_path(config.model)), names or [config.model]
+    return serve(config, host=args.host, port=args.port, api_key=keys,
+                 served_model_names=names, chat_template=args.chat_template,
                  uvicorn_log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.timeout_graceful_shutdown,
                  stream_interval=args.stream_interval, engine_cpus=args.engine_cpus, limits=limits,
                  render_workers=args.render_workers, exit_on_engine_failure=args.exit_on_engine_failure, cors=cors,

@@ -5,6 +5,10 @@ raises the engine's ParamError). Outputs come back one pipe message per engine s
 (asyncio pipe transports: no threads, so no GIL hand-offs) and routed to their requests' asyncio queues. Outputs are
 cumulative, so a consumer that falls behind skips to the newest one (vLLM's output coalescing). Commands are written
 through a non-blocking transport, so the event loop never waits on a full pipe while the engine is mid-step.
+
+Lifecycle: ``shutdown()`` (idempotent) stops the engine process and closes both pipes, so a new AsyncEngine can be
+started in the same process (the server's lifespan restarted); one dropped without it is stopped when it is garbage
+collected or at interpreter exit. The engine process exits with this one however this one ends.
 """
 
 from __future__ import annotations
@@ -16,11 +20,13 @@ import multiprocessing
 import os
 import pickle
 import struct
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import EngineStats, PromptType
 from pagedllm.engine.core_process import ACCEPTED, run_engine_core
+from pagedllm.executor.parent_watch import started_from_main_thread
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.errors import ParamError
@@ -96,6 +102,7 @@ class AsyncEngine:
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ParamError("stream_interval", f"must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
+        self.config = config
         #: This engine's number among data-parallel replicas (the ``engine`` label on /metrics); 0 alone.
         self.index = index
         #: Requests the engine accepted (its ``pagedllm:engine_requests`` counter).
@@ -105,17 +112,23 @@ class AsyncEngine:
         child_in, self._cmd_conn = ctx.Pipe(duplex=False)  # server -> engine
         self._proc = ctx.Process(target=run_engine_core, name=f"pagedllm-engine-{index}", daemon=True,
                                  args=(config, child_in, child_out, logging.getLogger().getEffectiveLevel(),
-                                       engine_cpus, list(lora_modules), dp_ep))
+                                       engine_cpus, list(lora_modules), dp_ep,
+                                       (os.getpid(), started_from_main_thread())))
         self._proc.start()
+        self._pid = self._proc.pid
+        # Dropped without shutdown(): stop the process when collected or at exit (refers to no part of self)
+        self._finalizer = weakref.finalize(self, _stop_process, self._proc, self._cmd_conn, self._conn)
         if on_spawn is not None:  # the process, before its start-up is waited for (data parallel: to stop it early)
             on_spawn(self._proc)
         child_in.close()
         child_out.close()
         self._writer: Optional[asyncio.WriteTransport] = None
+        self._reader: Optional[asyncio.ReadTransport] = None
         self._streams: dict[str, RequestStream] = {}
         self._pending: dict[str, asyncio.Future] = {}
         self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._stopping = False
+        self._stopping = False  # "stop" sent
+        self._closed = False  # the process reaped, the pipes closed (or closing on the loop)
         self.error: Optional[BaseException] = None
         # Called once (on the event loop) when the engine process dies unexpectedly, after every in-flight request
         # got its error: ``pagedllm serve --exit-on-engine-failure`` exits the server from here.
@@ -136,6 +149,7 @@ class AsyncEngine:
             self._proc.join(5)
             if self._proc.is_alive():
                 self._proc.kill()
+            self._finalizer()  # reaps it and closes the pipes
             raise info if kind != "ready" else tok_error
         self.max_model_len: int = info["max_model_len"]
         self.model_path: str = info["model_path"]
@@ -152,40 +166,67 @@ class AsyncEngine:
 
     @property
     def pid(self) -> Optional[int]:
-        return self._proc.pid
+        return self._pid
 
     # ---- lifecycle (event-loop side) -------------------------------------------------------------------------
     async def start(self) -> None:
         """Attach both pipes to the running event loop (non-blocking transports: no thread, no GIL hand-offs)."""
         self._loop = asyncio.get_running_loop()
-        await self._loop.connect_read_pipe(lambda: _MessageReader(self._on_message, self._on_eof),
-                                           os.fdopen(self._conn.fileno(), "rb", buffering=0, closefd=False))
+        self._reader, _ = await self._loop.connect_read_pipe(
+            lambda: _MessageReader(self._on_message, self._on_eof),
+            os.fdopen(self._conn.fileno(), "rb", buffering=0, closefd=False))
         self._writer, _ = await self._loop.connect_write_pipe(
             asyncio.Protocol, os.fdopen(self._cmd_conn.fileno(), "wb", buffering=0, closefd=False))
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Abort whatever is left and stop the engine process (call after in-flight HTTP requests drained)."""
+    def begin_shutdown(self) -> None:
+        """Abort whatever is left and tell the engine process to stop, without waiting (idempotent; a caller that
+        stops several engines from the event loop's own thread sends every "stop" before it waits for any)."""
         if self._stopping:
             return
         self._stopping = True
-        try:
-            in_loop = asyncio.get_running_loop() is self._loop
-        except RuntimeError:
-            in_loop = False
         if self._writer is None or self._loop.is_closed():
             try:
                 self._cmd_conn.send(("stop",))
             except OSError:  # already gone
                 pass
-        elif in_loop:
+        elif self._in_loop():
             self._send(("stop",))
         else:
             self._loop.call_soon_threadsafe(self._send, ("stop",))
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort whatever is left, stop the engine process and close the pipes (call after in-flight HTTP requests
+        drained; idempotent; from the event loop or another thread)."""
+        self.begin_shutdown()
+        if self._closed:
+            return
+        self._closed = True
         self._proc.join(timeout)
         if self._proc.is_alive():
             logger.warning("engine process did not stop within %.0fs; killing it", timeout)
             self._proc.kill()
             self._proc.join()
+        # The event loop must forget the pipes' descriptors before they are closed (their numbers get reused), so
+        # their transports close on the loop's own thread, then the pipes.
+        loop = self._loop
+        if loop is None or loop.is_closed() or self._in_loop() or not loop.is_running():
+            self._close_pipes()
+        else:
+            loop.call_soon_threadsafe(self._close_pipes)
+
+    def _in_loop(self) -> bool:
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    def _close_pipes(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():  # (a closed loop watches nothing any more)
+            for t in (self._writer, self._reader):
+                if t is not None:
+                    t.close()
+        self._writer = self._reader = None
+        self._finalizer()  # the process is reaped: this closes both pipes
 
     @property
     def is_running(self) -> bool:
@@ -300,8 +341,11 @@ class AsyncEngine:
         self._writer.write(struct.pack("!i", len(data)) + data)
 
     def _on_eof(self) -> None:
-        self._proc.join(0.5)  # usually already gone: its exit code tells a crash from a kill
-        code = self._proc.exitcode
+        try:
+            self._proc.join(0.5)  # usually already gone: its exit code tells a crash from a kill
+            code = self._proc.exitcode
+        except ValueError:  # shut down: the process object is closed
+            code = None
         self._die(EngineDeadError("engine shut down" if self._stopping else "engine process exited unexpectedly"
                                   + (f" (exit code {code})" if code is not None else "")))
 
@@ -375,6 +419,23 @@ class AsyncEngine:
                 s.timer.cancel()
             s.queue.put_nowait(err)
         self._streams.clear()
+
+
+def _stop_process(proc: Any, commands: Any, outputs: Any, timeout: float = 30.0) -> None:
+    """Stop an engine process (if still running) and close its pipes: ``shutdown``'s last part, and the finalizer
+    of an AsyncEngine dropped without it."""
+    if proc.is_alive() and not commands.closed:
+        try:
+            commands.send(("stop",))
+        except OSError:
+            pass
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    commands.close()
+    outputs.close()
+    proc.close()  # its sentinel descriptor
 
 
 def _accumulate(acc: Optional[RequestOutput], d: RequestOutput) -> RequestOutput:

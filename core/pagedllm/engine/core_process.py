@@ -11,6 +11,9 @@ lora_request)``, ``("remove_lora", rid, lora_int_id)`` (answered like an add), `
 something, where ``items`` are ``(rid, x)`` with ``x`` :data:`ACCEPTED`, an exception (the add was rejected) or a
 RequestOutput (deltas: the server asks for ``output_kind="delta"`` and accumulates); and ``("dead", message)`` if the
 engine hit a bug. The loop blocks on the pipe whenever no request is unfinished: an idle engine burns no CPU.
+However the loop ends (a "stop", the server gone, a bug) the engine is shut down before the process exits (a
+distributed engine's ranks stop), and the process ends with the server process however that ends
+(``executor/parent_watch.py``), even mid-load.
 A DP+EP replica (``dp_lockstep.py``) also sends ``("wave", w)`` when it starts lock-step wave ``w`` and takes
 ``("wake", w)`` to join one another replica started.
 """
@@ -31,6 +34,7 @@ from pagedllm.engine.cpu_split import pin_engine
 from pagedllm.backend.registry import get_backend
 from pagedllm.distributed.dp_ep import init_dp_ep
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.executor.parent_watch import exit_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,10 @@ ACCEPTED = "accepted"  # reply to an add the engine validated and queued
 
 def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connection,
                     log_level: int = logging.INFO, cpus: Optional[frozenset[int]] = None,
-                    lora_modules: Sequence = (), dp_ep: Any = None) -> None:
-    """Process entry point (spawned by :class:`~pagedllm.engine.async_engine.AsyncEngine`).
+                    lora_modules: Sequence = (), dp_ep: Any = None, parent: Optional[tuple[int, bool]] = None
+                    ) -> None:
+    """Process entry point (spawned by :class:`~pagedllm.engine.async_engine.AsyncEngine`). ``parent``: (the
+    server's pid, whether it started this process from its main thread) — this process exits when it dies.
 
     Ends with ``os._exit``: the process holds nothing that needs interpreter finalization (its pipes close with
     it), and finalization makes nanobind-based extensions that transformers' imports load (Triton) print hundreds
@@ -48,6 +54,8 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
     """
     code = 1
     try:
+        if parent is not None:
+            exit_with_parent(*parent)
         _run(config, commands, outputs, log_level, cpus, lora_modules, dp_ep)
         code = 0
     finally:
@@ -85,8 +93,8 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
         from pagedllm.engine.dp_lockstep import expert_info, lockstep_loop  # cycle: dp_lockstep imports this module
 
         info["expert_parallel"] = expert_info(engine)
-    outputs.send(("ready", info))
     try:
+        outputs.send(("ready", info))
         (_loop if dp_ep is None else lockstep_loop)(engine, commands, outputs)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("server process went away; engine exiting")
@@ -96,6 +104,8 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
             outputs.send(("dead", f"{type(e).__name__}: {e}"))
         except OSError:
             pass
+    finally:
+        engine.shutdown()  # os._exit follows: no finalizer would run
 
 
 def drain(engine, commands: Connection, items: list[tuple[str, object]]) -> tuple[bool, list[int]]:

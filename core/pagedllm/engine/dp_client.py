@@ -91,8 +91,11 @@ class DataParallelEngine:
                 if first_error is not None and self.expert_parallel:
                     # The others wait for it in the rendezvous or an exchange: stop them now, not at a timeout.
                     for p in list(procs):
-                        if p.is_alive():
-                            p.kill()
+                        try:
+                            if p.is_alive():
+                                p.kill()
+                        except ValueError:  # a replica that failed closed its process object
+                            pass
                     break
         failed = [f.exception() for f in futures if f.exception() is not None]
         if failed:
@@ -101,6 +104,7 @@ class DataParallelEngine:
                     f.result().shutdown()
             raise first_error if first_error is not None else failed[0]
         self.replicas: list[AsyncEngine] = [f.result() for f in futures]
+        self.config = config
         first = self.replicas[0]
         self.tokenizer = first.tokenizer
         self.max_model_len, self.model_path, self.vocab_size = first.max_model_len, first.model_path, first.vocab_size
@@ -141,8 +145,11 @@ class DataParallelEngine:
             await r.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Stop every replica (in parallel: each drains its own aborts)."""
+        """Stop every replica (in parallel: each drains its own aborts; idempotent). Every "stop" is sent from this
+        thread first: called on the event loop's thread, the loop cannot send them while it waits here."""
         self._stopping = True
+        for r in self.replicas:
+            r.begin_shutdown()
         with ThreadPoolExecutor(len(self.replicas)) as pool:
             list(pool.map(lambda r: r.shutdown(timeout), self.replicas))
 

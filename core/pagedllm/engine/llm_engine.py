@@ -5,9 +5,10 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 
 from pagedllm.backend.registry import get_backend
@@ -27,12 +28,27 @@ from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.scheduler import Scheduler, SchedulerOutput
 from pagedllm.spec_decode.manager import build as build_spec_decoder
+from pagedllm.startup_log import stage
 from pagedllm.structured_output import GrammarBitmask, StructuredOutputManager
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 PromptType = Union[str, list[int], dict]
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was shut down (``LLM.shutdown()``, ``with LLM(...)``) and cannot run requests any more."""
+
+
+def _release(owned: list[Any]) -> None:
+    """Shut down what an engine owns, newest first (its finalizer: must not refer to the engine itself)."""
+    while owned:
+        obj = owned.pop()
+        try:
+            obj.shutdown()
+        except Exception:  # noqa: BLE001 - release the rest; a finalizer cannot raise to anyone
+            logger.exception("engine shutdown: releasing %s failed", type(obj).__name__)
 
 
 @dataclass
@@ -89,39 +105,67 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path, hf_config)
         # tensor/pipeline parallel: the executor starts the other ranks; rank 0's Worker is this engine's
         self.executor = make_executor(config, self.model_path)
-        self.worker = w = (self.executor.driver_worker if self.executor is not None
-                           else Worker(config, self.backend, self.model_path, hf_config, info))
-        self.model, self.device, self.dtype, self.max_model_len = w.model, w.device, w.dtype, w.max_model_len
-        self.num_blocks = w.num_blocks
-        self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        swap_pool = BlockPool(w.num_host_blocks, enable_caching=False) if w.host_caches is not None else None
-        self.scheduler = Scheduler(self.kv, w.max_num_seqs, w.max_num_batched_tokens, self.max_model_len,
-                                   config.scheduling_policy, swap=swap_pool,
-                                   max_loras=config.max_loras if config.enable_lora else 0)
-        w.start(self.kv)
-        if self.executor is not None:
-            self.executor.attach(w.runner)
-        self.spec = build_spec_decoder(config.speculative_config, self.max_model_len, w.draft_proposer)
-        self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size, self.model.eos_token_ids,
-                                                  config.structured_outputs_backend)
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.parents: dict[str, ParentRequest] = {}
-        self.requests: dict[str, tuple[ParentRequest, Request]] = {}
-        self.stats = EngineStats(num_blocks=self.num_blocks)
-        self._ids = itertools.count()
-        self._warned_spaces = False
-        # Pipeline parallel: (step, submitted model step, its grammar masks) in flight, newest first
-        # (``_step_with_batch_queue``)
-        self.batch_queue: deque[tuple[SchedulerOutput, PendingStep, Optional[GrammarBitmask]]] = deque()
+        # What outlives this object unless released: shutdown(), else its finalizer (garbage collection or
+        # interpreter exit) releases it
+        self._owned: list[Any] = [self.executor] if self.executor is not None else []
+        self._finalizer = weakref.finalize(self, _release, self._owned)
+        self._closed = False
+        try:
+            self.worker = w = (self.executor.driver_worker if self.executor is not None
+                               else Worker(config, self.backend, self.model_path, hf_config, info))
+            self.model, self.device, self.dtype, self.max_model_len = w.model, w.device, w.dtype, w.max_model_len
+            self.num_blocks = w.num_blocks
+            self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+            swap_pool = BlockPool(w.num_host_blocks, enable_caching=False) if w.host_caches is not None else None
+            self.scheduler = Scheduler(self.kv, w.max_num_seqs, w.max_num_batched_tokens, self.max_model_len,
+                                       config.scheduling_policy, swap=swap_pool,
+                                       max_loras=config.max_loras if config.enable_lora else 0)
+            w.start(self.kv)
+            if self.executor is not None:
+                self.executor.attach(w.runner)
+            self.spec = build_spec_decoder(config.speculative_config, self.max_model_len, w.draft_proposer)
+            self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size,
+                                                      self.model.eos_token_ids, config.structured_outputs_backend)
+            self._owned.append(self.structured)
+            self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+            self.parents: dict[str, ParentRequest] = {}
+            self.requests: dict[str, tuple[ParentRequest, Request]] = {}
+            self.stats = EngineStats(num_blocks=self.num_blocks)
+            self._ids = itertools.count()
+            self._warned_spaces = False
+            # Pipeline parallel: (step, submitted model step, its grammar masks) in flight, newest first
+            # (``_step_with_batch_queue``)
+            self.batch_queue: deque[tuple[SchedulerOutput, PendingStep, Optional[GrammarBitmask]]] = deque()
+        except BaseException:
+            self.shutdown()
+            raise
         self.init_seconds = time.perf_counter() - t0
-        logger.info("engine ready in %.2fs: backend=%s dtype=%s block_size=%d blocks=%d max_model_len=%d graph=%s",
-                    self.init_seconds, self.backend.name, config.dtype, config.block_size, self.num_blocks,
-                    self.max_model_len, w.graph_level)
+        stage("engine ready in %.2fs: backend=%s dtype=%s block_size=%d blocks=%d max_model_len=%d graph=%s",
+              self.init_seconds, self.backend.name, config.dtype, config.block_size, self.num_blocks,
+              self.max_model_len, w.graph_level)
 
     def shutdown(self) -> None:
-        """Stop the other ranks of a distributed engine (a one-rank engine holds nothing to release)."""
-        if self.executor is not None:
-            self.executor.shutdown()
+        """Release everything this engine holds (idempotent): the other ranks of a distributed engine and the
+        process group, the grammar compile thread, then the model and the KV caches (dropped here, so they are
+        freed even while this object is still referenced). Adding or stepping afterwards raises."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._finalizer()
+        finally:
+            if hasattr(self, "batch_queue"):  # (absent if the start failed before it, the last one made)
+                self.abort_request(list(self.parents))
+                self.batch_queue.clear()
+            self.worker = self.model = self.spec = None  # what holds tensors (a draft model too)
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the engine was shut down; create a new one")
 
     @property
     def kv_caches(self) -> list:
@@ -165,6 +209,7 @@ class LLMEngine:
     # ---- LoRA adapters ---------------------------------------------------------------------------
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register an adapter (read and checked now, so a bad folder fails here naming its problem)."""
+        self._check_open()
         if self.worker.lora is None:
             raise ParamError("lora_request", "this engine was started without enable_lora (--enable-lora)")
         if not isinstance(lora_request, LoRARequest):
@@ -190,6 +235,7 @@ class LLMEngine:
 
         ``structured_prefix``: the prompt's last tokens were generated under ``params.structured_outputs`` (beam
         search continuing a beam); the grammar starts after them."""
+        self._check_open()
         params = params if params is not None else SamplingParams()
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -272,6 +318,7 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration; returns a (cumulative) RequestOutput for every request that advanced or finished."""
+        self._check_open()
         if self.executor is not None and (self.executor.max_concurrent_batches > 1 or self.batch_queue):
             return self._step_with_batch_queue()
         sched, outputs = self._schedule()
@@ -429,7 +476,7 @@ class LLMEngine:
         s.prefix_queries, s.prefix_hits = kv.stats.queries, kv.stats.hits
         s.num_preemptions = self.scheduler.num_preemptions
         s.num_swaps = self.scheduler.num_swaps
-        if self.worker.lora is not None:
+        if self.worker is not None and self.worker.lora is not None:
             ls = self.worker.lora.stats
             s.lora_disk_loads, s.lora_cpu_evictions = ls.disk_loads, ls.cpu_evictions
             s.lora_slot_loads, s.lora_slot_evictions = ls.slot_loads, ls.slot_evictions

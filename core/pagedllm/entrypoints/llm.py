@@ -1,7 +1,14 @@
-"""Offline API, a drop-in for vLLM's ``LLM``: generate, chat, (beam search in beam_search.py)."""
+"""Offline API, a drop-in for vLLM's ``LLM``: generate, chat, (beam search in beam_search.py).
+
+Lifecycle: ``llm.shutdown()`` (idempotent) or ``with LLM(...) as llm:`` releases the engine — a distributed one's
+worker processes, process group and ports, the model and KV caches — so another engine, of any parallel shape, can
+start in the same process. An LLM dropped without it is released when it is garbage collected (the engine's
+finalizer), and any left at interpreter exit then.
+"""
 
 from __future__ import annotations
 
+from types import TracebackType
 from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
@@ -11,6 +18,7 @@ from pagedllm.engine.llm_engine import LLMEngine, PromptType
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.errors import ParamError
+from pagedllm.generation_defaults import default_sampling_params, get_diff_sampling_param
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.entrypoints.beam_search import beam_search
 
@@ -29,6 +37,25 @@ class LLM:
                                                    "run one LLM per process on its share of the prompts")
         self.llm_engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._counter = 0
+        #: The model's generation_config.json sampling defaults (``generation_config``: auto | vllm | a folder)
+        self.default_sampling_params = get_diff_sampling_param(self.llm_engine.model_path,
+                                                               self.llm_engine.config.generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` and ``chat`` use without SamplingParams: the model's generation defaults (vLLM's)."""
+        return default_sampling_params(self.default_sampling_params)
+
+    def shutdown(self) -> None:
+        """Release the engine (idempotent): a distributed engine's other ranks exit, its process group and ports
+        close, and the model and KV caches are dropped. Generating afterwards raises ``EngineClosedError``."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, exc_type: Optional[type], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -44,7 +71,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):

@@ -1,10 +1,18 @@
 """The driver side of a distributed engine (vLLM's ``Executor``): rank 0 runs in the engine's own process and owns
 the ``Worker`` the engine talks to; the other ranks run elsewhere (worker processes, Ray actors) and get each step
-as one broadcast. Subclasses say how the other ranks start, receive a step and are checked for life."""
+as one broadcast. Subclasses say how the other ranks start, receive a step and are checked for life.
+
+Lifecycle: ``shutdown`` (idempotent; the engine's, at the latest when the engine is garbage collected or the
+interpreter exits) stops the other ranks, destroys the process group and drops this process's parallel state, so
+another distributed engine can start in the same process. torch.distributed has one process group per process, so
+two distributed engines cannot be live at once: starting one while another is refuses with a message saying so
+(after collecting a dropped one that only a reference cycle kept), instead of hanging in a rendezvous.
+"""
 
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import pickle
@@ -41,6 +49,24 @@ class WorkerDiedError(RuntimeError):
     """A rank of the distributed engine died or stopped answering; the engine cannot go on."""
 
 
+def check_no_live_engine() -> None:
+    """Refuse to start a distributed engine while this process holds another one's process group."""
+    if any(not ex.closed for ex in list(_LIVE)):
+        gc.collect()  # a dropped engine that only a reference cycle kept: its finalizer shuts it down
+    live = [ex for ex in list(_LIVE) if not ex.closed]
+    if live:
+        ex = live[0]
+        raise RuntimeError(f"another distributed engine is still running in this process (tensor_parallel_size="
+                           f"{ex.config.tensor_parallel_size}, pipeline_parallel_size="
+                           f"{ex.config.pipeline_parallel_size}, {ex.name} executor): torch.distributed holds one "
+                           "process group per process. Shut it down first: llm.shutdown(), or create it with "
+                           "`with LLM(...) as llm:`")
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed's process group is already initialized in this process (not by a "
+                           "pagedllm engine); a distributed engine makes its own: call "
+                           "torch.distributed.destroy_process_group() first")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -52,6 +78,7 @@ class DistributedExecutor:
 
     name = "?"
     failure_grace_s = 0.0  # how long a failed step waits for a dying rank's exit status, to name it
+    stop_timeout_s = 10.0  # how long shutdown waits for the other ranks to exit before it kills them
 
     def __init__(self, config: EngineConfig, model_path: str):
         self.config, self.model_path = config, model_path
@@ -65,8 +92,9 @@ class DistributedExecutor:
         self._saved_affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         self._saved_threads = torch.get_num_threads()
         self._closed = False
-        init_method, self.driver_cpus = self._start_ranks()
+        _LIVE.add(self)  # shut down at exit at the latest (the engine's finalizer does it when it is dropped)
         try:
+            init_method, self.driver_cpus = self._start_ranks()
             self.driver = RankWorker(0, config, model_path, init_method, self.driver_cpus)
             self._wait_ready()
             if self.driver.worker.policy.static:
@@ -79,11 +107,15 @@ class DistributedExecutor:
                 raise WorkerDiedError(f"distributed engine start failed: {dead} ({e})") from e
             raise
         self.par = self.driver.par
-        _LIVE.add(self)  # shut down at exit; one dropped unshut closes its connections, and its workers exit on EOF
 
     @property
     def driver_worker(self) -> Any:
         return self.driver.worker
+
+    @property
+    def closed(self) -> bool:
+        """Shut down (or failed to start): the other ranks are gone and the process group destroyed."""
+        return self._closed
 
     def rebind(self) -> int:
         """Pin this process to rank 0's CPUs and threads again (a benchmark that ran something else in between)."""
@@ -150,19 +182,25 @@ class DistributedExecutor:
                                f"({type(e).__name__}: {e})")
 
     def shutdown(self) -> None:
-        """Stop every rank, leave the process group, give this process its CPUs and threads back."""
+        """Stop every rank, leave the process group, give this process its CPUs and threads back (idempotent).
+        Rank 0's model and communicators (a shared-memory mapping among them) go with the last reference to them:
+        the engine drops its own."""
         if self._closed:
             return
         self._closed = True
+        _LIVE.discard(self)
         try:
             self._stop_ranks()
         finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            destroy_model_parallel()
-            if self._saved_affinity is not None:
-                pin_process(frozenset(self._saved_affinity))
-            torch.set_num_threads(self._saved_threads)
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            finally:
+                destroy_model_parallel()
+                self.driver = self.par = None
+                if self._saved_affinity is not None:
+                    pin_process(frozenset(self._saved_affinity))
+                torch.set_num_threads(self._saved_threads)
 
     # ---- per executor ------------------------------------------------------------------------------------
     def _start_ranks(self) -> tuple[str, Optional[frozenset[int]]]:
@@ -195,6 +233,7 @@ def make_executor(config: EngineConfig, model_path: str) -> Optional[Distributed
         return None
     check_shardable(load_config(model_path), config.tensor_parallel_size, config.pipeline_parallel_size,
                     config.enable_expert_parallel)
+    check_no_live_engine()
     if config.distributed_executor_backend == "ray":
         from pagedllm.executor.ray_executor import RayExecutor  # cycle: it subclasses ours; optional: ray
 

@@ -3,14 +3,17 @@
 Each worker is a plain ``python -m pagedllm.executor`` child (started with ``subprocess``, so a daemonic
 engine process may have them) holding one end of a socket pair. A step is pickled once and the same bytes are
 written to every worker's socket (vLLM's shared-memory message queue is the faster version of this broadcast). A
-worker whose driver dies reads EOF and exits; a driver whose worker dies sees it in the next collective (gloo's
+worker whose driver process dies exits on its own, wherever it is blocked (``parent_watch.py``: the parent-death
+signal and a parent watch; reading EOF too); a driver whose worker dies sees it in the next collective (gloo's
 connection error, or the collective timeout) or before the next broadcast, and raises :class:`WorkerDiedError`.
+``shutdown`` sends "stop", waits for every worker's exit (killing one that does not exit in time) and reaps it.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import subprocess
 import sys
@@ -19,6 +22,7 @@ from multiprocessing.connection import wait
 from typing import Optional
 
 from pagedllm.executor.base import DistributedExecutor, WorkerDiedError, free_port
+from pagedllm.executor.parent_watch import started_from_main_thread
 from pagedllm.distributed.binding import rank_cpu_sets
 
 logger = logging.getLogger(__name__)
@@ -33,9 +37,10 @@ class MultiprocExecutor(DistributedExecutor):
         cpus = rank_cpu_sets(self.world_size) if self.config.device in ("auto", "cpu") else [None] * self.world_size
         self.procs: list[subprocess.Popen] = []
         self.conns = []
+        watch = [str(os.getpid()), "1" if started_from_main_thread() else "0"]
         for rank in range(1, self.world_size):
             mine, theirs = multiprocessing.Pipe(duplex=True)
-            proc = subprocess.Popen([sys.executable, "-m", "pagedllm.executor", str(theirs.fileno())],
+            proc = subprocess.Popen([sys.executable, "-m", "pagedllm.executor", str(theirs.fileno()), *watch],
                                     pass_fds=(theirs.fileno(),))
             theirs.close()
             mine.send_bytes(pickle.dumps((rank, self.config, self.model_path, init_method, cpus[rank],
@@ -79,9 +84,12 @@ class MultiprocExecutor(DistributedExecutor):
             except OSError:
                 pass
             conn.close()
-        for p in getattr(self, "procs", []):
+        deadline = time.monotonic() + self.stop_timeout_s  # one deadline for all: a stuck rank costs it once
+        for rank, p in enumerate(getattr(self, "procs", []), start=1):
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                logger.warning("mp executor: rank %d (pid %d) did not stop within %.0fs; killing it", rank, p.pid,
+                               self.stop_timeout_s)
                 p.kill()
                 p.wait()

@@ -8,6 +8,9 @@ on whichever nodes Ray placed them. The engine joins the cluster ``RAY_ADDRESS``
 starts a local one. A step is ``ray.put`` once and every actor gets the same object (one broadcast); the driver then
 waits for every actor's step to finish when it collects that step's logits, so an actor's error or death surfaces in
 the step it happened in (under pipeline parallelism up to ``pp`` steps are in flight, each with its own refs).
+``shutdown`` kills the actors and removes the placement group; if the engine itself initialized Ray (it was not yet),
+it also calls ``ray.shutdown()``: a local Ray it started stops (no Ray process outlives the engine), a
+``RAY_ADDRESS`` cluster is only disconnected from. Ray initialized by the caller stays as it was.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ class RayExecutor(DistributedExecutor):
         from ray.util.placement_group import placement_group, placement_group_table  # optional: ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # optional: ray
 
+        self._owns_ray = False
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             ray.init(address=address, num_cpus=None if address else self.world_size, include_dashboard=False,
                      log_to_driver=True)
+            self._owns_ray = True  # this engine connected (or started a local Ray): it disconnects at shutdown
         self._ray = ray
         res = "CPU" if self.config.device in ("auto", "cpu") else "GPU"
         self.pg = placement_group([{res: 1}] * self.world_size, strategy="PACK")
@@ -85,9 +90,14 @@ class RayExecutor(DistributedExecutor):
         ray = getattr(self, "_ray", None)
         if ray is None:
             return
-        for a in getattr(self, "actors", []):
-            ray.kill(a)
-        if getattr(self, "pg", None) is not None:
-            from ray.util.placement_group import remove_placement_group  # optional: ray
+        try:
+            for a in getattr(self, "actors", []):
+                ray.kill(a)
+            if getattr(self, "pg", None) is not None:
+                from ray.util.placement_group import remove_placement_group  # optional: ray
 
-            remove_placement_group(self.pg)
+                remove_placement_group(self.pg)
+        finally:
+            self.actors, self.pg = [], None
+            if self._owns_ray and ray.is_initialized():
+                ray.shutdown()

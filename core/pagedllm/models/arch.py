@@ -25,7 +25,8 @@ class ArchSpec:
     attention: str = "mha"  # mha | mla (DeepSeek: compressed latent cached, models/mla.py)
     rope_interleaved: bool = False  # GLM: rotary over (x0, x1), (x2, x3)... pairs of the rotary dims
     glm4_norms: bool = False  # Glm4: post_self_attn_layernorm and post_mlp_layernorm around the sub-blocks
-    module: str = "decoder"  # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms)
+    # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms) | stablelm (models/stablelm.py)
+    module: str = "decoder"
 
 
 def hidden_act(config: Any) -> str:
@@ -57,6 +58,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "GlmForCausalLM": ArchSpec(_attention_bias, lambda c: False, rope_interleaved=True),
     "Glm4ForCausalLM": ArchSpec(_attention_bias, lambda c: False, rope_interleaved=True, glm4_norms=True),
     "FalconForCausalLM": ArchSpec(lambda c: bool(c.bias), lambda c: bool(c.bias), module="falcon"),
+    "StableLmForCausalLM": ArchSpec(lambda c: bool(c.use_qkv_bias), lambda c: False, module="stablelm"),
 }
 # GGUF configs carry a model_type but no `architectures`.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -64,7 +66,8 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                  "falcon": "FalconForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
+                  "falcon": "FalconForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",
+                  "stablelm": "StableLmForCausalLM"}
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

@@ -35,6 +35,9 @@ and ``rope.scaling.attn_factor``) gets its ``longrope`` rope parameters back fro
 and a partial rotary (``rope.dimension_count`` below the head size: Phi-4-mini) its ``partial_rotary_factor``;
 without them both would be silently dropped.
 
+StableLM goes through transformers' GGUF config, which drops the rotary width and cannot say ``qk_layernorm``;
+``complete_stablelm_config`` reads them as llama.cpp does (the per-head norms' stacked rows: ``gguf_weights``).
+
 Gemma 2 / Gemma 3 go through transformers' GGUF config too, which keeps the sliding window and head size but not
 what llama.cpp's graph takes from elsewhere; ``complete_gemma_config`` applies llama.cpp's rules: Gemma 2's
 ``attn_logit_softcapping`` / ``final_logit_softcapping`` keys (50 / 30 when absent), the query scale
@@ -191,6 +194,22 @@ def complete_falcon_config(path: str, config: Any) -> Any:
     if "blk.0.ffn_up.weight" in shapes:
         config.ffn_hidden_size = int(shapes["blk.0.ffn_up.weight"][1])
     config.tie_word_embeddings = "output.weight" not in shapes  # Falcon 2 (11B) unties the head
+    return config
+
+
+def complete_stablelm_config(path: str, config: Any) -> Any:
+    """transformers' StableLM config of the GGUF at ``path`` with what its key map drops, read as llama.cpp reads it:
+    the rotary width (``rope.dimension_count``, default the whole head), the rope base (10000 when absent, and
+    llama.cpp's converter writes none), the per-head q/k norms (``attn_q_norm``: StableLM 2 12B) and the vocabulary
+    size (the embedding's rows: the converter writes no ``vocab_size`` key)."""
+    st = os.stat(path)
+    meta, shapes = _metadata(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    head_dim = config.hidden_size // config.num_attention_heads
+    rot = int(meta.get("stablelm.rope.dimension_count", head_dim))
+    config.rope_parameters = dict(getattr(config, "rope_parameters", None) or {}, partial_rotary_factor=rot / head_dim,
+                                  rope_theta=float(meta.get("stablelm.rope.freq_base", 10000.0)))
+    config.qk_layernorm = "blk.0.attn_q_norm.weight" in shapes
+    config.vocab_size = int(shapes["token_embd.weight"][1])
     return config
 
 

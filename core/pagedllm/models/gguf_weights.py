@@ -88,6 +88,17 @@ def drop_pages(data: np.ndarray) -> None:
 
 #: An HF per-expert tensor name: (stacked module, expert index, projection).
 _EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
+#: An HF per-head norm (StableLM's ``q_layernorm.norms.H.weight``): row H of the converter's stacked ``attn_q_norm``.
+_HEAD_NORM = re.compile(r"(.*\.self_attn\.[qk]_layernorm)\.norms\.(\d+)\.weight")
+
+
+def _stacked(name: str) -> Optional[tuple[str, int]]:
+    """(the stacked tensor's HF name, index in it) of one expert's or one head's tensor; None for the rest."""
+    m = _EXPERT.fullmatch(name)
+    if m:
+        return f"{m[1]}.{m[3]}.weight", int(m[2])
+    m = _HEAD_NORM.fullmatch(name)
+    return (f"{m[1]}.weight", int(m[2])) if m else None
 
 
 #: GGUF architectures whose converter permutes q/k rows (HF rotate_half layout -> GGML's interleaved pairs).
@@ -115,9 +126,9 @@ class GGUFWeights:
     def gguf_name(self, name: str) -> Optional[str]:
         if name.endswith("e_score_correction_bias"):  # the converter writes it as ``...e_score_correction.bias``
             name = name.removesuffix("_bias") + ".bias"
-        m = _EXPERT.fullmatch(name)
-        if m:  # one expert of a stacked tensor
-            return self._map.get_name(f"{m[1]}.{m[3]}.weight", try_suffixes=(".weight",))
+        s = _stacked(name)
+        if s:  # one expert (or head) of a stacked tensor
+            return self._map.get_name(s[0], try_suffixes=(".weight",))
         return self._map.get_name(name, try_suffixes=(".weight", ".bias"))
 
     def _split_kv_b(self, name: str) -> Optional[tuple[GGUFTensor, GGUFTensor]]:
@@ -132,16 +143,16 @@ class GGUFWeights:
         g = self.gguf_name(name)
         if g is None or g not in self._tensors:
             return self._split_kv_b(name) is not None
-        m = _EXPERT.fullmatch(name)
-        return m is None or int(m[2]) < self._tensors[g].data.shape[0]
+        s = _stacked(name)
+        return s is None or s[1] < self._tensors[g].data.shape[0]
 
     def _tensor(self, name: str) -> GGUFTensor:
-        """The GGUF tensor holding ``name``; for one expert, that expert's slice of the stack."""
+        """The GGUF tensor holding ``name``; for one expert (or head), its slice of the stack."""
         if name not in self:
             raise KeyError(f"checkpoint lacks tensor {name!r}")
         t = self._tensors[self.gguf_name(name)]
-        m = _EXPERT.fullmatch(name)
-        return t if m is None else GGUFTensor(t.name, t.tensor_type, t.shape[:-1], t.data[int(m[2])])
+        s = _stacked(name)
+        return t if s is None else GGUFTensor(t.name, t.tensor_type, t.shape[:-1], t.data[s[1]])
 
     def _rows(self, gname: str, n: int) -> Optional[np.ndarray]:
         """The row order undoing llama.cpp's q/k permute (None: rows are already in HF order)."""

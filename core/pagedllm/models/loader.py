@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
+from collections import Counter
 from typing import Any, Optional
 
 import torch
@@ -17,6 +19,7 @@ from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_i
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
+from pagedllm.models.stablelm import StableLmCausalLM
 from pagedllm.models.gguf_moe import complete_moe_config
 from pagedllm.models.gguf_weights import GGUFWeights
 from pagedllm.models.heap import trim_heap
@@ -33,14 +36,17 @@ from pagedllm.quantization.config import checkpoint_quant_config, checkpoint_qua
 from pagedllm.quantization.fp8 import FP8Weights, is_fp8_checkpoint
 from pagedllm.quantization.linear import QuantizedLinear
 from pagedllm.models.gguf_archs import (OWN_CONFIG_ARCHS, complete_falcon_config, complete_gemma_config,
-                                        complete_phi3_config, gguf_architecture, own_gguf_config)
+                                        complete_phi3_config, complete_stablelm_config, gguf_architecture,
+                                        own_gguf_config)
 from pagedllm.models.gguf_config import load_gguf_config
+from pagedllm.startup_log import progress_bar, stage
 
 logger = logging.getLogger(__name__)
 
 
 def load_config(model_path: str) -> Any:
     """The HF config, never running remote code; for GGUF, the one transformers derives from the metadata."""
+    stage("resolving model %s: reading its %s", model_path, "GGUF metadata" if is_gguf(model_path) else "config")
     from transformers import AutoConfig  # heavy: transformers
 
     if is_gguf(model_path):
@@ -49,7 +55,8 @@ def load_config(model_path: str) -> Any:
             return own_gguf_config(model_path, arch)
         config = load_gguf_config(model_path)
         complete = {"falcon": complete_falcon_config, "phi3": complete_phi3_config,  # what transformers' GGUF
-                    "gemma2": complete_gemma_config, "gemma3_text": complete_gemma_config}  # config cannot say
+                    "gemma2": complete_gemma_config, "gemma3_text": complete_gemma_config,  # config cannot say
+                    "stablelm": complete_stablelm_config}
         return complete.get(config.model_type, complete_moe_config)(model_path, config)
     try:
         return AutoConfig.from_pretrained(model_path, trust_remote_code=False)
@@ -100,6 +107,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     shown = f"{config.pagedllm_source_architecture} (as {name})" if hasattr(config, "pagedllm_layout") else name
     logger.info("model %s: %s implementation%s", shown, impl,
                 " (transformers' module, pagedllm paged attention)" if impl == "transformers" else "")
+    t0 = time.perf_counter()
+    stage("reading weights: %s (%s, %s)", path, shown, "native decoder" if impl == "native" else "transformers module")
     if impl == "transformers":
         if get_parallel_state() is not None:
             raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel runs native models only, not the "
@@ -113,6 +122,7 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
                                         f"to {dtype} at load)")
         model = load_transformers_model(path, config, backend=backend, dtype=dtype, device=device)
         model.eos_token_ids = eos_token_ids(path, config)
+        stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
     _, spec = architecture_of(config)
     full_config, par = config, get_parallel_state()
@@ -121,10 +131,12 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
             raise UnsupportedModelError("tensor/pipeline parallel runs unquantized native models only")
         config = local_config(config, par)
     with torch.device("meta"):
-        model = (FalconCausalLM if spec.module == "falcon" else CausalLM)(config, spec, backend)
+        module = {"falcon": FalconCausalLM, "stablelm": StableLmCausalLM}.get(spec.module, CausalLM)
+        model = module(config, spec, backend)
         if par is not None:
-            if spec.module == "falcon":
-                raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel does not shard Falcon layouts yet")
+            if spec.module != "decoder":
+                raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel does not shard {spec.module} layouts "
+                                            "yet")
             parallelize(model, full_config, par)
         dp_ep = get_dp_ep_state()
         if dp_ep is not None:  # a DP+EP replica: this replica's experts only (distributed/dp_ep.py)
@@ -140,11 +152,13 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         weights = wrap_weights(SafetensorsWeights(path), config)
     if quantization == "fp8" or fp8_checkpoint:  # e4m3 weights + scales, or online quantization (quantization/fp8.py)
         weights = FP8Weights(weights, online=not fp8_checkpoint)
+    bar = progress_bar(len(model.state_dict()), "reading weights", unit="tensor")
     if quantization is not None:
         quantize_embedding(model, weights, dtype, device)
-        quantize_linears(model, weights, backend, dtype, device)
+        quantize_linears(model, weights, backend, dtype, device, progress=bar.update)
         trim_heap()
-    sd = fused_state_dict(model, weights, dtype, device)
+    sd = fused_state_dict(model, weights, dtype, device, progress=bar.update)
+    bar.close()
     if par is not None:
         sd = shard_state_dict(sd, full_config, par)
     if dp_ep is not None:
@@ -168,4 +182,20 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.rope_caches = {t: build_cos_sin_cache(config, model.max_model_len, device, max_model_len, t)
                              for t in sorted(set(config.layer_types))}
     model.eos_token_ids = eos_token_ids(path, config)
+    stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
     return model.requires_grad_(False).eval()
+
+
+def weights_summary(model: Any, path: str, dtype: torch.dtype) -> str:
+    """How the weights are held, for the start-up line (``serve`` shows the quantization in use): "GGUF Q4_1 packed
+    (210 linears, kernel ...); float32 activations", or the dense dtype."""
+    kinds = Counter((m.method, m.weight_type, m.kernel_name) for m in model.modules()
+                    if isinstance(m, QuantizedLinear))
+    act = str(dtype).removeprefix("torch.")
+    if not kinds:
+        return f"GGUF dequantized to {act}" if is_gguf(path) else f"{act}, not quantized"
+    parts = []
+    for (method, weight_type, kernel), n in kinds.most_common():
+        how = "dequantized at load" if kernel.startswith("reference") else "packed"
+        parts.append(f"{method.upper()} {weight_type} {how} ({n} linear{'s' * (n != 1)}, kernel {kernel})")
+    return f"{', '.join(parts)}; {act} activations"

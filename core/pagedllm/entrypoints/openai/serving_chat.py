@@ -60,7 +60,7 @@ class ChatServing(Serving):
             raise APIError(400, "chat_template: a request-level chat template is not accepted by this server (the "
                                 "operator can allow it with --trust-request-chat-template)", param="chat_template",
                            code="chat_template_not_allowed")
-        params = self.make_params(req.to_sampling_params, {**_RENAME, **STRUCTURED_RENAME})
+        params = self.request_params(req, {**_RENAME, **STRUCTURED_RENAME})
         forced = tc.forced_grammar(req.tools or [], choice, req.parallel_tool_calls)
         if forced is not None:
             params = params.clone(structured_outputs=forced)

@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.render_worker import RenderError
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.errors import ParamError
+from pagedllm.generation_defaults import apply_defaults, get_diff_sampling_param, request_unset
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -137,6 +138,8 @@ class Serving:
         self.metrics = metrics
         self.chat_template = chat_template
         self._token_text: dict[int, str] = {}
+        #: The model's generation_config.json sampling defaults, for fields a request leaves unset (vLLM's)
+        self.default_sampling_params = get_diff_sampling_param(engine.model_path, engine.config.generation_config)
 
     # ---- validation -------------------------------------------------------------------------------------------
     def check_model(self, model: Optional[str]) -> Optional[LoRARequest]:
@@ -240,6 +243,11 @@ class Serving:
         except ParamError:
             return {}
         return {k: source for k in STRUCTURED_RENAME} if source else {}
+
+    def request_params(self, req: Any, rename: Optional[dict[str, str]] = None) -> SamplingParams:
+        """``req``'s SamplingParams, the model's generation defaults filling the fields it left unset."""
+        return self.make_params(lambda: apply_defaults(req.to_sampling_params(), self.default_sampling_params,
+                                                       request_unset(req)), rename)
 
     @staticmethod
     def make_params(build, rename: Optional[dict[str, str]] = None) -> SamplingParams:

@@ -34,7 +34,7 @@ class CompletionServing(Serving):
         check_extra_fields(req, "/v1/completions")
         if req.suffix is not None:
             raise APIError(400, "suffix: not supported", param="suffix")
-        params = self.make_params(req.to_sampling_params, STRUCTURED_RENAME)
+        params = self.request_params(req, STRUCTURED_RENAME)
         if req.echo and req.logprobs is not None:  # the echoed prompt carries its own logprobs (lm-eval scoring)
             params = params.clone(prompt_logprobs=req.logprobs)
         if req.stream and params.best_of > params.n:
