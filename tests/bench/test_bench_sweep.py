@@ -38,3 +38,40 @@ def test_sweep_writes_results_and_charts(tmp_path):
         with Image.open(plots / name) as im:
             assert im.format == "PNG" and im.size == (800, 500), (name, im.format, im.size)
             assert len(im.convert("L").getcolors(maxcolors=1 << 16) or ()) > 20, f"{name} looks blank"
+    _check_figures(rows, "cpu", "tiny-chat-llama")
+
+
+def _check_figures(rows: list[dict], device: str, model: str) -> None:
+    """Each chart says what run it shows; TTFT/TPOT are in ms over a log rate axis; a rate keeps its colour in every
+    CDF panel (one panel per max_num_seqs)."""
+    from matplotlib.colors import to_hex
+
+    from pagedllm.bench import plots
+    from pagedllm.bench.sweep import source_commit
+
+    for r in rows:
+        assert r["device"] == device and r["dtype"] == "auto" and r["commit"] == source_commit(), r
+    figs = plots.sweep_figures(rows)
+    try:
+        assert set(figs) == set(CHARTS)
+        for name, fig in figs.items():
+            text = " ".join(t.get_text() for t in fig.texts)
+            for word in (model, f"device {device}", "dtype auto", f"prompt {rows[0]['input_len']} / output "
+                         f"{rows[0]['output_len']} tokens", f"commit {rows[0]['commit']}"):
+                assert word in text, (name, word, text)
+        for name in ("ttft.png", "tpot.png", "throughput.png"):
+            ax = figs[name].axes[0]
+            assert ax.get_xscale() == "log", name
+            assert [t.get_text() for t in ax.get_xticklabels()] == ["16", "inf"], name
+        assert figs["ttft.png"].axes[0].get_ylabel() == "TTFT (ms)"
+        assert figs["tpot.png"].axes[0].get_ylabel() == "TPOT (ms)"
+        panels = figs["latency_cdf.png"].axes
+        assert [ax.get_title() for ax in panels] == ["max_num_seqs=2", "max_num_seqs=8"]
+        colours = [{line.get_label(): to_hex(line.get_color()) for line in ax.get_lines()} for ax in panels]
+        assert colours[0] == colours[1] and set(colours[0]) == {"rate 16", "rate inf"}, colours
+        assert len(set(colours[0].values())) == 2, colours
+    finally:
+        import matplotlib.pyplot as plt
+
+        for fig in figs.values():
+            plt.close(fig)

@@ -46,3 +46,17 @@ def test_device_without_its_plugin_names_the_extra(monkeypatch):
     monkeypatch.setattr(backends, "discover", lambda refresh=False: {k: v for k, v in real.items() if k != "cuda"})
     with pytest.raises(backends.BackendError, match=r"pip install pagedllm\[cuda\]"):
         backends.get_backend("cuda")
+
+
+def test_lists_only_backends_within_100_columns():
+    """The `bench` and `ray` extras are not backends: they are not listed as missing ones; the table fits 100
+    columns (long reasons wrap under their column)."""
+    p = _cli()
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    names = {line.split()[0] for line in lines[1:] if not line.startswith(" ")}
+    assert ALL <= names and not names & {"bench", "ray", "serve", "dev"}, names
+    assert max(map(len, lines)) <= 100, max(lines, key=len)
+    rows = {r["name"] for r in json.loads(_cli("--json").stdout)}
+    assert not rows & {"bench", "ray", "serve", "dev"}
+    assert "bench" not in backends.known_extras() and "cpu" in backends.known_extras()

@@ -98,5 +98,27 @@ def test_runtime_failure_is_one_line_exit_1_and_debug_shows_traceback(corrupt_mo
 
 
 def test_argparse_errors_keep_exit_2():
-    p = _run("generate", "--max-tokens", "lots", "x")
-    assert p.returncode == 2 and "invalid int value" in p.stderr and "Traceback" not in p.stderr
+    line = _one_line_error(_run("generate", "--max-tokens", "lots", "x"), 2, "invalid int value")
+    assert line.endswith("`pagedllm generate --help` lists the options"), line
+
+
+@pytest.mark.parametrize("args,hint", [
+    (("generate", "--max-model-lenn", "64", "x"),
+     "unrecognized argument --max-model-lenn; did you mean --max-model-len?"),
+    (("serve", "--model-im", "native"), "unrecognized argument --model-im; did you mean --model-impl?"),
+    (("bench", "sweep", "--request-rats", "1"), "did you mean --request-rates?"),
+    (("serv", "--port", "0"), "unknown command 'serv'; did you mean serve?"),
+    (("generate", "--kv-cache-dtype", "fp9", "x"), "invalid choice 'fp9'; did you mean fp8?"),
+], ids=["flag", "no-prefix-matching", "nested-command-flag", "command", "choice"])
+def test_mistyped_name_gets_one_line_with_the_closest(args, hint):
+    """One line naming the closest valid flag, command or choice, exit 2: no usage dump, no abbreviations."""
+    p = _run(*args)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and p.stderr.startswith("pagedllm"), p.stderr
+    assert hint in p.stderr and "usage:" not in p.stderr, p.stderr
+
+
+def test_serve_accepts_model_as_a_flag():
+    """`serve --model X` is the model (vLLM accepts it beside the positional form), not `--model-impl X`."""
+    _one_line_error(_run("serve", "--model", "/no/such/model", "--port", "0"), 2,
+                    "model: /no/such/model does not exist")
+    _one_line_error(_run("serve", "/a", "--model", "/b", "--port", "0"), 2, "model: given twice")

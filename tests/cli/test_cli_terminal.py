@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from server_utils import API_KEY, ServerProcess, metrics, tiny_chat_model
+from server_utils import API_KEY, ServerProcess, metrics, tiny_chat_model, wait_idle
 
 
 
@@ -123,15 +123,70 @@ def test_chat_two_turns_with_history_then_exit(server, tmp_path):
     assert turn2 == n2, "the second turn sends the whole history: first question, first answer, second question"
 
 
-def test_ctrl_c_leaves_cleanly(tmp_path):
-    t = Tmux(f"complete{os.getpid()}", _cli("complete", "--model", tiny_chat_model(), "--max-tokens", "4"),
-             tmp_path)
+def test_ctrl_c_stops_the_answer_then_leaves(tmp_path):
+    """In process: the first Ctrl-C stops the answer between two engine steps and the prompt comes back (the engine
+    is still usable: the next line is answered); Ctrl-C at the prompt leaves with 0."""
+    t = Tmux(f"complete{os.getpid()}", _cli("complete", "--model", tiny_chat_model(), "--max-tokens", "400",
+                                            "--temperature", "0"), tmp_path)
     try:
         t.wait_for(lambda s: "/exit" in s and _prompts(s) == 1, "the complete banner and prompt")
         t.send("Hello", "Enter")
-        t.wait_for(lambda s: _prompts(s) == 2, "the first completion")
+        t.wait_for(lambda s: "> Hello" in s and len(s.split("> Hello", 1)[1].strip()) > 20,
+                   "the completion to start")
+        t.send("C-c")
+        t.wait_for(lambda s: "answer stopped" in s and _prompts(s) == 2, "the stopped completion", timeout=30)
+        t.send("/help", "Enter")
+        t.wait_for(lambda s: "/exit" in s.split("> /help", 1)[-1] and "/clear" not in s, "complete's commands")
+        t.send("Hi", "Enter")
+        t.wait_for(lambda s: _prompts(s) == 4, "the next completion, to its end", timeout=180)
         t.send("C-c")
         assert t.exit_code() == 0
         assert "Traceback" not in t.screen()
+    finally:
+        t.kill()
+
+
+def test_chat_commands_and_ctrl_c_stops_the_answer_not_the_session(server, tmp_path):
+    """`/help`, `/system ...`, `/clear` and unknown `/...` are answered by the CLI and never reach the server; Ctrl-C
+    while an answer streams stops it (the server aborts the request) and the prompt comes back; Ctrl-D leaves."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model())
+    t = Tmux(f"chatkeys{os.getpid()}", _cli("chat", "--url", server.url_v1, "--api-key", API_KEY, "--max-tokens",
+                                            "440", "--temperature", "0"), tmp_path)
+    try:
+        t.wait_for(lambda s: "/help" in s and _prompts(s) == 1, "the chat banner and prompt")
+        before = metrics(server.base_url)
+        t.send("/help", "Enter")
+        t.wait_for(lambda s: "/clear" in s and "/system TEXT" in s and _prompts(s) == 2, "the command list")
+        t.send("/system You answer in one word.", "Enter")
+        t.wait_for(lambda s: "system prompt set: You answer in one word." in s, "the system prompt")
+        t.send("/nonsense", "Enter")
+        t.wait_for(lambda s: "unknown command /nonsense; /help lists the commands" in s, "the unknown command")
+        t.send("/clear", "Enter")
+        t.wait_for(lambda s: "conversation cleared" in s and _prompts(s) == 5, "the cleared conversation")
+        after = metrics(server.base_url)
+        assert after["pagedllm:prompt_tokens_total"] == before["pagedllm:prompt_tokens_total"], "a command was sent"
+
+        t.send("Tell me a long story", "Enter")
+        asked = "> Tell me a long story"
+        t.wait_for(lambda s: asked in s and len(s.split(asked, 1)[1].strip()) > 20, "the answer to start")
+        t.send("C-c")
+        screen = t.wait_for(lambda s: "answer stopped" in s and _prompts(s) == 6, "the stopped answer", timeout=30)
+        assert "Traceback" not in screen and not t.code_file.exists(), "the session must go on after one Ctrl-C"
+        stopped = wait_idle(server.base_url)
+        generated = stopped["pagedllm:generation_tokens_total"] - after["pagedllm:generation_tokens_total"]
+        assert 0 < generated < 440, f"the server should have aborted the request, it generated {generated} tokens"
+
+        # the stopped turn is not history: the next request holds the system prompt and the new message only
+        t.send("Hi", "Enter")
+        t.wait_for(lambda s: _prompts(s) == 7, "the next answer", timeout=120)
+        sent = metrics(server.base_url)["pagedllm:prompt_tokens_total"] - stopped["pagedllm:prompt_tokens_total"]
+        expected = tok.apply_chat_template([{"role": "system", "content": "You answer in one word."},
+                                            {"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False)
+        assert sent == len(expected)
+        t.send("C-d")
+        assert t.exit_code() == 0
     finally:
         t.kill()

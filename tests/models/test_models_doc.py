@@ -15,7 +15,7 @@ def test_models_doc_table_is_generated(capsys):
     text = DOC.read_text()
     block = re.search(r"<!-- BEGIN GENERATED: pagedllm models -->\n(.*?)<!-- END GENERATED -->", text, re.S)
     assert block, "docs/models.md lost its generated-table markers"
-    assert main(["models"]) == 0
+    assert main(["models", "--markdown"]) == 0
     printed = capsys.readouterr().out
     assert printed == markdown_table()
-    assert block.group(1) == printed, "regenerate the table with `pagedllm models`"
+    assert block.group(1) == printed, "regenerate the table with `pagedllm models --markdown`"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata as md
+import re
 import traceback
 import warnings
 from dataclasses import dataclass, replace
@@ -227,12 +228,14 @@ def register_backend(plugin: Any, name: str) -> Backend:
 
 
 def known_extras() -> list[str]:
-    """The backend extras our own distribution declares (so core names no vendor itself)."""
+    """The backend extras our own distribution declares (so core names no vendor itself): those that install a
+    ``pagedllm-<name>`` plugin, not ``bench``, ``ray``, ``serve`` or ``dev``."""
     try:
-        extras = md.metadata("pagedllm").get_all("Provides-Extra") or []
+        requires = md.requires("pagedllm") or []
     except md.PackageNotFoundError:
         return []
-    return [e for e in extras if e not in ("serve", "dev")]
+    plugin = re.compile(r"pagedllm-[\w.-]+\s*;\s*extra\s*==\s*['\"]([\w.-]+)['\"]\s*$")
+    return list(dict.fromkeys(m.group(1) for m in map(plugin.match, requires) if m))
 
 
 def get_backend(name: str = "auto") -> Backend:

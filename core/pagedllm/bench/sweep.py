@@ -3,17 +3,23 @@
 Against ``--base-url`` it sweeps request rates only; with ``--model`` it starts one ``pagedllm serve`` per
 ``--max-num-seqs`` value on a free loopback port (extra server flags in ``--serve-args``), sweeps the rates against
 it and stops it. Every point is one ``bench serve`` run; results go to ``sweep.json`` and ``sweep.csv`` in
-``--output-dir``, and ``--plot DIR`` draws them (bench/plots.py).
+``--output-dir``, and ``--plot DIR`` draws them (bench/plots.py). Every row also names the run: ``device`` and
+``dtype`` as the server was started, and the source ``commit``, which the charts print.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
 import os
 import shlex
+import subprocess
 from dataclasses import asdict
+from pathlib import Path
+
+import pagedllm
 
 from pagedllm.bench.serve import _event_loop_runner, run_async
 from pagedllm.bench.server_process import ServeProcess
@@ -49,6 +55,38 @@ def add_parser(sub) -> None:
     p.add_argument("--output-dir", default=".", help="where sweep.json, sweep.csv (and server logs) go")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts here (needs matplotlib)")
     p.set_defaults(func=main)
+
+
+def source_commit() -> str:
+    """The git commit of the running code (``+dirty`` with local changes), else the package version."""
+    here = str(Path(__file__).resolve().parent)
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode == 0 and head.stdout.strip():
+            dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return f"pagedllm {pagedllm.__version__}"
+
+
+def run_settings(args) -> dict:
+    """Device and dtype the servers run with (from ``--serve-args``; ``auto`` resolved as the server resolves it),
+    and the commit. Against ``--base-url`` the server's own settings are not known here."""
+    if args.base_url:
+        return {"device": "unknown (--base-url)", "dtype": "unknown (--base-url)", "commit": source_commit()}
+    serve = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    serve.add_argument("--device", default="auto")
+    serve.add_argument("--dtype", default="auto")
+    known, _ = serve.parse_known_args(shlex.split(args.serve_args))
+    device = known.device
+    if device == "auto":
+        from pagedllm.backend import registry  # heavy: torch, the plugins
+
+        device = registry.get_backend("auto").info.name
+    return {"device": device, "dtype": known.dtype, "commit": source_commit()}
 
 
 def _point(base_url: str, rate: float, args) -> dict:
@@ -90,6 +128,7 @@ def main(args) -> int:
         plots.require_matplotlib()
     rows: list[dict] = []
     failed = 0
+    settings = run_settings(args)
     for mns in ([None] if args.base_url else (args.max_num_seqs or [256])):
         server = None
         if args.base_url is None:
@@ -99,7 +138,7 @@ def main(args) -> int:
             server = ServeProcess(args.model, ["--max-num-seqs", str(mns), *shlex.split(args.serve_args)], log)
         try:
             for rate in args.request_rates:
-                row = {"max_num_seqs": mns, **_point(args.base_url or server.base_url, rate, args)}
+                row = {"max_num_seqs": mns, **_point(args.base_url or server.base_url, rate, args), **settings}
                 failed += row["failed"]
                 rows.append(row)
                 print(_summary(row), flush=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
 
 from pagedllm.backend import registry
 
@@ -37,18 +38,32 @@ def rows() -> list[dict]:
     return out
 
 
+WIDTH = 100  # the table's width: an 80-100 column terminal shows it unwrapped; long reasons wrap under "detail"
+
+
+def table(data: list[dict], width: int = WIDTH) -> str:
+    """One row per backend; the detail (device, or why it is unusable; quantization methods) wraps within ``width``."""
+    head = f"{'backend':<11}{'usable':<7}{'prio':>4}  {'distribution':<17}"
+    lines = [head + "detail"]
+    for r in data:
+        prio = "" if r["priority"] is None else r["priority"]
+        detail = (r.get("device_name") or "usable") if r["usable"] else r["reason"]
+        if r["usable"] and r.get("quantization"):
+            detail += "; quantization: " + ", ".join(r["quantization"])
+        left = f"{r['name']:<11}{'yes' if r['usable'] else 'no':<7}{prio:>4}  {r['distribution']:<17}"
+        wrapped = textwrap.wrap(detail, width - len(head), break_on_hyphens=False) or [""]
+        lines.append(left + wrapped[0])
+        lines += [" " * len(head) + w for w in wrapped[1:]]
+    return "\n".join(lines) + "\n"
+
+
 def run(args: argparse.Namespace) -> int:
     data = rows()
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print(f"{'backend':<10} {'usable':<7} {'prio':>4}  {'distribution':<16} {'quantization':<13} detail")
-    for r in data:
-        detail = r.get("device_name") or "" if r["usable"] else r["reason"]
-        prio = "" if r["priority"] is None else r["priority"]
-        quant = ",".join(r.get("quantization") or []) or "-"
-        print(f"{r['name']:<10} {'yes' if r['usable'] else 'no':<7} {prio:>4}  {r['distribution']:<16} {quant:<13} "
-              f"{detail}")
     if not data:
-        print("no backends installed: pip install pagedllm[cpu]")
+        print('no backends installed: pip install "pagedllm[cpu]"')
+        return 0
+    print(table(data), end="")
     return 0

@@ -15,6 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     if model_positional:
         p.add_argument("model", nargs="?", default=None,
                        help="HF folder, .gguf file or Hugging Face Hub id org/name (default: embedded SmolLM2)")
+        p.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                       help="the same as the positional MODEL (vLLM accepts both)")
     else:
         p.add_argument("--model", default=None,
                        help="HF folder, .gguf file or Hugging Face Hub id org/name (default: embedded SmolLM2)")
@@ -68,6 +70,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    option = getattr(args, "model_option", None)
+    if option is not None:
+        if args.model is not None and args.model != option:
+            raise ParamError("model", f"given twice ({args.model!r} and --model {option!r}); give one")
+        args.model = option
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,

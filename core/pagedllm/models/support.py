@@ -1,4 +1,5 @@
-"""The supported-model table of ``docs/models.md``, generated from the code (``pagedllm models --markdown``).
+"""The supported-model table of ``docs/models.md``, generated from the code (``pagedllm models --markdown``; plain
+``pagedllm models`` prints the same rows for a terminal).
 
 Native rows come from ``ARCHITECTURES``; the GGUF column from transformers' GGUF support (it reads the config and
 tokenizer; ``GGUFWeights`` reads the tensors through gguf's name map); the fallback rows from transformers' causal-LM
@@ -7,6 +8,7 @@ registry filtered as ``transformers_architecture`` filters it.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pagedllm.models.arch import ARCHITECTURES, _BY_MODEL_TYPE
@@ -77,6 +79,61 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "ChatGLMModel": "yes (tested; arch chatglm, config from its metadata by pagedllm, run as Glm)",
                 "GlmForCausalLM": "yes (tested; llama.cpp writes GLM as arch chatglm, which loads as Glm)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
+#: Which GGUF block types run packed and which are dequantized (backend/quantization kernels; docs/quantization.md).
+GGUF_FORMATS = ("GGUF formats: Q4_0 and Q4_1 linears run packed on cpu (q4_gemv), Q8_0 packed on cpu once its C++ "
+                "ops are built (q8_gemv, else dequantized); every other type (Q4_K, Q5_K, Q6_K, ...), and every type "
+                "on a backend without the `gguf` method, is dequantized at load (docs/quantization.md).")
+FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mistral", "Qwen2ForCausalLM": "Qwen2",
+            "Qwen3ForCausalLM": "Qwen3", "Phi3ForCausalLM": "Phi-3", "Gemma2ForCausalLM": "Gemma 2",
+            "Gemma3ForCausalLM": "Gemma 3 (text)", "MixtralForCausalLM": "Mixtral", "Qwen2MoeForCausalLM": "Qwen2-MoE",
+            "DeepseekV2ForCausalLM": "DeepSeek-V2", "DeepseekV3ForCausalLM": "DeepSeek-V3", "GlmForCausalLM": "GLM",
+            "Glm4ForCausalLM": "GLM-4", "FalconForCausalLM": "Falcon", "ChatGLMModel": "ChatGLM2/3, GLM-4",
+            "BaiChuanForCausalLM": "Baichuan-7B", "BaichuanForCausalLM": "Baichuan2, 13B",
+            "StableLmForCausalLM": "StableLM", "Olmo2ForCausalLM": "OLMo 2", "Starcoder2ForCausalLM": "StarCoder2"}
+#: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
+_NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
+          "FalconForCausalLM": ("alibi Falcon-RW",)}
+
+
+BACKENDS_NOTE = ("Backends: the installed ones whose capabilities declare what the model needs (sliding window, "
+                 "soft-capping, MLA, ALiBi for the variants in brackets); head sizes and dtypes are checked when the "
+                 "model loads (`pagedllm backends --json`).")
+
+
+def family(name: str) -> str:
+    return FAMILIES.get(name) or re.sub(r"(ForCausalLM|Model)$", "", name)
+
+
+def _needs(name: str) -> list[str]:
+    spec = ARCHITECTURES.get(name)
+    out = list(_NEEDS.get(name, ()))
+    if spec is not None and spec.sliding != "none":
+        out.append("sliding_window")
+    if spec is not None and spec.attention == "mla":
+        out.append("mla")
+    return out
+
+
+def _names(chosen: list[str], every: list[str]) -> str:
+    if chosen == every:
+        return "all"
+    rest = [n for n in every if n not in chosen]
+    return ", ".join(chosen) if len(chosen) <= len(rest) else "all but " + ", ".join(rest)
+
+
+def backends_for(name: str) -> str:
+    """The installed backends whose ``Capabilities`` declare what the architecture needs (variants in brackets)."""
+    from pagedllm.backend import registry  # heavy: torch, the plugins
+
+    caps = {n: d.backend.capabilities for n, d in sorted(registry.discover().items()) if d.backend is not None}
+    every = list(caps)
+    needs = _needs(name)
+    always = [n for n, c in caps.items() if all(getattr(c, need) for need in needs if " " not in need)]
+    text = _names(always, every)
+    for need in (n for n in needs if " " in n):
+        cap, variant = need.split(" ")
+        text += f" ({variant}, ALiBi: {_names([n for n in always if getattr(caps[n], cap)], every)})"
+    return text
 
 
 def _features(name: str) -> str:
@@ -132,19 +189,22 @@ def rows() -> list[dict[str, Any]]:
     out = []
     for name in ARCHITECTURES:
         spec = ARCHITECTURES[name]
-        out.append({"architecture": name, "path": "native" + (" (transformers via --model-impl)"
+        out.append({"family": family(name), "architecture": name, "backends": backends_for(name),
+                    "path": "native" + (" (transformers via --model-impl)"
                                                              if name in fallback else ""),
                     "features": _features(name), "gguf": _gguf(name, model_types.get(name, "")),
                     "lora": "yes" if spec.moe == "none" and not spec.gemma and spec.attention == "mha"
                     and spec.module == "decoder" else "no",
                     "verified": VERIFIED.get(name, "-")})
     for name, what in REMOTE_LAYOUTS.items():
-        out.append({"architecture": name, "path": "native, remote-code layout mapped by name", "features": what,
+        out.append({"family": family(name), "architecture": name, "backends": backends_for(name),
+                    "path": "native, remote-code layout mapped by name", "features": what,
                     "gguf": _GGUF_TESTED.get(name, "no"), "lora": "untested",
                     "verified": VERIFIED.get(name, "mapping shared with the row above; NormHead unit-tested")})
     for name in sorted(n for n in VERIFIED if n not in ARCHITECTURES and n not in REMOTE_LAYOUTS):
         model_type = name.removesuffix("ForCausalLM").lower()
-        out.append({"architecture": name, "path": "transformers fallback", "features": "-",
+        out.append({"family": family(name), "architecture": name, "backends": backends_for(name),
+                    "path": "transformers fallback", "features": "-",
                     "gguf": _gguf(name, model_type), "lora": "no", "verified": VERIFIED[name]})
     return out
 
@@ -152,15 +212,19 @@ def rows() -> list[dict[str, Any]]:
 def markdown_table() -> str:
     import transformers  # heavy: transformers
 
-    lines = ["| Architecture | Path | Native features | GGUF (dequantized at load) | LoRA | Oracle tests |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| Family | Architecture | Path | Backends | Native features | GGUF | LoRA | Oracle tests |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows():
-        lines.append(f"| `{r['architecture']}` | {r['path']} | {r['features']} | {r['gguf']} | {r['lora']} "
-                     f"| {r['verified']} |")
+        lines.append(f"| {r['family']} | `{r['architecture']}` | {r['path']} | {r['backends']} | {r['features']} "
+                     f"| {r['gguf']} | {r['lora']} | {r['verified']} |")
     others = [n for n in fallback_architectures() if n not in ARCHITECTURES and n not in VERIFIED]
     lines.append("")
     lines.append(f"Through the transformers fallback: {len(others)} more decoder-only `*ForCausalLM` classes of "
                  f"transformers {transformers.__version__} route attention through `AttentionInterface` (`pagedllm "
                  "models --json` lists them); each checkpoint is checked at start-up and refused, naming the feature, "
                  "if the fallback would run it wrong (see [What the fallback refuses](#what-the-fallback-refuses)).")
+    lines.append("")
+    lines.append(GGUF_FORMATS)
+    lines.append("")
+    lines.append(BACKENDS_NOTE)
     return "\n".join(lines) + "\n"

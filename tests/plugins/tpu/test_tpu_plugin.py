@@ -62,7 +62,11 @@ def test_importing_and_probing_the_plugin_imports_no_jax():
 
 def test_pagedllm_backends_lists_tpu_with_the_reason_and_torch_still_imports():
     out = _run("import sys, torch; from pagedllm.cli import main; sys.argv = ['pagedllm', 'backends']; main()")
-    line = next(ln for ln in out.splitlines() if ln.split()[:1] == ["tpu"])
+    lines = out.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.split()[:1] == ["tpu"])
+    rest = [ln.strip() for ln in lines[at + 1:]]
+    line = " ".join([lines[at]] + rest[:next((i for i, ln in enumerate(lines[at + 1:]) if not ln.startswith(" ")),
+                                             len(rest))])  # the row's reason may wrap under its column
     assert " no " in line and "no TPU: libtpu is not installed, so jax" in line and "sees only cpu" in line, line
     out = _run("import pagedllm_tpu.plugin, torch; print(torch.ones(2).sum().item())")
     assert out.strip() == "2.0"

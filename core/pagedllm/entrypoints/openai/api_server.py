@@ -31,6 +31,7 @@ import pagedllm
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError
 from pagedllm.entrypoints.openai.auth import APIKeyMiddleware, add_cors
+from pagedllm.entrypoints.openai.docs_assets import add_offline_docs
 from pagedllm.engine.cpu_split import parse_cpu_list, pin_front_end
 from pagedllm.engine.dp_client import DataParallelEngine, split_cpus
 from pagedllm.entrypoints.openai.errors import APIError, error_body, from_param_error, install_handlers
@@ -137,7 +138,8 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan,
-                  docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
+                  docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    add_offline_docs(app)  # /docs and /redoc from the installed package's files, not a CDN
     install_handlers(app)
     app.state.engine, app.state.metrics, app.state.admission = engine, metrics, admission
 
