@@ -90,3 +90,11 @@ def request_unset(request: Any) -> Callable[[str], bool]:
         return getattr(request, field, None) is None
 
     return unset
+
+
+def cli_sampling_params(defaults: dict[str, Any], fallback: dict[str, Any], **explicit: Any) -> SamplingParams:
+    """A CLI command's SamplingParams: its flags (``explicit``, None = not given) over the model's ``defaults`` over
+    the command's own ``fallback`` (greedy for ``generate``, 0.7 for ``chat``)."""
+    given = {k: v for k, v in explicit.items() if v is not None}
+    return SamplingParams(**{**fallback, **defaults, **given})
+

@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 from pagedllm.commands.engine_args import add_engine_args, engine_config
 from pagedllm.commands.stream_clients import LocalStreams, RemoteStreams
 from pagedllm.errors import ParamError
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.generation_defaults import cli_sampling_params
 
 EXIT_COMMANDS = ("/exit", "/quit")
 COMMANDS = {"chat": (("/help", "this list"),
@@ -46,6 +46,10 @@ def add_parser(sub) -> None:
         p.set_defaults(func=run)
 
 
+#: Without flags or model defaults, a chat answer samples at 0.7, up to 256 tokens.
+_FALLBACK = {"max_tokens": 256, "temperature": 0.7}
+
+
 def _streams(args: argparse.Namespace):
     if args.url:
         if args.model is not None:
@@ -55,9 +59,10 @@ def _streams(args: argparse.Namespace):
                              args.max_tokens, args.temperature)
     from pagedllm.entrypoints.llm import LLM  # heavy: the engine stack, only when the command runs
 
-    sp = SamplingParams(max_tokens=args.max_tokens or 256,
-                        temperature=args.temperature if args.temperature is not None else 0.7, seed=args.seed)
-    return LocalStreams(LLM(**vars(engine_config(args))), sp)
+    flags = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    cli_sampling_params({}, _FALLBACK, **flags)  # bad sampling values fail before the model loads
+    llm = LLM(**vars(engine_config(args)))
+    return LocalStreams(llm, cli_sampling_params(llm.default_sampling_params, _FALLBACK, **flags))
 
 
 class StopKey:
