@@ -63,7 +63,7 @@ def sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 #: Longest stretch the event loop is held while a whole response is assembled (``json_response``).
-ASSEMBLY_SLICE_S = 0.005
+ASSEMBLY_SLICE_S = 0.002
 _encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode  # JSONResponse's
 
 
