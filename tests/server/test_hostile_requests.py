@@ -332,3 +332,33 @@ def test_no_model_path_in_names_errors_or_metrics(server, model_path):
         assert folder not in text and model_path not in text
     r = _post(server, "/v1/completions", {"model": server.name, "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["model"] == server.name
+
+
+def test_every_quick_case_under_the_probe(server, probe, tmp_path):
+    """The 400s above, sent round-robin by two processes for two seconds next to the probe: each keeps its status
+    and plain completions and /health keep their latency."""
+    bad_json = tmp_path / "bad_json"
+    bad_json.mkdir()
+    (bad_json / "adapter_config.json").write_text("{not json")
+    name = json.dumps(server.name)
+    cases = [
+        ("/v1/completions", b'{"model": %s, "prompt": "hi", "seed": %d}' % (name.encode(), 2 ** 70), 400),
+        ("/v1/completions", b'{"prompt": "hi", "repetition_penalty": Infinity}', 400),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": '
+                                 + json.dumps({"x": _nest(900)}).encode() + b"}", 400),
+        ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400),
+        ("/v1/load_lora_adapter", json.dumps({"lora_name": "bad", "lora_path": str(bad_json)}).encode(), 400),
+        ("/v1/completions", b'{"model": "/etc/passwd", "prompt": "hi"}', 404),
+    ]
+    state = {"i": 0}
+
+    def hostile() -> tuple[int, int]:
+        i = state["i"] % len(cases)
+        state["i"] += 1
+        path, raw, _ = cases[i]
+        return i, _post(server, path, content=raw).status_code
+
+    rep = probe.check(hostile, min_s=2.0, concurrency=2)
+    _assert_probe(rep)
+    assert {i for i, _ in rep.results} == set(range(len(cases))), rep.results
+    assert all(status == cases[i][2] for i, status in rep.results), rep.results
