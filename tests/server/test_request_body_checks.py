@@ -1,5 +1,6 @@
 """The raw-body checks of ``limits.py`` (JSON nesting depth, lone surrogate escapes) against Python's own json
-module as the oracle, and the finite / 64-bit ranges of ``SamplingParams`` (issue 34). No server: pure functions."""
+module as the oracle, the finite / 64-bit ranges of ``SamplingParams`` and the key and body middlewares in front of a
+real Starlette app in process (issue 34)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,52 @@ def test_sampling_params_seed_and_bias_ranges():
     with pytest.raises(ParamError) as e:
         SamplingParams(logit_bias={5: math.inf})
     assert e.value.field == "logit_bias"
+
+
+def _app(open_metrics: bool = False):
+    """A real Starlette app behind the server's two middlewares, as build_app stacks them."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from pagedllm.entrypoints.openai.auth import APIKeyMiddleware
+    from pagedllm.entrypoints.openai.limits import RequestBodyMiddleware
+
+    async def echo(request: Request) -> JSONResponse:
+        return JSONResponse({"size": len(await request.body())})
+
+    app = Starlette(routes=[Route(p, echo, methods=["GET", "POST"]) for p in ("/health", "/metrics", "/tokenize",
+                                                                             "/v1/completions")])
+    app.add_middleware(RequestBodyMiddleware, max_bytes=4096, max_json_depth=8, route_max_bytes={"/tokenize": 1024})
+    app.add_middleware(APIKeyMiddleware, api_keys=["k"], open_metrics=open_metrics)
+    return app
+
+
+@pytest.mark.parametrize("open_metrics", [False, True])
+def test_only_health_and_optionally_metrics_are_open(open_metrics):
+    from starlette.testclient import TestClient
+
+    client = TestClient(_app(open_metrics))
+    assert client.get("/health").status_code == 200
+    assert client.get("/metrics").status_code == (200 if open_metrics else 401)
+    for path in ("/tokenize", "/v1/completions", "/nowhere"):
+        r = client.post(path, json={"prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+    assert client.post("/tokenize", json={}, headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_route_body_limits_and_shape_checks():
+    from starlette.testclient import TestClient
+
+    client = TestClient(_app())
+    key = {"Authorization": "Bearer k"}
+    body = json.dumps({"prompt": "a" * 2000})
+    assert client.post("/v1/completions", content=body, headers=key).json() == {"size": len(body)}
+    r = client.post("/tokenize", content=body, headers=key)
+    assert r.status_code == 413 and "1024" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", content=b"[" * 9 + b"]" * 9, headers=key)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "json_too_deep"
+    r = client.post("/v1/completions", content=b'{"prompt": "\\udfff"}', headers=key)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_unicode"
