@@ -49,7 +49,8 @@ def add_parser(sub) -> None:
                                                                              "--allowed-origins is set)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use; the first is reported in responses (default: MODEL)")
+                   help="model name(s) clients use; the first is reported in responses (default: MODEL as given for a "
+                        "hub id; a local model's folder or file name, never its path)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served under their names (needs --enable-lora); clients select one with "
                         "model=NAME")
