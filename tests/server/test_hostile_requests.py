@@ -64,6 +64,7 @@ def _error(r: httpx.Response, status: int, param=None, code=None) -> dict:
 
 
 def _assert_probe(rep) -> None:
+    print(rep)
     assert rep.within(), str(rep)
 
 
