@@ -92,12 +92,12 @@ def test_unkeyed_big_tokenize_loops_do_not_starve_keyed_requests(server, probe):
     def hostile() -> int:
         try:
             return _post(server, "/tokenize", content=body, key=False).status_code
-        except httpx.TransportError:  # the server closed the connection during our upload, after its 401
-            return 401
+        except httpx.TransportError:  # the server answered 401 and closed the connection mid-upload
+            return "reset"
 
     rep = probe.check(hostile, min_s=2.0, concurrency=4)
     _assert_probe(rep)
-    assert set(rep.results) == {401}, rep.results
+    assert 401 in rep.results and set(rep.results) <= {401, "reset"}, rep.results
 
 
 def test_keyed_big_tokenize_is_refused_unread(server, probe):
@@ -110,12 +110,12 @@ def test_keyed_big_tokenize_is_refused_unread(server, probe):
     def hostile() -> int:
         try:
             return _post(server, "/tokenize", content=body).status_code
-        except httpx.TransportError:  # the server closed the connection during our upload, after its 413
-            return 413
+        except httpx.TransportError:  # the server answered 413 and closed the connection mid-upload
+            return "reset"
 
     rep = probe.check(hostile, min_s=2.0, concurrency=4)
     _assert_probe(rep)
-    assert set(rep.results) == {413}, rep.results
+    assert 413 in rep.results and set(rep.results) <= {413, "reset"}, rep.results
 
 
 def test_prompt_size_limits_of_completions_hold_for_tokenize(server):
