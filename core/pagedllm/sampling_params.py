@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json as _json
+import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional, Union
 
 from pagedllm.deprecated import moved
 from pagedllm.errors import ParamError as _ParamError
+
+#: What ``torch.Generator.manual_seed`` takes (a 64-bit pattern, signed or not); beyond it is an overflow (a 500).
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _real(v: Any) -> bool:
+    """A finite int or float (not a bool): NaN and infinities would pass every range check below or poison logits."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
@@ -108,20 +117,21 @@ class SamplingParams:
             bad("best_of", f"must be an integer >= n ({self.n}), got {self.best_of!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2.0 <= v <= 2.0:
+            if not _real(v) or not -2.0 <= v <= 2.0:
                 bad(name, f"must be in [-2, 2], got {v!r}")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", f"must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
+        if not _real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not _real(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
+        if not _real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             bad("top_k", f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
+        if not _real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not _SEED_MIN <= self.seed <= _SEED_MAX):
+            bad("seed", f"must be a 64-bit integer (in [-2**63, 2**64 - 1]), got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
@@ -148,7 +158,7 @@ class SamplingParams:
             for k, v in self.logit_bias.items():
                 if not isinstance(k, int) or isinstance(k, bool) or k < 0:
                     bad("logit_bias", f"keys must be token ids (non-negative integers), got {k!r}")
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                if not _real(v) or not -100 <= v <= 100:
                     bad("logit_bias", f"values must be numbers in [-100, 100], got {v!r} for token {k}")
         if self.allowed_token_ids is not None and (
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids

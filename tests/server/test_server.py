@@ -50,7 +50,8 @@ def test_health_version_models(server, client):
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     import pagedllm
 
-    assert httpx.get(f"{server.base_url}/version").json() == {"version": pagedllm.__version__}
+    assert httpx.get(f"{server.base_url}/version", headers=server.headers()).json() == {
+        "version": pagedllm.__version__}
     models = client.models.list().data
     assert [m.id for m in models] == ["test-model"]
 
@@ -245,9 +246,9 @@ def test_usage_counts(server, client, offline):
     assert r.usage.prompt_tokens == len(tok.encode(PROMPTS[2]))
     assert r.usage.completion_tokens == 10
     assert r.usage.total_tokens == r.usage.prompt_tokens + 10
-    t = httpx.post(f"{server.base_url}/tokenize", json={"prompt": PROMPTS[2]}).json()
+    t = httpx.post(f"{server.base_url}/tokenize", json={"prompt": PROMPTS[2]}, headers=server.headers()).json()
     assert t["tokens"] == tok.encode(PROMPTS[2]) and t["count"] == len(t["tokens"])
-    d = httpx.post(f"{server.base_url}/detokenize", json={"tokens": t["tokens"]}).json()
+    d = httpx.post(f"{server.base_url}/detokenize", json={"tokens": t["tokens"]}, headers=server.headers()).json()
     assert d["prompt"] == PROMPTS[2]
 
 

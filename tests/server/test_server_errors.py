@@ -122,8 +122,12 @@ def test_auth(server):
         r = httpx.post(f"{server.url_v1}/chat/completions", json=M, headers=headers, timeout=30)
         _check_error(r, 401)
         assert httpx.get(f"{server.url_v1}/models", headers=headers).status_code == 401
-    assert httpx.get(f"{server.base_url}/health").status_code == 200  # health and metrics stay open
-    assert httpx.get(f"{server.base_url}/metrics").status_code == 200
+        for path in ("/tokenize", "/detokenize"):  # they take a render worker: keyed like generation (issue 34)
+            _check_error(httpx.post(f"{server.base_url}{path}", json={"prompt": "x"}, headers=headers), 401)
+        for path in ("/metrics", "/version", "/no/such/route"):
+            _check_error(httpx.get(f"{server.base_url}{path}", headers=headers), 401)
+    assert httpx.get(f"{server.base_url}/health").status_code == 200  # only the liveness probe stays open
+    assert httpx.get(f"{server.base_url}/metrics", headers=server.headers()).status_code == 200
 
 
 def test_unknown_model_is_404(client):
@@ -144,10 +148,11 @@ def test_client_sees_field_names(client):
 
 
 def test_other_http_errors(server):
-    _check_error(httpx.get(f"{server.base_url}/no/such/route"), 404)
-    _check_error(httpx.get(f"{server.url_v1}/completions", headers=server.headers()), 405)
-    _check_error(httpx.post(f"{server.base_url}/detokenize", json={"tokens": [-5]}), 400, "tokens")
-    _check_error(httpx.post(f"{server.base_url}/tokenize", json={}), 400, "prompt")
+    h = server.headers()
+    _check_error(httpx.get(f"{server.base_url}/no/such/route", headers=h), 404)
+    _check_error(httpx.get(f"{server.url_v1}/completions", headers=h), 405)
+    _check_error(httpx.post(f"{server.base_url}/detokenize", json={"tokens": [-5]}, headers=h), 400, "tokens")
+    _check_error(httpx.post(f"{server.base_url}/tokenize", json={}, headers=h), 400, "prompt")
 
 
 def test_still_serving_after_errors(server, client):

@@ -270,7 +270,7 @@ def test_cors_only_for_allowed_origin(server):
 
 
 def test_nothing_leaked(server):
-    m = wait_idle(server.base_url)
+    m = wait_idle(server.base_url, api_key=server.api_key)
     assert (m["pagedllm:num_requests_running"], m["pagedllm:num_requests_waiting"],
             m["pagedllm:kv_cache_used_blocks"]) == (0, 0, 0)
     assert "Traceback" not in server.output()

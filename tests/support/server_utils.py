@@ -70,14 +70,16 @@ class ServerProcess:
     """``python -m pagedllm.cli serve MODEL --device cpu --port P ...`` in a subprocess; waits for /health."""
 
     def __init__(self, model: Optional[str], *extra: str, api_key: Optional[str] = API_KEY,
-                 served_name: str = "test-model", startup_timeout: float = 120.0, env: Optional[dict] = None):
+                 served_name: Optional[str] = "test-model", startup_timeout: float = 120.0,
+                 env: Optional[dict] = None):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.served_name = served_name
         cmd = [sys.executable, "-m", "pagedllm.cli", "serve"] + ([model] if model else [])
         cmd += ["--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
-                "--served-model-name", served_name, "--uvicorn-log-level", "warning", *extra]
+                *(["--served-model-name", served_name] if served_name else []), "--uvicorn-log-level", "warning",
+                *extra]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-serve-", suffix=".log", delete=False)
@@ -183,11 +185,15 @@ def cmdline(pid: int) -> str:
         return f.read().replace(b"\0", b" ").decode()
 
 
-def metrics(base_url: str) -> dict[str, float]:
-    """``/metrics`` parsed to {sample name (labels dropped): value}, summed over label sets."""
+def metrics(base_url: str, api_key: Optional[str] = API_KEY) -> dict[str, float]:
+    """``/metrics`` parsed to {sample name (labels dropped): value}, summed over label sets (``api_key``: a server
+    with keys wants one there too; a server without keys ignores it)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    r = httpx.get(f"{base_url}/metrics", timeout=10,
+                  headers={"Authorization": f"Bearer {api_key}"} if api_key else None)
+    r.raise_for_status()
+    text = r.text
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -195,14 +201,14 @@ def metrics(base_url: str) -> dict[str, float]:
     return out
 
 
-def wait_idle(base_url: str, timeout: float = 20.0) -> dict[str, float]:
+def wait_idle(base_url: str, timeout: float = 20.0, api_key: Optional[str] = API_KEY) -> dict[str, float]:
     """Poll /metrics until nothing runs or waits and no KV block is held (aborts land asynchronously)."""
     deadline = time.monotonic() + timeout
-    m = metrics(base_url)
+    m = metrics(base_url, api_key)
     while time.monotonic() < deadline:
         if (m["pagedllm:num_requests_running"] == 0 and m["pagedllm:num_requests_waiting"] == 0
                 and m["pagedllm:kv_cache_used_blocks"] == 0):
             return m
         time.sleep(0.1)
-        m = metrics(base_url)
+        m = metrics(base_url, api_key)
     return m

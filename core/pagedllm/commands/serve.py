@@ -14,7 +14,8 @@ import socket
 from dataclasses import replace
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config, lora_modules
-from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_NUM_QUEUED_REQS,
+from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH,
+                                                DEFAULT_MAX_NUM_QUEUED_REQS, DEFAULT_RENDER_WORKER_MAX_GROWTH,
                                                 DEFAULT_TEMPLATE_RENDER_TIMEOUT, ServerLimits)
 from pagedllm.errors import ParamError
 
@@ -36,9 +37,11 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1/*; several keys allowed (also $PAGEDLLM_API_KEY "
-                        "and --api-key-file)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health; several keys allowed (also "
+                        "$PAGEDLLM_API_KEY and --api-key-file)")
     p.add_argument("--api-key-file", default=None, metavar="PATH", help="file with API keys, one a line")
+    p.add_argument("--allow-metrics-without-key", action="store_true",
+                   help="with API keys, leave /metrics open to scrapers (default: it needs a key too)")
     p.add_argument("--allowed-origins", type=_str_list, default=None,
                    help="CORS origins allowed (JSON list or comma-separated); default: none (CORS closed)")
     p.add_argument("--allowed-methods", type=_str_list, default=None, help="CORS methods (default: all, once "
@@ -47,7 +50,8 @@ def add_parser(sub) -> None:
                                                                              "--allowed-origins is set)")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use; the first is reported in responses (default: MODEL)")
+                   help="model name(s) clients use; the first is reported in responses (default: MODEL as given for a "
+                        "hub id; a local model's folder or file name, never its path)")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served under their names (needs --enable-lora); clients select one with "
                         "model=NAME")
@@ -62,6 +66,13 @@ def add_parser(sub) -> None:
                                            f"process (default {DEFAULT_TEMPLATE_RENDER_TIMEOUT:g})")
     p.add_argument("--render-workers", type=int, default=2,
                    help="render worker processes (templates, tokenisation); default 2")
+    p.add_argument("--render-worker-max-growth-mb", type=int, default=DEFAULT_RENDER_WORKER_MAX_GROWTH >> 20,
+                   metavar="MIB", help="a render worker whose resident memory grew more than this since its start is "
+                                       "replaced after its job; 0 = never (default "
+                                       f"{DEFAULT_RENDER_WORKER_MAX_GROWTH >> 20})")
+    p.add_argument("--max-json-depth", type=int, default=DEFAULT_MAX_JSON_DEPTH, metavar="N",
+                   help="request bodies nesting JSON arrays/objects deeper than this get 400 before they are parsed "
+                        f"(default {DEFAULT_MAX_JSON_DEPTH})")
     p.add_argument("--max-num-queued-reqs", type=int, default=DEFAULT_MAX_NUM_QUEUED_REQS, metavar="N",
                    help="in-flight sequences admitted (waiting + running; n/best_of count each); beyond it 429 with "
                         f"Retry-After; 0 = unbounded (default {DEFAULT_MAX_NUM_QUEUED_REQS})")
@@ -108,6 +119,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ParamError("data_parallel_size", f"must be >= 1, got {args.data_parallel_size}")
     if args.render_workers < 1:
         raise ParamError("render_workers", f"must be >= 1, got {args.render_workers}")
+    if args.render_worker_max_growth_mb < 0:
+        raise ParamError("render_worker_max_growth_mb", f"must be >= 0, got {args.render_worker_max_growth_mb}")
+    if args.max_json_depth < 2:
+        raise ParamError("max_json_depth", f"must be >= 2, got {args.max_json_depth}")
     _check_port(args.host, args.port)
 
 
@@ -149,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
                           max_num_queued_reqs=args.max_num_queued_reqs or None,
                           request_timeout=args.request_timeout,
                           template_render_timeout=args.template_render_timeout,
-                          trust_request_chat_template=args.trust_request_chat_template)
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          max_json_depth=args.max_json_depth,
+                          render_worker_max_growth_bytes=(args.render_worker_max_growth_mb << 20) or None)
     cors = dict(allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
                 allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
@@ -165,4 +182,4 @@ def run(args: argparse.Namespace) -> int:
                  render_workers=args.render_workers, exit_on_engine_failure=args.exit_on_engine_failure, cors=cors,
                  tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                  lora_modules=loras, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                 data_parallel_size=args.data_parallel_size)
+                 data_parallel_size=args.data_parallel_size, metrics_without_key=args.allow_metrics_without_key)

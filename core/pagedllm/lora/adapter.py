@@ -48,8 +48,13 @@ def _targets(cfg: dict) -> list[str]:
     if t == "all-linear":
         return list(TARGETS)
     if isinstance(t, str):  # a regex over full module names
-        return [m for m in TARGETS if re.search(t, f"model.layers.0.self_attn.{m}") or
-                re.search(t, f"model.layers.0.mlp.{m}")] or [t]
+        try:
+            return [m for m in TARGETS if re.search(t, f"model.layers.0.self_attn.{m}") or
+                    re.search(t, f"model.layers.0.mlp.{m}")] or [t]
+        except re.error as e:
+            raise LoRAError("target_modules", f"target_modules is not a valid regex: {e}") from None
+    if t is not None and (not isinstance(t, list) or not all(isinstance(m, str) for m in t)):
+        raise LoRAError("target_modules", f"target_modules must be a list of names or a regex, got {t!r}")
     return [m.rsplit(".", 1)[-1] for m in (t or [])]
 
 
@@ -60,8 +65,13 @@ def read_config(path: str, max_lora_rank: int) -> dict:
     cfg_file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(cfg_file):
         raise LoRAError("lora_path", f"{path!r} has no adapter_config.json (not a PEFT adapter folder)")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:  # unreadable, not UTF-8, not JSON, nested past the limit
+        raise LoRAError("lora_path", f"{cfg_file!r} is not a readable JSON file: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LoRAError("lora_path", f"{cfg_file!r} must hold a JSON object, got {type(cfg).__name__}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise LoRAError("lora_path", f"{path!r}: peft_type {cfg.get('peft_type')!r} is not supported (LORA only)")
     bad = [m for m in _targets(cfg) if m not in TARGETS]
@@ -79,6 +89,9 @@ def read_config(path: str, max_lora_rank: int) -> dict:
     r = cfg.get("r")
     if not isinstance(r, int) or r < 1:
         raise LoRAError("r", f"adapter {path!r} has invalid rank r={r!r}")
+    alpha = cfg.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise LoRAError("lora_alpha", f"adapter {path!r} has invalid lora_alpha={alpha!r}")
     if r > max_lora_rank:
         raise LoRAError("max_lora_rank", f"adapter {path!r} has rank {r} > max_lora_rank {max_lora_rank}; "
                                          f"raise --max-lora-rank")
@@ -87,11 +100,19 @@ def read_config(path: str, max_lora_rank: int) -> dict:
 
 def _read_tensors(path: str) -> dict[str, torch.Tensor]:
     st = os.path.join(path, "adapter_model.safetensors")
-    if os.path.isfile(st):
-        return load_file(st)
     pt = os.path.join(path, "adapter_model.bin")
-    if os.path.isfile(pt):
-        return torch.load(pt, map_location="cpu", weights_only=True)
+    try:
+        if os.path.isfile(st):
+            return load_file(st)
+        if os.path.isfile(pt):
+            out = torch.load(pt, map_location="cpu", weights_only=True)
+            if not isinstance(out, dict) or not all(isinstance(t, torch.Tensor) for t in out.values()):
+                raise LoRAError("lora_path", f"{pt!r} does not hold a dict of tensors")
+            return out
+    except LoRAError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: safetensors/pickle errors of every kind
+        raise LoRAError("lora_path", f"{path!r}: the adapter weights cannot be read ({type(e).__name__}: {e})") from None
     raise LoRAError("lora_path", f"{path!r} has no adapter_model.safetensors (or adapter_model.bin)")
 
 

@@ -62,6 +62,7 @@ from pagedllm.errors import ParamError
 logger = logging.getLogger(__name__)
 
 ENGINE_FAILURE_EXIT_CODE = 1
+FULL_GC_EVERY = 1000  # gen-1 collections between full ones (CPython's default: 10); see the lifespan
 
 
 def _errors(*codes: int) -> dict[int, dict[str, Any]]:
@@ -100,17 +101,27 @@ def load_chat_template(value: Optional[str]) -> Optional[str]:
 
 
 
+def default_served_name(model: Optional[str], model_path: str) -> str:
+    """The name clients use when the operator gave none: a hub id as given, a local folder or file by its last
+    component only, so responses, errors and ``/metrics`` labels never show the server's file system."""
+    if model and not os.path.exists(model) and not os.path.isabs(model):
+        return model
+    base = os.path.basename(os.path.normpath(model or model_path))
+    return base.split(".")[0] if os.path.isfile(model or model_path) else base
+
+
 def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names: Sequence[str], api_key: Optional[Any] = None,
               chat_template: Optional[str] = None, limits: Optional[ServerLimits] = None,
               renderer: Optional[RenderPool] = None, cors: Optional[dict[str, Any]] = None,
               tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
-              allow_runtime_lora_updating: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, metrics_without_key: bool = False) -> FastAPI:
     """The OpenAI-compatible app around an AsyncEngine; its lifespan binds the event loop and stops the engine.
 
     ``api_key``: one key or a list of keys (any of them is accepted). ``renderer``: the render worker pool that
     renders templates and (de)tokenises requests (required when the model has a tokenizer). ``cors``: keyword
     arguments of :func:`~pagedllm.entrypoints.openai.auth.add_cors`. ``allow_runtime_lora_updating``: serve
     ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (else they answer 404 saying how to enable them).
+    ``metrics_without_key``: with API keys, leave ``/metrics`` open to scrapers (``/health`` always is).
     """
     names = list(served_model_names)
     limits = limits or ServerLimits()
@@ -130,6 +141,10 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         # otherwise walks those millions of objects while outputs are being unpickled (vLLM freezes them too).
         gc.collect()
         gc.freeze()
+        # A full pass walks every live request's outputs (n=128 x 100 tokens x 21 logprobs is 270 000 objects: a
+        # pause of 0.1-1 s on a loaded host) and the server makes next to no cyclic garbage: consider one only after
+        # FULL_GC_EVERY young-generation passes instead of 10 (issue 34).
+        gc.set_threshold(*gc.get_threshold()[:2], FULL_GC_EVERY)
         try:
             yield
         finally:
@@ -154,13 +169,14 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     async def version() -> dict:
         return {"version": pagedllm.__version__}
 
+    # ``root`` is a served name, never the folder the weights came from: file-system paths stay in the server's log.
     def card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "pagedllm", "root": engine.model_path,
+        return {"id": name, "object": "model", "created": created, "owned_by": "pagedllm", "root": names[0],
                 "parent": None, "max_model_len": engine.max_model_len}
 
     def lora_card(lora: LoRARequest) -> dict:
         return {"id": lora.lora_name, "object": "model", "created": created, "owned_by": "pagedllm",
-                "root": lora.lora_path, "parent": names[0], "max_model_len": engine.max_model_len}
+                "root": lora.lora_name, "parent": names[0], "max_model_len": engine.max_model_len}
 
     @app.get("/v1/models", response_model=ModelList, responses=_errors(401))
     async def models() -> dict:
@@ -183,12 +199,19 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         check_runtime_lora()
         if body.lora_name in names:
             raise APIError(400, f"lora_name: {body.lora_name!r} is the base model's name", param="lora_name")
+        if body.lora_name in engine.loras:
+            raise APIError(400, f"lora_name: an adapter named {body.lora_name!r} is already loaded",
+                           param="lora_name")
         try:
             await engine.add_lora(LoRARequest(body.lora_name, engine.next_lora_id(), body.lora_path))
-        except ParamError as e:
-            raise from_param_error(e) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
+        except Exception as e:  # noqa: BLE001 - whatever the folder holds: one answer, the detail in the log
+            # One message for a missing folder, a file, no adapter_config.json, bad JSON or an unsupported adapter:
+            # anything more would let a client map the server's file system (issue 34).
+            logger.warning("load_lora_adapter %r from %r failed: %s", body.lora_name, body.lora_path, e)
+            raise APIError(400, "lora_path: no loadable LoRA adapter at this path (the server log has the reason)",
+                           param="lora_path", code="invalid_lora_adapter") from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", responses={**_PLAIN_OK, **_errors(400, 401, 404, 503)})
@@ -222,15 +245,26 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         completions.need_tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt or messages", param="prompt")
+        # The limits of a completion's prompt: text no prompt that fits the model could be is refused before a
+        # render worker tokenises it, and the token count must fit max_model_len.
+        if body.messages is not None:
+            messages = [m.to_template_dict() for m in body.messages]
+            completions.check_text_size([m["content"] for m in messages], "messages")
+        else:
+            completions.check_text_size([body.prompt], "prompt")
         ticket = completions.admit(1)
         try:
             if body.messages is not None:
-                ids = await completions.render_chat([m.to_template_dict() for m in body.messages], chat_template,
-                                                    body.add_generation_prompt, False, None, start)
+                ids = await completions.render_chat(messages, chat_template, body.add_generation_prompt, False, None,
+                                                    start)
             else:
                 ids = (await completions.encode([body.prompt], body.add_special_tokens, "prompt", start))[0]
         finally:
             ticket.release()
+        if len(ids) > engine.max_model_len:
+            field = "prompt" if body.prompt is not None else "messages"
+            raise APIError(400, f"{field}: this model's maximum context length is {engine.max_model_len} tokens, but "
+                                f"the prompt has {len(ids)} tokens", param=field, code="context_length_exceeded")
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": list(ids), "token_strs": None}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_errors(400, 404, 408, 413, 429, 503))
@@ -238,6 +272,9 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         start = time.monotonic()
         completions.check_model(body.model)
         tok = completions.need_tokenizer()
+        if len(body.tokens) > engine.max_model_len:  # a completion's bound on prompt ids, counted before any work
+            raise APIError(400, f"tokens: at most {engine.max_model_len} ids (max_model_len), got {len(body.tokens)}",
+                           param="tokens", code="context_length_exceeded")
         vocab = len(tok)
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
@@ -271,10 +308,12 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     app.openapi = openapi
 
     # Outermost last: CORS, then the API key (no body is read for a caller without one), then the body limit.
-    app.add_middleware(RequestBodyMiddleware, max_bytes=limits.max_request_body_bytes)
+    small = limits.tokenize_body_bytes(engine.max_model_len)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=limits.max_request_body_bytes,
+                       max_json_depth=limits.max_json_depth, route_max_bytes={"/tokenize": small, "/detokenize": small})
     keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
     if keys:
-        app.add_middleware(APIKeyMiddleware, api_keys=keys)
+        app.add_middleware(APIKeyMiddleware, api_keys=keys, open_metrics=metrics_without_key)
     add_cors(app, **(cors or {}))
     return app
 
@@ -286,7 +325,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
           render_workers: int = 2, exit_on_engine_failure: bool = True,
           cors: Optional[dict[str, Any]] = None, tool_call_parser: Optional[str] = None,
           enable_auto_tool_choice: bool = False, lora_modules: Sequence[LoRARequest] = (),
-          allow_runtime_lora_updating: bool = False, data_parallel_size: int = 1) -> int:
+          allow_runtime_lora_updating: bool = False, data_parallel_size: int = 1,
+          metrics_without_key: bool = False) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code.
 
     ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
@@ -309,7 +349,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     renderer = None
     try:
         if engine.tokenizer is not None:
-            renderer = RenderPool(engine.tokenizer, render_workers)
+            renderer = RenderPool(engine.tokenizer, render_workers,
+                                  max_growth_bytes=(limits or ServerLimits()).render_worker_max_growth_bytes)
             renderer.wait_ready()
     except BaseException:
         engine.shutdown()
@@ -321,10 +362,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
         logger.info("HTTP process on CPUs %s%s", ",".join(map(str, sorted(front))),
                     " (shared with the engine: none left)" if front & cpus else "")
     if not served_model_names:
-        served_model_names = [config.model if config.model else
-                              os.path.basename(engine.model_path).split(".")[0]]
+        served_model_names = [default_served_name(config.model, engine.model_path)]
     app = build_app(engine, served_model_names, api_key, template, limits, renderer, cors, tool_call_parser,
-                    enable_auto_tool_choice, allow_runtime_lora_updating)
+                    enable_auto_tool_choice, allow_runtime_lora_updating, metrics_without_key)
     ucfg = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                           timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
     server = uvicorn.Server(ucfg)

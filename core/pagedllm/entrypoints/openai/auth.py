@@ -41,16 +41,24 @@ def load_api_keys(keys: Optional[Sequence[str]] = None, key_file: Optional[str] 
     return list(dict.fromkeys(out))
 
 
-class APIKeyMiddleware:
-    """Plain ASGI middleware (no response buffering, so SSE streams pass untouched): ``/v1/*`` needs a key.
+#: Paths answered without a key: the liveness probe only (``/metrics`` too with ``--allow-metrics-without-key``).
+OPEN_PATHS = frozenset({"/health"})
 
-    ``/health``, ``/metrics``, ``/version``, ``/openapi.json`` and ``/docs`` stay open (probes and scrapers);
-    ``/tokenize`` and ``/detokenize`` follow vLLM and stay open too.
+
+class APIKeyMiddleware:
+    """Plain ASGI middleware (no response buffering, so SSE streams pass untouched): every path needs a key except
+    ``/health`` (and ``/metrics`` when ``open_metrics``).
+
+    Unlike vLLM, ``/tokenize``, ``/detokenize`` and ``/version`` need the key too: each one that renders or
+    tokenises takes a render worker that keyed requests wait for, so an open one lets anyone starve them (issue 34);
+    unknown paths answer 401, so probing tells nothing about the routes. The body of a refused request is never
+    read (the connection is closed after the 401).
     """
 
-    def __init__(self, app, api_keys: Iterable[str]):
+    def __init__(self, app, api_keys: Iterable[str], open_metrics: bool = False):
         self.app = app
         self.expected = [f"Bearer {k}".encode() for k in api_keys]
+        self.open_paths = OPEN_PATHS | ({"/metrics"} if open_metrics else set())
 
     def _ok(self, got: bytes) -> bool:
         ok = False
@@ -59,7 +67,8 @@ class APIKeyMiddleware:
         return ok
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1") or scope.get("method") == "OPTIONS":
+        if (scope["type"] != "http" or scope.get("path", "") in self.open_paths
+                or scope.get("method") == "OPTIONS"):
             return await self.app(scope, receive, send)
         got = b""
         for k, v in scope.get("headers", ()):
@@ -73,7 +82,7 @@ class APIKeyMiddleware:
         body = json.dumps(error_body(401, msg, code="invalid_api_key")).encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+                                (b"www-authenticate", b"Bearer"), (b"connection", b"close")]})
         await send({"type": "http.response.body", "body": body})
 
 

@@ -102,4 +102,6 @@ def install_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _bug(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error")
-        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500)
+        # The exception's text may name files or internals: it goes to the log only.
+        return JSONResponse(error_body(500, f"internal error ({type(exc).__name__}); the server log has the details"),
+                            status_code=500)

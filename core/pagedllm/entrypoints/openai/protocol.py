@@ -15,9 +15,11 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, StringConstraints
+from pydantic import BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr, StringConstraints
 
 from pagedllm.entrypoints.openai.limits import (
+    INT64_MAX,
+    INT64_MIN,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS,
     MAX_MESSAGES,
@@ -32,7 +34,12 @@ from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 StopStr = Annotated[StrictStr, StringConstraints(max_length=MAX_STOP_STR_LEN)]
 
-Num = Union[StrictInt, float]  # floats; ints allowed, strings/bools rejected
+Num = Union[StrictInt, FiniteFloat]  # floats; ints allowed, strings/bools, NaN and +-Infinity rejected
+#: Every integer a request carries fits the engine's 64-bit fields (torch's seeds, tensors of ids); a token id or a
+#: count fits 32 bits. Python's ints are unbounded, so an unbounded field would reach torch as an overflow (a 500).
+Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+Int32 = Annotated[StrictInt, Field(ge=-(1 << 31), le=(1 << 31) - 1)]
+INT32_MAX = (1 << 31) - 1
 
 
 class _Base(BaseModel):
@@ -77,29 +84,29 @@ class _Sampling(_Request):
     n: Optional[StrictInt] = Field(1, ge=1, le=128)  # null (sent by some clients) means the default
     temperature: Optional[Num] = Field(None, ge=0, le=2)
     top_p: Optional[Num] = Field(None, gt=0, le=1)
-    top_k: Optional[StrictInt] = Field(None, ge=-1)
+    top_k: Optional[StrictInt] = Field(None, ge=-1, le=INT32_MAX)
     min_p: Optional[Num] = Field(None, ge=0, le=1)
     presence_penalty: Optional[Num] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[Num] = Field(None, ge=-2, le=2)
     repetition_penalty: Optional[Num] = Field(None, gt=0)
-    seed: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = Field(None, ge=INT64_MIN, le=INT64_MAX)  # vLLM's range; n > 1 adds the index
     stop: Optional[Union[StopStr, Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)]]] = None
-    stop_token_ids: Optional[Annotated[list[StrictInt], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
+    stop_token_ids: Optional[Annotated[list[Int32], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
     ignore_eos: Optional[StrictBool] = False
-    min_tokens: StrictInt = Field(0, ge=0)
+    min_tokens: StrictInt = Field(0, ge=0, le=INT32_MAX)
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
     stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
     user: Optional[StrictStr] = None
-    priority: StrictInt = 0
+    priority: StrictInt = Field(0, ge=INT64_MIN, le=INT64_MAX)
     return_token_ids: StrictBool = False  # vLLM extension: choices carry their (delta) token ids
     spaces_between_special_tokens: StrictBool = True
     logit_bias: Optional[Annotated[dict[StrictStr, Num], Field(max_length=MAX_LOGIT_BIAS)]] = None
-    allowed_token_ids: Optional[Annotated[list[StrictInt],
+    allowed_token_ids: Optional[Annotated[list[Int32],
                                           Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]] = None
     bad_words: Optional[Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)]] = None
-    truncate_prompt_tokens: Optional[StrictInt] = Field(None, ge=1)
+    truncate_prompt_tokens: Optional[StrictInt] = Field(None, ge=1, le=INT32_MAX)
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
     guided_json: Optional[Union[dict[str, Any], StrictStr]] = None  # vLLM's older names
@@ -163,8 +170,8 @@ class _Sampling(_Request):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
-    max_tokens: Optional[StrictInt] = Field(16, ge=1)
+    prompt: Union[StrictStr, list[Int32], list[StrictStr], list[list[Int32]]]
+    max_tokens: Optional[StrictInt] = Field(16, ge=1, le=INT32_MAX)
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
     echo: Optional[StrictBool] = False
     best_of: Optional[StrictInt] = Field(None, ge=1, le=128)
@@ -243,8 +250,8 @@ class NamedToolChoice(_Base):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_tokens: Optional[StrictInt] = Field(None, ge=1)
-    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=1, le=INT32_MAX)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, le=INT32_MAX)
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
     add_generation_prompt: StrictBool = True
@@ -276,7 +283,7 @@ class TokenizeRequest(_Base):
 
 class DetokenizeRequest(_Base):
     model: Optional[StrictStr] = None
-    tokens: list[StrictInt]
+    tokens: list[Int32]
 
 
 # ---- responses (declared on the routes; the handlers build the same shapes as plain dicts) -----------------------
@@ -406,4 +413,4 @@ class UnloadLoRAAdapterRequest(_Base):
     """``POST /v1/unload_lora_adapter`` (vLLM's body)."""
 
     lora_name: StrictStr
-    lora_int_id: Optional[StrictInt] = None
+    lora_int_id: Optional[Int64] = None

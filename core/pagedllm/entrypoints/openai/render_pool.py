@@ -3,7 +3,9 @@
 Each job runs on an idle worker with a time limit; the event loop only awaits a future (the blocking pipe round
 trip runs on a small thread pool of its own, and a thread blocked on a pipe holds no GIL). A worker that overruns
 its limit, or dies, is killed and replaced by a fresh fork from the forkserver (which imported transformers once), so
-the pool is back to full strength in well under a second while the other workers keep serving.
+the pool is back to full strength in well under a second while the other workers keep serving. A worker whose
+resident memory grew past ``--render-worker-max-growth-mb`` (a huge tokenisation leaves the allocator holding it) is
+recycled the same way after its job, so idle workers stay near their start size.
 """
 
 from __future__ import annotations
@@ -53,14 +55,25 @@ def warm_up_forkserver() -> None:
         forkserver.ensure_running()
 
 
+def rss_bytes(pid: int) -> Optional[int]:
+    """Resident memory of ``pid`` (None where /proc is not there or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _Worker:
-    def __init__(self, ctx, blob: bytes, mem_limit: Optional[int], cpus: Optional[frozenset[int]] = None):
+    def __init__(self, ctx, blob: bytes, mem_limit: Optional[int], cpus: Optional[frozenset[int]] = None,
+                 max_growth: Optional[int] = None):
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=render_worker.main, args=(child, blob, mem_limit), name="pagedllm-render",
                                 daemon=True)
         self.proc.start()
         child.close()
         self.ready = False
+        self.max_growth, self.base_rss, self.grown = max_growth, None, False
         if cpus:
             set_affinity(self.proc.pid, cpus)
 
@@ -72,6 +85,7 @@ class _Worker:
             if kind != "ready":
                 raise _WorkerGone("render worker failed to start")
             self.ready = True
+            self.base_rss = rss_bytes(self.proc.pid)
 
     def roundtrip(self, job: tuple, timeout: float) -> tuple[str, Any]:
         """Send ``job`` and wait for the reply (runs on a pool thread)."""
@@ -81,7 +95,11 @@ class _Worker:
             conn.send(job)
             if not conn.poll(timeout):
                 raise RenderTimeout()
-            return conn.recv()
+            reply = conn.recv()
+            if self.max_growth is not None and self.base_rss is not None:
+                rss = rss_bytes(self.proc.pid)
+                self.grown = rss is not None and rss - self.base_rss > self.max_growth
+            return reply
         except (EOFError, OSError) as e:
             raise _WorkerGone(str(e)) from None
 
@@ -104,12 +122,16 @@ class RenderPool:
     """``num_workers`` render processes sharing one queue of idle workers."""
 
     def __init__(self, tokenizer: Any, num_workers: int = DEFAULT_NUM_WORKERS,
-                 mem_limit_bytes: Optional[int] = DEFAULT_MEM_LIMIT):
+                 mem_limit_bytes: Optional[int] = DEFAULT_MEM_LIMIT, max_growth_bytes: Optional[int] = None):
+        """``max_growth_bytes``: a worker whose resident memory grew more than this since it started is replaced
+        after its job (allocators keep what a huge tokenisation took: one worker went from 60 to 398 MB)."""
         self._ctx = _context()
         self._blob = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
         self._mem = mem_limit_bytes
+        self._growth = max_growth_bytes
+        self.cpus: Optional[frozenset[int]] = None
         self.num_workers = max(int(num_workers), 1)
-        self._workers = [_Worker(self._ctx, self._blob, self._mem) for _ in range(self.num_workers)]
+        self._workers = [self._new_worker() for _ in range(self.num_workers)]
         # Round trips plus respawns: never queued behind other blocking work on the loop's default executor.
         self._threads = concurrent.futures.ThreadPoolExecutor(2 * self.num_workers + 1,
                                                               thread_name_prefix="pagedllm-render")
@@ -117,7 +139,7 @@ class RenderPool:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._closed = False
         self.restarts = 0
-        self.cpus: Optional[frozenset[int]] = None
+        self.recycled = 0  # of the restarts: workers replaced for their memory growth
 
     def pin(self, cpus: frozenset[int]) -> None:
         """Run the workers (and every later respawn) on ``cpus`` only."""
@@ -158,18 +180,26 @@ class RenderPool:
     def _after(self, w: _Worker, f: asyncio.Future) -> None:
         if self._closed:
             return
-        if f.cancelled() or f.exception() is None:
+        if f.cancelled() or (f.exception() is None and not w.grown):
             self._idle.put_nowait(w)
             return
         self.restarts += 1
-        logger.warning("render worker %s %s; replacing it", w.proc.pid,
-                       "ran past its time limit" if isinstance(f.exception(), RenderTimeout) else "died")
+        if f.exception() is None:
+            self.recycled += 1
+            logger.info("render worker %s grew past %d MiB over its start; recycling it", w.proc.pid,
+                        self._growth >> 20)
+        else:
+            logger.warning("render worker %s %s; replacing it", w.proc.pid,
+                           "ran past its time limit" if isinstance(f.exception(), RenderTimeout) else "died")
         respawn = self._loop.run_in_executor(self._threads, self._replace, w)
         respawn.add_done_callback(self._respawned)
 
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self._blob, self._mem, self.cpus, self._growth)
+
     def _replace(self, w: _Worker) -> _Worker:
         w.kill()
-        nw = _Worker(self._ctx, self._blob, self._mem, self.cpus)
+        nw = self._new_worker()
         nw._wait_ready(60.0)
         self._workers = [nw if x is w else x for x in self._workers]
         return nw
@@ -188,7 +218,7 @@ class RenderPool:
         respawn.add_done_callback(self._respawned)
 
     def _spawn_fresh(self) -> _Worker:
-        nw = _Worker(self._ctx, self._blob, self._mem, self.cpus)
+        nw = self._new_worker()
         nw._wait_ready(60.0)
         self._workers.append(nw)
         return nw

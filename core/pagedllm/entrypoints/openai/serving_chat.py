@@ -16,10 +16,11 @@ content until the parser's start marker appears).
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import AsyncIterator, Optional
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
 from pagedllm.entrypoints.openai import tool_calling as tc
@@ -27,8 +28,9 @@ from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_RENAME, ChoiceState, Serving, Usage,
-                                                      merge_streams, now, random_id, sse, sse_choice_chunk,
-                                                      stream_response, timeout_error, until_disconnect)
+                                                      json_response, merge_streams, now, random_id, sse,
+                                                      sse_choice_chunk, stream_response, timeout_error,
+                                                      until_disconnect)
 from pagedllm.entrypoints.openai.errors import from_param_error
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
@@ -67,9 +69,11 @@ class ChatServing(Serving):
         rename = {**_RENAME, **(self.structured_rename(req) if forced is None else
                                 {k: "tools" for k in STRUCTURED_RENAME})}
         tools = tc.tools_for_template(req.tools) if req.tools and choice != "none" else None
+        messages = [m.to_template_dict() for m in req.messages]
+        self.check_text_size([m["content"] for m in messages], "messages")
         ticket = self.admit(params.best_of)
         try:
-            ids = await self.render_chat([m.to_template_dict() for m in req.messages],
+            ids = await self.render_chat(messages,
                                          req.chat_template or self.chat_template, req.add_generation_prompt,
                                          req.continue_final_message, req.chat_template_kwargs, start,
                                          request_template=req.chat_template is not None, tools=tools,
@@ -148,7 +152,7 @@ class ChatServing(Serving):
         return "tool_calls" if has_calls and reason == "stop" and choice in ("auto", "required") else reason
 
     async def _full(self, rid: str, req: ChatCompletionRequest, params: SamplingParams, streams,
-                    choice: object = "none") -> JSONResponse:
+                    choice: object = "none") -> Response:
         final = None
         try:
             async for _, out in merge_streams(streams):
@@ -160,20 +164,20 @@ class ChatServing(Serving):
         except RequestTimeoutError:
             raise timeout_error(self.limits.request_timeout) from None
         usage = Usage(prompt_tokens=len(final.prompt_token_ids))
-        choices = []
         for c in final.outputs:
             usage.completion_tokens += len(c.token_ids)
+
+        def build(c) -> dict:
             msg, has_calls = self._message(c.text, choice)
-            choices.append({"index": c.index, "message": msg,
-                            "logprobs": (self.chat_logprobs(c, 0, len(c.token_ids), self._k(req))
-                                         if req.logprobs else None),
-                            "finish_reason": self._finish(c.finish_reason, has_calls, choice),
-                            "stop_reason": c.stop_reason,
-                            **({"token_ids": list(c.token_ids)} if req.return_token_ids else {})})
-        choices.sort(key=lambda ch: ch["index"])
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(),
-                             "model": self.response_model(req),
-                             "choices": choices, "usage": usage.as_dict()})
+            return {"index": c.index, "message": msg,
+                    "logprobs": self.chat_logprobs(c, 0, len(c.token_ids), self._k(req)) if req.logprobs else None,
+                    "finish_reason": self._finish(c.finish_reason, has_calls, choice), "stop_reason": c.stop_reason,
+                    **({"token_ids": list(c.token_ids)} if req.return_token_ids else {})}
+
+        return await json_response({"id": rid, "object": "chat.completion", "created": now(),
+                                    "model": self.response_model(req)},
+                                   [partial(build, c) for c in sorted(final.outputs, key=lambda c: c.index)],
+                                   usage.as_dict())
 
     async def _stream(self, rid: str, req: ChatCompletionRequest, params: SamplingParams,
                       streams, choice: object = "none") -> AsyncIterator[str]:

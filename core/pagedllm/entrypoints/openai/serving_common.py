@@ -16,10 +16,10 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream, RequestTimeoutError
 from pagedllm.entrypoints.openai.errors import APIError, from_param_error
@@ -62,6 +62,28 @@ def sse(obj: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+#: Longest stretch the event loop is held while a whole response is assembled (``json_response``).
+ASSEMBLY_SLICE_S = 0.002
+_encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode  # JSONResponse's
+
+
+async def json_response(head: dict, choices: Iterable[Callable[[], dict]], usage: dict) -> Response:
+    """``{**head, "choices": [...], "usage": usage}`` as JSONResponse would encode it, each choice built and encoded
+    on its own with the event loop let go every few milliseconds.
+
+    Why: ``n=128, logprobs=20, max_tokens=100`` is 270 000 logprob entries; built and encoded in one go, that held
+    the loop (and ``/health``) for 420 ms (issue 34). One choice is at most a few ms of work."""
+    parts: list[bytes] = []
+    last = time.monotonic()
+    for build in choices:
+        parts.append(_encode(build()).encode("utf-8"))
+        if time.monotonic() - last > ASSEMBLY_SLICE_S:
+            await asyncio.sleep(0)
+            last = time.monotonic()
+    body = b"".join((_encode(head)[:-1].encode("utf-8"), b',"choices":[', b",".join(parts), b'],"usage":',
+                     _encode(usage).encode("utf-8"), b"}"))
+    return Response(body, media_type="application/json")
 
 
 def sse_choice_chunk(rid: str, obj_type: str, created: int, model: str, choice: dict, stop_reason,
@@ -175,6 +197,16 @@ class Serving:
             raise APIError(400, f"{field_name}: this model's maximum context length is {limit} tokens; the prompt "
                                 f"has {prompt_len} tokens, so {field_name} must be <= {limit - prompt_len}, got "
                                 f"{max_tokens}", param=field_name, code="context_length_exceeded")
+
+    def check_text_size(self, texts: Sequence[Optional[str]], param: str) -> None:
+        """400 for text longer than any prompt that fits ``max_model_len`` could be (``max_rendered_chars``),
+        before a render worker spends time (and memory) tokenising it."""
+        limit = self.limits.max_rendered_chars(self.engine.max_model_len)
+        size = sum(len(t) for t in texts if t)
+        if size > limit:
+            raise APIError(400, f"{param}: {size} characters of text, more than this server tokenises for a model "
+                                f"of {self.engine.max_model_len} tokens ({limit})", param=param,
+                           code="context_length_exceeded")
 
     # ---- deadlines, admission and rendering ------------------------------------------------------------------
     def remaining(self, start: float) -> Optional[float]:

@@ -9,18 +9,20 @@ ids) and greedy output matches the offline API token for token.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import AsyncIterator, Optional
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
 from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_RENAME, ChoiceState, Serving, Usage,
-                                                      merge_streams, now, random_id, sse, sse_choice_chunk,
-                                                      stream_response, timeout_error, until_disconnect)
+                                                      json_response, merge_streams, now, random_id, sse,
+                                                      sse_choice_chunk, stream_response, timeout_error,
+                                                      until_disconnect)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -90,6 +92,7 @@ class CompletionServing(Serving):
                     raise APIError(400, f"prompt: every token id must be in [0, {self.vocab_size})", param="prompt")
                 out.append({"prompt": None, "prompt_token_ids": list(p)})
         texts = [p for p in out if p["prompt_token_ids"] is None]
+        self.check_text_size([p["prompt"] for p in texts], "prompt")
         if texts:
             ids = await self.encode([p["prompt"] for p in texts], True, "prompt", start)
             for p, i in zip(texts, ids):
@@ -115,7 +118,7 @@ class CompletionServing(Serving):
         return ch
 
     async def _full(self, rid: str, req: CompletionRequest, params: SamplingParams, prompts: list[dict],
-                    streams) -> JSONResponse:
+                    streams) -> Response:
         final: dict[int, RequestOutput] = {}
         try:
             async for i, out in merge_streams(streams):
@@ -127,18 +130,19 @@ class CompletionServing(Serving):
         except RequestTimeoutError:
             raise timeout_error(self.limits.request_timeout) from None
         usage = Usage()
-        choices = []
+        todo = []
         for i in range(len(prompts)):
             out = final[i]
             prompts[i]["prompt_logprobs"] = out.prompt_logprobs
             usage.prompt_tokens += len(out.prompt_token_ids)
             for c in out.outputs:
                 usage.completion_tokens += len(c.token_ids)
-                choices.append(self._choice(req, params, i, c, prompts[i]))
-        choices.sort(key=lambda ch: ch["index"])
-        return JSONResponse({"id": rid, "object": "text_completion", "created": now(),
-                             "model": self.response_model(req),
-                             "choices": choices, "usage": usage.as_dict()})
+                todo.append((i * params.n + c.index, i, c))
+        todo.sort(key=lambda t: t[0])
+        return await json_response({"id": rid, "object": "text_completion", "created": now(),
+                                    "model": self.response_model(req)},
+                                   [partial(self._choice, req, params, i, c, prompts[i]) for _, i, c in todo],
+                                   usage.as_dict())
 
     async def _stream(self, rid: str, req: CompletionRequest, params: SamplingParams, prompts: list[dict],
                       streams) -> AsyncIterator[str]:
