@@ -86,6 +86,23 @@ def test_cli_flag(model_dir):
     assert p.returncode == 2 and len(lines) == 1 and "error: generation_config: must be 'auto'" in lines[0], p.stderr
 
 
+def test_cli_generate_uses_them_and_flags_win(model_dir):
+    """``pagedllm generate`` with no sampling flags samples as the model's defaults say (same text as LLM with them
+    passed explicitly); ``--max-tokens`` overrides only that field."""
+    llm = LLM(model_dir, device="cpu", max_model_len=128)
+    want = {n: llm.generate([PROMPT], SamplingParams(**{**DEFAULTS, "max_tokens": n}),
+                            use_tqdm=False)[0].outputs[0].text for n in (6, 3)}
+    llm.shutdown()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pagedllm.cli", "generate", "--model", model_dir, "--device", "cpu",
+           "--max-model-len", "128"]
+    for flags, n in (([], 6), (["--max-tokens", "3"], 3)):
+        p = subprocess.run(cmd + flags + [PROMPT], capture_output=True, text=True, timeout=180, env=env)
+        assert p.returncode == 0, p.stderr
+        assert p.stdout == PROMPT + want[n] + "\n", (p.stdout, want[n])
+        assert "generation defaults from" in p.stderr
+
+
 @pytest.mark.slow
 def test_openai_server_fills_only_omitted_fields(model_dir):
     from openai import OpenAI
