@@ -172,9 +172,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     config, names = engine_config(args), args.served_model_name
     if config.model is not None:  # a Hub id is downloaded once, here, not by each engine process; clients keep its id
+        from pagedllm.entrypoints.openai.api_server import default_served_name  # heavy: fastapi
         from pagedllm.models.paths import resolve_model_path  # heavy: the model package
 
-        config, names = replace(config, model=resolve_model_path(config.model)), names or [config.model]
+        path = resolve_model_path(config.model)
+        config, names = replace(config, model=path), names or [default_served_name(config.model, path)]
     return serve(config, host=args.host, port=args.port, api_key=keys,
                  served_model_names=names, chat_template=args.chat_template,
                  uvicorn_log_level=args.uvicorn_log_level, timeout_graceful_shutdown=args.timeout_graceful_shutdown,

@@ -110,7 +110,8 @@ def default_served_name(model: Optional[str], model_path: str) -> str:
     return base.split(".")[0] if os.path.isfile(model or model_path) else base
 
 
-def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names: Sequence[str], api_key: Optional[Any] = None,
+def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names: Sequence[str],
+              api_key: Optional[Any] = None,
               chat_template: Optional[str] = None, limits: Optional[ServerLimits] = None,
               renderer: Optional[RenderPool] = None, cors: Optional[dict[str, Any]] = None,
               tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
