@@ -96,6 +96,7 @@ class AsyncEngine:
         if not isinstance(stream_interval, int) or stream_interval < 1:
             raise ParamError("stream_interval", f"must be an integer >= 1, got {stream_interval!r}")
         self.stream_interval = stream_interval
+        self.config = config
         #: This engine's number among data-parallel replicas (the ``engine`` label on /metrics); 0 alone.
         self.index = index
         #: Requests the engine accepted (its ``pagedllm:engine_requests`` counter).

@@ -58,6 +58,16 @@ class GuidanceBackend:
     def compile(self, grammar: str) -> str:
         return grammar  # llguidance builds its parser lazily per matcher
 
+    def serialize(self, compiled: str) -> str:
+        return compiled
+
+    def load(self, payload: str) -> str:
+        return payload
+
+    @staticmethod
+    def size(compiled: str) -> int:
+        return len(compiled)
+
     def matcher(self, grammar: str, json_output: bool = False) -> "GuidanceMatcher":
         return GuidanceMatcher(self.llg.LLMatcher(self.tokenizer, grammar, log_level=0), self.fill_fn,
                                self.stop_token_ids)
