@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "xgrammar", "guidance")
 #: ``stop_reason`` of a request ended with finish reason "error" because its grammar allowed no next token.
 GRAMMAR_DEAD_END = ("grammar_dead_end: the grammar allows no token at this point of the output (a string it requires "
-                    "cannot be spelt with this model's vocabulary)")
+                    "cannot be spelt with this model's vocabulary, or min_tokens forbids ending where it ends)")
 _CACHE_ENTRIES = 512  # most compiled grammars kept, whatever their size
 
 
@@ -99,7 +99,8 @@ class GrammarBitmask:
 
 class GrammarCache:
     """Compile futures by spec key, least recently used first out, bounded by the compiled grammars' bytes (and
-    :data:`_CACHE_ENTRIES`). A future still compiling counts as nothing until it is done."""
+    :data:`_CACHE_ENTRIES`), checked at every lookup and insertion. A grammar still compiling counts once it is
+    done, so the newest entry may hold the cache over its bound until the next lookup."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
@@ -110,11 +111,15 @@ class GrammarCache:
         if hit is None:
             return None
         self._entries.move_to_end(key)
+        self._evict()
         return hit[0]
 
     def put(self, key: tuple, fut: cf.Future, backend: Any) -> None:
         self._entries[key] = (fut, backend)
         self._entries.move_to_end(key)
+        self._evict()
+
+    def _evict(self) -> None:
         while len(self._entries) > _CACHE_ENTRIES or (len(self._entries) > 1 and self.nbytes() > self.max_bytes):
             self._entries.popitem(last=False)
 
