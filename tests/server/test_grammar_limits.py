@@ -64,8 +64,8 @@ class Probe:
         return time.perf_counter() - t
 
     def _run(self) -> None:
-        with httpx.Client(timeout=30) as c:
-            while not self._stop.is_set():
+        with httpx.Client(timeout=30) as c:  # at least 3 rounds, however soon the hostile request is answered
+            while not self._stop.is_set() or len(self.health) < 3:
                 self.completions.append(self._completion(c))
                 t = time.perf_counter()
                 r = c.get(f"{self.server.base_url}/health")
@@ -163,7 +163,7 @@ def test_regex_of_50k_nested_groups_is_a_400(server):
         r, took = _hostile(server, {"structured_outputs": {"regex": "(" * 50_000 + "a" + ")" * 50_000}})
     probe.check()
     _assert_400(r, "structured_outputs", "cannot be compiled")
-    assert took < 5
+    assert took < 5 and len(r.json()["error"]["message"]) < 1200  # the 100 KB regex is not echoed whole
 
 
 def test_deeply_nested_response_format_is_a_400(server):

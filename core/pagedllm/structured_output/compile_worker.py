@@ -101,7 +101,8 @@ def serve(conn: Connection, backends: Any, memory_limit: int) -> None:
         except ParamError as e:
             reply = ("error", (e.field, e.message))
         except Exception as e:  # noqa: BLE001 - RecursionError, MemoryError, a library's own errors
-            reply = ("error", (f"structured_outputs.{spec.kind}", f"cannot be compiled: {type(e).__name__}: {e}"))
+            reply = ("error", (f"structured_outputs.{spec.kind}",
+                               f"cannot be compiled: {type(e).__name__}: {str(e)[:1000]}"))
         retire = memory_limit > 0 and rss_bytes() - base > memory_limit
         try:
             conn.send((*reply, retire))

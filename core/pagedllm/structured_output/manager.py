@@ -38,7 +38,8 @@ BACKENDS = ("auto", "xgrammar", "guidance")
 #: ``stop_reason`` of a request ended with finish reason "error" because its grammar allowed no next token.
 GRAMMAR_DEAD_END = ("grammar_dead_end: the grammar allows no token at this point of the output (a string it requires "
                     "cannot be spelt with this model's vocabulary, or min_tokens forbids ending where it ends)")
-_CACHE_ENTRIES = 512  # most compiled grammars kept, whatever their size
+_CACHE_ENTRIES = 512
+_MAX_ERROR_CHARS = 1000  # most compiled grammars kept, whatever their size
 
 
 class StructuredRequest:
@@ -174,6 +175,8 @@ class Backends:
                 return name, be, be.parse(spec)
             except ParamError as e:
                 error = e
+        if len(error.message) > _MAX_ERROR_CHARS:  # the libraries quote the whole spec: a 100 KB regex, say
+            error = ParamError(error.field, error.message[:_MAX_ERROR_CHARS] + " ... (truncated)")
         raise error
 
 

@@ -1,9 +1,9 @@
 """The grammar gate: a served request's structured-output spec is checked and compiled before it reaches the engine.
 
 Order: the deployer's size limits (``structured_output.limits``: choices, characters, schema properties and depth;
-linear, no recursion), then a compile in the server's grammar compile pool (worker processes, ``--structured-outputs-
-compile-timeout``, stopped when the client goes away), then the request goes to the engine as a ``PrecompiledSpec``
-that the engine only loads. Over a limit, uncompilable, or too slow to compile: 400 naming the request's field and,
+linear, no recursion), then a compile in the server's grammar compile pool (worker processes, a time limit,
+stopped when the client goes away), then the request goes to the engine as a ``PrecompiledSpec`` that the engine
+only loads. Over a limit, uncompilable, or too slow to compile: 400 naming the request's field and,
 for a limit, its flag. So no grammar is parsed or compiled on the engine's step loop or the server's event loop.
 """
 
@@ -26,8 +26,7 @@ from pagedllm.structured_output.limits import flag
 
 logger = logging.getLogger(__name__)
 
-_pools: "weakref.WeakKeyDictionary[Any, GrammarCompilePool]" = weakref.WeakKeyDictionary()
-_pool_lock: Optional[asyncio.Lock] = None
+_pools: "weakref.WeakKeyDictionary[Any, asyncio.Future]" = weakref.WeakKeyDictionary()  # engine -> its pool
 
 
 def _config(engine: Any) -> StructuredOutputsConfig:
@@ -44,18 +43,16 @@ def _build_pool(engine: Any, tokenizer: Any, config: StructuredOutputsConfig) ->
 
 
 async def compile_pool(engine: Any, tokenizer: Any) -> GrammarCompilePool:
-    """The engine's compile pool, started on first use (off the event loop)."""
-    global _pool_lock
-    pool = _pools.get(engine)
-    if pool is None:
-        if _pool_lock is None:
-            _pool_lock = asyncio.Lock()
-        async with _pool_lock:
-            pool = _pools.get(engine)
-            if pool is None:
-                pool = await asyncio.to_thread(_build_pool, engine, tokenizer, _config(engine))
-                await pool.start()
-                _pools[engine] = pool
+    """The engine's compile pool, started on first use (off the event loop; a failed start is retried)."""
+    task = _pools.get(engine)
+    if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+        task = _pools[engine] = asyncio.ensure_future(_start_pool(engine, tokenizer))
+    return await asyncio.shield(task)  # a caller that goes away does not stop the start
+
+
+async def _start_pool(engine: Any, tokenizer: Any) -> GrammarCompilePool:
+    pool = await asyncio.to_thread(_build_pool, engine, tokenizer, _config(engine))
+    await pool.start()
     return pool
 
 
@@ -71,9 +68,14 @@ async def start_grammar_pool(engine: Any) -> None:
 
 
 async def stop_grammar_pool(engine: Any) -> None:
-    pool = _pools.pop(engine, None)
-    if pool is not None:
-        await asyncio.to_thread(pool.shutdown)
+    task = _pools.pop(engine, None)
+    if task is None:
+        return
+    try:
+        pool = await task
+    except Exception:  # noqa: BLE001 - it never started: nothing to stop
+        return
+    await asyncio.to_thread(pool.shutdown)
 
 
 async def gate_grammar(serving: Any, params: SamplingParams, rename: dict[str, str], raw: Optional[Request],
@@ -92,7 +94,11 @@ async def gate_grammar(serving: Any, params: SamplingParams, rename: dict[str, s
         raise from_param_error(e, rename) from None
     if serving.tokenizer is None:
         return params  # the engine refuses it, naming the missing tokenizer
-    pool = await compile_pool(serving.engine, serving.tokenizer)
+    try:
+        pool = await compile_pool(serving.engine, serving.tokenizer)
+    except Exception as e:  # noqa: BLE001 - no process could be started: the server's trouble, not the request's
+        logger.error("grammar compile workers cannot start: %s", e)
+        raise APIError(503, "the grammar compile workers are not running", code="grammar_workers_unavailable") from None
     left = serving.remaining(start)  # the request's deadline bounds the wait for a worker and the compile
     budget = config.compile_timeout if left is None else min(config.compile_timeout, left)
     try:
