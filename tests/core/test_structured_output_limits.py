@@ -21,6 +21,7 @@ from pagedllm.structured_output.compile_pool import CompileTimeout, GrammarCompi
 from server_utils import gone, tiny_chat_model
 
 S = StructuredOutputsParams
+CASELESS = S(regex="(?i)ab")  # xgrammar refuses the inline flag, llguidance takes it
 
 
 def _nested(depth: int) -> dict:
@@ -129,16 +130,22 @@ def test_compile_pool_time_limit_cancellation_cache_and_precompiled_load(tokeniz
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert gone(second, 5) and pool.restarts == 2
-            return backend, payload
+            caseless = await pool.compile(CASELESS, 60)  # auto: llguidance's, precompiled
+            assert caseless[0] == "guidance"
+            return backend, payload, caseless
         finally:
             pool.shutdown()
 
-    backend, payload = _run(scenario())
+    backend, payload, caseless = _run(scenario())
     llm = LLM(tiny_chat_model(), device="cpu", max_model_len=256, kv_cache_memory=16 << 20)
     spec = PrecompiledSpec.of(S(regex=r"[A-Z]{3}-\d{2}"), backend, payload)
     outs = llm.generate(["id:"], SamplingParams(temperature=1.0, n=4, seed=1, max_tokens=20, structured_outputs=spec),
                         use_tqdm=False)[0].outputs
     assert all(re.fullmatch(r"[A-Z]{3}-\d{2}", c.text) for c in outs), [c.text for c in outs]
+    out = llm.generate(["x"], SamplingParams(max_tokens=8, n=4, temperature=1.0, seed=0,
+                                             structured_outputs=PrecompiledSpec.of(CASELESS, *caseless)),
+                       use_tqdm=False)
+    assert all(re.fullmatch("(?i)ab", c.text) for c in out[0].outputs), [c.text for c in out[0].outputs]
     # A payload the engine cannot load (compiled for another vocabulary) is compiled in the engine instead.
     bad = PrecompiledSpec.of(S(choice=["left", "right"]), "xgrammar", "{}")
     out = llm.generate(["go"], SamplingParams(max_tokens=5, structured_outputs=bad), use_tqdm=False)[0].outputs[0]
