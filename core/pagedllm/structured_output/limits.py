@@ -32,7 +32,7 @@ class StructuredOutputsConfig:
     compile_workers: int = 2  # processes compiling grammars for the server (each ~150 MB)
     max_choices: int = 4096  # strings in a ``choice`` list
     max_grammar_chars: int = 131072  # characters of a regex, grammar, JSON schema (as JSON) or all choices together
-    max_schema_properties: int = 2048  # properties over a whole JSON schema (every ``properties`` object counted)
+    max_schema_properties: int = 1024  # properties over a whole JSON schema (xgrammar: ~2 s at 1024 optional ones)
     max_schema_depth: int = 64  # nesting of the JSON schema document (objects and arrays)
     cache_bytes: int = 128 << 20  # compiled grammars kept (by their size), in the server and in the engine
     worker_memory_bytes: int = 1 << 30  # a compile worker that grew by more than this (resident) is replaced
