@@ -69,6 +69,7 @@ class DataParallelEngine:
         if n < 1:
             raise ParamError("data_parallel_size", f"must be >= 1, got {n}")
         self.config = config
+
         #: DP+EP (``--enable-expert-parallel`` with an MoE model): one expert-parallel group over the replicas.
         self.expert_parallel = bool(config.enable_expert_parallel) and n > 1
         dp_ep = self._expert_parallel_configs(config, n) if self.expert_parallel else [None] * n

@@ -126,6 +126,7 @@ class GrammarCompilePool:
         self._args = (pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL), vocab_size, list(stop_token_ids),
                       backend, config.worker_memory_bytes)
         self._zygote = _Zygote(self._ctx, self._args)
+        self._zygote_lock = threading.Lock()
         n = config.compile_workers
         self._workers: list[_Worker] = []
         self._threads = concurrent.futures.ThreadPoolExecutor(2 * n + 1, thread_name_prefix="pagedllm-grammar")
@@ -199,13 +200,19 @@ class GrammarCompilePool:
             self._spawn()
 
     def _spawn(self) -> None:
+        if self._closed:
+            return
+
         def fork() -> _Worker:
+            z = self._zygote
             try:
-                return self._zygote.fork()
+                return z.fork()
             except (_WorkerGone, EOFError, OSError):  # the zygote died: start another (slow), then fork
-                logger.error("grammar zygote gone; starting a new one")
-                old, self._zygote = self._zygote, _Zygote(self._ctx, self._args)
-                old.stop()
+                with self._zygote_lock:
+                    if self._zygote is z:
+                        logger.error("grammar zygote gone; starting a new one")
+                        self._zygote = _Zygote(self._ctx, self._args)
+                        z.stop()
                 return self._zygote.fork()
 
         def done(f: concurrent.futures.Future) -> None:
@@ -217,11 +224,16 @@ class GrammarCompilePool:
                 logger.error("grammar worker start failed: %s", f.exception())
                 self._loop.call_soon_threadsafe(self._loop.call_later, 1.0, self._spawn)
                 return
-            w = f.result()
-            self._workers.append(w)
-            self._loop.call_soon_threadsafe(self._idle.put_nowait, w)
+            self._loop.call_soon_threadsafe(self._add, f.result())
 
         self._threads.submit(fork).add_done_callback(done)
+
+    def _add(self, w: _Worker) -> None:  # on the event loop, like every other change of ``_workers``
+        if self._closed:
+            w.kill()
+            return
+        self._workers.append(w)
+        self._idle.put_nowait(w)
 
     def shutdown(self) -> None:
         self._closed = True
