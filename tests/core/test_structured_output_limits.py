@@ -208,3 +208,26 @@ def test_precompiled_spec_pickles_with_its_payload():
     spec = PrecompiledSpec.of(S(json=json.dumps({"type": "integer"})), "xgrammar", "payload")
     back = pickle.loads(pickle.dumps(spec))
     assert back.key == S(json={"type": "integer"}).key and back.payload == "payload" and "payload" not in repr(back)
+
+
+def test_worker_that_grew_past_its_memory_bound_is_replaced(tokenizer):
+    """``worker_memory_bytes`` of 1: every worker grows past it with its first compile, answers, exits, and a fresh
+    fork takes its place."""
+    cfg = StructuredOutputsConfig(compile_workers=1, worker_memory_bytes=1)
+
+    async def scenario():
+        pool = GrammarCompilePool(tokenizer, len(tokenizer), [tokenizer.eos_token_id], "xgrammar", cfg)
+        await pool.start()
+        try:
+            pids = []
+            for i in range(3):
+                while not pool.pids:  # the replacement is forked in the background
+                    await asyncio.sleep(0.05)
+                pids += pool.pids
+                assert (await pool.compile(S(choice=[f"grow {i} {j}" for j in range(2000)]), 300))[0] == "xgrammar"
+            return pids, pool.restarts
+        finally:
+            pool.shutdown()
+
+    pids, restarts = _run(scenario())
+    assert restarts == 3 and len(set(pids)) == 3, (pids, restarts)

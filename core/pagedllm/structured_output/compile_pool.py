@@ -208,6 +208,8 @@ class GrammarCompilePool:
             try:
                 return z.fork()
             except (_WorkerGone, EOFError, OSError):  # the zygote died: start another (slow), then fork
+                if self._closed:
+                    raise
                 with self._zygote_lock:
                     if self._zygote is z:
                         logger.error("grammar zygote gone; starting a new one")
