@@ -52,6 +52,10 @@ def zygote_main(ctl: Connection, tokenizer_blob: bytes, vocab_size: int, stop_to
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server owns shutdown; EOF on the pipe ends this loop
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # workers are reaped by the kernel
     _set_name(b"grammar-zygote")
+    try:
+        os.nice(5)  # it and its workers (who inherit it) yield the CPU to the engine and the HTTP loop
+    except OSError:
+        pass
     from pagedllm.structured_output.manager import Backends  # heavy: torch, after the fork from the forkserver
 
     backends = Backends(pickle.loads(tokenizer_blob), vocab_size, stop_token_ids, backend)
