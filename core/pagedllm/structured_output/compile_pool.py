@@ -3,7 +3,7 @@
 Each compile runs on an idle worker (``compile_worker.py``); the event loop only awaits a future (the blocking pipe
 round trip runs on a small thread pool, and a thread blocked on a pipe holds no GIL). A compile that runs past its
 time limit, or whose client went away (the awaiting task is cancelled), is stopped by killing its worker, which is
-then replaced by a fresh one while the other workers keep compiling. Compiled grammars are kept in an LRU cache
+replaced by a fresh fork of the pool's zygote (ready in milliseconds) while the other workers keep compiling. Compiled grammars are kept in an LRU cache
 bounded by their serialized size, so a repeated schema costs nothing.
 """
 
