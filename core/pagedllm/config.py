@@ -18,6 +18,7 @@ from pagedllm.quantization.config import resolve_quantization, validate_quantiza
 from pagedllm.errors import ParamError
 from pagedllm.generation_defaults import check_generation_config
 from pagedllm.spec_decode.config import SpeculativeConfig
+from pagedllm.structured_output.limits import StructuredOutputsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class EngineConfig:
     enforce_eager: Optional[bool] = None  # None: False (graphs on), after the backend's update_config
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8 (= fp8_e4m3) | fp8_e4m3 | fp8_e5m2 (pagedllm.backend.kv_quant)
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance (structured_output/manager.py)
+    # grammar limits and compile pool (dict / JSON / StructuredOutputsConfig; docs/structured_outputs.md)
+    structured_outputs_config: Any = None
     enable_lora: bool = False  # serve LoRA adapters (docs/lora.md)
     max_loras: int = 1  # adapters one step may use (device slots)
     max_lora_rank: int = 16  # largest adapter rank; slots are padded to it
@@ -70,6 +73,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.structured_outputs_config = StructuredOutputsConfig.parse(self.structured_outputs_config)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ParamError("dtype", f"must be one of auto, {', '.join(DTYPES)}; got {self.dtype!r}")
         if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size < 1

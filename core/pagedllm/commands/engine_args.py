@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import fields, replace
 from typing import Optional
 
 from pagedllm.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
+from pagedllm.structured_output.limits import StructuredOutputsConfig, flag as limit_flag
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -44,6 +46,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                         "declares it: half the bytes of bf16 per token (docs/quantization.md)")
     p.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar", "guidance"],
                    help="grammar backend for structured outputs (auto: xgrammar, llguidance for what it refuses)")
+    p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                   help="grammar limits and compile pool as JSON, keys as the flags below without the prefix, e.g. "
+                        '\'{"max_choices": 1000}\' (docs/structured_outputs.md)')
+    for f in fields(StructuredOutputsConfig):  # one flag per limit; it wins over the same key in the JSON
+        p.add_argument(limit_flag(f.name), type=float if f.name == "compile_timeout" else int, default=None,
+                       help=f"{_LIMIT_HELP[f.name]} (default {f.default})")
     p.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
                    help="native decoder, or transformers' module with pagedllm paged attention (auto: native when "
                         "the architecture has one; docs/models.md)")
@@ -82,7 +90,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
         swap_space=args.swap_space, scheduling_policy=args.scheduling_policy, seed=args.seed,
         enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
-        structured_outputs_backend=args.structured_outputs_backend, enable_lora=args.enable_lora,
+        structured_outputs_backend=args.structured_outputs_backend,
+        structured_outputs_config=structured_outputs_config(args), enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         model_impl=args.model_impl, quantization=args.quantization,
         speculative_config=getattr(args, "speculative_config", None),
@@ -92,6 +101,25 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         generation_config=getattr(args, "generation_config", "auto"))
 
+
+
+_LIMIT_HELP = {
+    "compile_timeout": "seconds one request's grammar may take to compile (400 beyond)",
+    "compile_workers": "grammar compile worker processes of the server",
+    "max_choices": "most strings in a request's choice list",
+    "max_grammar_chars": "longest regex, grammar, JSON schema (as JSON) or choice list in characters",
+    "max_schema_properties": "most properties in a request's JSON schema",
+    "max_schema_depth": "deepest nesting of a request's JSON schema document",
+    "cache_bytes": "bytes of compiled grammars cached (server and engine each)",
+    "worker_memory_bytes": "resident bytes a compile worker may grow by before it is replaced",
+}
+
+
+def structured_outputs_config(args: argparse.Namespace) -> StructuredOutputsConfig:
+    """``--structured-outputs-config`` JSON, then each ``--structured-outputs-<limit>`` flag given over it."""
+    base = StructuredOutputsConfig.parse(getattr(args, "structured_outputs_config", None))
+    given = {f.name: getattr(args, f"structured_outputs_{f.name}", None) for f in fields(StructuredOutputsConfig)}
+    return replace(base, **{k: v for k, v in given.items() if v is not None})
 
 
 def lora_modules(values: Optional[list[str]], enable_lora: bool) -> list[LoRARequest]:

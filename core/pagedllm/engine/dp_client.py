@@ -68,6 +68,7 @@ class DataParallelEngine:
         n = len(replica_cpus)
         if n < 1:
             raise ParamError("data_parallel_size", f"must be >= 1, got {n}")
+        self.config = config
 
         #: DP+EP (``--enable-expert-parallel`` with an MoE model): one expert-parallel group over the replicas.
         self.expert_parallel = bool(config.enable_expert_parallel) and n > 1

@@ -29,7 +29,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.sched.scheduler import Scheduler, SchedulerOutput
 from pagedllm.spec_decode.manager import build as build_spec_decoder
 from pagedllm.startup_log import stage
-from pagedllm.structured_output import GrammarBitmask, StructuredOutputManager
+from pagedllm.structured_output import GRAMMAR_DEAD_END, GrammarBitmask, StructuredOutputManager
 from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,8 @@ class LLMEngine:
                 self.executor.attach(w.runner)
             self.spec = build_spec_decoder(config.speculative_config, self.max_model_len, w.draft_proposer)
             self.structured = StructuredOutputManager(self.tokenizer, self.model.vocab_size,
-                                                      self.model.eos_token_ids, config.structured_outputs_backend)
+                                                      self.model.eos_token_ids, config.structured_outputs_backend,
+                                                      config.structured_outputs_config)
             self._owned.append(self.structured)
             self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
             self.parents: dict[str, ParentRequest] = {}
@@ -414,11 +415,10 @@ class LLMEngine:
                     done = False
                     if req.structured is not None and req.structured.matcher is not None:
                         m = req.structured.matcher
-                        ok = m.accept(token)
-                        if not ok:  # cannot happen with the mask applied; never continue off-grammar
-                            logger.error("request %s: token %d rejected by its grammar; stopping", req.request_id,
-                                         token)
-                        done = not ok or m.is_terminated()
+                        if not m.accept(token):  # the grammar allowed no token here: never emit one off-grammar
+                            self._finish_grammar_dead_end(parent, req)
+                            break
+                        done = m.is_terminated()
                     status = self.output_processor.process_token(parent, req, token, sampled.logprobs[i],
                                                                  sampled.sampled_logprob[i], now, grammar_done=done)
                     self.stats.generation_tokens += 1
@@ -443,6 +443,17 @@ class LLMEngine:
         self.parents.pop(parent.request_id, None)
         for c in parent.children:
             self.requests.pop(c.request_id, None)
+
+    def _finish_grammar_dead_end(self, parent: ParentRequest, req: Request) -> None:
+        """End ``req`` with finish reason ``error`` (``stop_reason`` says why), its rejected token not appended."""
+        logger.warning("request %s: its grammar allows no token after %d output tokens; finishing with an error",
+                       req.request_id, req.num_output_tokens)
+        req.stop_reason = GRAMMAR_DEAD_END
+        detok = parent.detoks.get(req.request_id)
+        if detok is not None:
+            detok.finish()
+            req.output_text = detok.output_text
+        self.scheduler.finish(req, RequestStatus.FINISHED_ERROR)
 
     def _drop_failed_grammars(self) -> list[ParentRequest]:
         """A grammar whose compile failed after it parsed: finish its request as aborted (logged) rather than run

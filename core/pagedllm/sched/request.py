@@ -20,6 +20,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # the request cannot go on (its grammar allows no token): ``stop_reason`` says why
 
     @property
     def finished(self) -> bool:
@@ -30,6 +31,7 @@ FINISH_REASON = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

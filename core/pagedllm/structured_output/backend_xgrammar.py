@@ -23,8 +23,17 @@ class XgrammarBackend:
 
         self.xgr = xgr
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_limit_bytes=256 << 20)
+        self._compiler: Any = None
         self._no_control: Any = None
+
+    @property
+    def compiler(self) -> Any:
+        """Made on first compile: it owns threads, and a compile worker is forked from a zygote that built this
+        backend (``compile_worker.py``). No compiler cache: the manager and the compile pool keep compiled
+        grammars, bounded by bytes."""
+        if self._compiler is None:
+            self._compiler = self.xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        return self._compiler
 
     def parse(self, spec: StructuredOutputsParams) -> Any:
         """The grammar of ``spec`` (fast: no tokenizer work); a bad spec raises ParamError naming the problem."""
@@ -47,6 +56,18 @@ class XgrammarBackend:
 
     def compile(self, grammar: Any) -> Any:
         return self.compiler.compile_grammar(grammar)
+
+    def serialize(self, compiled: Any) -> str:
+        """The compiled grammar as text, to ship from a compile worker to the engine (xgrammar's own format)."""
+        return compiled.serialize_json()
+
+    def load(self, payload: str) -> Any:
+        """A compiled grammar from :meth:`serialize`; raises if it was compiled for another tokenizer."""
+        return self.xgr.CompiledGrammar.deserialize_json(payload, self.info)
+
+    @staticmethod
+    def size(compiled: Any) -> int:
+        return int(compiled.memory_size_bytes)
 
     def matcher(self, compiled: Any, json_output: bool = False) -> "XgrammarMatcher":
         return XgrammarMatcher(self.xgr.GrammarMatcher(compiled), self.no_control_mask() if json_output else None)

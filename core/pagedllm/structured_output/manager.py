@@ -1,12 +1,16 @@
 """StructuredOutputManager: compiles each request's grammar off the hot loop and builds the per-step token bitmask.
 
-As in vLLM v1: ``add_request`` parses the spec at once (a bad schema, regex or grammar is a ParamError naming it,
-before the request is queued), the tokenizer-dependent compile runs in a worker thread (cached by spec, so a
-repeated schema costs nothing), and the scheduler does not schedule a request until its grammar is ready. Each
+As in vLLM v1: the scheduler does not schedule a request until its grammar is ready. Each
 request (each of ``n`` samples) gets its own matcher, advanced by every sampled token; the matcher's state follows
 ``output_token_ids``, which recompute preemption keeps, so preempted requests resume where they were. After each
 schedule the engine asks ``grammar_bitmask`` for the step's masks and hands them to the worker with the step (vLLM's
 ``get_grammar_bitmask`` beside the scheduler output): the worker never sees a grammar.
+
+Served requests arrive precompiled (``PrecompiledSpec``: the server's compile pool checked the limits and compiled
+them in worker processes with a time limit), so the engine only loads them, in its grammar thread. Offline
+(``LLM``) specs are checked against the same limits and parsed at ``add_request`` (a bad schema, regex or grammar is
+a ParamError naming it, before the request is queued); the tokenizer-dependent compile runs in that thread. Compiled
+grammars are cached by spec, bounded by their bytes (``GrammarCache``).
 """
 
 from __future__ import annotations
@@ -25,11 +29,17 @@ from pagedllm.sched.request import Request
 from pagedllm.sched.scheduler import ScheduledRequest
 from pagedllm.structured_output.backend_guidance import GuidanceBackend
 from pagedllm.structured_output.backend_xgrammar import XgrammarBackend
+from pagedllm.structured_output.limits import StructuredOutputsConfig, check_spec
+from pagedllm.structured_output.precompiled import PrecompiledSpec
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "xgrammar", "guidance")
-_CACHE_SIZE = 512  # compiled grammars kept (xgrammar's compiler also caches by bytes)
+#: ``stop_reason`` of a request ended with finish reason "error" because its grammar allowed no next token.
+GRAMMAR_DEAD_END = ("grammar_dead_end: the grammar allows no token at this point of the output (a string it requires "
+                    "cannot be spelt with this model's vocabulary, or min_tokens forbids ending where it ends)")
+_CACHE_ENTRIES = 512
+_MAX_ERROR_CHARS = 1000  # most compiled grammars kept, whatever their size
 
 
 class StructuredRequest:
@@ -88,9 +98,42 @@ class GrammarBitmask:
         return [i for i, _ in found], mask
 
 
-class StructuredOutputManager:
-    """``backend``: ``auto`` (xgrammar, then llguidance for what xgrammar refuses), ``xgrammar`` or ``guidance``.
-    Backends are built on first use: an engine that never sees a grammar never loads their libraries."""
+class GrammarCache:
+    """Compile futures by spec key, least recently used first out, bounded by the compiled grammars' bytes (and
+    :data:`_CACHE_ENTRIES`), checked at every lookup and insertion. A grammar still compiling counts once it is
+    done, so the newest entry may hold the cache over its bound until the next lookup."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple, tuple[cf.Future, Any]] = OrderedDict()
+
+    def get(self, key: tuple) -> Optional[cf.Future]:
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        self._entries.move_to_end(key)
+        self._evict()
+        return hit[0]
+
+    def put(self, key: tuple, fut: cf.Future, backend: Any) -> None:
+        self._entries[key] = (fut, backend)
+        self._entries.move_to_end(key)
+        self._evict()
+
+    def _evict(self) -> None:
+        while len(self._entries) > _CACHE_ENTRIES or (len(self._entries) > 1 and self.nbytes() > self.max_bytes):
+            self._entries.popitem(last=False)
+
+    def nbytes(self) -> int:
+        return sum(be.size(f.result()) for f, be in self._entries.values() if f.done() and f.exception() is None)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class Backends:
+    """The grammar backends of one tokenizer, built on first use, and the ``auto`` fallback (xgrammar, then
+    llguidance for what xgrammar refuses). Shared by the engine's manager and the server's compile workers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], backend: str = "auto"):
         if backend not in BACKENDS:
@@ -98,46 +141,96 @@ class StructuredOutputManager:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self.backend_name = backend
-        self._backends: dict[str, Any] = {}
+        self.names = ["xgrammar", "guidance"] if backend == "auto" else [backend]
+        self._built: dict[str, Any] = {}
+        self._broken: dict[str, str] = {}  # backend -> why it cannot work with this tokenizer
+
+    def get(self, name: str) -> Any:
+        be = self._built.get(name)
+        if be is None:
+            if name in self._broken:
+                raise ParamError("structured_outputs", self._broken[name])
+            cls = XgrammarBackend if name == "xgrammar" else GuidanceBackend
+            try:
+                be = self._built[name] = cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
+            except Exception as e:  # noqa: BLE001 - e.g. llguidance on a tokenizer whose decoder it cannot read
+                self._broken[name] = f"the {name} grammar backend cannot use this model's tokenizer ({e})"
+                logger.warning("structured outputs: %s", self._broken[name])
+                raise ParamError("structured_outputs", self._broken[name]) from None
+        return be
+
+    def parse(self, spec: StructuredOutputsParams) -> tuple[str, Any, Any]:
+        """(backend name, backend, parsed grammar) of the first backend that accepts ``spec``; else the ParamError
+        of the last that could parse it (a backend that cannot be built for this tokenizer never hides the error
+        of the one before it)."""
+        error: Optional[ParamError] = None
+        for name in self.names:
+            try:
+                be = self.get(name)
+            except ParamError as e:
+                if error is None:
+                    error = e
+                continue
+            try:
+                return name, be, be.parse(spec)
+            except ParamError as e:
+                error = e
+        if len(error.message) > _MAX_ERROR_CHARS:  # the libraries quote the whole spec: a 100 KB regex, say
+            error = ParamError(error.field, error.message[:_MAX_ERROR_CHARS] + " ... (truncated)")
+        raise error
+
+
+class StructuredOutputManager:
+    """``backend``: ``auto`` (xgrammar, then llguidance for what xgrammar refuses), ``xgrammar`` or ``guidance``.
+    Backends are built on first use: an engine that never sees a grammar never loads their libraries. ``config``:
+    the deployer's limits (``limits.StructuredOutputsConfig``), checked on every spec that is not precompiled."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], backend: str = "auto",
+                 config: Any = None):
+        self.backends = Backends(tokenizer, vocab_size, stop_token_ids, backend)
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.config = StructuredOutputsConfig.parse(config)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
-        self._cache: OrderedDict[tuple, cf.Future] = OrderedDict()
+        self._cache = GrammarCache(self.config.cache_bytes)
 
     def shutdown(self) -> None:
         """Stop the compile thread (the engine's shutdown): compiles not started are cancelled, a running one ends."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _backend(self, name: str) -> Any:
-        be = self._backends.get(name)
-        if be is None:
-            cls = XgrammarBackend if name == "xgrammar" else GuidanceBackend
-            be = self._backends[name] = cls(self.tokenizer, self.vocab_size, self.stop_token_ids)
-        return be
-
     def new_request(self, spec: StructuredOutputsParams, prefix: Sequence[int] = ()) -> StructuredRequest:
-        """Parse ``spec`` now (ParamError if it cannot compile) and start (or reuse) its compile."""
+        """Start (or reuse) the grammar of ``spec``: a :class:`PrecompiledSpec` (the server compiled it) is only
+        loaded, off the step loop; another spec is checked against the limits and parsed now (ParamError if it is
+        over a limit or cannot compile), then compiled in the manager's thread."""
         if self.tokenizer is None:
             raise ParamError("structured_outputs", "needs a tokenizer (the engine was started without one)")
-        names = ["xgrammar", "guidance"] if self.backend_name == "auto" else [self.backend_name]
-        for i, name in enumerate(names):
-            key = (name,) + spec.key
+        json_output = spec.kind in ("json", "json_object")
+        if isinstance(spec, PrecompiledSpec):
+            be = self.backends.get(spec.backend)
+            key = (spec.backend,) + spec.key
             fut = self._cache.get(key)
+            if fut is None:
+                fut = self._pool.submit(self._load, be, spec)
+                self._cache.put(key, fut, be)
+            return StructuredRequest(fut, be, json_output, prefix)
+        check_spec(spec, self.config)
+        for name in self.backends.names:
+            fut = self._cache.get((name,) + spec.key)
             if fut is not None:
-                self._cache.move_to_end(key)
-                return StructuredRequest(fut, self._backend(name), spec.kind in ("json", "json_object"), prefix)
-            be = self._backend(name)
-            try:
-                grammar = be.parse(spec)
-            except ParamError:
-                if i + 1 < len(names):
-                    continue  # auto: let llguidance try what xgrammar refuses
-                raise
-            fut = self._pool.submit(be.compile, grammar)
-            self._cache[key] = fut
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
-            return StructuredRequest(fut, be, spec.kind in ("json", "json_object"), prefix)
-        raise AssertionError("unreachable")
+                return StructuredRequest(fut, self.backends.get(name), json_output, prefix)
+        name, be, grammar = self.backends.parse(spec)
+        fut = self._pool.submit(be.compile, grammar)
+        self._cache.put((name,) + spec.key, fut, be)
+        return StructuredRequest(fut, be, json_output, prefix)
+
+    @staticmethod
+    def _load(be: Any, spec: PrecompiledSpec) -> Any:
+        try:
+            return be.load(spec.payload)
+        except Exception as e:  # noqa: BLE001 - compiled for another tokenizer view (stop ids): compile it here
+            logger.warning("structured outputs: a precompiled grammar did not load (%s); compiling it in the "
+                           "engine", e)
+            return be.compile(be.parse(spec))
 
     @staticmethod
     def wait(reqs: Sequence[StructuredRequest], timeout: float) -> None:
@@ -157,4 +250,9 @@ class StructuredOutputManager:
             m = r.structured.matcher
             if m is not None and not m.is_terminated():
                 m.fill(mask, j)
+        # A row the grammar leaves no token in (its strings cannot be spelt with this vocabulary) stays unmasked so its sampler row stays finite: the matcher rejects whatever it
+        # samples and the engine ends the request with finish reason "error" instead of emitting that token.
+        dead = ~(mask != 0).any(dim=1)
+        if bool(dead.any()):
+            mask[dead] = -1
         return GrammarBitmask([r.request_id for r in reqs], mask)

@@ -35,6 +35,7 @@ from pagedllm.entrypoints.openai.docs_assets import add_offline_docs
 from pagedllm.engine.cpu_split import parse_cpu_list, pin_front_end
 from pagedllm.engine.dp_client import DataParallelEngine, split_cpus
 from pagedllm.entrypoints.openai.errors import APIError, error_body, from_param_error, install_handlers
+from pagedllm.entrypoints.openai.grammar_gate import start_grammar_pool, stop_grammar_pool
 from pagedllm.entrypoints.openai.limits import Admission, RequestBodyMiddleware, ServerLimits
 from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagedllm.entrypoints.openai.protocol import (
@@ -138,6 +139,7 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         await engine.start()
         if renderer is not None:
             await renderer.start()
+            await start_grammar_pool(engine)  # grammar compile workers (grammar_gate.py)
         # What startup allocated (torch, FastAPI, the tokenizer) lives for good: keep it out of every GC pass, which
         # otherwise walks those millions of objects while outputs are being unpickled (vLLM freezes them too).
         gc.collect()
@@ -151,6 +153,7 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         finally:
             if renderer is not None:
                 await asyncio.to_thread(renderer.shutdown)
+            await stop_grammar_pool(engine)
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="pagedllm OpenAI-compatible server", version=pagedllm.__version__, lifespan=lifespan,

@@ -26,6 +26,7 @@ from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
 from pagedllm.entrypoints.openai import tool_calling as tc
 from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
+from pagedllm.entrypoints.openai.grammar_gate import gate_grammar
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_RENAME, ChoiceState, Serving, Usage,
                                                       json_response, merge_streams, now, random_id, sse,
@@ -68,6 +69,7 @@ class ChatServing(Serving):
             params = params.clone(structured_outputs=forced)
         rename = {**_RENAME, **(self.structured_rename(req) if forced is None else
                                 {k: "tools" for k in STRUCTURED_RENAME})}
+        params = await gate_grammar(self, params, rename, raw, start)
         tools = tc.tools_for_template(req.tools) if req.tools and choice != "none" else None
         messages = [m.to_template_dict() for m in req.messages]
         self.check_text_size([m["content"] for m in messages], "messages")

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
 from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
+from pagedllm.entrypoints.openai.grammar_gate import gate_grammar
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_RENAME, ChoiceState, Serving, Usage,
                                                       json_response, merge_streams, now, random_id, sse,
@@ -41,6 +42,7 @@ class CompletionServing(Serving):
             params = params.clone(prompt_logprobs=req.logprobs)
         if req.stream and params.best_of > params.n:
             raise APIError(400, "best_of: must equal n when streaming", param="best_of")
+        params = await gate_grammar(self, params, {**_RENAME, **self.structured_rename(req)}, raw, start)
         items = self._items(req.prompt)
         ticket = self.admit(len(items) * params.best_of)
         try:
