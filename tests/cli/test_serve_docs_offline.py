@@ -28,16 +28,18 @@ def test_model_flag_loads_that_model(server):
 @pytest.mark.parametrize("page,script,marker", [("/docs", "swagger-ui-bundle.js", "SwaggerUIBundle"),
                                                 ("/redoc", "redoc.standalone.js", "Redoc")])
 def test_docs_pages_load_only_local_assets(server, page, script, marker):
-    r = httpx.get(server.base_url + page, timeout=30)
+    keyed = {"Authorization": f"Bearer {API_KEY}"}  # with --api-key every route but /health needs it (issue 34)
+    assert httpx.get(server.base_url + page, timeout=30).status_code == 401
+    r = httpx.get(server.base_url + page, headers=keyed, timeout=30)
     assert r.status_code == 200 and "text/html" in r.headers["content-type"], r.text[:500]
     assert "http://" not in r.text and "https://" not in r.text and "//cdn" not in r.text, r.text
     refs = re.findall(r'(?:src|href)="([^"]+)"', r.text)
     assert any(ref.endswith(script) for ref in refs), refs
     for ref in refs:
         assert ref.startswith("/") and not ref.startswith("//"), ref
-        asset = httpx.get(server.base_url + ref, timeout=30)
+        asset = httpx.get(server.base_url + ref, headers=keyed, timeout=30)
         assert asset.status_code == 200 and len(asset.content) > 1000, (ref, asset.status_code)
         if ref.endswith(script):
             assert "javascript" in asset.headers["content-type"] and marker in asset.text
-    spec = httpx.get(server.base_url + "/openapi.json", timeout=30).json()
+    spec = httpx.get(server.base_url + "/openapi.json", headers=keyed, timeout=30).json()
     assert "/v1/chat/completions" in spec["paths"] and page not in spec["paths"]

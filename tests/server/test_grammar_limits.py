@@ -31,7 +31,8 @@ LIMITS = {"compile_timeout": 3, "max_choices": 200_000, "max_grammar_chars": 4_0
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess(tiny_chat_model(), "--max-model-len", "512", "--kv-cache-memory", str(64 << 20),
-                      "--structured-outputs-config", json.dumps(LIMITS), "--structured-outputs-max-schema-depth", "32")
+                      "--structured-outputs-config", json.dumps(LIMITS), "--structured-outputs-max-schema-depth", "32",
+                      "--max-json-depth", "4096")  # the body's own depth limit (64) would answer first
     yield s
     s.stop()
 

@@ -180,6 +180,17 @@ def gone(pid: int, timeout: float) -> bool:
         time.sleep(0.05)
 
 
+def comm(pid: int) -> str:
+    """The process name (``PR_SET_NAME``): the grammar compile pool names its processes ``grammar-zygote`` and
+    ``grammar-worker``."""
+    with open(f"/proc/{pid}/comm") as f:
+        return f.read().strip()
+
+
+def is_grammar_process(pid: int) -> bool:
+    return comm(pid).startswith("grammar-")
+
+
 def cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         return f.read().replace(b"\0", b" ").decode()
