@@ -122,10 +122,12 @@ def _names(chosen: list[str], every: list[str]) -> str:
 
 
 def backends_for(name: str) -> str:
-    """The installed backends whose ``Capabilities`` declare what the architecture needs (variants in brackets)."""
+    """The installed backends whose ``Capabilities`` declare what the architecture needs (variants in brackets);
+    installed = found through an entry point, not registered in-process (``register_backend``: tests, notebooks)."""
     from pagedllm.backend import registry  # heavy: torch, the plugins
 
-    caps = {n: d.backend.capabilities for n, d in sorted(registry.discover().items()) if d.backend is not None}
+    caps = {n: d.backend.capabilities for n, d in sorted(registry.discover().items())
+            if d.backend is not None and d.distribution != "<registered>"}
     every = list(caps)
     needs = _needs(name)
     always = [n for n, c in caps.items() if all(getattr(c, need) for need in needs if " " not in need)]
