@@ -17,7 +17,7 @@ from typing import Any, Optional
 from starlette.requests import Request
 
 from pagedllm.entrypoints.openai.errors import APIError, from_param_error
-from pagedllm.entrypoints.openai.serving_common import timeout_error
+from pagedllm.entrypoints.openai.serving_common import timeout_error, until_disconnect
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import PrecompiledSpec, StructuredOutputsConfig, check_spec
@@ -103,7 +103,7 @@ async def gate_grammar(serving: Any, params: SamplingParams, rename: dict[str, s
     budget = config.compile_timeout if left is None else min(config.compile_timeout, left)
     try:
         work = pool.compile(spec, budget, left)
-        backend, payload = await (_until_disconnect(work, raw) if raw is not None else work)
+        backend, payload = await (until_disconnect(work, raw) if raw is not None else work)
     except asyncio.TimeoutError:
         raise timeout_error(serving.limits.request_timeout) from None
     except CompileTimeout:
@@ -116,27 +116,3 @@ async def gate_grammar(serving: Any, params: SamplingParams, rename: dict[str, s
     except ParamError as e:
         raise from_param_error(e, rename) from None
     return params.clone(structured_outputs=PrecompiledSpec.of(spec, backend, payload))
-
-
-async def _until_disconnect(coro: Any, raw: Request) -> Any:
-    """Await ``coro``; if the client disconnects first, cancel it (the pool kills the compile) and answer 499."""
-    task = asyncio.ensure_future(coro)
-
-    async def watch() -> None:
-        while True:
-            if (await raw.receive())["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-        raise APIError(499, "client disconnected", code="client_closed_request")
-    return task.result()
