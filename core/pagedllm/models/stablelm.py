@@ -22,7 +22,7 @@ from torch import nn
 
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.models.quantized_embedding import QuantizedEmbedding
+from pagedllm.models.causal_lm import CausalLM
 
 
 def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -188,23 +188,8 @@ class StableLmCausalLM(nn.Module):
         self.rope_caches: dict[str, torch.Tensor] = {}
         self.requires_grad_(False)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        e = self.embed_tokens
-        return e.dtype if isinstance(e, QuantizedEmbedding) else e.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        e = self.embed_tokens
-        return e.device if isinstance(e, QuantizedEmbedding) else e.weight.device
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        """The dense LM head (a tied GGUF-packed embedding dequantized, as ``CausalLM`` does)."""
-        if not self.tie_word_embeddings:
-            return self.lm_head.weight
-        e = self.embed_tokens
-        return torch.cat(list(e.dequantize(e.dtype))) if isinstance(e, QuantizedEmbedding) else e.weight
+    # the same embedding/LM-head attributes as CausalLM, so the same accessors
+    dtype, device, lm_head_weight = CausalLM.dtype, CausalLM.device, CausalLM.lm_head_weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
