@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.backend.attention import AttentionMetadata
-from pagedllm.backend.hookspec import KVCacheSpec
+from logit_parity import BLOCK_SIZE, run_schedule  # noqa: F401 - BLOCK_SIZE: the paged cache's, 4
+
 
 # Config fields shrunk wherever an architecture's default config has them (value kept when the default is None).
 _SMALL = {
@@ -54,7 +54,6 @@ REPRESENTATIVE: dict[str, dict[str, Any]] = {
 }
 PROMPT_LENS = (5, 11, 19)  # block 4: every prompt crosses blocks; 19 + new tokens crosses window 8
 NEW_TOKENS = 6
-BLOCK_SIZE = 4
 
 
 def causal_lm_architectures() -> dict[str, str]:
@@ -165,30 +164,8 @@ def chunked_schedule(lens: list[int], prompt_lens: list[int], chunk: int = 7) ->
 
 def paged_logits(model: Any, backend: Any, seqs: list[list[int]], prompt_lens: list[int]) -> list[torch.Tensor]:
     """Teacher-forced logits of ``seqs`` through the paged cache (chunked prefill, then batched decodes)."""
-    blocks = [(len(s) + BLOCK_SIZE - 1) // BLOCK_SIZE for s in seqs]
-    ids = list(range(1, sum(blocks) + 1))
-    random.Random(0).shuffle(ids)
-    tables, start = [], 0
-    for n in blocks:
-        tables.append(ids[start:start + n])
-        start += n
-    spec = KVCacheSpec(model.num_layers, sum(blocks) + 1, BLOCK_SIZE, model.num_kv_heads, model.head_size,
-                       torch.float32, torch.device("cpu"))
-    model.kv_caches = backend.allocate_kv_cache(spec)
-    done = [0] * len(seqs)
-    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
     with torch.inference_mode():
-        for step in chunked_schedule([len(s) for s in seqs], prompt_lens):
-            qlens = [n for _, n in step]
-            slens = [done[s] + n for s, n in step]
-            tokens = [t for s, n in step for t in seqs[s][done[s]:done[s] + n]]
-            positions = [p for s, n in step for p in range(done[s], done[s] + n)]
-            meta = AttentionMetadata.build(qlens, slens, [tables[s] for s, _ in step], BLOCK_SIZE)
-            logits = model.compute_logits(model(torch.tensor(tokens), torch.tensor(positions), meta))
-            for i, (s, n) in enumerate(step):
-                rows[s].append(logits[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i + 1]])
-                done[s] += n
-    return [torch.cat(r) for r in rows]
+        return run_schedule(model, backend, seqs, chunked_schedule([len(s) for s in seqs], prompt_lens))
 
 
 def build_pair(config: Any, seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
