@@ -207,15 +207,19 @@ class Sampler:
 
     @staticmethod
     def processed_logits(x: torch.Tensor, reqs: Sequence[Request]) -> torch.Tensor:
-        """A copy of ``x`` after temperature and the top-k/top-p/min-p threshold: softmax of it is the distribution
-        a random row samples from (speculative verification needs it as probabilities)."""
+        """``x`` after temperature and the top-k/top-p/min-p threshold (a copy, or ``x`` itself when none of them
+        changes it): softmax of it is the distribution a random row samples from (speculative verification needs it
+        as probabilities)."""
         n, vocab = x.shape
         dev = x.device
         params = [r.params for r in reqs]
-        x = x / torch.tensor([float(p.temperature) for p in params], device=dev).unsqueeze(1)  # a private copy
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         cut = [i for i, p in enumerate(params) if ks[i] < vocab or p.top_p < 1.0]
         use_min_p = any(p.min_p > 0.0 for p in params)
+        if any(p.temperature != 1.0 for p in params):
+            x = x / torch.tensor([float(p.temperature) for p in params], device=dev).unsqueeze(1)  # a private copy
+        elif cut or use_min_p:
+            x = x.clone()  # masked below, in place
         if cut or use_min_p:
             cutoff = torch.full((n,), _NEG_INF, device=dev)
             if cut:
@@ -298,7 +302,7 @@ def logprob_entries(lps: torch.Tensor, tokens: torch.Tensor, nums: Sequence[int]
 def _ranks(lps: torch.Tensor, tok_lp: torch.Tensor, top_vals: torch.Tensor) -> list[int]:
     """1 + how many tokens are strictly more likely than the chosen one, per row. A row whose token is among its
     top values counts within them; the others take one full pass, as a 0/1 float sum (exact below 2**24 tokens,
-    and about 4x faster on CPU than summing a bool mask)."""
+    and about 3x faster on CPU than summing a bool mask)."""
     ranks = torch.ones(lps.shape[0], dtype=torch.long, device=lps.device)
     if top_vals.shape[1]:
         inside = tok_lp[:, 0] >= top_vals[:, -1]
@@ -309,9 +313,6 @@ def _ranks(lps: torch.Tensor, tok_lp: torch.Tensor, top_vals: torch.Tensor) -> l
         rows = (~inside).nonzero().squeeze(1)
         # a few rows: count on copies of those; many: count on every row (no copy) and keep the ones needed
         sub, t = (lps.index_select(0, rows), tok_lp[rows]) if 4 * len(rows) < lps.shape[0] else (lps, tok_lp)
-        if bool(torch.isfinite(t).all()):
-            counted = (sub - t).clamp_(min=0).sign_().sum(dim=-1).long() + 1
-        else:  # -inf - -inf is nan: compare instead
-            counted = (sub > t).sum(dim=-1) + 1
+        counted = (sub - t).gt_(0).sum(dim=-1).long() + 1  # -inf - -inf is nan, and nan > 0 is False, as it should
         ranks[rows] = counted if sub is not lps else counted[rows]
     return ranks.tolist()
