@@ -71,11 +71,17 @@ class OutputProcessor:
     def __init__(self, tokenizer, max_model_len: int):
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        # token id -> its text alone (``decode([id])``): large-n logprobs name ~n * 21 tokens a step, mostly repeats
+        self._token_text: dict[int, str] = {}
 
     def _name_tokens(self, entries: dict[int, Logprob], params: SamplingParams) -> None:
         if self.tokenizer is not None and params.detokenize:
+            names = self._token_text
             for tid, lp in entries.items():
-                lp.decoded_token = self.tokenizer.decode([tid])
+                name = names.get(tid)
+                if name is None:
+                    name = names[tid] = self.tokenizer.decode([tid])
+                lp.decoded_token = name
 
     def record_prompt_logprobs(self, req: Request, first: int, logits: torch.Tensor) -> None:
         """Logprobs of prompt tokens first+1.. under those positions' raw logits: the token plus the top-N."""
