@@ -103,3 +103,157 @@ def test_llama3_json():
     assert parse("llama3_json", '{"not": "a call"}') == ('{"not": "a call"}', [], False)
     for text in (LLAMA_TWO, one, before, '{"not": "a call"}', "The answer is 7."):
         check_stream("llama3_json", text)
+
+
+# ---- mistral -----------------------------------------------------------------------------------------------
+MISTRAL_TWO = ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 3.5, "b": 4}}, '
+               '{"name": "get_current_weather", "arguments":{"city": "San Francisco", "state": "CA", '
+               '"unit": "celsius"}}]')
+
+
+def test_mistral():
+    assert parse("mistral", '[TOOL_CALLS][{"name": "add", "arguments":{"a": 3.5, "b": 4}}]') == (
+        None, [("add", {"a": 3.5, "b": 4})], True)
+    # vLLM's "argument_before_name_and_name_in_argument": the name is the top-level one
+    assert parse("mistral", '[TOOL_CALLS] [{"arguments":{"name": "John Doe"}, "name": "get_age"}]') == (
+        None, [("get_age", {"name": "John Doe"})], True)
+    assert parse("mistral", MISTRAL_TWO)[1] == [("add", {"a": 3.5, "b": 4}), (
+        "get_current_weather", {"city": "San Francisco", "state": "CA", "unit": "celsius"})]
+    # the v11 and v13 forms, parallel calls as repeated [TOOL_CALLS], text before
+    assert parse("mistral", '[TOOL_CALLS]add{"a": 3.5, "b": 4}') == (None, [("add", {"a": 3.5, "b": 4})], True)
+    v13 = 'Let me look.[TOOL_CALLS]get_weather[ARGS]{"city": "SF"}[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'
+    assert parse("mistral", v13) == ("Let me look.", [("get_weather", {"city": "SF"}), ("add", {"a": 1, "b": 2})],
+                                     True)
+    info = ToolParserManager.get_tool_parser("mistral")().extract_tool_calls(v13, None)
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in info.tool_calls)  # Mistral's templates need these
+    assert parse("mistral", "This is a test") == ("This is a test", [], False)
+    bad = "[TOOL_CALLS][{\"name\": \"add\", \"arguments\": {\"a\": "
+    assert parse("mistral", bad) == (bad, [], False)
+    for text in (MISTRAL_TWO, v13, '[TOOL_CALLS] [{"arguments":{"name": "John Doe"}, "name": "get_age"}]',
+                 '[TOOL_CALLS]add{"a": 3.5, "b": 4}', "[TOOL_CALLS]{bad}", "This is a test"):
+        check_stream("mistral", text)
+
+
+def test_mistral_keeps_special_tokens_for_its_marker():
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                tools=[{"type": "function", "function": {"name": "add"}}])
+    parser = ToolParserManager.get_tool_parser("mistral")()
+    assert parser.adjust_request(req).skip_special_tokens is False and req.skip_special_tokens is True
+    assert ToolParserManager.get_tool_parser("hermes")().adjust_request(req) is req
+
+
+# ---- qwen3_coder -------------------------------------------------------------------------------------------
+QWEN_TOOLS = [
+    {"type": "function", "function": {"name": "get_current_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "state": {"type": "string"},
+                                         "unit": {"type": "string", "enum": ["fahrenheit", "celsius"]}}}}},
+    {"type": "function", "function": {"name": "calculate_area", "parameters": {
+        "type": "object", "properties": {"shape": {"type": "string"}, "dimensions": {"type": "object"},
+                                         "precision": {"type": "integer"}}}}},
+    {"type": "function", "function": {"name": "test_types", "parameters": {
+        "type": "object", "properties": {"int_param": {"type": "integer"}, "float_param": {"type": "float"},
+                                         "num_param": {"type": "number"}, "bool_param": {"type": "boolean"},
+                                         "str_param": {"type": "string"}, "obj_param": {"type": "object"},
+                                         "list_param": {"type": "array"}}}}},
+]
+QWEN_REQ = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=QWEN_TOOLS)
+QWEN_WEATHER = ("<tool_call>\n<function=get_current_weather>\n<parameter=city>\n{city}\n</parameter>\n"
+                "<parameter=state>\n{state}\n</parameter>\n<parameter=unit>\nfahrenheit\n</parameter>\n</function>\n"
+                "</tool_call>")
+QWEN_AREA = ("Let me calculate that area for you.<tool_call>\n<function=calculate_area>\n<parameter=shape>\n"
+             "rectangle\n</parameter>\n<parameter=dimensions>\n{\"width\": 10, \n \"height\": 20}\n</parameter>\n"
+             "<parameter=precision>\n2\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder():
+    dallas = QWEN_WEATHER.format(city="Dallas", state="TX")
+    weather = {"city": "Dallas", "state": "TX", "unit": "fahrenheit"}
+    assert parse("qwen3_coder", dallas, QWEN_REQ) == (None, [("get_current_weather", weather)], True)
+    two = dallas + "\n" + QWEN_WEATHER.format(city="Orlando", state="FL")
+    assert parse("qwen3_coder", two, QWEN_REQ)[1] == [
+        ("get_current_weather", weather), ("get_current_weather", {**weather, "city": "Orlando", "state": "FL"})]
+    assert parse("qwen3_coder", QWEN_AREA, QWEN_REQ) == (
+        "Let me calculate that area for you.",
+        [("calculate_area", {"shape": "rectangle", "dimensions": {"width": 10, "height": 20}, "precision": 2})],
+        True)
+    # no <tool_call> wrapper (vLLM's fallback), and values converted by the schema's types
+    typed = ("<function=test_types>\n<parameter=int_param>\n42\n</parameter>\n<parameter=float_param>\n3.14\n"
+             "</parameter>\n<parameter=num_param>\n2.0\n</parameter>\n<parameter=bool_param>\nTrue\n</parameter>\n"
+             "<parameter=str_param>\nhello world\n</parameter>\n<parameter=obj_param>\n{\"key\": \"value\"}\n"
+             "</parameter>\n<parameter=list_param>\n[1, 'a']\n</parameter>\n<parameter=extra>\nnull\n"
+             "</parameter>\n</function>")
+    assert parse("qwen3_coder", typed, QWEN_REQ)[1] == [("test_types", {
+        "int_param": 42, "float_param": 3.14, "num_param": 2, "bool_param": True, "str_param": "hello world",
+        "obj_param": {"key": "value"}, "list_param": [1, "a"], "extra": None})]
+    # without the request's tools every value stays text
+    assert parse("qwen3_coder", dallas.replace("Dallas", "42"))[1] == [
+        ("get_current_weather", {**weather, "city": "42"})]
+    assert parse("qwen3_coder", "This is a test response without any tool calls") == (
+        "This is a test response without any tool calls", [], False)
+    bad = "Hmm <tool_call><function=get_current_weather</tool_call>"
+    assert parse("qwen3_coder", bad, QWEN_REQ) == (bad, [], False)
+    for text in (dallas, two, QWEN_AREA, typed, bad, "plain text"):
+        check_stream("qwen3_coder", text, QWEN_REQ)
+
+
+# ---- deepseek_v3 -------------------------------------------------------------------------------------------
+DS_CALL = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{args}\n```<｜tool▁call▁end｜>")
+DS_TWO = ("<｜tool▁calls▁begin｜>" + DS_CALL.format(name="get_current_weather", args='{"location": "Beijing"}')
+          + "\n" + DS_CALL.format(name="get_time", args='{\n  "tz": "Asia/Shanghai"\n}')
+          + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>")
+
+
+def test_deepseek_v3():
+    one = "<｜tool▁calls▁begin｜>" + DS_CALL.format(name="add", args='{"a": 1, "b": 2}') + "<｜tool▁calls▁end｜>"
+    assert parse("deepseek_v3", one) == (None, [("add", {"a": 1, "b": 2})], True)
+    assert parse("deepseek_v3", DS_TWO)[1] == [("get_current_weather", {"location": "Beijing"}),
+                                               ("get_time", {"tz": "Asia/Shanghai"})]
+    # the arguments are the JSON text as written (vLLM's output)
+    info = ToolParserManager.get_tool_parser("deepseek_v3")().extract_tool_calls(DS_TWO, None)
+    assert info.tool_calls[1].function.arguments == '{\n  "tz": "Asia/Shanghai"\n}'
+    assert parse("deepseek_v3", "Checking." + one)[0] == "Checking."
+    bad = "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add {}<｜tool▁calls▁end｜>"
+    assert parse("deepseek_v3", bad) == (bad, [], False)
+    assert ToolParserManager.get_tool_parser("deepseekv3") is ToolParserManager.get_tool_parser("deepseek_v3")
+    for text in (one, DS_TWO, "Checking." + one, bad, "no calls"):
+        check_stream("deepseek_v3", text)
+
+
+# ---- pythonic ----------------------------------------------------------------------------------------------
+PY_TWO = ("[get_weather(city='San Francisco', metric='celsius'), "
+          "register_user(name='Doe', age=-9, address={'city': 'SF', 'zip': (1, 2)}, "
+          "role=None, passed_test=True, aliases=['John\\'s', \"J \\\"D\\\"\"], note='''a ) b''')]")
+
+
+def test_pythonic():
+    assert parse("pythonic", "[get_weather(city='San Francisco', metric='celsius')]") == (
+        None, [("get_weather", {"city": "San Francisco", "metric": "celsius"})], True)
+    assert parse("pythonic", PY_TWO)[1] == [
+        ("get_weather", {"city": "San Francisco", "metric": "celsius"}),
+        ("register_user", {"name": "Doe", "age": -9, "address": {"city": "SF", "zip": [1, 2]}, "role": None,
+                           "passed_test": True, "aliases": ["John's", 'J "D"'], "note": "a ) b"})]
+    assert parse("pythonic", "[do_it()]") == (None, [("do_it", {})], True)
+    # text before the list: the output is not calls (vLLM's rule: the whole output is the list)
+    before = "Sure: [get_weather(city='SF')]"
+    assert parse("pythonic", before) == (before, [], False)
+    # never evaluated: anything but literal keyword arguments is content
+    for bad in ("[__import__('os').system('x')]", "[f(x=open('y'))]", "[f('positional')]", "[1, 2]",
+                "[get_weather(city='SF'"):
+        assert parse("pythonic", bad) == (bad, [], False)
+    for text in (PY_TWO, "[do_it()]", before, "[get_weather city='SF']", "[1, 2]", "plain text"):
+        check_stream("pythonic", text)
+
+
+def test_streaming_sends_names_before_arguments_end():
+    """The name of a call goes out as soon as it is complete and the arguments grow as they settle, not only
+    when the call ends."""
+    parser = ToolParserManager.get_tool_parser("qwen3_coder")()
+    text = QWEN_WEATHER.format(city="Dallas", state="TX")
+    cut = text.index("<parameter=state>")
+    parser.extract_tool_calls_streaming("", text[:cut], text[:cut], (), (), (), QWEN_REQ)
+    delta = parser.extract_tool_calls_streaming(text[:cut], text[:cut + 1], text[cut], (), (), (), QWEN_REQ)
+    assert delta is None
+    first = ToolParserManager.get_tool_parser("qwen3_coder")().extract_tool_calls_streaming(
+        "", text[:cut], text[:cut], (), (), (), QWEN_REQ)
+    assert first.tool_calls[0].function.name == "get_current_weather"
+    assert first.tool_calls[0].function.arguments == '{"city": "Dallas"'

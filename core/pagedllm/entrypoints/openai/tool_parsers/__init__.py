@@ -8,7 +8,12 @@ from pagedllm.entrypoints.openai.tool_parsers.records import (DeltaFunctionCall,
                                                                 ToolCall)
 from pagedllm.entrypoints.openai.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama_tool_parser import Llama3JsonToolParser
+from pagedllm.entrypoints.openai.tool_parsers.mistral_tool_parser import MistralToolParser
+from pagedllm.entrypoints.openai.tool_parsers.qwen3coder_tool_parser import Qwen3CoderToolParser
+from pagedllm.entrypoints.openai.tool_parsers.deepseekv3_tool_parser import DeepSeekV3ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.pythonic_tool_parser import PythonicToolParser
 
-__all__ = ["DeltaFunctionCall", "DeltaMessage", "DeltaToolCall", "ExtractedToolCallInformation", "FunctionCall",
-           "Hermes2ProToolParser", "Llama3JsonToolParser", "StreamedCall", "ToolCall", "ToolParser",
-           "ToolParserManager"]
+__all__ = ["DeepSeekV3ToolParser", "DeltaFunctionCall", "DeltaMessage", "DeltaToolCall",
+           "ExtractedToolCallInformation", "FunctionCall", "Hermes2ProToolParser", "Llama3JsonToolParser",
+           "MistralToolParser", "PythonicToolParser", "Qwen3CoderToolParser", "StreamedCall", "ToolCall",
+           "ToolParser", "ToolParserManager"]
