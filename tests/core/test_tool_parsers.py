@@ -6,6 +6,8 @@ streaming method fed the same text split at every character boundary, whose delt
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Optional
 
 import pytest
@@ -67,6 +69,18 @@ def test_registry_names_and_errors():
     assert {"hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3", "pythonic"} <= set(names)
     with pytest.raises(KeyError, match="nope"):
         ToolParserManager.get_tool_parser("nope")
+
+
+def test_serve_cli_choices_come_from_the_registry():
+    def serve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", *args], capture_output=True,
+                              text=True, timeout=120)
+
+    help_text = serve("--help").stdout
+    for name in ToolParserManager.list_registered():
+        assert name in help_text
+    bad = serve("some-model", "--tool-call-parser", "nope")
+    assert bad.returncode == 2 and "--tool-call-parser" in bad.stderr and "invalid choice" in bad.stderr
 
 
 # ---- hermes ------------------------------------------------------------------------------------------------
