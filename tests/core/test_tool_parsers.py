@@ -12,6 +12,7 @@ from typing import Optional
 
 import pytest
 
+from pagedllm.entrypoints.openai import tool_calling as tc
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser, ToolParserManager
 
@@ -69,6 +70,14 @@ def test_registry_names_and_errors():
     assert {"hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3", "pythonic"} <= set(names)
     with pytest.raises(KeyError, match="nope"):
         ToolParserManager.get_tool_parser("nope")
+
+
+def test_each_parser_describes_its_call_format_for_templates_without_tools():
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    for name in ToolParserManager.list_registered():
+        prompt = tc.tools_system_prompt(tools, name)
+        fmt = ToolParserManager.get_tool_parser(name).call_format
+        assert fmt and fmt in prompt and '"name": "add"' in prompt
 
 
 def test_serve_cli_choices_come_from_the_registry():
@@ -199,6 +208,9 @@ def test_qwen3_coder():
     assert parse("qwen3_coder", typed, QWEN_REQ)[1] == [("test_types", {
         "int_param": 42, "float_param": 3.14, "num_param": 2, "bool_param": True, "str_param": "hello world",
         "obj_param": {"key": "value"}, "list_param": [1, "a"], "extra": None})]
+    # tools as plain dicts, flat as in the Responses API, convert the same
+    flat = {"tools": [{"type": "function", **t["function"]} for t in QWEN_TOOLS]}
+    assert parse("qwen3_coder", typed, flat)[1] == parse("qwen3_coder", typed, QWEN_REQ)[1]
     # without the request's tools every value stays text
     assert parse("qwen3_coder", dallas.replace("Dallas", "42"))[1] == [
         ("get_current_weather", {**weather, "city": "42"})]

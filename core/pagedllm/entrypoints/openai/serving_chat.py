@@ -111,8 +111,8 @@ class ChatServing(Serving):
             if text:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return out
-        previous, st.held = st.held, st.held + text
         if choice == "auto":  # the parser's streaming method; its last delta completes what the final parse finds
+            previous, st.held = st.held, st.held + text
             parser = st.tool_parser = st.tool_parser or tc.new_tool_parser(self.tool_parser, self.tokenizer)
             out = tc.delta_dicts(parser.extract_tool_calls_streaming(previous, st.held, text, (), (), (), req)
                                  if text else None)

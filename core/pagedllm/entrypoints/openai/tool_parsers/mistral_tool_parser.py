@@ -32,7 +32,8 @@ class MistralToolParser(ToolParser):
         return "".join(random.choices(_ALPHANUMERIC, k=9))
 
     def adjust_request(self, request: Any) -> Any:
-        if request.tools and request.tool_choice != "none" and request.skip_special_tokens:
+        if getattr(request, "tools", None) and getattr(request, "tool_choice", None) != "none" \
+                and getattr(request, "skip_special_tokens", False):
             request = request.model_copy(update={"skip_special_tokens": False})
         return request
 

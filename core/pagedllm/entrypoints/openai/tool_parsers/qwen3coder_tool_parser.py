@@ -20,12 +20,18 @@ _STRING = ("string", "str", "text", "varchar", "char", "enum")
 _INT = ("int", "uint", "long", "short", "unsigned")
 
 
+def _field(obj: Any, key: str) -> Any:
+    return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+
 def _tool_properties(name: str, request: Any) -> dict:
-    """The ``properties`` of function ``name`` in the request's tools ({} when unknown)."""
-    for tool in getattr(request, "tools", None) or []:
-        fn = getattr(tool, "function", None)
-        if fn is not None and fn.name == name and isinstance(fn.parameters, dict):
-            return fn.parameters.get("properties", fn.parameters)
+    """The ``properties`` of function ``name`` in the request's tools ({} when unknown). Tools may be chat-style
+    (``{"type": "function", "function": {...}}``) or flat as in the Responses API, models or dicts."""
+    for tool in _field(request, "tools") or []:
+        fn = _field(tool, "function") or tool
+        params = _field(fn, "parameters")
+        if _field(fn, "name") == name and isinstance(params, dict):
+            return params.get("properties", params)
     return {}
 
 
