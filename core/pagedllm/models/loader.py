@@ -16,6 +16,7 @@ from pagedllm.distributed.parallel_state import get_parallel_state
 from pagedllm.distributed.sharding import local_config, parallelize, shard_state_dict
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
+from pagedllm.models.bert import build_encoder_model
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
@@ -124,7 +125,13 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.eos_token_ids = eos_token_ids(path, config)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
-    _, spec = architecture_of(config)
+    arch, spec = architecture_of(config)
+    if spec.module == "bert":  # encoder-only: its own small loader (models/bert.py)
+        if get_parallel_state() is not None or quantization is not None or is_gguf(path):
+            raise UnsupportedModelError(f"{shown}: encoder models load unquantized safetensors on one rank only")
+        model = build_encoder_model(path, config, arch, backend, dtype, device)
+        stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
+        return model
     full_config, par = config, get_parallel_state()
     if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
         if quantization is not None:
