@@ -30,6 +30,8 @@ from pagedllm.models.quantized_embedding import quantize_embedding
 from pagedllm.models.quantized_linears import quantize_linears
 from pagedllm.models.remote_layouts import check_covered, remote_code_config, wrap_weights
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
+from pagedllm.models.sequence_classification import finish_heads, prepare_heads
+from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.models.transformers_impl import load_transformers_model
 from pagedllm.backend.kv_quant import load_kv_scales
 from pagedllm.models.weights import SafetensorsWeights, checkpoint_prefix, fused_state_dict
@@ -125,11 +127,11 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.eos_token_ids = eos_token_ids(path, config)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
-    arch, spec = architecture_of(config)
+    arch_name, spec = architecture_of(config)
     if spec.module == "bert":  # encoder-only: its own small loader (models/bert.py)
         if get_parallel_state() is not None or quantization is not None or is_gguf(path):
             raise UnsupportedModelError(f"{shown}: encoder models load unquantized safetensors on one rank only")
-        model = build_encoder_model(path, config, arch, backend, dtype, device)
+        model = build_encoder_model(path, config, arch_name, backend, dtype, device)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
     full_config, par = config, get_parallel_state()
@@ -157,6 +159,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         weights = QuantizedCheckpoint(SafetensorsWeights(path), qc)
     else:
         weights = wrap_weights(SafetensorsWeights(path), config)
+    if spec.module == "decoder":  # pooling heads: score, or no LM head (models/sequence_classification.py)
+        prepare_heads(model, config, arch_name, weights)
     if quantization == "fp8" or fp8_checkpoint:  # e4m3 weights + scales, or online quantization (quantization/fp8.py)
         weights = FP8Weights(weights, online=not fp8_checkpoint)
     bar = progress_bar(len(model.state_dict()), "reading weights", unit="tensor")
@@ -189,6 +193,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.rope_caches = {t: build_cos_sin_cache(config, model.max_model_len, device, max_model_len, t)
                              for t in sorted(set(config.layer_types))}
     model.eos_token_ids = eos_token_ids(path, config)
+    if getattr(config, "classifier_from_token", None):
+        finish_heads(model, config, load_tokenizer(path, config))
     stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
     return model.requires_grad_(False).eval()
 
