@@ -1,6 +1,7 @@
-"""BERT, RoBERTa and XLM-RoBERTa (models/bert.py) against HF transformers on tiny random checkpoints: the last hidden state, the
-CLS row, and the sequence-classification logits, one prompt at a time and as one flat varlen batch; token types;
-RoBERTa's padding-aware positions; no KV cache touched; configs HF would run differently are refused by name."""
+"""BERT, RoBERTa and XLM-RoBERTa (models/bert.py) against HF transformers on tiny random checkpoints: the last hidden
+state, the CLS row and the sequence-classification logits, one prompt at a time, as one flat varlen batch and as a
+padded static-shape step; token types; RoBERTa's padding-aware positions; no KV cache touched; configs HF would run
+differently are refused by name."""
 
 from __future__ import annotations
 
@@ -160,3 +161,23 @@ def test_architectures_registered_and_refusals(tmp_path):
     with pytest.raises(UnsupportedModelError, match="unquantized safetensors"):
         load_model(path, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"),
                    quantization="fp8")
+
+
+def test_padded_step_gives_the_same_rows(checkpoint):
+    """A static-shape step: padding tokens (id 0, position 0) after the prompts and padding sequences with no tokens
+    (the model runner's padding) leave every real row as it was."""
+    kind, _, path = checkpoint
+    model = load_model(path, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"))
+    prompts = PROMPTS[kind][:2]
+    want = run(model, prompts)
+    n, pad = sum(map(len, prompts)), 5
+    ids = torch.tensor([t for p in prompts for t in p] + [0] * pad)
+    positions = torch.cat([torch.arange(len(p)) for p in prompts] + [torch.zeros(pad, dtype=torch.long)])
+    lens = [len(p) for p in prompts]
+    meta = AttentionMetadata.build(lens + [0, 0], lens + [0, 0], [[] for _ in range(4)], 16,
+                                   slot_mapping=[-1] * (n + pad))
+    meta.extra["token_type_ids"] = torch.zeros(n, dtype=torch.long)  # only the real tokens' types
+    with torch.inference_mode():
+        got = model(ids, positions, meta)
+    assert got.shape == (n + pad, model.hidden_size)
+    close(got[:n], want)

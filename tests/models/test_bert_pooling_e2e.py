@@ -96,3 +96,18 @@ def test_xlm_roberta_from_token_ids_and_refusals(tmp_path):
         llm.classify([{"prompt_token_ids": prompts[2]}], use_tqdm=False)
     with pytest.raises(ParamError, match="runner"):
         LLM(model=path, skip_tokenizer_init=True, device="cpu", dtype="float32", runner="generate")
+
+
+@pytest.mark.slow
+def test_static_shape_backend_equals_dynamic(tmp_path):
+    """cpu-static pads every step to buckets (padding tokens and empty sequences) and warms every bucket up without
+    sampling: the same probabilities as the dynamic cpu backend."""
+    path = make_tiny_encoder("xlm-roberta", tmp_path / "xlmr", classification=True, num_labels=2)
+    # 17 tokens in 3 sequences: padded to a 32-token, 4-sequence bucket
+    prompts = [{"prompt_token_ids": p} for p in ([0, 10, 11, 12, 2], [0, 7, 2], [0, 7, 8, 9, 10, 11, 12, 13, 2])]
+    common = dict(model=path, runner="pooling", dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=64,
+                  max_num_seqs=4)
+    dynamic = [o.outputs.probs for o in LLM(device="cpu", **common).classify(prompts, use_tqdm=False)]
+    static = LLM(device="cpu-static", **common)
+    assert static.llm_engine.worker.graph_level == "full"
+    close([o.outputs.probs for o in static.classify(prompts, use_tqdm=False)], dynamic)
