@@ -181,3 +181,40 @@ def test_padded_step_gives_the_same_rows(checkpoint):
         got = model(ids, positions, meta)
     assert got.shape == (n + pad, model.hidden_size)
     close(got[:n], want)
+
+
+def test_head_model_checkpoint_names_load(tmp_path):
+    """A classifier saved under ``bert.`` with TF-era ``LayerNorm.gamma`` / ``.beta`` names (HF renames them on load)
+    and a stray ``position_ids`` buffer loads and equals HF; a missing tensor is named."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_encoder("bert", tmp_path / "bert", classification=True, num_labels=2)
+    file = tmp_path / "bert" / "model.safetensors"
+    sd = load_file(file)
+    assert all(k.startswith(("bert.", "classifier.")) for k in sd)
+    renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in sd.items()}
+    renamed["bert.embeddings.position_ids"] = torch.arange(64)[None]
+    save_file(renamed, file, metadata={"format": "pt"})
+    model = load_model(path, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"))
+    save_file(sd, file, metadata={"format": "pt"})  # HF's oracle reads the original names
+    hf = hf_model(path, True)
+    prompt = PROMPTS["bert"][0]
+    hidden = run(model, [prompt])
+    with torch.no_grad():
+        close(model.score(hidden[:1]), hf(input_ids=torch.tensor([prompt])).logits)
+    del sd["classifier.weight"]
+    save_file(sd, file, metadata={"format": "pt"})
+    with pytest.raises(UnsupportedModelError, match="classifier.weight"):
+        load_model(path, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_bfloat16_stays_close_to_float32(tmp_path):
+    """``dtype=bfloat16`` (weights, activations and the fused SDPA in bf16) within bf16 rounding of the fp32 run."""
+    path = make_tiny_encoder("bert", tmp_path / "bert")
+    cpu = get_backend("cpu")
+    f32 = load_model(path, backend=cpu, dtype=torch.float32, device=torch.device("cpu"))
+    bf16 = load_model(path, backend=cpu, dtype=torch.bfloat16, device=torch.device("cpu"))
+    want, got = run(f32, PROMPTS["bert"]), run(bf16, PROMPTS["bert"])
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=6e-2, rtol=6e-2)

@@ -294,10 +294,13 @@ def encoder_state_dict(model: BertModel, weights: Any, dtype: torch.dtype,
                        device: torch.device) -> dict[str, torch.Tensor]:
     """Our parameters from HF-named tensors (``weights``: ``SafetensorsWeights``-like, with ``names()``): q/k/v
     concatenated into ``qkv_proj``, the heads (``classifier.*``) at the top, everything else under the encoder's
-    prefix. A missing tensor is named; tensors we do not use (a base model's pooler, ``position_ids``) are ignored."""
+    prefix (LayerNorm ``gamma`` / ``beta`` read as ``weight`` / ``bias``). A missing tensor is named; tensors we do not
+    use (a base model's pooler, ``position_ids``) are ignored."""
     prefix = checkpoint_base_prefix(weights.names())
 
     def load(name: str) -> torch.Tensor:
+        if name not in weights and ".LayerNorm." in name:  # TF-era checkpoints: LayerNorm.gamma / .beta (HF renames)
+            name = name.replace(".weight", ".gamma").replace(".bias", ".beta")
         if name not in weights:
             raise UnsupportedModelError(f"checkpoint lacks tensor {name!r}")
         return weights.take(name).to(device=device, dtype=dtype)
