@@ -16,7 +16,7 @@ from pagedllm.distributed.parallel_state import get_parallel_state
 from pagedllm.distributed.sharding import local_config, parallelize, shard_state_dict
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
-from pagedllm.models.bert import build_encoder_model
+from pagedllm.models.bert import ENCODER_ARCHITECTURES, build_encoder_model
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
@@ -111,7 +111,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     logger.info("model %s: %s implementation%s", shown, impl,
                 " (transformers' module, pagedllm paged attention)" if impl == "transformers" else "")
     t0 = time.perf_counter()
-    stage("reading weights: %s (%s, %s)", path, shown, "native decoder" if impl == "native" else "transformers module")
+    stage("reading weights: %s (%s, %s)", path, shown, "transformers module" if impl != "native"
+          else "native encoder" if name in ENCODER_ARCHITECTURES else "native decoder")
     if impl == "transformers":
         if get_parallel_state() is not None:
             raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel runs native models only, not the "
