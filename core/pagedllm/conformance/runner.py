@@ -110,6 +110,10 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
             cases.append(Case("attention", f"encoder_attention.{'causal' if causal else 'bidirectional'}",
                               f"{batch}-hs{hs0}-gqa{g}", dt, K.check_encoder_attention,
                               dict(batch=batch, causal=causal, head_size=hs0, gqa=g)))
+        for hs in head_sizes[1:]:  # every other declared head size (vision towers: 72, 80...) on the varlen batch
+            cases.append(Case("attention", "encoder_attention.bidirectional", f"varlen-hs{hs}-gqa{max(gqa_ratios)}",
+                              dt, K.check_encoder_attention,
+                              dict(batch="varlen", causal=False, head_size=hs, gqa=max(gqa_ratios))))
         g = max(gqa_ratios)
         for bs in caps.block_sizes:
             cases.append(Case("attention", "paged_attention.sliding_window", f"hs{hs0}-bs{bs}-gqa{g}", dt,
