@@ -126,7 +126,7 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.eos_token_ids = eos_token_ids(path, config)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
-    _, spec = architecture_of(config)
+    arch_name, spec = architecture_of(config)
     full_config, par = config, get_parallel_state()
     if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
         if quantization is not None:
@@ -153,7 +153,7 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     else:
         weights = wrap_weights(SafetensorsWeights(path), config)
     if spec.module == "decoder":  # pooling heads: score, or no LM head (models/sequence_classification.py)
-        prepare_heads(model, config, architecture_of(config)[0], weights)
+        prepare_heads(model, config, arch_name, weights)
     if quantization == "fp8" or fp8_checkpoint:  # e4m3 weights + scales, or online quantization (quantization/fp8.py)
         weights = FP8Weights(weights, online=not fp8_checkpoint)
     bar = progress_bar(len(model.state_dict()), "reading weights", unit="tensor")
