@@ -106,6 +106,18 @@ def test_pooling_prompt_limits_and_truncation(tiny_llama):
         assert llm.llm_engine.get_stats().num_used_blocks == 0
 
 
+def test_convert_reward_on_a_causal_lm(tiny_llama):
+    """--convert reward without a classifier: every token's hidden state (what encode returns too)."""
+    with LLM(tiny_llama, convert="reward", **BASE) as llm:
+        assert llm.llm_engine.pooling.tasks == ("reward", "encode")
+        reward = llm.reward({"prompt_token_ids": PROMPTS[2]}, use_tqdm=False)[0].outputs.data
+        encode = llm.encode({"prompt_token_ids": PROMPTS[2]}, pooling_task="encode", use_tqdm=False)[0].outputs.data
+        with pytest.raises(ParamError, match="not 'embed'"):
+            llm.embed("x")
+    assert reward.shape == (len(PROMPTS[2]), 256)
+    torch.testing.assert_close(reward, encode)
+
+
 def test_checkpoint_without_lm_head(tmp_path, tiny_llama):
     """A base-model (``LlamaModel``) checkpoint has no LM head: runner auto pools, generate is refused by flag."""
     from transformers import AutoModel
@@ -143,8 +155,14 @@ async def _encode_session(engine) -> None:
         await g.aclose()
     after = [o async for o in engine.encode({"prompt_token_ids": [5, 6, 7]}, PoolingParams(), "after")]
     assert after[0].finished
-    for stats, _ in engine.replica_stats():
-        assert (stats.num_used_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
+    # Each replica reports its stats with its own next message (data parallel: the aborts may have gone to a
+    # replica other than the one that ran "after"), so wait for them to settle.
+    for _ in range(200):
+        snapshot = [(s.num_used_blocks, s.num_running, s.num_waiting) for s, _ in engine.replica_stats()]
+        if all(x == (0, 0, 0) for x in snapshot):
+            break
+        await asyncio.sleep(0.05)
+    assert all(x == (0, 0, 0) for x in snapshot), snapshot
     assert all(r.num_unfinished() == 0 for r in getattr(engine, "replicas", [engine]))
 
 
