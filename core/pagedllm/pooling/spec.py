@@ -32,6 +32,8 @@ class PoolingSpec:
 
 def is_pooling_architecture(architecture: str) -> bool:
     """Architectures that only pool (vLLM's runner "auto" picks the pooling runner for them)."""
+    if architecture.endswith("LMHeadModel"):  # GPT2LMHeadModel & co generate
+        return False
     return architecture.endswith(("ForSequenceClassification", "Model", "ForTextEmbedding"))
 
 
@@ -47,9 +49,8 @@ def runner_type(runner: str, convert: str, architecture: str) -> str:
 def resolve_pooling(config: Any, model_path: str, architecture: str, hidden_size: int,
                     num_labels: Optional[int], default_pooling_type: str = "LAST") -> PoolingSpec:
     """The pooling spec of a ``runner="pooling"`` engine (``config``: its resolved EngineConfig); ``num_labels``:
-    the loaded model's classifier width (None: it has no classifier); ``default_pooling_type``: the model's
-    (``model.default_pooling_type``: CLS for BERT-style encoders, LAST for decoders) when neither
-    ``pooler_config`` nor a sentence-transformers config names one."""
+    the loaded model's classifier width (None: it has no classifier); ``default_pooling_type``: the model's own
+    (a decoder's LAST; BERT-style encoders' CLS, which their classification heads read too)."""
     pc = PoolerConfig.parse(config.pooler_config) or PoolerConfig()
     convert = config.convert
     if convert in ("auto", "none"):
