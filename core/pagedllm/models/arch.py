@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.bert import ENCODER_ARCHITECTURES
 from pagedllm.models.falcon import falcon_kv_heads
 from pagedllm.models.transformers_impl import transformers_architecture
 
@@ -26,6 +27,7 @@ class ArchSpec:
     rope_interleaved: bool = False  # GLM: rotary over (x0, x1), (x2, x3)... pairs of the rotary dims
     glm4_norms: bool = False  # Glm4: post_self_attn_layernorm and post_mlp_layernorm around the sub-blocks
     # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms) | stablelm (models/stablelm.py)
+    # | bert (models/bert.py: encoder-only BERT / RoBERTa / XLM-R)
     module: str = "decoder"
 
 
@@ -62,6 +64,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "FalconForCausalLM": ArchSpec(lambda c: bool(c.bias), lambda c: bool(c.bias), module="falcon"),
     "StableLmForCausalLM": ArchSpec(lambda c: bool(c.use_qkv_bias), lambda c: False, module="stablelm"),
 }
+# Pooling architectures (docs/pooling.md): the same decoder with a classification head (``score``) or none (the
+# base ``*Model``, an embedding checkpoint); models/sequence_classification.py adds the head.
+POOLING_ARCHITECTURES: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM", "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM", "MistralForSequenceClassification": "MistralForCausalLM",
+    "LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+}
 # GGUF configs carry a model_type but no `architectures`.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -70,6 +80,9 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                   "falcon": "FalconForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",
                   "stablelm": "StableLmForCausalLM"}
+# Encoder-only (models/bert.py): bidirectional attention, no KV cache, the pooling runner only.
+ARCHITECTURES.update({name: ArchSpec(lambda c: True, lambda c: True, module="bert")
+                      for name in ENCODER_ARCHITECTURES})
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:
@@ -80,6 +93,8 @@ def architecture_of(config: Any) -> tuple[str, ArchSpec]:
     for name in archs:
         if name in ARCHITECTURES:
             return name, ARCHITECTURES[name]
+        if name in POOLING_ARCHITECTURES:
+            return name, ARCHITECTURES[POOLING_ARCHITECTURES[name]]
     shown = archs or [f"model_type={getattr(config, 'model_type', None)!r}"]
     raise UnsupportedModelError(f"unsupported model architecture {', '.join(shown)}; "
                      f"pagedllm supports {', '.join(ARCHITECTURES)}")

@@ -16,6 +16,7 @@ from pagedllm.distributed.parallel_state import get_parallel_state
 from pagedllm.distributed.sharding import local_config, parallelize, shard_state_dict
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
+from pagedllm.models.bert import ENCODER_ARCHITECTURES, build_encoder_model
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
@@ -29,6 +30,8 @@ from pagedllm.models.quantized_embedding import quantize_embedding
 from pagedllm.models.quantized_linears import quantize_linears
 from pagedllm.models.remote_layouts import check_covered, remote_code_config, wrap_weights
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
+from pagedllm.models.sequence_classification import finish_heads, prepare_heads
+from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.models.transformers_impl import load_transformers_model
 from pagedllm.backend.kv_quant import load_kv_scales
 from pagedllm.models.weights import SafetensorsWeights, checkpoint_prefix, fused_state_dict
@@ -108,7 +111,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     logger.info("model %s: %s implementation%s", shown, impl,
                 " (transformers' module, pagedllm paged attention)" if impl == "transformers" else "")
     t0 = time.perf_counter()
-    stage("reading weights: %s (%s, %s)", path, shown, "native decoder" if impl == "native" else "transformers module")
+    stage("reading weights: %s (%s, %s)", path, shown, "transformers module" if impl != "native"
+          else "native encoder" if name in ENCODER_ARCHITECTURES else "native decoder")
     if impl == "transformers":
         if get_parallel_state() is not None:
             raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel runs native models only, not the "
@@ -124,7 +128,13 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.eos_token_ids = eos_token_ids(path, config)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
-    _, spec = architecture_of(config)
+    arch_name, spec = architecture_of(config)
+    if spec.module == "bert":  # encoder-only: its own small loader (models/bert.py)
+        if get_parallel_state() is not None or quantization is not None or is_gguf(path):
+            raise UnsupportedModelError(f"{shown}: encoder models load unquantized safetensors on one rank only")
+        model = build_encoder_model(path, config, arch_name, backend, dtype, device)
+        stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
+        return model
     full_config, par = config, get_parallel_state()
     if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
         if quantization is not None:
@@ -150,6 +160,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         weights = QuantizedCheckpoint(SafetensorsWeights(path), qc)
     else:
         weights = wrap_weights(SafetensorsWeights(path), config)
+    if spec.module == "decoder":  # pooling heads: score, or no LM head (models/sequence_classification.py)
+        prepare_heads(model, config, arch_name, weights)
     if quantization == "fp8" or fp8_checkpoint:  # e4m3 weights + scales, or online quantization (quantization/fp8.py)
         weights = FP8Weights(weights, online=not fp8_checkpoint)
     bar = progress_bar(len(model.state_dict()), "reading weights", unit="tensor")
@@ -182,6 +194,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.rope_caches = {t: build_cos_sin_cache(config, model.max_model_len, device, max_model_len, t)
                              for t in sorted(set(config.layer_types))}
     model.eos_token_ids = eos_token_ids(path, config)
+    if getattr(config, "classifier_from_token", None):
+        finish_heads(model, config, load_tokenizer(path, config))
     stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
     return model.requires_grad_(False).eval()
 
