@@ -108,10 +108,39 @@ def test_generation_engine_refuses_pooling_and_back(tiny_llama):
         with pytest.raises(ParamError, match="--runner pooling"):
             llm.llm_engine.add_request("x", [5, 6], PoolingParams(task="classify"))
         assert llm.llm_engine.get_num_unfinished_requests() == 0
-    with LLM(tiny_llama, runner="pooling", **BASE) as llm:
-        with pytest.raises(ParamError, match="--runner generate") as e:
-            llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
-        assert e.value.field == "runner"
+
+
+def test_one_engine_serves_generation_and_pooling_mixed(tiny_llama):
+    """Issue 30's mixed load: a pooling engine over a causal LM (its LM head kept) also generates; generation and
+    embedding requests share steps (chunked: a budget of 8 splits the long prompts), every output equals the one
+    from an engine doing one kind alone, and no block is held once all finish."""
+    embed_prompts = [LONG, [5, 6, 7], list(range(100, 121))]
+    gen_prompts = [list(range(10, 40)), [7, 8, 9, 10]]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(tiny_llama, **BASE) as gen_only:
+        want_text = [o.outputs[0].token_ids for o in gen_only.generate(
+            [{"prompt_token_ids": p} for p in gen_prompts], greedy, use_tqdm=False)]
+    with LLM(tiny_llama, runner="pooling", max_num_batched_tokens=8, **BASE) as llm:
+        engine = llm.llm_engine
+        assert engine.get_supported_tasks()[-1] == "generate" and "embed" in engine.get_supported_tasks()
+        want_emb = [o.outputs.embedding for o in llm.embed([{"prompt_token_ids": p} for p in embed_prompts],
+                                                           use_tqdm=False)]
+        for i, (e, g) in enumerate(zip(embed_prompts, gen_prompts + [None])):
+            engine.add_request(f"e{i}", {"prompt_token_ids": e}, PoolingParams(task="embed"))
+            if g is not None:
+                engine.add_request(f"g{i}", {"prompt_token_ids": g}, greedy)
+        done, mixed_steps = {}, 0
+        while engine.has_unfinished_requests():
+            kinds = {r.pooling_params is None for r in engine.scheduler.running}
+            mixed_steps += len(kinds) == 2
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert mixed_steps > 0  # the two kinds did share steps
+        assert [done[f"g{i}"].outputs[0].token_ids for i in range(2)] == want_text
+        for i, w in enumerate(want_emb):
+            assert done[f"e{i}"].outputs.data.tolist() == pytest.approx(w, abs=1e-5)
+        assert engine.get_stats().num_used_blocks == 0 and engine.get_num_unfinished_requests() == 0
 
 
 def test_pooling_prompt_limits_and_truncation(tiny_llama):
@@ -155,6 +184,10 @@ def test_checkpoint_without_lm_head(tmp_path, tiny_llama):
         LLM(str(path), runner="generate", **BASE)
     assert e.value.field == "runner"
     with LLM(str(path), **BASE) as llm:
+        assert "generate" not in llm.llm_engine.get_supported_tasks()
+        with pytest.raises(ParamError, match="no LM head") as e:  # pooling, but nothing to sample with
+            llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
+        assert e.value.field == "runner"
         with LLM(tiny_llama, runner="pooling", **BASE) as ref:
             want = ref.embed({"prompt_token_ids": LONG}, use_tqdm=False)[0].outputs.embedding
         assert llm.embed({"prompt_token_ids": LONG}, use_tqdm=False)[0].outputs.embedding == pytest.approx(

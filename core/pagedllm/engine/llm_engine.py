@@ -249,11 +249,11 @@ class LLMEngine:
         self._check_open()
         if isinstance(params, PoolingParams):
             return self._add_pooling_request(request_id, prompt, params, arrival_time, priority, lora_request)
-        if self.pooling is not None:
+        if self.pooling is not None and not self.worker.can_generate:
             raise ParamError("runner", f"model {self.config.model} was started with the pooling runner "
-                                       f"(runner='pooling', --convert {self.pooling.convert}): it does not generate; "
-                                       "send PoolingParams (embed, classify, score, reward, encode) or start it "
-                                       "with runner='generate' (--runner generate)")
+                                       f"(runner='pooling', --convert {self.pooling.convert}) and has no LM head: it "
+                                       "does not generate; send PoolingParams (embed, classify, score, reward, "
+                                       "encode), or serve a generative model")
         params = params if params is not None else SamplingParams()
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -375,8 +375,12 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
 
     def get_supported_tasks(self) -> tuple[str, ...]:
-        """vLLM's supported tasks: ("generate",), or the pooling tasks of a pooling engine (embed, classify...)."""
-        return self.pooling.tasks if self.pooling is not None else ("generate",)
+        """vLLM's supported tasks: ("generate",), or the pooling tasks of a pooling engine (embed, classify...), plus
+        "generate" when its model has an LM head (one engine then serves both: generation and pooling requests
+        share its steps)."""
+        if self.pooling is None:
+            return ("generate",)
+        return (*self.pooling.tasks, "generate") if self.worker.can_generate else self.pooling.tasks
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.batch_queue)  # (a batch of aborted requests drains)

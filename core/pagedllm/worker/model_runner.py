@@ -144,8 +144,8 @@ class ModelRunner:
             batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(batch)
         out = StepOutput()
-        if self.pooler is not None:
-            return PendingStep(self._pool(batch, input_ids, positions, meta, out))
+        if self.pooler is not None and any(s.request.pooling_params is not None for s in batch):
+            return self._pool(batch, input_ids, positions, meta, out)
         rows = [i for i, s in enumerate(batch) if s.samples]
         spec = any(batch[i].spec_token_ids for i in rows)
         if (self.sample is not None and rows and not spec and not self.keep_hidden
@@ -189,9 +189,10 @@ class ModelRunner:
         return PendingStep(out, lambda: logits, num_sampled, spans)
 
     def _pool(self, batch: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
-              meta: AttentionMetadata, out: "StepOutput") -> "StepOutput":
-        """A pooling step: the forward, each request's rows fed to its pooling state (chunked prefill accumulates
-        across steps), and the pooled tensor of every request whose prompt completes here."""
+              meta: AttentionMetadata, out: "StepOutput") -> "PendingStep":
+        """A step with pooling requests: one forward; each pooling request's rows fed to its pooling state (chunked
+        prefill accumulates across steps) and its pooled tensor once its prompt completes here; generation requests
+        of the same step (a pooling engine whose model has an LM head also generates) get their logits as usual."""
         qsl = meta.query_start_loc_cpu
         if any(s.request.token_type_ids is not None for s in batch):  # BERT segments: meta.extra, per step token
             types = np.zeros(input_ids.shape[0], dtype=np.int64)
@@ -201,12 +202,23 @@ class ModelRunner:
                     types[qsl[i]:qsl[i + 1]] = t[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
             meta.extra["token_type_ids"] = torch.from_numpy(types).to(self.device)
         hidden = self.run(input_ids, positions, meta)
+        idx: list[int] = []
         for i, s in enumerate(batch):
             r = s.request
+            if r.pooling_params is None:  # a generation request
+                if s.samples:
+                    out.requests.append(r)
+                    idx.append(qsl[i + 1] - 1)
+                continue
             r.pooling_state.add(hidden[qsl[i]:qsl[i + 1]], s.num_computed_tokens, r.num_prompt_tokens)
             if s.samples:
                 out.pooled.append((r, self.pooler.finish(r.pooling_state, r.pooling_params)))
-        return out
+        num_sampled = len(idx)
+        spans = list(prompt_logit_spans(batch, qsl))
+        for _, _, start, stop in spans:
+            idx.extend(range(start, stop))
+        logits = logits_of(self.model, hidden, idx)
+        return PendingStep(out, lambda: logits, num_sampled, spans)
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        idx: list[int]) -> Optional[torch.Tensor]:
