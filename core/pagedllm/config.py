@@ -17,6 +17,8 @@ from pagedllm.backend.kv_quant import KV_CACHE_DTYPES, canonical_kv_dtype
 from pagedllm.quantization.config import resolve_quantization, validate_quantization
 from pagedllm.errors import ParamError
 from pagedllm.generation_defaults import check_generation_config
+from pagedllm.pooling.config import PoolerConfig
+from pagedllm.pooling.spec import CONVERTS, RUNNERS, runner_type
 from pagedllm.spec_decode.config import SpeculativeConfig
 from pagedllm.structured_output.limits import StructuredOutputsConfig
 
@@ -70,8 +72,25 @@ class EngineConfig:
     # Default sampling parameters: auto (the model's generation_config.json) | vllm (ignore it) | a folder holding
     # one (vLLM's --generation-config; generation_defaults.py)
     generation_config: str = "auto"
+    # Pooling (docs/pooling.md), vLLM's names: runner auto | generate | pooling (auto: pooling for a pooling
+    # architecture or a convert), convert auto | none | embed | classify | reward, pooler_config (dict / JSON /
+    # PoolerConfig), hf_overrides (dict merged into the HF config, e.g. a Qwen3-Reranker's classifier_from_token)
+    runner: str = "auto"
+    convert: str = "auto"
+    pooler_config: Any = None
+    hf_overrides: Optional[dict] = None
 
     def __post_init__(self) -> None:
+        if self.runner not in RUNNERS:
+            raise ParamError("runner", f"must be one of {', '.join(RUNNERS)}, got {self.runner!r}")
+        if self.convert not in CONVERTS:
+            raise ParamError("convert", f"must be one of {', '.join(CONVERTS)}, got {self.convert!r}")
+        if self.runner == "generate" and self.convert not in ("auto", "none"):
+            raise ParamError("convert", f"{self.convert!r} turns the model into a pooling model; it needs "
+                                        "runner 'pooling' (or 'auto'), not 'generate'")
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ParamError("hf_overrides", f"must be a dict (JSON object), got {type(self.hf_overrides).__name__}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.structured_outputs_config = StructuredOutputsConfig.parse(self.structured_outputs_config)
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -188,6 +207,9 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
         logger.warning("speculative_config: backend %r captures graphs (%s); speculation runs eager, so "
                        "enforce_eager is set", name, caps.graph_capture)
         config.enforce_eager = True
+    config.runner = runner_type(config.runner, config.convert, info.architecture)
+    if config.runner == "pooling":
+        check_pooling(config)
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         check_distributed(config, backend, info)
     if config.max_model_len is None:
@@ -201,6 +223,15 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
         config.max_num_seqs = DEFAULT_MAX_NUM_SEQS
     config.enforce_eager = bool(config.enforce_eager)
     return config
+
+
+def check_pooling(config: EngineConfig) -> None:
+    """What the pooling runner does not combine with yet is refused by name (it runs one rank, no drafts)."""
+    for name, on in (("speculative_config", config.speculative_config is not None),
+                     ("tensor_parallel_size", config.tensor_parallel_size > 1),
+                     ("pipeline_parallel_size", config.pipeline_parallel_size > 1)):
+        if on:
+            raise ParamError(name, "is not supported with the pooling runner (runner='pooling') yet")
 
 
 def check_distributed(config: EngineConfig, backend: Any, info: Any) -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -41,3 +44,87 @@ class RequestOutput:
     prompt_logprobs: Optional[list] = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+
+# ---- pooling (embed / classify / score / reward / encode), vLLM's classes -------------------------------------------
+@dataclass
+class PoolingOutput:
+    """The pooled tensor of one prompt (on the host, float32): ``[hidden]`` / ``[num_labels]`` / ``[tokens, ...]``."""
+
+    data: "torch.Tensor"
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "EmbeddingOutput":
+        if output.data.ndim != 1:
+            raise ValueError("pooled data should be a 1-D embedding vector")
+        return EmbeddingOutput(output.data.tolist())
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "ClassificationOutput":
+        if output.data.ndim != 1:
+            raise ValueError("pooled data should be a 1-D probability vector")
+        return ClassificationOutput(output.data.tolist())
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+    @staticmethod
+    def from_base(output: PoolingOutput) -> "ScoringOutput":
+        if output.data.numel() != 1:
+            raise ValueError(f"a score is one number; the pooled data has shape {tuple(output.data.shape)}")
+        return ScoringOutput(float(output.data.reshape(-1)[0]))
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What ``LLM.encode`` / ``AsyncLLM.encode`` return (``outputs``: a :class:`PoolingOutput`); ``embed``,
+    ``classify`` and ``score`` return the subclasses below, whose ``outputs`` is the task's view of it."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, request_output: "PoolingRequestOutput") -> "PoolingRequestOutput":
+        view = _VIEWS.get(cls)
+        outputs = request_output.outputs if view is None else view.from_base(request_output.outputs)
+        return cls(request_output.request_id, outputs, request_output.prompt_token_ids,
+                   request_output.num_cached_tokens, request_output.finished)
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """``outputs.embedding``: list[float]."""
+
+
+class ClassificationRequestOutput(PoolingRequestOutput):
+    """``outputs.probs``: list[float]."""
+
+
+class ScoringRequestOutput(PoolingRequestOutput):
+    """``outputs.score``: float."""
+
+
+_VIEWS: dict[type, Any] = {EmbeddingRequestOutput: EmbeddingOutput, ClassificationRequestOutput: ClassificationOutput,
+                           ScoringRequestOutput: ScoringOutput}

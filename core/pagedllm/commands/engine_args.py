@@ -58,6 +58,19 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--generation-config", default="auto", metavar="auto|vllm|FOLDER",
                    help="default sampling parameters for requests that leave them unset: auto (the model's "
                         "generation_config.json), vllm (ignore it), or a folder holding a generation_config.json")
+    p.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="generate text, or pool (embed, classify, score, reward); auto: pooling for a pooling "
+                        "architecture or with --convert (docs/pooling.md)")
+    p.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify", "reward"],
+                   help="turn the model into a pooling model: embed (decoder embeddings), classify "
+                        "(*ForSequenceClassification heads), reward (docs/pooling.md)")
+    p.add_argument("--pooler-config", default=None, metavar="JSON",
+                   help='vLLM\'s PoolerConfig, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+                        "(pooling_type LAST|MEAN|CLS|ALL, normalize, dimensions, use_activation; docs/pooling.md)")
+    p.add_argument("--hf-overrides", default=None, metavar="JSON", type=_json_object,
+                   help='keys merged into the HF config, e.g. a Qwen3-Reranker\'s \'{"architectures": '
+                        '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
+                        '"is_original_qwen3_reranker": true}\'')
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (docs/lora.md)")
     p.add_argument("--max-loras", type=int, default=1, help="adapters one batch may use (device slots); default 1")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted; default 16")
@@ -99,7 +112,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
         distributed_executor_backend=getattr(args, "distributed_executor_backend", None),
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
-        generation_config=getattr(args, "generation_config", "auto"))
+        generation_config=getattr(args, "generation_config", "auto"),
+        runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
+        pooler_config=getattr(args, "pooler_config", None), hf_overrides=getattr(args, "hf_overrides", None))
+
+
+def _json_object(text: str) -> dict:
+    """argparse type of a JSON-object flag (--hf-overrides)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 

@@ -21,14 +21,15 @@ import os
 import pickle
 import struct
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import EngineStats, PromptType
 from pagedllm.engine.core_process import ACCEPTED, run_engine_core
 from pagedllm.executor.parent_watch import started_from_main_thread
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.models import load_tokenizer as load_tokenizer_, resolve_model_path
@@ -247,7 +248,7 @@ class AsyncEngine:
         if self.has_request(request_id):
             raise ParamError("request_id", f"{request_id!r} is already in use")
         stream = RequestStream(self, request_id)
-        if params.output_kind == "cumulative":  # the pipe carries deltas; _route accumulates them here
+        if getattr(params, "output_kind", None) == "cumulative":  # (PoolingParams: one final output, no deltas)  # the pipe carries deltas; _route accumulates them here
             params = params.clone(output_kind="delta")
             stream.accumulate = True
         accepted = self._loop.create_future()
@@ -268,6 +269,15 @@ class AsyncEngine:
             raise
         self.num_requests += 1
         return stream
+
+    def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+               lora_request: Optional[LoRARequest] = None, priority: int = 0, timeout: Optional[float] = None,
+               arrival_time: Optional[float] = None) -> AsyncIterator[PoolingRequestOutput]:
+        """vLLM's ``AsyncLLM.encode``: an async generator yielding the request's final
+        :class:`~pagedllm.outputs.PoolingRequestOutput` (the engine's ParamError raises at the first ``anext``).
+        Cancelling or closing it before the output aborts the request in the engine (its blocks freed)."""
+        return encode_stream(self.add_request, prompt, pooling_params, request_id, lora_request, priority, timeout,
+                             arrival_time)
 
     def num_unfinished(self) -> int:
         """Requests this engine holds (added and not finished or aborted): its load for data-parallel balancing."""
@@ -419,6 +429,26 @@ class AsyncEngine:
                 s.timer.cancel()
             s.queue.put_nowait(err)
         self._streams.clear()
+
+
+async def encode_stream(add_request: Callable[..., Any], prompt: PromptType, pooling_params: PoolingParams,
+                        request_id: str, lora_request: Optional[LoRARequest], priority: int,
+                        timeout: Optional[float], arrival_time: Optional[float]
+                        ) -> AsyncIterator[PoolingRequestOutput]:
+    """The body of ``encode`` (one engine or a data-parallel one: ``add_request`` is theirs)."""
+    if not isinstance(pooling_params, PoolingParams):
+        raise ParamError("pooling_params", f"must be PoolingParams, got {type(pooling_params).__name__}")
+    stream = await add_request(request_id, prompt, pooling_params, arrival_time, priority or None, timeout,
+                               lora_request)
+    try:
+        async for out in stream:
+            yield out
+    finally:
+        stream.abort()  # (no-op once it finished) cancelled or closed early: free it in the engine
+
+
+#: vLLM's name for the server's engine client.
+AsyncLLM = AsyncEngine
 
 
 def _stop_process(proc: Any, commands: Any, outputs: Any, timeout: float = 30.0) -> None:

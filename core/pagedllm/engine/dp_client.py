@@ -23,11 +23,13 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import replace
-from typing import Callable, Optional, Sequence
+from typing import AsyncIterator, Callable, Optional, Sequence
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import EngineStats, PromptType
-from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream, encode_stream
+from pagedllm.outputs import PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
@@ -191,6 +193,13 @@ class DataParallelEngine:
             raise ParamError("request_id", f"{request_id!r} is already in use")
         return await self.pick().add_request(request_id, prompt, params, arrival_time, priority, timeout,
                                              lora_request)
+
+    def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
+               lora_request: Optional[LoRARequest] = None, priority: int = 0, timeout: Optional[float] = None,
+               arrival_time: Optional[float] = None) -> AsyncIterator[PoolingRequestOutput]:
+        """As :meth:`AsyncEngine.encode`, on the least loaded replica."""
+        return encode_stream(self.add_request, prompt, pooling_params, request_id, lora_request, priority, timeout,
+                             arrival_time)
 
     # ---- LoRA: every replica serves the same adapters --------------------------------------------------------
     async def add_lora(self, lora_request: LoRARequest) -> None:

@@ -20,7 +20,9 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.models import load_config, load_tokenizer, resolve_model_path
 from pagedllm.worker.model_runner import PendingStep, StepOutput
 from pagedllm.models.info import read_model_info
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling import check_request
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
 from pagedllm.sched.request import Request, RequestStatus
 from pagedllm.sample.sampler import SamplerOutput
@@ -100,6 +102,8 @@ class LLMEngine:
         self.backend = get_backend(config.device)
         self.model_path = resolve_model_path(config.model)
         hf_config = load_config(self.model_path)
+        for key, value in (config.hf_overrides or {}).items():  # vLLM's hf_overrides (e.g. a reranker's head)
+            setattr(hf_config, key, value)
         info = read_model_info(self.model_path, hf_config, config.model_impl)
         self.config = config = resolve_config(config, self.backend, info)  # every field checked before loading
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(self.model_path, hf_config)
@@ -115,11 +119,15 @@ class LLMEngine:
                                else Worker(config, self.backend, self.model_path, hf_config, info))
             self.model, self.device, self.dtype, self.max_model_len = w.model, w.device, w.dtype, w.max_model_len
             self.num_blocks = w.num_blocks
-            self.kv = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+            # (an encoder-only model holds no KV: a one-block manager nothing allocates from)
+            self.kv = KVCacheManager(max(1, self.num_blocks), config.block_size, config.enable_prefix_caching)
             swap_pool = BlockPool(w.num_host_blocks, enable_caching=False) if w.host_caches is not None else None
             self.scheduler = Scheduler(self.kv, w.max_num_seqs, w.max_num_batched_tokens, self.max_model_len,
                                        config.scheduling_policy, swap=swap_pool,
-                                       max_loras=config.max_loras if config.enable_lora else 0)
+                                       max_loras=config.max_loras if config.enable_lora else 0,
+                                       requires_kv_cache=w.requires_kv_cache)
+            #: The pooling runner's spec (docs/pooling.md); None: this engine generates
+            self.pooling = w.pooling
             w.start(self.kv)
             if self.executor is not None:
                 self.executor.attach(w.runner)
@@ -177,7 +185,7 @@ class LLMEngine:
         return self.worker.graph_level
 
     # ---- requests --------------------------------------------------------------------------------
-    def tokenize(self, prompt: PromptType) -> tuple[Optional[str], list[int]]:
+    def tokenize(self, prompt: PromptType, check_length: bool = True) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -202,7 +210,7 @@ class LLMEngine:
         vocab = self.model.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise ParamError("prompt_token_ids", f"every token id must be an integer in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        if check_length and len(ids) >= self.max_model_len:
             raise ParamError("prompt", f"the prompt has {len(ids)} tokens, but max_model_len is "
                                        f"{self.max_model_len} (prompt plus at least one generated token must fit)")
         return text, list(ids)
@@ -229,14 +237,23 @@ class LLMEngine:
     def list_loras(self) -> list[LoRARequest]:
         return list(self.worker.lora.known.values()) if self.worker.lora is not None else []
 
-    def add_request(self, request_id: Optional[str], prompt: PromptType, params: Optional[SamplingParams] = None,
+    def add_request(self, request_id: Optional[str], prompt: PromptType,
+                    params: Union[SamplingParams, PoolingParams, None] = None,
                     arrival_time: Optional[float] = None, priority: Optional[int] = None,
                     lora_request: Optional[LoRARequest] = None, structured_prefix: Sequence[int] = ()) -> str:
-        """Validate and queue a request (``n`` child samples). Raises ParamError naming the bad field.
+        """Validate and queue a request (``n`` child samples; a PoolingParams: one pooling request, which
+        finishes once its prompt ran). Raises ParamError naming the bad field.
 
         ``structured_prefix``: the prompt's last tokens were generated under ``params.structured_outputs`` (beam
         search continuing a beam); the grammar starts after them."""
         self._check_open()
+        if isinstance(params, PoolingParams):
+            return self._add_pooling_request(request_id, prompt, params, arrival_time, priority, lora_request)
+        if self.pooling is not None:
+            raise ParamError("runner", f"model {self.config.model} was started with the pooling runner "
+                                       f"(runner='pooling', --convert {self.pooling.convert}): it does not generate; "
+                                       "send PoolingParams (embed, classify, score, reward, encode) or start it "
+                                       "with runner='generate' (--runner generate)")
         params = params if params is not None else SamplingParams()
         if lora_request is not None:
             self.add_lora(lora_request)
@@ -275,6 +292,53 @@ class LLMEngine:
             self.requests[req.request_id] = (parent, req)
             self.scheduler.add_request(req)
             self.stats.prompt_tokens += len(ids)
+        return request_id
+
+    def _add_pooling_request(self, request_id: Optional[str], prompt: PromptType, params: PoolingParams,
+                             arrival_time: Optional[float], priority: Optional[int],
+                             lora_request: Optional[LoRARequest]) -> str:
+        """Queue one pooling request: no sampling, no detokenizing; its blocks are freed once the prompt ran."""
+        if self.pooling is None:
+            raise ParamError("runner", f"model {self.config.model} runs the generate runner, which does not pool; "
+                                       "start it with runner='pooling' (--runner pooling) or convert='embed' / "
+                                       "'classify' / 'reward' (--convert) for embed, classify, score, reward and "
+                                       "encode requests")
+        params = check_request(self.pooling, params, str(self.config.model))
+        if lora_request is not None:
+            self.add_lora(lora_request)
+        if request_id is None:
+            request_id = str(next(self._ids))
+        if request_id in self.parents:
+            raise ParamError("request_id", f"{request_id!r} is already in use")
+        text, ids = self.tokenize(prompt, check_length=False)
+        types = prompt.get("token_type_ids") if isinstance(prompt, dict) else None
+        if types is not None and (len(types) != len(ids) or any(t not in (0, 1) for t in types)):
+            raise ParamError("token_type_ids", f"must be {len(ids)} values of 0 or 1, one per prompt token")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            ids = ids[-keep:]
+            types = types[-keep:] if types is not None else None
+        if len(ids) > self.max_model_len:
+            raise ParamError("prompt", f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len} "
+                                       "(truncate_prompt_tokens keeps the last k)")
+        budget = self.scheduler.max_num_batched_tokens
+        if not self.scheduler.requires_kv_cache and len(ids) > budget:
+            raise ParamError("prompt", f"the prompt has {len(ids)} tokens, but an encoder-only model runs a prompt "
+                                       f"whole in one step and max_num_batched_tokens is {budget}")
+        parent = ParentRequest(request_id, text, ids, params)
+        req = Request(request_id, ids, SamplingParams(max_tokens=1, priority=priority or 0, detokenize=False),
+                      prompt=text, arrival_time=arrival_time if arrival_time is not None else time.time(),
+                      max_tokens=1, lora_request=lora_request)
+        req.pooling_params = params
+        req.token_type_ids = list(types) if types is not None else None
+        req.pooling_state = self.worker.pooler.new_state(params)
+        parent.children.append(req)
+        parent.detoks[request_id] = None
+        self.parents[request_id] = parent
+        self.requests[request_id] = (parent, req)
+        self.scheduler.add_request(req)
+        self.stats.prompt_tokens += len(ids)
         return request_id
 
     def _check_token_params(self, params: SamplingParams) -> list[list[int]]:
@@ -399,6 +463,15 @@ class LLMEngine:
         for req, first, plogits in step.prompt_logits:
             if not req.is_finished:
                 self.output_processor.record_prompt_logprobs(req, first, plogits)
+        outputs: list[Any] = []
+        for req, data in step.pooled:  # pooling requests whose prompt completed: done, blocks freed at once
+            if req.is_finished:
+                continue
+            parent = self.requests[req.request_id][0]
+            self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            outputs.append(PoolingRequestOutput(parent.request_id, PoolingOutput(data), parent.prompt_token_ids,
+                                                req.num_cached_tokens, True))
+            self._retire(parent)
         touched: dict[str, ParentRequest] = {}
         if step.requests:
             now = time.time()
@@ -431,7 +504,6 @@ class LLMEngine:
         if self.spec is not None:  # the batch throttle times pure decode steps (spec_decode/throttle.py)
             self.spec.end_step(self.stats.generation_tokens - generated,
                                all(s.num_new_tokens == 1 + len(s.spec_token_ids) for s in sched.scheduled))
-        outputs = []
         for parent in touched.values():
             if parent.finished or parent.params.output_kind != "final_only":
                 outputs.append(parent.output())

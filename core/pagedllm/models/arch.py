@@ -60,6 +60,14 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "FalconForCausalLM": ArchSpec(lambda c: bool(c.bias), lambda c: bool(c.bias), module="falcon"),
     "StableLmForCausalLM": ArchSpec(lambda c: bool(c.use_qkv_bias), lambda c: False, module="stablelm"),
 }
+# Pooling architectures (docs/pooling.md): the same decoder with a classification head (``score``) or none (the
+# base ``*Model``, an embedding checkpoint); models/sequence_classification.py adds the head.
+POOLING_ARCHITECTURES: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM", "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM", "MistralForSequenceClassification": "MistralForCausalLM",
+    "LlamaModel": "LlamaForCausalLM", "Qwen2Model": "Qwen2ForCausalLM", "Qwen3Model": "Qwen3ForCausalLM",
+    "MistralModel": "MistralForCausalLM",
+}
 # GGUF configs carry a model_type but no `architectures`.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -78,6 +86,8 @@ def architecture_of(config: Any) -> tuple[str, ArchSpec]:
     for name in archs:
         if name in ARCHITECTURES:
             return name, ARCHITECTURES[name]
+        if name in POOLING_ARCHITECTURES:
+            return name, ARCHITECTURES[POOLING_ARCHITECTURES[name]]
     shown = archs or [f"model_type={getattr(config, 'model_type', None)!r}"]
     raise UnsupportedModelError(f"unsupported model architecture {', '.join(shown)}; "
                      f"pagedllm supports {', '.join(ARCHITECTURES)}")

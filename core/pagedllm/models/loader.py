@@ -29,6 +29,8 @@ from pagedllm.models.quantized_embedding import quantize_embedding
 from pagedllm.models.quantized_linears import quantize_linears
 from pagedllm.models.remote_layouts import check_covered, remote_code_config, wrap_weights
 from pagedllm.models.rope import build_cos_sin_cache, per_layer_type
+from pagedllm.models.sequence_classification import finish_heads, prepare_heads
+from pagedllm.models.tokenizer import load_tokenizer
 from pagedllm.models.transformers_impl import load_transformers_model
 from pagedllm.backend.kv_quant import load_kv_scales
 from pagedllm.models.weights import SafetensorsWeights, checkpoint_prefix, fused_state_dict
@@ -124,7 +126,7 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.eos_token_ids = eos_token_ids(path, config)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
-    _, spec = architecture_of(config)
+    arch_name, spec = architecture_of(config)
     full_config, par = config, get_parallel_state()
     if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
         if quantization is not None:
@@ -150,6 +152,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         weights = QuantizedCheckpoint(SafetensorsWeights(path), qc)
     else:
         weights = wrap_weights(SafetensorsWeights(path), config)
+    if spec.module == "decoder":  # pooling heads: score, or no LM head (models/sequence_classification.py)
+        prepare_heads(model, config, arch_name, weights)
     if quantization == "fp8" or fp8_checkpoint:  # e4m3 weights + scales, or online quantization (quantization/fp8.py)
         weights = FP8Weights(weights, online=not fp8_checkpoint)
     bar = progress_bar(len(model.state_dict()), "reading weights", unit="tensor")
@@ -182,6 +186,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model.rope_caches = {t: build_cos_sin_cache(config, model.max_model_len, device, max_model_len, t)
                              for t in sorted(set(config.layer_types))}
     model.eos_token_ids = eos_token_ids(path, config)
+    if getattr(config, "classifier_from_token", None):
+        finish_heads(model, config, load_tokenizer(path, config))
     stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
     return model.requires_grad_(False).eval()
 

@@ -85,6 +85,11 @@ class Request:
         self.spec_acceptance = 1.0  # running (EMA) acceptance rate of this request's drafts
         self.spec_backoff = 0  # steps to pause after the next low-acceptance verification
         self.spec_skip = 0  # steps left without proposals
+        # Pooling requests (docs/pooling.md): their verified PoolingParams and the pooler's per-request state; they
+        # finish once the prompt ran, without sampling.
+        self.pooling_params: Any = None
+        self.pooling_state: Any = None
+        self.token_type_ids: Optional[list[int]] = None  # BERT-style segment ids (a cross-encoder's pair), per token
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 
@@ -99,6 +104,13 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def skip_prefix_cache(self) -> bool:
+        """Every prompt position must run through the model: prompt logprobs, and pooling over more than the
+        last token (the prefix cache always leaves the last token to compute)."""
+        return self.prompt_logprobs is not None or (self.pooling_state is not None
+                                                    and self.pooling_state.pooling_type != "LAST")
 
     @property
     def is_finished(self) -> bool:

@@ -54,8 +54,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 policy: str = "fcfs", swap: Optional[BlockPool] = None, max_loras: int = 0):
+                 policy: str = "fcfs", swap: Optional[BlockPool] = None, max_loras: int = 0,
+                 requires_kv_cache: bool = True):
         self.kv = kv
+        # False: an encoder-only model (no KV cache): a request runs its whole prompt in one step, taking no blocks
+        self.requires_kv_cache = requires_kv_cache
         self.swap = swap  # host block pool for swapped-out requests (None: recompute only)
         self.num_swaps = 0
         self.max_num_seqs = max_num_seqs
@@ -134,7 +137,11 @@ class Scheduler:
 
     def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> int:
         """Try to start (or resume) the head waiting request; returns the tokens scheduled (0 = could not)."""
-        if req.swapped_blocks is not None:
+        if not self.requires_kv_cache:  # the whole prompt in this step or not yet (the engine refused longer ones)
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget:
+                return 0
+        elif req.swapped_blocks is not None:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req, n):
                 return 0
@@ -142,8 +149,8 @@ class Scheduler:
             self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = None
         else:
-            # Prompt logprobs need every prompt position's logits, so such requests skip the prefix cache.
-            hits, num_hit = self.kv.get_computed_blocks(req) if req.prompt_logprobs is None else ([], 0)
+            # Prompt logprobs (and MEAN/CLS/ALL pooling) need every prompt position, so they skip the prefix cache.
+            hits, num_hit = self.kv.get_computed_blocks(req) if not req.skip_prefix_cache else ([], 0)
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 return 0
@@ -173,7 +180,7 @@ class Scheduler:
             # Speculation: a decoding request reserves its lookahead slots too (spec_decode plans num_lookahead).
             la = min(req.num_lookahead, budget - 1) if n == 1 and req.num_lookahead > 0 else 0
             n += la
-            while not self.kv.allocate_slots(req, n):
+            while self.requires_kv_cache and not self.kv.allocate_slots(req, n):
                 victim = max(self._preemptible(), key=self._rank)  # (req itself is one)
                 before = self.running.index(victim) < i
                 self._preempt(victim, out)

@@ -55,14 +55,19 @@ class ModelRunner:
         # A pipeline-parallel executor's non-blocking forward (executor/base.py): returns a callable that waits for
         # the logits, so the engine can run the next batch's first stage meanwhile. None: ``forward_logits``.
         self.submit_logits: Optional[Callable[..., Callable[[], Optional[torch.Tensor]]]] = None
+        # The pooling runner (pagedllm.pooling.Pooler): steps return pooled tensors instead of logits
+        self.pooler: Any = None
+        # False: an encoder-only model (no KV cache): no blocks, no slots (its attention is the unpaged varlen hook)
+        self.requires_kv_cache = bool(getattr(model, "requires_kv_cache", True))
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         qlens = np.fromiter((s.num_new_tokens for s in batch), dtype=np.int64, count=len(batch))
         starts = np.fromiter((s.num_computed_tokens for s in batch), dtype=np.int64, count=len(batch))
         seq_lens = starts + qlens
-        tables = [self.kv.block_ids(s.request.request_id) for s in batch]
-        width = max(len(t) for t in tables)
+        tables = ([self.kv.block_ids(s.request.request_id) for s in batch] if self.requires_kv_cache
+                  else [[] for _ in batch])
+        width = max(1, max(len(t) for t in tables))
         real = BatchShape(int(qlens.sum()), len(batch), width)
         shape = self.policy.pad(real)
         bt = np.zeros((shape.num_seqs, shape.num_blocks), dtype=np.int32)
@@ -80,7 +85,8 @@ class ModelRunner:
                     tokens.extend(s.spec_token_ids)
             row = np.repeat(np.arange(len(batch)), qlens)
             pos = np.arange(int(qlens.sum())) - np.repeat(np.cumsum(qlens) - qlens, qlens) + starts[row]
-        slots = bt[row, pos // bs].astype(np.int64) * bs + pos % bs
+        slots = (bt[row, pos // bs].astype(np.int64) * bs + pos % bs if self.requires_kv_cache
+                 else np.full(len(tokens), self.pad_slot, dtype=np.int64))
         qsl = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(qlens, out=qsl[1:])
         num_decodes = int(np.argmax(qlens != 1)) if (qlens != 1).any() else len(batch)
@@ -138,6 +144,8 @@ class ModelRunner:
             batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(batch)
         out = StepOutput()
+        if self.pooler is not None:
+            return PendingStep(self._pool(batch, input_ids, positions, meta, out))
         rows = [i for i, s in enumerate(batch) if s.samples]
         spec = any(batch[i].spec_token_ids for i in rows)
         if (self.sample is not None and rows and not spec and not self.keep_hidden
@@ -179,6 +187,26 @@ class ModelRunner:
         else:
             logits = self.forward_logits(input_ids, positions, meta, idx)
         return PendingStep(out, lambda: logits, num_sampled, spans)
+
+    def _pool(self, batch: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata, out: "StepOutput") -> "StepOutput":
+        """A pooling step: the forward, each request's rows fed to its pooling state (chunked prefill accumulates
+        across steps), and the pooled tensor of every request whose prompt completes here."""
+        qsl = meta.query_start_loc_cpu
+        if any(s.request.token_type_ids is not None for s in batch):  # BERT segments: meta.extra, per step token
+            types = np.zeros(input_ids.shape[0], dtype=np.int64)
+            for i, s in enumerate(batch):
+                t = s.request.token_type_ids
+                if t is not None:
+                    types[qsl[i]:qsl[i + 1]] = t[s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens]
+            meta.extra["token_type_ids"] = torch.from_numpy(types).to(self.device)
+        hidden = self.run(input_ids, positions, meta)
+        for i, s in enumerate(batch):
+            r = s.request
+            r.pooling_state.add(hidden[qsl[i]:qsl[i + 1]], s.num_computed_tokens, r.num_prompt_tokens)
+            if s.samples:
+                out.pooled.append((r, self.pooler.finish(r.pooling_state, r.pooling_params)))
+        return out
 
     def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                        idx: list[int]) -> Optional[torch.Tensor]:
@@ -232,3 +260,5 @@ class StepOutput:
     # proposals) of each scheduled request.
     hidden: Optional[torch.Tensor] = None
     hidden_spans: Optional[list[tuple[Request, int, int, int, int]]] = None
+    # The pooling runner: (request, pooled tensor on the host) of each request whose prompt completed this step
+    pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)

@@ -28,6 +28,7 @@ from pagedllm.backend.registry import SwapUnsupported
 from pagedllm.lora.slots import LoRAManager
 from pagedllm.worker.model_runner import ModelRunner, PendingStep, StepOutput
 from pagedllm.models import load_config, load_model, resolve_model_path
+from pagedllm.pooling import Pooler, PoolingSpec, classifier_of, resolve_pooling
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.errors import ParamError
 from pagedllm.sched.scheduler import ScheduledRequest
@@ -65,6 +66,18 @@ class Worker:
         if config.enable_lora and not getattr(self.model, "supports_lora", False):
             raise ParamError("enable_lora", f"LoRA runs on native dense models only, not on {info.architecture} "
                                             f"({type(self.model).__name__})")
+        # The pooling runner (docs/pooling.md): its resolved spec and pooler; a generation engine refuses a model
+        # without an LM head (an embedding checkpoint) by naming the flag.
+        self.requires_kv_cache = bool(getattr(self.model, "requires_kv_cache", True))
+        self.pooling: Optional[PoolingSpec] = None
+        self.pooler: Optional[Pooler] = None
+        if config.runner == "pooling":
+            self.pooling = resolve_pooling(config, model_path, info.architecture, hf_config.hidden_size,
+                                           getattr(self.model, "num_labels", None))
+            self.pooler = Pooler(self.pooling, classifier_of(self.model), self.dtype)
+        elif not getattr(self.model, "has_lm_head", True) or not self.requires_kv_cache:
+            raise ParamError("runner", f"model {model_path} ({info.architecture}) has no LM head to generate with; "
+                                       "start it with runner='pooling' (--runner pooling)")
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.pad_slot = -1
         self.policy: BatchPolicy = backend.batch_policy(self._context(BatchPolicy()))
@@ -74,25 +87,31 @@ class Worker:
         spec = config.speculative_config
         if spec is not None and spec.method in MODEL_METHODS:
             self.draft_model = self._load_draft(spec.model, spec.method)
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = self._num_blocks() if self.requires_kv_cache else 0
         par = get_parallel_state()
         if par is not None:  # every rank holds the same block ids: the smallest rank's pool decides
             self.num_blocks = par.world_group.all_reduce_min(self.num_blocks)
-        stage("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", self.num_blocks, self.block_size,
-              self.num_blocks * self.block_size, self.num_blocks * self._bytes_per_block() / 2**30,
-              str(self.kv_dtype).removeprefix("torch."))
+        if self.requires_kv_cache:
+            stage("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", self.num_blocks, self.block_size,
+                  self.num_blocks * self.block_size, self.num_blocks * self._bytes_per_block() / 2**30,
+                  str(self.kv_dtype).removeprefix("torch."))
+        else:
+            stage("KV cache: none (%s is encoder-only: each prompt runs whole in one step)", info.architecture)
         # Static backends get one block more than the pool hands out: padding tokens write there.
         self.sink_block: Optional[int] = self.num_blocks if self.policy.static else None
         self.pad_slot = self.sink_block * self.block_size if self.sink_block is not None else -1
-        spec = self._kv_spec(self.num_blocks + (self.sink_block is not None))
-        self.kv_caches = backend.allocate_kv_cache(spec)
+        if not self.requires_kv_cache:
+            self.sink_block, self.pad_slot = None, -1
+        spec = self._kv_spec(self.num_blocks + (self.sink_block is not None)) if self.requires_kv_cache else None
+        self.kv_caches = backend.allocate_kv_cache(spec) if spec is not None else []
         self.model.kv_caches = self.kv_caches
         self.host_caches: Optional[list] = None
         self.draft_host_caches: Optional[list] = None
         draft_spec = self._draft_kv_spec(self.num_blocks)
         if draft_spec is not None:
             self.draft_model.kv_caches = backend.allocate_kv_cache(draft_spec)
-        self.num_host_blocks = int(config.swap_space * (1 << 30) // self._bytes_per_block())
+        self.num_host_blocks = (int(config.swap_space * (1 << 30) // self._bytes_per_block())
+                                if self.requires_kv_cache else 0)
         if self.num_host_blocks > 0:
             pinned = backend.memory_info(self.device).pinned_host
             host_spec = replace(spec, num_blocks=self.num_host_blocks, device=torch.device("cpu"))
@@ -247,6 +266,9 @@ class Worker:
             raise ParamError("enable_lora", f"backend {self.backend.name!r} runs "
                                             f"{'its own model runner' if own is not None else 'static batch shapes'}"
                                             ", which does not apply LoRA adapters; serve LoRA on a dynamic backend")
+        if own is not None and self.pooler is not None:
+            raise ParamError("runner", f"backend {self.backend.name!r} runs its own model runner, which does not "
+                                       "pool hidden states; run the pooling runner on a backend without one")
         if own is not None:  # the backend owns the step, warm-up included
             self.runner, self.graph_level = own, getattr(own, "level", "custom")
             return
@@ -257,6 +279,7 @@ class Worker:
         self.runner = ModelRunner(self.model, graph.run if graph is not None else self.model, kv, self.device,
                                   self.policy, self.pad_slot, sample=graph.sample if graph is not None else None,
                                   lora=self.lora)
+        self.runner.pooler = self.pooler
         self.runner.keep_hidden = hasattr(self.draft_proposer, "record")  # EAGLE drafts from the target's features
         self.warmup()
 
