@@ -247,6 +247,7 @@ def test_many_concurrent_embeddings_leave_nothing_held(embed_server, embed_llm):
     m = wait_idle(embed_server.base_url)
     assert m["pagedllm:kv_cache_used_blocks"] == 0
     assert m["pagedllm:num_requests_running"] == 0 and m["pagedllm:num_requests_waiting"] == 0
+    assert m["pagedllm:request_success_total"] >= 12 * 4 * 2  # one per input, counted as "stop"
 
 
 # ---- classification and cross-encoder scores ---------------------------------------------------------------------

@@ -55,7 +55,7 @@ def add_pooling_routes(app: FastAPI, *serving_args: Any) -> PoolingServing:
             return await score.create_score(body, raw)
 
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        @app.post(path, response_model=RerankResponse, responses=_ERRORS)
+        @app.post(path, response_model=RerankResponse, response_model_exclude_none=True, responses=_ERRORS)
         async def create_rerank(body: RerankRequest, raw: Request) -> dict:
             return await score.create_rerank(body, raw, raw.url.path)
 

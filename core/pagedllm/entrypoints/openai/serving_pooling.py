@@ -36,10 +36,7 @@ CONVERT_FLAG = {"embed": "--convert embed", "classify": "--convert classify", "s
 
 def supported_tasks(engine: Any) -> frozenset[str]:
     """The pooling tasks the engine's model serves (empty for a generation model)."""
-    tasks = getattr(engine, "supported_tasks", None)
-    if callable(tasks):
-        tasks = tasks()
-    return frozenset(t for t in (tasks or ()) if t != "generate")
+    return frozenset(t for t in getattr(engine, "supported_tasks", ("generate",)) if t != "generate")
 
 
 def is_pooling_model(engine: Any) -> bool:
@@ -171,9 +168,11 @@ class PoolingServing(Serving):
 
     # ---- submission ------------------------------------------------------------------------------------------
     async def run(self, base_id: str, prompts: list[dict], params: PoolingParams, raw: Request, start: float,
-                  rename: Optional[dict[str, str]] = None, priority: int = 0) -> list[Any]:
-        """Every prompt's final ``PoolingRequestOutput``, in order; a client disconnect aborts them all (499)."""
+                  param: str = "input", rename: Optional[dict[str, str]] = None, priority: int = 0) -> list[Any]:
+        """Every prompt's final ``PoolingRequestOutput``, in order; a client disconnect aborts them all (499). The
+        engine's refusals of a prompt name ``param`` (the request's field)."""
         timeout = self.remaining(start)
+        rename = {"prompt": param, "prompt_token_ids": param, **(rename or {})}
 
         async def one(i: int, p: dict) -> Any:
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
@@ -193,13 +192,21 @@ class PoolingServing(Serving):
                 raise
 
         try:
-            return await until_disconnect(every(), raw, self.metrics)
+            outs = await until_disconnect(every(), raw, self.metrics)
         except ParamError as e:
             raise from_param_error(e, rename) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
         except RequestTimeoutError:
             raise timeout_error(self.limits.request_timeout) from None
+        self.observe_pooled(len(outs), start)
+        return outs
+
+    def observe_pooled(self, n: int, start: float) -> None:
+        """/metrics for finished pooling requests: end-to-end latency and successes (finished_reason "stop", as a
+        prompt that ran to its end)."""
+        self.metrics.e2e.observe(max(time.monotonic() - start, 0.0))
+        self.metrics.success.labels(self.model_name, "stop").inc(n)
 
     async def pool(self, req: Any, raw: Request, task: str, route: str, rid_prefix: str,
                    rename: Optional[dict[str, str]] = None, **params: Any) -> tuple[str, list[Any]]:
@@ -214,7 +221,8 @@ class PoolingServing(Serving):
         try:
             prompts = await self.text_prompts(req, start)
             rid = random_id(rid_prefix)
-            return rid, await self.run(rid, prompts, pooling_params, raw, start, rename, req.priority)
+            field = "input" if getattr(req, "input", None) is not None else "messages"
+            return rid, await self.run(rid, prompts, pooling_params, raw, start, field, rename, req.priority)
         finally:
             ticket.release()
 

@@ -67,7 +67,7 @@ class ScoreServing(PoolingServing):
             try:
                 prompts = await self.pair_prompts(pairs, req.truncate_prompt_tokens, param, start)
                 rid = random_id(rid_prefix)
-                outs = await self.run(rid, prompts, params, raw, start, priority=req.priority)
+                outs = await self.run(rid, prompts, params, raw, start, param, priority=req.priority)
             finally:
                 ticket.release()
             scores = [float(o.outputs.data.reshape(-1)[-1]) for o in outs]
@@ -79,7 +79,7 @@ class ScoreServing(PoolingServing):
         try:
             prompts = await self.tokenize_items(unique, True, req.truncate_prompt_tokens, param, start)
             rid = random_id(rid_prefix)
-            outs = await self.run(rid, prompts, params, raw, start, priority=req.priority)
+            outs = await self.run(rid, prompts, params, raw, start, param, priority=req.priority)
         finally:
             ticket.release()
         emb = {t: o.outputs.data.to(torch.float32).reshape(-1) for t, o in zip(unique, outs)}
