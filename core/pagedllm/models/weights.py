@@ -93,8 +93,8 @@ def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype, devi
 def source_names(key: str, prefix: str) -> list[str]:
     """The HF checkpoint names whose rows make up our parameter ``key`` (fused q/k/v and gate/up: several)."""
     module, _, leaf = key.rpartition(".")
-    if key == "lm_head.weight":
-        return ["lm_head.weight"]
+    if key in ("lm_head.weight", "score.weight"):  # (score: a *ForSequenceClassification head, unprefixed)
+        return [key]
     if module.endswith("self_attn.qkv_proj"):
         base = prefix + module.removesuffix("qkv_proj")
         return [f"{base}{p}_proj.{leaf}" for p in "qkv"]

@@ -45,9 +45,10 @@ def runner_type(runner: str, convert: str, architecture: str) -> str:
 
 
 def resolve_pooling(config: Any, model_path: str, architecture: str, hidden_size: int,
-                    num_labels: Optional[int]) -> PoolingSpec:
+                    num_labels: Optional[int], default_pooling_type: str = "LAST") -> PoolingSpec:
     """The pooling spec of a ``runner="pooling"`` engine (``config``: its resolved EngineConfig); ``num_labels``:
-    the loaded model's classifier width (None: it has no classifier)."""
+    the loaded model's classifier width (None: it has no classifier); ``default_pooling_type``: the model's own
+    (a decoder's LAST; BERT-style encoders' CLS, which their classification heads read too)."""
     pc = PoolerConfig.parse(config.pooler_config) or PoolerConfig()
     convert = config.convert
     if convert in ("auto", "none"):
@@ -57,7 +58,7 @@ def resolve_pooling(config: Any, model_path: str, architecture: str, hidden_size
                                     "*ForSequenceClassification checkpoint (score.weight) or hf_overrides "
                                     "classifier_from_token is needed for --convert classify")
     st = read_sentence_transformers_config(model_path)
-    pooling_type = pc.pooling_type or (st.pooling_type if st is not None else None) or "LAST"
+    pooling_type = pc.pooling_type or (st.pooling_type if st is not None else None) or default_pooling_type
     if pooling_type == "ALL" and convert != "reward":
         raise ParamError("pooler_config.pooling_type", f"ALL pools every token: it serves --convert reward and the "
                                                        f"encode task, not {convert}")
@@ -71,7 +72,8 @@ def resolve_pooling(config: Any, model_path: str, architecture: str, hidden_size
     else:
         tasks = ("reward", "encode")
     return PoolingSpec(architecture, convert, tasks, tasks[0], pooling_type,
-                       pc.pooling_type if pc.pooling_type not in (None, "ALL") else "LAST", bool(normalize),
+                       pc.pooling_type if pc.pooling_type not in (None, "ALL") else default_pooling_type,
+                       bool(normalize),
                        pc.dimensions, pc.use_activation if pc.use_activation is not None else True, hidden_size,
                        num_labels, tuple(pc.matryoshka_dimensions) if pc.matryoshka_dimensions else None)
 

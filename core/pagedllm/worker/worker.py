@@ -73,7 +73,8 @@ class Worker:
         self.pooler: Optional[Pooler] = None
         if config.runner == "pooling":
             self.pooling = resolve_pooling(config, model_path, info.architecture, hf_config.hidden_size,
-                                           getattr(self.model, "num_labels", None))
+                                           getattr(self.model, "num_labels", None),
+                                           getattr(self.model, "default_pooling_type", "LAST"))
             self.pooler = Pooler(self.pooling, classifier_of(self.model), self.dtype)
         elif not getattr(self.model, "has_lm_head", True) or not self.requires_kv_cache:
             raise ParamError("runner", f"model {model_path} ({info.architecture}) has no LM head to generate with; "

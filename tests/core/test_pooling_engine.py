@@ -1,0 +1,170 @@
+"""The pooling runner inside the engine: chunked prefill pools the same as one step, blocks are freed the moment a
+pooling request finishes, the runner refuses what it does not run (naming the flag), and ``AsyncLLM.encode`` carries
+pooling requests across the engine process (one engine and data parallel)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.llm import LLM
+from pagedllm.errors import ParamError
+from pagedllm.outputs import PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.sampling_params import SamplingParams
+
+BASE = dict(device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=16 << 20)
+LONG = list(range(3, 50))  # 47 tokens: six chunks at a budget of 8
+PROMPTS = [LONG, [5, 6, 7], list(range(100, 121))]
+
+
+def run(engine: LLMEngine, prompts, params) -> list[PoolingRequestOutput]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[out.request_id] = out
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("pooling_type,task", [("LAST", "embed"), ("MEAN", "embed"), ("CLS", "embed"),
+                                               ("LAST", "encode")])
+def test_chunked_prefill_pools_the_same(tiny_llama, pooling_type, task):
+    params = PoolingParams(task=task)
+    outs = {}
+    for budget in (8, 512):
+        engine = LLMEngine(EngineConfig(tiny_llama, runner="pooling", max_num_batched_tokens=budget,
+                                        pooler_config={"pooling_type": pooling_type}, **BASE))
+        outs[budget] = run(engine, PROMPTS, params)
+        st = engine.get_stats()
+        assert st.num_steps >= (6 if budget == 8 else 1)
+        assert (st.num_used_blocks, st.num_running, st.num_waiting) == (0, 0, 0)  # every block back at once
+        engine.shutdown()
+    for a, b in zip(outs[8], outs[512]):
+        assert a.finished and a.prompt_token_ids == b.prompt_token_ids
+        torch.testing.assert_close(a.outputs.data, b.outputs.data, atol=1e-5, rtol=1e-5)
+    if task == "encode":  # every token's hidden state
+        assert outs[8][0].outputs.data.shape == (len(LONG), 256)
+
+
+def test_blocks_freed_at_finish_and_prefix_cache(tiny_llama):
+    engine = LLMEngine(EngineConfig(tiny_llama, runner="pooling", max_num_batched_tokens=16, **BASE))
+    engine.add_request("a", {"prompt_token_ids": LONG}, PoolingParams())
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[2]}, PoolingParams())
+    used = []
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            finished[out.request_id] = out
+        used.append(engine.get_stats().num_used_blocks)
+        if "b" in finished and "a" not in finished:  # b finished this step while a still runs: only a's blocks
+            assert used[-1] == engine.kv.num_blocks_of("a") > 0
+    assert used[-1] == 0 and max(used) > 0
+    # LAST pooling may reuse the prefix cache (the last token always runs): the same embedding
+    again = run(engine, [LONG], PoolingParams())[0]
+    assert again.num_cached_tokens > 0
+    torch.testing.assert_close(again.outputs.data, finished["a"].outputs.data, atol=1e-5, rtol=1e-5)
+    assert engine.get_stats().num_used_blocks == 0
+    engine.shutdown()
+
+
+def test_generation_engine_refuses_pooling_and_back(tiny_llama):
+    with LLM(tiny_llama, **BASE) as llm:
+        with pytest.raises(ParamError, match="--runner pooling") as e:
+            llm.embed({"prompt_token_ids": [5, 6, 7]})
+        assert e.value.field == "runner" and tiny_llama in str(e.value)
+        with pytest.raises(ParamError, match="--runner pooling"):
+            llm.llm_engine.add_request("x", [5, 6], PoolingParams(task="classify"))
+        assert llm.llm_engine.get_num_unfinished_requests() == 0
+    with LLM(tiny_llama, runner="pooling", **BASE) as llm:
+        with pytest.raises(ParamError, match="--runner generate") as e:
+            llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
+        assert e.value.field == "runner"
+
+
+def test_pooling_prompt_limits_and_truncation(tiny_llama):
+    with LLM(tiny_llama, runner="pooling", **BASE) as llm:
+        # a pooling prompt may fill max_model_len (nothing is generated after it), not exceed it
+        assert len(llm.embed({"prompt_token_ids": list(range(3, 67))}, use_tqdm=False)[0].outputs.embedding) == 256
+        with pytest.raises(ParamError, match="max_model_len is 64") as e:
+            llm.embed({"prompt_token_ids": list(range(3, 68))})
+        assert e.value.field == "prompt"
+        cut = llm.embed({"prompt_token_ids": list(range(3, 90))}, truncate_prompt_tokens=10, use_tqdm=False)[0]
+        tail = llm.embed({"prompt_token_ids": list(range(80, 90))}, use_tqdm=False)[0]
+        assert cut.prompt_token_ids == list(range(80, 90))
+        assert cut.outputs.embedding == pytest.approx(tail.outputs.embedding, abs=1e-6)
+        for params, field in ((PoolingParams(task="embed", use_activation=True), "use_activation"),
+                              (PoolingParams(task="encode", dimensions=8), "dimensions")):
+            with pytest.raises(ParamError) as e:
+                llm.encode({"prompt_token_ids": [5, 6]}, params)
+            assert e.value.field == field
+        assert llm.llm_engine.get_stats().num_used_blocks == 0
+
+
+def test_checkpoint_without_lm_head(tmp_path, tiny_llama):
+    """A base-model (``LlamaModel``) checkpoint has no LM head: runner auto pools, generate is refused by flag."""
+    from transformers import AutoModel
+
+    path = tmp_path / "base"
+    AutoModel.from_pretrained(tiny_llama, dtype=torch.float32).save_pretrained(path)
+    with pytest.raises(ParamError, match="--runner pooling") as e:
+        LLM(str(path), runner="generate", **BASE)
+    assert e.value.field == "runner"
+    with LLM(str(path), **BASE) as llm:
+        with LLM(tiny_llama, runner="pooling", **BASE) as ref:
+            want = ref.embed({"prompt_token_ids": LONG}, use_tqdm=False)[0].outputs.embedding
+        assert llm.embed({"prompt_token_ids": LONG}, use_tqdm=False)[0].outputs.embedding == pytest.approx(
+            want, abs=1e-6)
+
+
+async def _encode_session(engine) -> None:
+    await engine.start()
+    outs = [o async for o in engine.encode({"prompt_token_ids": LONG}, PoolingParams(dimensions=8), "e1")]
+    assert len(outs) == 1 and outs[0].finished and isinstance(outs[0], PoolingRequestOutput)
+    assert outs[0].outputs.data.shape == (8,)
+    assert outs[0].outputs.data.norm().item() == pytest.approx(1.0, abs=1e-5)
+    with pytest.raises(ParamError) as e:  # the engine's refusal raises at the first output
+        async for _ in engine.encode([5, 6], PoolingParams(task="classify"), "e2"):
+            pass
+    assert e.value.field == "task"
+    # cancelled before its output: the request is aborted in the engine, nothing stays behind
+    gens = [engine.encode({"prompt_token_ids": LONG}, PoolingParams(), f"c{i}") for i in range(4)]
+    tasks = [asyncio.ensure_future(g.__anext__()) for g in gens]
+    await asyncio.sleep(0)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for g in gens:
+        await g.aclose()
+    after = [o async for o in engine.encode({"prompt_token_ids": [5, 6, 7]}, PoolingParams(), "after")]
+    assert after[0].finished
+    for stats, _ in engine.replica_stats():
+        assert (stats.num_used_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
+    assert all(r.num_unfinished() == 0 for r in getattr(engine, "replicas", [engine]))
+
+
+def test_async_llm_encode(tiny_llama):
+    from pagedllm.engine.async_engine import AsyncLLM
+
+    engine = AsyncLLM(EngineConfig(tiny_llama, runner="pooling", max_num_batched_tokens=8, **BASE))
+    try:
+        asyncio.run(_encode_session(engine))
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_data_parallel_encode(tiny_llama):
+    from pagedllm.engine.dp_client import DataParallelEngine
+
+    engine = DataParallelEngine(EngineConfig(tiny_llama, runner="pooling", max_num_batched_tokens=8, **BASE),
+                                [None, None])
+    try:
+        asyncio.run(_encode_session(engine))
+    finally:
+        engine.shutdown()
