@@ -3,25 +3,23 @@ and plain HTTP, against the offline ``LLM.embed`` / ``LLM.classify`` / ``LLM.sco
 own parity with HF transformers and sentence-transformers is tests/core/test_pooling_*.py's).
 
 Servers: the tiny chat Llama turned into an embedding model (``--convert embed``), tiny random
-``LlamaForSequenceClassification`` checkpoints (3 labels: ``/classify``; 1 label: a cross-encoder for ``/score`` and
-``/rerank``) and the plain chat model (generation only: the pooling routes are refused by name).
+``LlamaForSequenceClassification`` checkpoints with SmolLM2's tokenizer (3 labels: ``/classify``; 1 label: a
+cross-encoder for ``/score`` and ``/rerank``) and the plain chat model (generation only: the pooling routes are refused by name).
 """
 
 from __future__ import annotations
 
 import base64
-import shutil
 import threading
-from pathlib import Path
 
 import httpx
 import numpy as np
 import openai
 import pytest
-import torch
 
 from pagedllm import LLM
 from pagedllm.pooling_params import PoolingParams
+from pooling_models import make_seq_cls_model
 from server_utils import API_KEY, ServerProcess, tiny_chat_model, wait_idle
 
 pytestmark = pytest.mark.slow
@@ -34,27 +32,6 @@ DOCS = ["Paris is in France.", "Llamas live high in the Andes mountains.", "Embe
         "The Andes are in South America."]
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 ENGINE = ["--max-model-len", str(MAX_LEN), "--kv-cache-memory", str(32 << 20)]
-
-
-def _seq_cls_model(out: Path, num_labels: int) -> str:
-    """A tiny random LlamaForSequenceClassification with the tiny chat model's shape and tokenizer."""
-    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
-
-    src = tiny_chat_model()
-    cfg = AutoConfig.from_pretrained(src)
-    cfg.num_labels = num_labels
-    cfg.architectures = ["LlamaForSequenceClassification"]
-    if num_labels > 1:
-        cfg.id2label, cfg.label2id = LABELS, {v: k for k, v in LABELS.items()}
-    tok = AutoTokenizer.from_pretrained(src)
-    cfg.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    torch.manual_seed(num_labels)
-    model = LlamaForSequenceClassification(cfg).to(torch.float32)
-    with torch.no_grad():
-        model.score.weight.normal_(0, 0.5)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +48,13 @@ def embed_llm():
 
 @pytest.fixture(scope="module")
 def classifier_path(tmp_path_factory):
-    return _seq_cls_model(tmp_path_factory.mktemp("cls3"), 3)
+    return make_seq_cls_model("llama", tmp_path_factory.mktemp("cls3"), 3, tokenizer=True, id2label=LABELS,
+                              label2id={v: k for k, v in LABELS.items()})
 
 
 @pytest.fixture(scope="module")
 def cross_encoder_path(tmp_path_factory):
-    return _seq_cls_model(tmp_path_factory.mktemp("cls1"), 1)
+    return make_seq_cls_model("llama", tmp_path_factory.mktemp("cls1"), 1, tokenizer=True)
 
 
 @pytest.fixture(scope="module")
