@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI, Request
+from starlette.responses import Response
 
 from pagedllm.entrypoints.openai.protocol import ErrorResponse
 from pagedllm.entrypoints.openai.protocol_pooling import (
@@ -38,15 +39,15 @@ def add_pooling_routes(app: FastAPI, *serving_args: Any) -> PoolingServing:
     classify, score = ClassificationServing(*serving_args), ScoreServing(*serving_args)
 
     @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
-    async def create_embedding(body: EmbeddingRequest, raw: Request) -> dict:
+    async def create_embedding(body: EmbeddingRequest, raw: Request) -> Response:
         return await embeddings.create(body, raw)
 
     @app.post("/pooling", response_model=PoolingResponse, responses=_ERRORS)
-    async def create_pooling(body: PoolingRequest, raw: Request) -> dict:
+    async def create_pooling(body: PoolingRequest, raw: Request) -> Response:
         return await pooling.create(body, raw)
 
     @app.post("/classify", response_model=ClassificationResponse, responses=_ERRORS)
-    async def create_classify(body: ClassificationRequest, raw: Request) -> dict:
+    async def create_classify(body: ClassificationRequest, raw: Request) -> Response:
         return await classify.create(body, raw)
 
     for path in ("/score", "/v1/score"):

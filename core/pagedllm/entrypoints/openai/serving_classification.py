@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from functools import partial
+from typing import Any, Optional
 
 from starlette.requests import Request
+from starlette.responses import Response
 
 from pagedllm.entrypoints.openai.protocol_pooling import ClassificationRequest
-from pagedllm.entrypoints.openai.serving_pooling import PoolingServing, usage
+from pagedllm.entrypoints.openai.serving_pooling import PoolingServing
 
 
 def read_id2label(model_path: str) -> dict[int, str]:
@@ -33,11 +35,11 @@ class ClassificationServing(PoolingServing):
             self._id2label = read_id2label(self.engine.model_path) if os.path.isdir(self.engine.model_path) else {}
         return self._id2label
 
-    async def create(self, req: ClassificationRequest, raw: Request) -> dict:
+    async def create(self, req: ClassificationRequest, raw: Request) -> Response:
         rid, outs = await self.pool(req, raw, "classify", "/classify", "classify", use_activation=req.use_activation)
-        data = []
-        for i, o in enumerate(outs):
-            probs = [float(x) for x in o.outputs.data.reshape(-1).tolist()]
-            best = max(range(len(probs)), key=probs.__getitem__)
-            data.append({"index": i, "label": self.id2label.get(best), "probs": probs, "num_classes": len(probs)})
-        return {**self.head(rid), "data": data, "usage": usage(outs)}
+        return await self.respond(rid, [partial(self.item, i, o) for i, o in enumerate(outs)], outs)
+
+    def item(self, i: int, out: Any) -> dict:
+        probs = [float(x) for x in out.outputs.data.reshape(-1).tolist()]
+        best = max(range(len(probs)), key=probs.__getitem__)
+        return {"index": i, "label": self.id2label.get(best), "probs": probs, "num_classes": len(probs)}

@@ -8,18 +8,23 @@ not declare Matryoshka support, or a value outside what it supports, is a 400 na
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any
+
 from starlette.requests import Request
+from starlette.responses import Response
 
 from pagedllm.entrypoints.openai.protocol_pooling import EmbeddingRequest
-from pagedllm.entrypoints.openai.serving_pooling import PoolingServing, encode_vector, usage
+from pagedllm.entrypoints.openai.serving_pooling import PoolingServing, encode_vector
 
 
 class EmbeddingServing(PoolingServing):
-    async def create(self, req: EmbeddingRequest, raw: Request) -> dict:
+    async def create(self, req: EmbeddingRequest, raw: Request) -> Response:
         rid, outs = await self.pool(req, raw, "embed", "/v1/embeddings", "embd", dimensions=req.dimensions,
                                     normalize=req.normalize)
-        return {**self.head(rid),
-                "data": [{"index": i, "object": "embedding",
-                          "embedding": encode_vector(o.outputs.data, req.encoding_format)}
-                         for i, o in enumerate(outs)],
-                "usage": usage(outs)}
+        return await self.respond(rid, [partial(self.item, i, o, req.encoding_format) for i, o in enumerate(outs)],
+                                  outs)
+
+    @staticmethod
+    def item(i: int, out: Any, encoding_format: str) -> dict:
+        return {"index": i, "object": "embedding", "embedding": encode_vector(out.outputs.data, encoding_format)}

@@ -16,16 +16,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
-from typing import Any, Optional, Sequence
+from functools import partial
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from starlette.requests import Request
+from starlette.responses import Response
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
 from pagedllm.entrypoints.openai.errors import APIError, from_param_error
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.protocol_pooling import PoolingRequest
-from pagedllm.entrypoints.openai.serving_common import Serving, now, random_id, timeout_error, until_disconnect
+from pagedllm.entrypoints.openai.serving_common import (Serving, json_response, now, random_id, timeout_error,
+                                                      until_disconnect)
 from pagedllm.errors import ParamError
 from pagedllm.pooling_params import PoolingParams
 
@@ -229,16 +232,23 @@ class PoolingServing(Serving):
     def head(self, rid: str) -> dict:
         return {"id": rid, "object": "list", "created": now(), "model": self.model_name}
 
+    async def respond(self, rid: str, items: Iterable[Callable[[], dict]], outs: Sequence[Any]) -> Response:
+        """``{id, object: "list", created, model, data: [...], usage}``, each item built and encoded on its own with
+        the event loop let go between them (2048 inputs of 4096 floats are 8M numbers to format)."""
+        return await json_response(self.head(rid), items, usage(outs), key="data")
+
 
 class PoolingEndpoint(PoolingServing):
     """``POST /pooling``: the pooler's output as it is (a vector, or one per token for ALL pooling)."""
 
-    async def create(self, req: PoolingRequest, raw: Request) -> dict:
+    async def create(self, req: PoolingRequest, raw: Request) -> Response:
         tasks = supported_tasks(self.engine)
         task = req.task or ("encode" if "encode" in tasks else next(iter(sorted(tasks)), "encode"))
         rid, outs = await self.pool(req, raw, task, "/pooling", "pool", dimensions=req.dimensions,
                                     normalize=req.normalize)
-        return {**self.head(rid),
-                "data": [{"index": i, "object": "pooling", "data": encode_vector(o.outputs.data, req.encoding_format)}
-                         for i, o in enumerate(outs)],
-                "usage": usage(outs)}
+        return await self.respond(rid, [partial(self.item, i, o, req.encoding_format) for i, o in enumerate(outs)],
+                                  outs)
+
+    @staticmethod
+    def item(i: int, out: Any, encoding_format: str) -> dict:
+        return {"index": i, "object": "pooling", "data": encode_vector(out.outputs.data, encoding_format)}
