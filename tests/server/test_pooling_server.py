@@ -10,7 +10,10 @@ cross-encoder for ``/score`` and ``/rerank``) and the plain chat model (generati
 from __future__ import annotations
 
 import base64
+import json
+import socket
 import threading
+import time
 
 import httpx
 import numpy as np
@@ -20,7 +23,7 @@ import pytest
 from pagedllm import LLM
 from pagedllm.pooling_params import PoolingParams
 from pooling_models import make_seq_cls_model
-from server_utils import API_KEY, ServerProcess, tiny_chat_model, wait_idle
+from server_utils import API_KEY, ServerProcess, metrics, tiny_chat_model, wait_idle
 
 pytestmark = pytest.mark.slow
 
@@ -303,4 +306,25 @@ def test_generation_model_refuses_pooling_routes(generate_server):
         _client(generate_server).embeddings.create(model="test-model", input="hello")
     assert "--convert embed" in e.value.body["message"]
     r = _post(generate_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_client_disconnect_aborts_every_input(embed_server):
+    """A client that goes away mid-batch: the server aborts the batch's engine requests (counted as aborted), holds
+    no block afterwards and serves the next request."""
+    before = wait_idle(embed_server.base_url)
+    body = json.dumps({"input": [f"{i} " + "word " * 100 for i in range(1000)]}).encode()
+    head = (f"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", embed_server.port)) as sock:
+        sock.sendall(head + body)
+        time.sleep(0.2)  # being tokenised or queued: far from done (1000 x ~100 tokens take over a second)
+    deadline = time.monotonic() + 20
+    while (metrics(embed_server.base_url)["pagedllm:request_aborted_total"]
+           == before["pagedllm:request_aborted_total"] and time.monotonic() < deadline):
+        time.sleep(0.1)
+    m = wait_idle(embed_server.base_url)
+    assert m["pagedllm:request_aborted_total"] == before["pagedllm:request_aborted_total"] + 1
+    assert m["pagedllm:kv_cache_used_blocks"] == 0 and m["pagedllm:num_requests_running"] == 0
+    r = _post(embed_server, "/v1/embeddings", {"input": TEXTS[0]})
     assert r.status_code == 200, r.text
