@@ -52,6 +52,31 @@ def test_chunked_prefill_pools_the_same(tiny_llama, pooling_type, task):
         assert outs[8][0].outputs.data.shape == (len(LONG), 256)
 
 
+def test_preemption_by_recompute_pools_the_same(tiny_llama):
+    """A request preempted mid-prompt (recompute) pools its prompt again from the start, counting no row twice."""
+    params = PoolingParams(task="embed", normalize=False)
+    urgent = list(range(60, 107))
+    ref = LLMEngine(EngineConfig(tiny_llama, runner="pooling", pooler_config={"pooling_type": "MEAN"}, **BASE))
+    want = run(ref, [LONG, urgent], params)
+    ref.shutdown()
+    # four blocks of 16: the long prompt's first 40 tokens take three, so the urgent one (priority 0) can only
+    # start by preempting it
+    engine = LLMEngine(EngineConfig(tiny_llama, runner="pooling", pooler_config={"pooling_type": "MEAN"},
+                                    max_num_batched_tokens=40, num_gpu_blocks_override=4, block_size=16,
+                                    scheduling_policy="priority", enable_prefix_caching=False,
+                                    **{k: v for k, v in BASE.items() if k != "kv_cache_memory"}))
+    engine.add_request("r0", {"prompt_token_ids": LONG}, params, priority=1)
+    done = {o.request_id: o for o in engine.step()}
+    engine.add_request("r1", {"prompt_token_ids": urgent}, params, priority=0)
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step())
+    st = engine.get_stats()
+    assert st.num_preemptions == 1 and st.num_used_blocks == 0
+    engine.shutdown()
+    for rid, w in zip(("r0", "r1"), want):
+        torch.testing.assert_close(done[rid].outputs.data, w.outputs.data, atol=1e-5, rtol=1e-5)
+
+
 def test_blocks_freed_at_finish_and_prefix_cache(tiny_llama):
     engine = LLMEngine(EngineConfig(tiny_llama, runner="pooling", max_num_batched_tokens=16, **BASE))
     engine.add_request("a", {"prompt_token_ids": LONG}, PoolingParams())
@@ -78,6 +103,7 @@ def test_generation_engine_refuses_pooling_and_back(tiny_llama):
         with pytest.raises(ParamError, match="--runner pooling") as e:
             llm.embed({"prompt_token_ids": [5, 6, 7]})
         assert e.value.field == "runner" and tiny_llama in str(e.value)
+        assert llm.llm_engine.get_supported_tasks() == ("generate",)
         with pytest.raises(ParamError, match="--runner pooling"):
             llm.llm_engine.add_request("x", [5, 6], PoolingParams(task="classify"))
         assert llm.llm_engine.get_num_unfinished_requests() == 0
@@ -104,6 +130,18 @@ def test_pooling_prompt_limits_and_truncation(tiny_llama):
                 llm.encode({"prompt_token_ids": [5, 6]}, params)
             assert e.value.field == field
         assert llm.llm_engine.get_stats().num_used_blocks == 0
+
+
+def test_convert_reward_on_a_causal_lm(tiny_llama):
+    """--convert reward without a classifier: every token's hidden state (what encode returns too)."""
+    with LLM(tiny_llama, convert="reward", **BASE) as llm:
+        assert llm.llm_engine.pooling.tasks == ("reward", "encode")
+        reward = llm.reward({"prompt_token_ids": PROMPTS[2]}, use_tqdm=False)[0].outputs.data
+        encode = llm.encode({"prompt_token_ids": PROMPTS[2]}, pooling_task="encode", use_tqdm=False)[0].outputs.data
+        with pytest.raises(ParamError, match="not 'embed'"):
+            llm.embed("x")
+    assert reward.shape == (len(PROMPTS[2]), 256)
+    torch.testing.assert_close(reward, encode)
 
 
 def test_checkpoint_without_lm_head(tmp_path, tiny_llama):
@@ -143,8 +181,14 @@ async def _encode_session(engine) -> None:
         await g.aclose()
     after = [o async for o in engine.encode({"prompt_token_ids": [5, 6, 7]}, PoolingParams(), "after")]
     assert after[0].finished
-    for stats, _ in engine.replica_stats():
-        assert (stats.num_used_blocks, stats.num_running, stats.num_waiting) == (0, 0, 0)
+    # Each replica reports its stats with its own next message (data parallel: the aborts may have gone to a
+    # replica other than the one that ran "after"), so wait for them to settle.
+    for _ in range(200):
+        snapshot = [(s.num_used_blocks, s.num_running, s.num_waiting) for s, _ in engine.replica_stats()]
+        if all(x == (0, 0, 0) for x in snapshot):
+            break
+        await asyncio.sleep(0.05)
+    assert all(x == (0, 0, 0) for x in snapshot), snapshot
     assert all(r.num_unfinished() == 0 for r in getattr(engine, "replicas", [engine]))
 
 

@@ -60,6 +60,7 @@ def test_pooler_config_parse_and_engine_flags():
     assert runner_type("auto", "auto", "LlamaModel") == "pooling"
     assert runner_type("auto", "embed", "LlamaForCausalLM") == "pooling"
     assert runner_type("auto", "auto", "LlamaForCausalLM") == "generate"
+    assert runner_type("auto", "auto", "GPT2LMHeadModel") == "generate"
 
 
 def test_cli_flags_reach_the_config():

@@ -9,7 +9,8 @@ Protocol: one pipe each way, pickled tuples in ``multiprocessing.Connection`` fr
 lora_request)``, ``("remove_lora", rid, lora_int_id)`` (answered like an add), ``("stop",)``. Engine -> server:
 ``("ready", info)`` or ``("error", exc)`` once, then ``("out", items, stats)`` after every loop turn that did
 something, where ``items`` are ``(rid, x)`` with ``x`` :data:`ACCEPTED`, an exception (the add was rejected) or a
-RequestOutput (deltas: the server asks for ``output_kind="delta"`` and accumulates); and ``("dead", message)`` if the
+RequestOutput (deltas: the server asks for ``output_kind="delta"`` and accumulates) or, for a request added with
+PoolingParams, its one final PoolingRequestOutput; and ``("dead", message)`` if the
 engine hit a bug. The loop blocks on the pipe whenever no request is unfinished: an idle engine burns no CPU.
 However the loop ends (a "stop", the server gone, a bug) the engine is shut down before the process exits (a
 distributed engine's ranks stop), and the process ends with the server process however that ends

@@ -374,6 +374,10 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self.requests.pop(req.request_id, None)
 
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's supported tasks: ("generate",), or the pooling tasks of a pooling engine (embed, classify...)."""
+        return self.pooling.tasks if self.pooling is not None else ("generate",)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.batch_queue)  # (a batch of aborted requests drains)
 

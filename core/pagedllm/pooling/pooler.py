@@ -29,6 +29,12 @@ class PoolingState:
     count: int = 0
     rows: list[torch.Tensor] = field(default_factory=list)
 
+    def reset(self) -> None:
+        """Forget what was pooled: the request was preempted by recompute and its prompt runs again from 0."""
+        self.first = self.last = self.total = None
+        self.count = 0
+        self.rows = []
+
     def add(self, hidden: torch.Tensor, start: int, num_prompt_tokens: int) -> None:
         """Rows ``hidden`` are prompt positions ``start..start + len(hidden)`` (copies are kept: the step's hidden
         buffer may be a captured graph's, rewritten next step)."""

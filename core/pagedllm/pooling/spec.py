@@ -32,6 +32,8 @@ class PoolingSpec:
 
 def is_pooling_architecture(architecture: str) -> bool:
     """Architectures that only pool (vLLM's runner "auto" picks the pooling runner for them)."""
+    if architecture.endswith("LMHeadModel"):  # GPT2LMHeadModel & co generate
+        return False
     return architecture.endswith(("ForSequenceClassification", "Model", "ForTextEmbedding"))
 
 

@@ -126,6 +126,8 @@ class Scheduler:
         else:
             req.num_computed_tokens = 0
             req.draft_num_computed = 0  # (a swap moves the draft's K/V with the target's: worker.swap)
+            if req.pooling_state is not None:  # its prompt is pooled again from the start
+                req.pooling_state.reset()
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
