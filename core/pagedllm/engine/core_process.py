@@ -90,8 +90,7 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
     gc.freeze()  # the model and its imports live for good: keep them out of GC passes during the step loop
     info = {"max_model_len": engine.max_model_len, "model_path": engine.model_path,
             "vocab_size": engine.model.vocab_size, "stats": engine.get_stats(),
-            # vLLM's get_supported_tasks(): the server routes and refuses requests by them
-            "supported_tasks": engine.pooling.tasks if engine.pooling is not None else ("generate",)}
+            "supported_tasks": engine.get_supported_tasks()}  # the server routes and refuses requests by them
     if dp_ep is not None:
         from pagedllm.engine.dp_lockstep import expert_info, lockstep_loop  # cycle: dp_lockstep imports this module
 
