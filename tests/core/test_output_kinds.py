@@ -57,3 +57,26 @@ def test_final_only_and_bad_kind(engine):
     with pytest.raises(ParamError) as e:
         SamplingParams(output_kind="streaming")
     assert e.value.field == "output_kind"
+
+
+def test_a_shared_large_n_request_samples_as_when_alone(engine):
+    """The scheduler's row share (issue 34) changes when a seeded request's samples run, never what they sample."""
+    params = SamplingParams(temperature=1.0, seed=11, n=40, max_tokens=8, ignore_eos=True)
+
+    def texts(other: bool) -> tuple[list[str], int]:
+        engine.add_request("big", PROMPTS[0], params)
+        if other:
+            engine.add_request("small", PROMPTS[1], SamplingParams(temperature=0, max_tokens=30))
+        steps, final = 0, None
+        while engine.has_unfinished_requests():
+            steps += 1
+            for o in engine.step():
+                if o.request_id == "big" and o.finished:
+                    final = o
+        assert engine.kv.num_used_blocks == 0
+        return [c.text for c in final.outputs], steps
+
+    alone, alone_steps = texts(False)
+    shared, shared_steps = texts(True)
+    assert shared == alone and len(set(alone)) > 1
+    assert shared_steps > alone_steps  # the share did hold the 40 samples back while "small" ran

@@ -74,3 +74,31 @@ def test_priority_policy_orders_waiting_and_preempts_lowest_priority():
     for _ in range(3):
         fake_step(s, s.schedule())
     assert low.status == RequestStatus.PREEMPTED and high.status == RequestStatus.RUNNING
+
+
+def _children(parent: str, n: int, prompt_len: int = 3) -> list[Request]:
+    return [Request(f"{i}_{parent}", list(range(prompt_len)), SamplingParams(), parent_id=parent) for i in range(n)]
+
+
+def test_a_large_n_request_takes_a_capped_rotating_share_while_others_run():
+    """Issue 34: n=128 with logprobs made every step ~100 ms for everyone. While another client's request is
+    active, one request's samples take at most 16 rows of a step, in turn; alone, they take every row."""
+    s = make(num_blocks=512, seqs=256, budget=512)
+    kids = _children("big", 40)
+    for r in kids:
+        s.add_request(r)
+    out = s.schedule()
+    assert len(out.scheduled) == 40  # alone: every sample in one step
+    fake_step(s, out)
+    small = Request("small", [1, 2, 3], SamplingParams())
+    s.add_request(small)
+    seen: list[set[str]] = []
+    for _ in range(3):
+        out = s.schedule()
+        ids = {x.request.request_id for x in out.scheduled}
+        assert "small" in ids and len(ids - {"small"}) == s.max_rows_per_request
+        seen.append(ids - {"small"})
+        fake_step(s, out)
+    assert not (seen[0] & seen[1]) and len(seen[0] | seen[1] | seen[2]) == 40  # rotates over all 40 samples
+    s.finish(small, RequestStatus.FINISHED_STOPPED)
+    assert len(s.schedule().scheduled) == 40  # alone again: all of them

@@ -30,19 +30,23 @@ from tiny_models import make_fallback_model, make_tiny_model
 #: Qwen2-MoE as llama.cpp can run it: every layer sparse, top-3 of 6 not renormalised, a gated shared expert; rows
 #: that split into Q8_0 blocks (hidden 256, 8 heads of 32).
 QWEN2_MOE_GGUF = dict(mlp_only_layers=[], norm_topk_prob=False, hidden_size=256, num_attention_heads=8, head_dim=32)
+#: Qwen3-MoE as llama.cpp runs it: every layer sparse, top-2 of 6 renormalised (its graph always renormalises, as
+#: Qwen3-30B-A3B's config says), no shared expert, q/k norms.
+QWEN3_MOE_GGUF = dict(mlp_only_layers=[], norm_topk_prob=True, hidden_size=256, num_attention_heads=8, head_dim=32)
 #: Mixtral as llama.cpp writes it (arch "llama"): no sliding window, rope base 10000 (the header writer's).
 MIXTRAL_GGUF = dict(sliding_window=None, hidden_size=256, num_attention_heads=8, head_dim=32,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 #: family -> (GGUF architecture, HF model_type of the config the file loads with)
 ARCH = {"mistral": ("llama", "mistral"), "qwen2": ("qwen2", "qwen2"), "qwen3": ("qwen3", "qwen3"),
-        "qwen2_moe": ("qwen2moe", "qwen2_moe"), "mixtral": ("llama", "mixtral")}
+        "qwen2_moe": ("qwen2moe", "qwen2_moe"), "qwen3_moe": ("qwen3moe", "qwen3_moe"), "mixtral": ("llama", "mixtral")}
+_MOE_GGUF = {"qwen2_moe": QWEN2_MOE_GGUF, "qwen3_moe": QWEN3_MOE_GGUF, "mixtral": MIXTRAL_GGUF}
 
 
 def write_family_gguf(family: str, out_dir: str, qtype: str) -> tuple[str, str]:
     """(GGUF path, HF folder with the weights the GGUF holds)."""
     hf_dir = os.path.join(out_dir, "hf")
-    if family in ("qwen2_moe", "mixtral"):
-        make_fallback_model(family, hf_dir, **(QWEN2_MOE_GGUF if family == "qwen2_moe" else MIXTRAL_GGUF))
+    if family in _MOE_GGUF:
+        make_fallback_model(family, hf_dir, **_MOE_GGUF[family])
     else:
         make_tiny_model(family, hf_dir, **({"sliding_window": None} if family == "mistral" else {}))
     return gguf_with_oracle(hf_dir, out_dir, family, ARCH[family][0], qtype)
@@ -51,7 +55,7 @@ def write_family_gguf(family: str, out_dir: str, qtype: str) -> tuple[str, str]:
 @pytest.mark.parametrize("family,qtype", [("mistral", "F32"), ("qwen2", "F32"), ("qwen3", "F32"),
                                           ("qwen2_moe", "F32"), ("mistral", "Q8_0"), ("qwen2", "Q8_0"),
                                           ("qwen3", "Q8_0"), ("qwen2_moe", "Q8_0"), ("mixtral", "F32"),
-                                          ("mixtral", "Q8_0")])
+                                          ("mixtral", "Q8_0"), ("qwen3_moe", "F32"), ("qwen3_moe", "Q8_0")])
 def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
     path, oracle = write_family_gguf(family, str(tmp_path), qtype)
     config = load_config(path)
@@ -74,7 +78,7 @@ def test_gguf_logits_match_hf(tmp_path, ref_backend, family, qtype):
                                 expected)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "mistral"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "mistral"])
 def test_gguf_engine_greedy_matches_hf(tmp_path, family):
     """Through the engine: chunked prefill (16-token budget), prefix caching, a mixed batch of 8 (lengths 1-37)."""
     path, oracle = write_family_gguf(family, str(tmp_path), "Q8_0")

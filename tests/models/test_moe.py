@@ -1,4 +1,4 @@
-"""Mixtral and Qwen2-MoE native vs HF (fp32, odd shapes in ``tiny_models.MOE_CONFIGS``): logits within 1e-4 through
+"""Mixtral, Qwen2-MoE and Qwen3-MoE native vs HF (fp32, odd shapes in ``tiny_models.MOE_CONFIGS``): logits within 1e-4 through
 the paged cache, every token routed to the same experts as HF (router hooks on both sides), greedy parity through the
 engine, and the reference ``fused_moe`` vs the CPU backend's grouped one."""
 
@@ -51,7 +51,7 @@ def test_moe_logits_and_routing_match_hf(moe_dirs, ref_backend, name, backend_na
     ours = load_model(path, backend=backend, dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(ours, CausalLM)
     sparse = [i for i, layer in enumerate(ours.layers) if isinstance(layer.mlp, SparseMoeBlock)]
-    expected_sparse = {"mixtral": [0, 1], "qwen2_moe": [0, 2], "qwen2_moe_norm": [1]}[name]
+    expected_sparse = {"mixtral": [0, 1], "qwen2_moe": [0, 2], "qwen2_moe_norm": [1], "qwen3_moe": [0, 2]}[name]
     assert sparse == expected_sparse
     hf_blocks = [getattr(hf.model.layers[i], "block_sparse_moe", None) or hf.model.layers[i].mlp for i in sparse]
     hf_ids = _record([b.gate for b in hf_blocks], lambda out: out[2])  # HF routers return (logits, scores, ids)
@@ -102,7 +102,7 @@ def test_cpu_fused_moe_matches_reference(t, dtype):
     torch.testing.assert_close(got, ref_ops.fused_moe(x, w13, w2, weights, ids), **tol)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_greedy_parity_engine(moe_dirs, name):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16 and window 8), chunked prefill, prefix hits."""
     path = moe_dirs[name]

@@ -167,11 +167,10 @@ LOGPROB_TOKENS = int(os.environ.get("PAGEDLLM_HOSTILE_LOGPROB_TOKENS", "100"))
 @pytest.mark.slow
 def test_huge_logprob_response_keeps_the_loop_free(server, probe):
     """The issue's n=128, logprobs=20, max_tokens=100: 270 000 logprob entries, assembled choice by choice with the
-    loop let go between 2 ms slices (``PAGEDLLM_HOSTILE_LOGPROB_TOKENS`` shortens it: the tiny model's engine takes
-    20-80 s for it on the shared 2-core test machine, the sampler over a 49k vocabulary for 128 rows). /health must
-    stay under 100 ms throughout (it was stalled 420 ms). The small completion joins the engine's 128-row batch, so
-    its latency is the engine's step time, not the HTTP server's: it is reported, and bounded only by the request's
-    own duration."""
+    loop let go between 2 ms slices (``PAGEDLLM_HOSTILE_LOGPROB_TOKENS`` shortens it). /health must stay under
+    100 ms throughout (it was stalled 420 ms), and a small keyed completion within 10x its idle latency or 0.5 s: it
+    shares the engine's steps with the 128 samples, which take only 16 rows of a step while it runs (the scheduler's
+    row share), so its steps cost what 17 rows cost, not 129 (it peaked at 876 ms before)."""
     body = {"model": server.name, "prompt": "Once upon a time", "n": 128, "logprobs": 20, "max_tokens": LOGPROB_TOKENS,
             "ignore_eos": True, "temperature": 1.0, "seed": 7}
 
@@ -184,12 +183,11 @@ def test_huge_logprob_response_keeps_the_loop_free(server, probe):
     rep = None
     for _ in range(3):
         rep = probe.during(hostile, min_s=0.0)
-        if not rep.errors and rep.max_health_s < 0.1:
+        if rep.within():
             break
     print(rep)
     assert rep.results == [200], rep.results
-    assert not rep.errors and rep.max_health_s < 0.1, str(rep)
-    assert rep.max_completion_s < rep.hostile_s + 1.0, str(rep)
+    assert rep.within(), str(rep)
 
 
 def _check_logprob_response(out: dict, name: str) -> None:

@@ -289,7 +289,8 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
             w.add_expert_used_count(c.num_experts_per_tok)
         if getattr(c, "moe_intermediate_size", None):
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
-            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+            if getattr(c, "shared_expert_intermediate_size", None):  # Qwen2-MoE; Qwen3-MoE has no shared expert
+                w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     qt = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[qt][0]
     round_trip = lambda t: torch.from_numpy(dequantize(quantize(t.numpy(), qt), qt).copy())  # noqa: E731

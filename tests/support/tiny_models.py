@@ -93,6 +93,10 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2_moe_norm": dict(_ODD, model_type="qwen2_moe", num_hidden_layers=3, intermediate_size=160, num_experts=6,
                            num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
                            decoder_sparse_step=2, norm_topk_prob=True, tie_word_embeddings=True),
+    # Qwen3-MoE (Qwen3-30B-A3B's layout): q/k RMSNorm, routed experts only (no shared expert), a dense layer by
+    # mlp_only_layers, renormalised top-k.
+    "qwen3_moe": dict(_ODD, model_type="qwen3_moe", num_hidden_layers=3, intermediate_size=160, num_experts=6,
+                      num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[1], norm_topk_prob=True),
 }
 
 

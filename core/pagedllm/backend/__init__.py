@@ -22,13 +22,15 @@ What hooks receive or may build on:
 - ``Communicator``, ``TorchCommunicator``, ``CollectiveError`` — for ``pagedllm_communicator``.
 - ``get_method``, ``dequantize``, ``quantize_per_token`` — the meaning of a ``QuantizedWeight`` (kernels repack it).
 - ``add_lora_reference``, ``LoRAMapping`` — multi-LoRA's reference op and its token-to-slot mapping.
-- ``cache_root`` — pagedllm's cache folder (compiled kernels may be kept there).
+- ``cache_root`` — pagedllm's cache folder (compiled kernels may be kept there); ``build_lock``, ``wait_requested``
+  (``builds``) — a plugin that compiles ops on the machine builds under the machine-wide lock, and before the engine
+  starts when asked (benchmarks ask).
 - For a backend that owns the whole step (``pagedllm_model_runner``): ``ModelRunner``, ``StepOutput``,
   ``prompt_logit_spans``, ``SamplerOutput``, ``ScheduledRequest``, ``dummy_metadata``.
 
 Submodules: ``hookspec`` (the contract, one documented file), ``registry`` (discovery and the bound ``Backend``),
-``reference`` and ``ref_ops`` (core's pure-torch reference ops: every optional hook's fallback and the conformance
-oracle), ``kv_quant`` (fp8 KV semantics), ``accelerator`` (the device-generic GPU runtime hooks and probe steps:
+``builds`` (the build lock), ``reference`` and ``ref_ops`` (core's pure-torch reference ops: every optional hook's
+fallback and the conformance oracle), ``kv_quant`` (fp8 KV semantics), ``accelerator`` (the device-generic GPU runtime hooks and probe steps:
 ``DeviceHooks``, ``probe_device``), ``triton`` (portable Triton kernels and their op hooks).
 """
 
@@ -65,7 +67,9 @@ _LAZY = {
     "dequantize": "pagedllm.quantization",
     "quantize_per_token": "pagedllm.quantization.int8",
     "LoRAMapping": "pagedllm.lora.ops",
-    "cache_root": "pagedllm.models.gguf_config",
+    "cache_root": "pagedllm.backend.builds",
+    "build_lock": "pagedllm.backend.builds",
+    "wait_requested": "pagedllm.backend.builds",
     "ModelRunner": "pagedllm.worker.model_runner",
     "StepOutput": "pagedllm.worker.model_runner",
     "prompt_logit_spans": "pagedllm.worker.model_runner",

@@ -29,7 +29,7 @@ def hf_folder(model_path: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers
 
     from pagedllm.bench.throughput import hf_fp32_model  # heavy: torch, not at CLI start
-    from pagedllm.models.gguf_config import cache_root  # heavy: torch, not at CLI start
+    from pagedllm.backend.builds import cache_root
 
     out = cache_root() / "peer-models" / (Path(model_path).stem + "-fp32")
     if not (out / "config.json").exists():

@@ -21,7 +21,6 @@ A DP+EP replica (``dp_lockstep.py``) also sends ``("wave", w)`` when it starts l
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -32,6 +31,7 @@ from typing import Any, Optional, Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.errors import portable_exception
 from pagedllm.engine.cpu_split import pin_engine
+from pagedllm.engine.gc_policy import freeze_startup_heap
 from pagedllm.backend.registry import get_backend
 from pagedllm.distributed.dp_ep import init_dp_ep
 from pagedllm.engine.llm_engine import LLMEngine
@@ -86,8 +86,7 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
     except BaseException as e:  # noqa: BLE001 - reported to the server, which re-raises it
         outputs.send(("error", portable_exception(e)))
         return
-    gc.collect()
-    gc.freeze()  # the model and its imports live for good: keep them out of GC passes during the step loop
+    freeze_startup_heap()  # the model and its imports live for good; full passes rare (gc_policy.py)
     info = {"max_model_len": engine.max_model_len, "model_path": engine.model_path,
             "vocab_size": engine.model.vocab_size, "stats": engine.get_stats(),
             "supported_tasks": engine.get_supported_tasks()}  # the server routes and refuses requests by them

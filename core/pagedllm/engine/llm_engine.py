@@ -279,7 +279,7 @@ class LLMEngine:
             child_id = request_id if params.best_of == 1 else f"{i}_{request_id}"
             child_params = params if params.seed is None or i == 0 else params.clone(seed=params.seed + i)
             req = Request(child_id, ids, child_params, eos_token_id=eos, prompt=text, arrival_time=arrival,
-                          max_tokens=max_tokens, index=i, lora_request=lora_request)
+                          max_tokens=max_tokens, index=i, lora_request=lora_request, parent_id=request_id)
             req.eos_token_ids = set(self.model.eos_token_ids)
             req.bad_words_token_ids = bad_words
             if grammar is not None:  # each sample follows the grammar with its own matcher (shared compile)

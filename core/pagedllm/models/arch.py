@@ -20,7 +20,7 @@ class ArchSpec:
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rotary
     sliding: str = "none"  # none | all (Mistral: config.sliding_window everywhere) | layer_types (Qwen2/3)
     gemma: bool = False  # Gemma 2/3: (1 + w) RMSNorm, pre/post feed-forward norms, sqrt(hidden) embedding scale
-    # none | experts (Mixtral: every layer sparse) | shared (Qwen2-MoE: plus a sigmoid-gated shared expert)
+    # none | experts (Mixtral, Qwen3-MoE: routed experts only) | shared (Qwen2-MoE: plus a sigmoid-gated shared expert)
     moe: str = "none"  # ... | deepseek (grouped top-k routing, shared experts, first_k_dense_replace dense layers)
     attention: str = "mha"  # mha | mla (DeepSeek: compressed latent cached, models/mla.py)
     rope_interleaved: bool = False  # GLM: rotary over (x0, x1), (x2, x3)... pairs of the rotary dims
@@ -53,6 +53,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "MixtralForCausalLM": ArchSpec(lambda c: False, lambda c: False, sliding="all", moe="experts"),
     "Qwen2MoeForCausalLM": ArchSpec(lambda c: bool(getattr(c, "qkv_bias", True)), lambda c: False,
                                     sliding="layer_types", moe="shared"),
+    "Qwen3MoeForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True, sliding="layer_types",
+                                    moe="experts"),
     "DeepseekV2ForCausalLM": ArchSpec(lambda c: False, lambda c: False, moe="deepseek", attention="mla"),
     "DeepseekV3ForCausalLM": ArchSpec(lambda c: False, lambda c: False, moe="deepseek", attention="mla"),
     "GlmForCausalLM": ArchSpec(_attention_bias, lambda c: False, rope_interleaved=True),
@@ -71,7 +73,7 @@ POOLING_ARCHITECTURES: dict[str, str] = {
 # GGUF configs carry a model_type but no `architectures`.
 _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                  "qwen2_moe": "Qwen2MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                   "falcon": "FalconForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",

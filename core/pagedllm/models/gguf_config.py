@@ -18,12 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.models.gguf_archs import OWN_CONFIG_ARCHS, gguf_architecture
+from pagedllm.backend.builds import cache_root
 
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm")
 
 
 def _cache_dir(path: str) -> Path:

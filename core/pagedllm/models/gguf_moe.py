@@ -2,6 +2,8 @@
 
 - qwen2moe: its key map has no ``expert_feed_forward_length`` / ``expert_shared_feed_forward_length``, so the expert
   sizes stay at Qwen2-MoE-A2.7B's defaults; the tensor shapes give the real ones.
+- qwen3moe: the same gap for ``expert_feed_forward_length``; and llama.cpp's graph always renormalises the top-k
+  weights (Qwen3-MoE checkpoints say ``norm_topk_prob: true``), where transformers' config defaults to false.
 - Mixtral: llama.cpp writes it as arch "llama" with stacked expert tensors (``ffn_*_exps``), and transformers'
   llama key map has no expert keys, so it derives a dense ``LlamaConfig`` that cannot hold the file. The expert
   tensors mark such a file; the expert count comes from their shape and top-k from ``llama.expert_used_count``.
@@ -41,10 +43,15 @@ def _metadata_int_cached(path: str, key: str, size: int, mtime_ns: int) -> int:
 
 def complete_moe_config(path: str, config: Any) -> Any:
     """``config`` (transformers' derivation for the GGUF at ``path``) with the MoE fields it lacks."""
-    if config.model_type not in ("qwen2_moe", "llama", "mistral"):
+    if config.model_type not in ("qwen2_moe", "qwen3_moe", "llama", "mistral"):
         return config
     shapes = _expert_shapes(path)
     experts = shapes.get("blk.0.ffn_gate_exps.weight")  # innermost first: (hidden, intermediate, experts)
+    if config.model_type == "qwen3_moe":
+        if experts is not None:
+            config.moe_intermediate_size = int(experts[1])
+        config.norm_topk_prob = True
+        return config
     if config.model_type == "qwen2_moe":
         if experts is not None:
             config.moe_intermediate_size = int(experts[1])

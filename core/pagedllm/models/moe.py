@@ -122,10 +122,9 @@ class DeepseekMoeBlock(nn.Module):
 
 
 def is_moe_layer(config: Any, layer: int) -> bool:
-    """Which decoder layers are sparse, as HF decides (Qwen2-MoE: ``mlp_only_layers``, ``decoder_sparse_step``)."""
-    if getattr(config, "num_local_experts", None):
-        return True
-    experts = getattr(config, "num_experts", 0) or 0
+    """Which decoder layers are sparse, as HF decides (Qwen2/3-MoE: ``mlp_only_layers``, ``decoder_sparse_step``;
+    Mixtral has neither: every layer). transformers 5 names Qwen3-MoE's expert count ``num_local_experts``."""
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0) or 0
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return experts > 0 and layer not in (getattr(config, "mlp_only_layers", None) or []) and (layer + 1) % step == 0
 

@@ -29,6 +29,7 @@ VERIFIED: dict[str, str] = {
     "Gemma3ForCausalLM": "tests/models/test_native_families.py",
     "MixtralForCausalLM": "tests/models/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
     "Qwen2MoeForCausalLM": "tests/models/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
+    "Qwen3MoeForCausalLM": "tests/models/test_moe.py (routing vs HF); GGUF: test_gguf_qwen_mistral.py",
     "DeepseekV2ForCausalLM": "tests/models/test_deepseek_mla.py (routing vs HF, latent KV asserted from the "
                              "allocator); GGUF: test_gguf_glm_baichuan_deepseek.py",
     "DeepseekV3ForCausalLM": "tests/models/test_deepseek_mla.py (routing vs HF, latent KV asserted from the "
@@ -48,7 +49,7 @@ VERIFIED: dict[str, str] = {
 }
 # SmolLM2-135M Q4_1 (tests/models/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
 # (tests/models/test_gguf_families.py); Mistral,
-# Qwen2, Qwen3, Qwen2-MoE, Mixtral F32 and Q8_0 (tests/models/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
+# Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral F32 and Q8_0 (tests/models/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
 # DeepSeek-V2/V3 F32 and Q8_0 (tests/models/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
 # models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion); StableLM F32 and Q8_0
 # (tests/models/test_stablelm.py)
@@ -58,6 +59,8 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                                       "transformers' default 4096)",
                 "Qwen2ForCausalLM": "yes (tested)", "Qwen3ForCausalLM": "yes (tested)",
                 "Qwen2MoeForCausalLM": "yes (tested; every layer sparse, top-k not renormalised, as llama.cpp)",
+                "Qwen3MoeForCausalLM": "yes (tested; arch qwen3moe: every layer sparse, top-k renormalised, as "
+                                       "llama.cpp)",
                 "MixtralForCausalLM": "yes (tested; arch llama with expert tensors, read by our loader, not "
                                       "transformers)",
                 "Gemma2ForCausalLM": "yes (tested; soft-capping keys and query scale read as llama.cpp does)",
@@ -86,6 +89,7 @@ GGUF_FORMATS = ("GGUF formats: Q4_0 and Q4_1 linears run packed on cpu (q4_gemv)
 FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mistral", "Qwen2ForCausalLM": "Qwen2",
             "Qwen3ForCausalLM": "Qwen3", "Phi3ForCausalLM": "Phi-3", "Gemma2ForCausalLM": "Gemma 2",
             "Gemma3ForCausalLM": "Gemma 3 (text)", "MixtralForCausalLM": "Mixtral", "Qwen2MoeForCausalLM": "Qwen2-MoE",
+            "Qwen3MoeForCausalLM": "Qwen3-MoE",
             "DeepseekV2ForCausalLM": "DeepSeek-V2", "DeepseekV3ForCausalLM": "DeepSeek-V3", "GlmForCausalLM": "GLM",
             "Glm4ForCausalLM": "GLM-4", "FalconForCausalLM": "Falcon", "ChatGLMModel": "ChatGLM2/3, GLM-4",
             "BaiChuanForCausalLM": "Baichuan-7B", "BaichuanForCausalLM": "Baichuan2, 13B",

@@ -45,8 +45,9 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_id: Optional[int] = None, prompt: Optional[str] = None,
                  arrival_time: Optional[float] = None, max_tokens: Optional[int] = None, index: int = 0,
-                 lora_request: Optional[LoRARequest] = None):
+                 lora_request: Optional[LoRARequest] = None, parent_id: Optional[str] = None):
         self.request_id = request_id
+        self.parent_id = parent_id if parent_id is not None else request_id  # the client request it samples for
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

@@ -8,12 +8,16 @@ pool runs dry, the lowest-priority running request is preempted (blocks freed, r
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Optional
 
 from pagedllm.sched.kv_manager import BlockPool, KVCacheManager
 from pagedllm.sched.request import Request, RequestStatus
+
+
+SHARED_ROWS_PER_REQUEST = 16
 
 
 @dataclass
@@ -69,6 +73,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.max_loras = max_loras  # distinct adapters running at once (0: LoRA off)
+        # While other requests are active, one request's samples (its n / best_of children) take at most this many
+        # rows of a step, rotating: the per-row work (sampling and logprobs over the vocabulary) of one client's
+        # n=128 would otherwise make every other request's steps that much slower. Alone, it takes them all.
+        self.max_rows_per_request = SHARED_ROWS_PER_REQUEST
         # Requests of batches still in flight (pipeline parallel: the engine's batch queue). They are not scheduled
         # again, nor preempted, until their batch's output returns (vLLM: batches of disjoint requests).
         self.in_flight: set[str] = set()
@@ -172,10 +180,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         if self.policy == "priority":
             self.running.sort(key=self._rank)
+        rows = self._row_shares()
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < max_seqs:
             req = self.running[i]
-            if req.request_id in self.in_flight:
+            if req.request_id in self.in_flight or rows.full(req):
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -195,16 +204,19 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted: self.running shrank, i now points past the end
             out.scheduled.append(ScheduledRequest(req, n, num_lookahead=la))
+            rows.take(req)
             budget -= n
             i += 1
+        rows.rotate(self.running, out)
         if out.preempted:  # admitting new work now would only thrash
             return out
         skipped: list[Request] = []  # waiting requests whose adapter has no free slot this step (vLLM's rule)
         loras = {r.lora_int_id for r in self.running} - {0}
         while self.waiting and budget > 0 and len(out.scheduled) < max_seqs:
-            req = next((r for r in self.waiting if r.structured is None or r.structured.ready), None)
+            req = next((r for r in self.waiting if (r.structured is None or r.structured.ready)
+                        and not rows.full(r)), None)
             if req is None:
-                break  # every waiting request still waits for its grammar to compile
+                break  # every waiting request still waits for its grammar to compile (or its share is full)
             if req.swapped_blocks is not None and out.swap_out:
                 break  # its host blocks may be reused by this step's swap-out: resume it next step
             if req.lora_int_id and req.lora_int_id not in loras and len(loras) >= self.max_loras:
@@ -225,11 +237,18 @@ class Scheduler:
             if n == 0:
                 break
             self.waiting.remove(req)
+            rows.take(req)
             budget -= n
             if req.lora_int_id:
                 loras.add(req.lora_int_id)
         self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _row_shares(self) -> "RowShares":
+        """This step's per-request row caps: none unless requests of more than one client request are active."""
+        first = self.running[0].parent_id if self.running else (self.waiting[0].parent_id if self.waiting else None)
+        shared = any(r.parent_id != first for r in chain(self.running, self.waiting))
+        return RowShares(self.max_rows_per_request if shared else None)
 
     def update(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts once the model ran the step (before new tokens are appended)."""
@@ -258,3 +277,29 @@ class Scheduler:
         if req.swapped_blocks is not None:
             self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = None
+
+
+class RowShares:
+    """Rows each client request (a parent and its ``n`` children) took this step, against a cap (None: no cap)."""
+
+    def __init__(self, cap: Optional[int]):
+        self.cap = cap
+        self.taken: Counter[str] = Counter()
+
+    def full(self, req: Request) -> bool:
+        return self.cap is not None and self.taken[req.parent_id] >= self.cap
+
+    def take(self, req: Request) -> None:
+        self.taken[req.parent_id] += 1
+
+    def rotate(self, running: list[Request], out: "SchedulerOutput") -> None:
+        """Move the scheduled samples of a capped request behind its unscheduled ones, so the next step serves
+        those (stable: other requests keep their order)."""
+        if self.cap is None or not any(n >= self.cap for n in self.taken.values()):
+            return
+        capped = {p for p, n in self.taken.items() if n >= self.cap}
+        done = {id(s.request) for s in out.scheduled}
+        moved = [r for r in running if r.parent_id in capped and id(r) in done]
+        if moved:
+            keep = [r for r in running if not (r.parent_id in capped and id(r) in done)]
+            running[:] = keep + moved

@@ -7,10 +7,14 @@ more than the arithmetic (``ops.py`` and ``attention.py`` call them when loaded,
 
 Built with ``torch.utils.cpp_extension`` (g++, ninja) for the SIMD level ATen itself detected
 (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, or the portable default), never by the machine's name.
-The build (30-90 s) runs in a background thread started at engine start, so a cold start is not slowed: until it is
-ready, or when no compiler is available, decodes take the gather + SDPA path, and the reason is logged once. Each
-process builds in its own temporary folder and renames the result into the cache, so an interrupted build never
-leaves a lock that blocks the next process. ``PAGEDLLM_CPU_PAGED_DECODE=0`` turns the library off (benchmarks).
+Built when the project is set up (``pagedllm-cpu-build``, which ``ci/setup.sh`` runs). When it is still missing at
+run time, one warning line says so with the cost and that command, and the build (1-2 min on 2 cores) runs in a
+background thread started at engine start, so a cold start is not slowed: until it is ready, or when no compiler is
+available, decodes take the gather + SDPA path. One build per machine: it runs under the machine-wide build lock
+(``pagedllm.backend.build_lock``; processes started together wait for the first one's result instead of building
+again), in a temporary folder renamed into the cache, and the lock's holder removes any temporary folder a killed
+build left. With ``PAGEDLLM_WAIT_FOR_BUILDS=1`` (``pagedllm bench`` sets it) the engine waits for the build instead of
+measuring the fallback. ``PAGEDLLM_CPU_PAGED_DECODE=0`` turns the library off (benchmarks).
 """
 
 from __future__ import annotations
@@ -22,17 +26,20 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
-from pagedllm.backend import cache_root
+from pagedllm.backend import build_lock, cache_root, wait_requested
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
 _ENV = "PAGEDLLM_CPU_PAGED_DECODE"
+_LOCK = "pagedllm_cpu"  # the build lock's name (``pagedllm bench`` names it while it is held)
+BUILD_COMMAND = "pagedllm-cpu-build"
 #: Compiler flags per ATen CPU capability: the macros select at::vec's implementation, -m flags allow its instructions.
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY_AVX512"],
@@ -71,30 +78,36 @@ def library_path() -> Path:
 
 
 def _compile(target: Path) -> None:
+    """Build into ``target`` under the machine-wide lock, unless the lock's previous holder built it meanwhile."""
     from torch.utils import cpp_extension
 
     cap = _capability()
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
-    try:
-        name = f"pagedllm_cpu_ops_{cap.lower()}"
-        cflags = ["-O3", "-fopenmp", "-ffp-contract=off", f"-DCPU_CAPABILITY={cap}"] + _ISA_FLAGS.get(cap, [])
-        cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], build_directory=str(tmp),
-                           is_python_module=False, extra_cflags=cflags,
-                           extra_ldflags=["-fopenmp"], verbose=False)
-        os.replace(tmp / f"{name}.so", target)  # atomic: another process sees the whole file or none
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with build_lock(_LOCK):
+        if target.is_file():  # built by the process we waited for
+            return
+        for stale in target.parent.glob("build-*"):  # only a killed build leaves one: nobody else builds now
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
+        try:
+            name = f"pagedllm_cpu_ops_{cap.lower()}"
+            cflags = ["-O3", "-fopenmp", "-ffp-contract=off", f"-DCPU_CAPABILITY={cap}"] + _ISA_FLAGS.get(cap, [])
+            cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], build_directory=str(tmp),
+                               is_python_module=False, extra_cflags=cflags,
+                               extra_ldflags=["-fopenmp"], verbose=False)
+            os.replace(tmp / f"{name}.so", target)  # atomic: another process sees the whole file or none
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _load() -> None:
     global _op, lib, _error
     try:
         target = library_path()
-        if target.is_file():
-            torch.ops.load_library(str(target))
-        else:  # _compile loads the freshly built library into this process
+        if not target.is_file():
             _compile(target)
+        if not hasattr(torch.ops.pagedllm_cpu, "paged_decode_attention"):  # (a fresh build loaded it already)
+            torch.ops.load_library(str(target))
         _op = torch.ops.pagedllm_cpu.paged_decode_attention
         lib = torch.ops.pagedllm_cpu
         logger.info("CPU C++ ops ready (%s, %s)", _capability(), target)
@@ -114,9 +127,14 @@ def start_build() -> None:
         return
     with _lock:
         if _thread is None:
+            built = library_path().is_file()
+            if not built:
+                logger.warning("CPU C++ ops are not built for this torch and CPU (%s): building them now in the "
+                               "background (1-2 min on 2 cores; decodes run several times slower until then). "
+                               "Build them ahead with `%s`.", _capability(), BUILD_COMMAND)
             _thread = threading.Thread(target=_load, name="pagedllm-cpu-kernel-build", daemon=True)
             _thread.start()
-            if library_path().is_file():
+            if built or wait_requested():
                 _thread.join()
 
 
@@ -136,3 +154,29 @@ def get(wait: bool = False, timeout: Optional[float] = None) -> Optional[Callabl
 def error() -> Optional[str]:
     """Why the kernel could not be loaded, or None."""
     return _error
+
+
+def main() -> int:
+    """``pagedllm-cpu-build``: build (or find) the C++ ops for this torch and CPU now, so no engine builds them."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    target = library_path()
+    if not enabled():
+        print(f"{_ENV}=0: the C++ ops are off; nothing to build")
+        return 0
+    if target.is_file():
+        print(f"CPU C++ ops already built ({_capability()}): {target}")
+        return 0
+    t0 = time.monotonic()
+    try:
+        _compile(target)
+    except Exception as e:  # noqa: BLE001 - reported in one line; the engine falls back to torch ops
+        lines = str(e).strip().splitlines() or [""]
+        print(f"pagedllm-cpu-build: could not build the C++ ops: {type(e).__name__}: "
+              f"{next((x for x in lines if 'error' in x), lines[-1]).strip()}", file=sys.stderr)
+        return 1
+    print(f"CPU C++ ops built ({_capability()}) in {time.monotonic() - t0:.0f} s: {target}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,6 @@ it; without it the server stays up answering 503 (``/health`` included).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -34,6 +33,7 @@ from pagedllm.entrypoints.openai.auth import APIKeyMiddleware, add_cors
 from pagedllm.entrypoints.openai.docs_assets import add_offline_docs
 from pagedllm.engine.cpu_split import parse_cpu_list, pin_front_end
 from pagedllm.engine.dp_client import DataParallelEngine, split_cpus
+from pagedllm.engine.gc_policy import freeze_startup_heap
 from pagedllm.entrypoints.openai.errors import APIError, error_body, from_param_error, install_handlers
 from pagedllm.entrypoints.openai.grammar_gate import start_grammar_pool, stop_grammar_pool
 from pagedllm.entrypoints.openai.limits import Admission, RequestBodyMiddleware, ServerLimits
@@ -64,7 +64,6 @@ from pagedllm.errors import ParamError
 logger = logging.getLogger(__name__)
 
 ENGINE_FAILURE_EXIT_CODE = 1
-FULL_GC_EVERY = 1000  # gen-1 collections between full ones (CPython's default: 10); see the lifespan
 
 
 def _errors(*codes: int) -> dict[int, dict[str, Any]]:
@@ -141,14 +140,7 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         if renderer is not None:
             await renderer.start()
             await start_grammar_pool(engine)  # grammar compile workers (grammar_gate.py)
-        # What startup allocated (torch, FastAPI, the tokenizer) lives for good: keep it out of every GC pass, which
-        # otherwise walks those millions of objects while outputs are being unpickled (vLLM freezes them too).
-        gc.collect()
-        gc.freeze()
-        # A full pass walks every live request's outputs (n=128 x 100 tokens x 21 logprobs is 270 000 objects: a
-        # pause of 0.1-1 s on a loaded host) and the server makes next to no cyclic garbage: consider one only after
-        # FULL_GC_EVERY young-generation passes instead of 10 (issue 34).
-        gc.set_threshold(*gc.get_threshold()[:2], FULL_GC_EVERY)
+        freeze_startup_heap()  # (engine/gc_policy.py: no full GC pass may stall the loop for long)
         try:
             yield
         finally:

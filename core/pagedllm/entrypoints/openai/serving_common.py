@@ -119,9 +119,9 @@ class ChoiceState:
     num_tokens: int = 0
     started: bool = False
     finished: bool = False
-    held: str = ""  # tool calling: text held back while a call may be in it
-    holding: bool = False
+    held: str = ""  # tool_choice=auto: the text so far, as its tool parser has seen it
     called: bool = False
+    tool_parser: Any = None  # the --tool-call-parser instance of an "auto" choice
 
     def delta(self, c: CompletionOutput, params: SamplingParams) -> tuple[str, int, int]:
         """(new text, first new token index, end token index) since the last call."""
