@@ -47,6 +47,7 @@ def test_chunked_prefill_pools_the_same(tiny_llama, pooling_type, task):
         engine.shutdown()
     for a, b in zip(outs[8], outs[512]):
         assert a.finished and a.prompt_token_ids == b.prompt_token_ids
+        assert a.outputs.data.device.type == "cpu" and not a.outputs.data.is_inference()  # a plain host tensor
         torch.testing.assert_close(a.outputs.data, b.outputs.data, atol=1e-5, rtol=1e-5)
     if task == "encode":  # every token's hidden state
         assert outs[8][0].outputs.data.shape == (len(LONG), 256)

@@ -366,6 +366,29 @@ class BackendSpec:
         """
 
     @hookspec(firstresult=True)
+    def pagedllm_encoder_attention(
+        self,
+        query: "torch.Tensor",
+        key: "torch.Tensor",
+        value: "torch.Tensor",
+        cu_seqlens: "torch.Tensor",
+        max_seqlen: int,
+        scale: float,
+        causal: bool,
+    ) -> "torch.Tensor":
+        """Varlen, unpaged attention for encoders (BERT-style embedding and cross-encoder models; later vision
+        towers): flash-attn's ``varlen`` shape, no KV cache read or written.
+
+        ``query`` ``[T, num_heads, head_size]``, ``key`` / ``value`` ``[T, num_kv_heads, head_size]`` (GQA: query
+        head h uses kv head ``h // (num_heads // num_kv_heads)``); sequence i owns rows
+        ``cu_seqlens[i]:cu_seqlens[i+1]`` of all three (``cu_seqlens`` int32 ``[B+1]`` on the query's device,
+        starting at 0; ``max_seqlen`` the longest sequence, for kernels that size a grid by it). Each row attends to
+        every row of its own sequence (bidirectional) when ``causal`` is false, to those at or before it when true;
+        never across sequences. Scores are ``scale * q . k``. Rows past ``cu_seqlens[-1]`` are padding (any output).
+        Returns ``[T, num_heads, head_size]`` in the query's dtype. Reference: ``ref_ops.encoder_attention``; a
+        backend without it runs that reference, so older plugins keep loading."""
+
+    @hookspec(firstresult=True)
     def pagedllm_write_mla_kv(self, latent: "torch.Tensor", kv_cache: Any, slot_mapping: "torch.Tensor") -> None:
         """MLA: store each new token's latent row ``[num_tokens, head_size]`` (the normed compressed KV, then the
         rotated shared rope key) at its flat slot; -1 skips. ``kv_cache`` came from an ``mla`` ``KVCacheSpec``."""

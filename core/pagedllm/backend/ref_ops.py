@@ -89,6 +89,27 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
     return out
 
 
+def encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                      max_seqlen: int, scale: float, causal: bool = False) -> torch.Tensor:
+    """See ``hookspec.pagedllm_encoder_attention``: varlen attention over unpaged q/k/v, one sequence at a time,
+    scores in float32. Rows past ``cu_seqlens[-1]`` (padding) come out zero."""
+    group = query.shape[1] // key.shape[1]
+    out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        q = query[start:end].float()  # [L, H, D]
+        k = key[start:end].float().repeat_interleave(group, dim=1)
+        v = value[start:end].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("lhd,shd->hls", q, k) * scale
+        if causal:
+            pos = torch.arange(end - start, device=query.device)
+            scores = scores.masked_fill((pos[None, :] > pos[:, None])[None], float("-inf"))
+        out[start:end] = torch.einsum("hls,shd->lhd", torch.softmax(scores, dim=-1), v).to(out.dtype)
+    return out
+
+
 def write_mla_kv(latent: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """See ``hookspec.pagedllm_write_mla_kv``: scatter ``[T, latent]`` rows into flat slots; slots < 0 skipped."""
     _, nb, bs, _, d = kv_cache.shape

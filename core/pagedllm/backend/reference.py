@@ -85,6 +85,11 @@ def pagedllm_paged_attention(query, kv_cache, meta, scale, sliding_window, soft_
 
 
 @hookimpl(trylast=True)
+def pagedllm_encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, causal):
+    return ref_ops.encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, causal)
+
+
+@hookimpl(trylast=True)
 def pagedllm_write_mla_kv(latent, kv_cache, slot_mapping) -> None:
     ref_ops.write_mla_kv(latent, kv_cache, slot_mapping)
 

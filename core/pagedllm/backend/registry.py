@@ -160,6 +160,7 @@ class Backend:
         allocate_host_kv_cache: Callable[[KVCacheSpec, bool], list]
         write_kv: Callable[..., None]
         paged_attention: Callable[..., torch.Tensor]
+        encoder_attention: Callable[..., torch.Tensor]
         write_mla_kv: Callable[..., None]
         mla_attention: Callable[..., torch.Tensor]
         gather_kv_blocks: Callable[[Any, torch.Tensor], torch.Tensor]

@@ -37,19 +37,22 @@ def _notes(row: dict, gguf_detail: str) -> str:
 
 
 def terminal_table(rows: list[dict], footer: list[str], width: int = WIDTH) -> str:
-    """Rows as wrapped columns, a blank line between rows; every line fits ``width``."""
-    notes_width = width - sum(w + 2 for _, w in COLUMNS)
-    lines = ["  ".join(f"{name:<{w}}" for name, w in COLUMNS) + "  Notes", "-" * width]
+    """Rows as wrapped columns, a blank line between rows; every line fits ``width``. The architecture column widens
+    to the longest name (``XLMRobertaForSequenceClassification``): a class name is never wrapped."""
+    longest = max((len(r["architecture"]) for r in rows), default=0)
+    columns = [(name, max(w, longest) if name == "Architecture" else w) for name, w in COLUMNS]
+    notes_width = width - sum(w + 2 for _, w in columns)
+    lines = ["  ".join(f"{name:<{w}}" for name, w in columns) + "  Notes", "-" * width]
     for n, r in enumerate(rows):
         if n:
             lines.append("")
         quant, detail = _quantization(r["gguf"])
         cells = [r["family"], r["architecture"], r["backends"], quant, _notes(r, detail)]
         wrapped = [textwrap.wrap(c, w, break_on_hyphens=False) or [""]
-                   for c, w in zip(cells, [w for _, w in COLUMNS] + [notes_width])]
+                   for c, w in zip(cells, [w for _, w in columns] + [notes_width])]
         for i in range(max(map(len, wrapped))):
             parts = [(col[i] if i < len(col) else "") for col in wrapped]
-            lines.append("  ".join(f"{p:<{w}}" for p, (_, w) in zip(parts, COLUMNS)) + "  " + parts[-1])
+            lines.append("  ".join(f"{p:<{w}}" for p, (_, w) in zip(parts, columns)) + "  " + parts[-1])
     lines.append("")
     for text in footer:
         text = re.sub(r"\[([^]]+)\]\(#[^)]+\)", r"'\1' in docs/models.md", text.replace("`", ""))  # no markdown

@@ -112,6 +112,37 @@ def check_attention(ctx: CaseContext) -> None:
         raise CheckFailed(f"{e} [{filled}]") from None
 
 
+#: Sequence lengths of the encoder-attention batches: one sequence; several of different lengths (one token, one
+#: over 64 rows); many short ones; and a varlen batch followed by padding rows (static shapes pad the token count).
+ENCODER_BATCHES = {"single": ([37], 0), "varlen": ([1, 17, 70, 5, 33], 0), "many_short": ([3, 8, 2, 6] * 4, 0),
+                   "padded": ([9, 24, 4], 11)}
+
+
+def check_encoder_attention(ctx: CaseContext) -> None:
+    """Varlen, unpaged attention (``encoder_attention``) against the reference: bidirectional or causal, GQA, never
+    across sequences; only the real rows are compared (padding rows may hold anything)."""
+    p = ctx.params
+    lens, pad = ENCODER_BATCHES[p["batch"]]
+    hs, heads = p["head_size"], NUM_KV_HEADS * p["gqa"]
+    cu = torch.tensor(np.cumsum([0, *lens]), dtype=torch.int32, device=ctx.device)
+    t = sum(lens) + pad
+    q, k, v = ctx.randn(t, heads, hs), ctx.randn(t, NUM_KV_HEADS, hs), ctx.randn(t, NUM_KV_HEADS, hs)
+    scale = hs ** -0.5
+    poison_allocator(q.numel(), ctx.dtype, ctx.device)
+    out = ctx.backend.encoder_attention(q, k, v, cu, max(lens), scale, p["causal"])
+    ref = ref_ops.encoder_attention(q, k, v, cu, max(lens), scale, p["causal"])
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (t, heads, hs):
+        raise CheckFailed(f"encoder_attention output: expected shape {(t, heads, hs)}, got "
+                          f"{getattr(out, 'shape', type(out).__name__)}")
+    bounds = cu.tolist()
+
+    def where(idx: tuple) -> str:
+        seq = int(np.searchsorted(bounds, idx[0], side="right")) - 1
+        return f"sequence {seq} (length {lens[seq]}), row {idx[0] - bounds[seq]}, head {idx[1]}"
+
+    ctx.compare(out[:sum(lens)], ref[:sum(lens)], "encoder_attention output", where=where)
+
+
 def check_mla_attention(ctx: CaseContext) -> None:
     """MLA: latent rows written through ``write_mla_kv`` into an ``mla`` cache the backend allocated, then every
     query head attends to them (``mla_attention``) on a mixed batch, against the references."""

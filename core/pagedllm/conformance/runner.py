@@ -68,6 +68,7 @@ CHECK_HOOKS = {
     K.check_gather: ("pagedllm_gather_kv_blocks",),
     K.check_swap: ("pagedllm_swap_kv_blocks", "pagedllm_allocate_host_kv_cache"),
     K.check_attention: ("pagedllm_paged_attention",),
+    K.check_encoder_attention: ("pagedllm_encoder_attention",),
     K.check_mla_attention: ("pagedllm_write_mla_kv", "pagedllm_mla_attention"),
     K.check_rms_norm: ("pagedllm_rms_norm",),
     K.check_fused_add_rms_norm: ("pagedllm_fused_add_rms_norm",),
@@ -105,6 +106,14 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                                            gqa_ratios):
             cases.append(Case("attention", f"paged_attention.{scenario}", f"hs{hs}-bs{bs}-gqa{g}", dt,
                               K.check_attention, dict(scenario=scenario, head_size=hs, block_size=bs, gqa=g)))
+        for batch, causal, g in product(K.ENCODER_BATCHES, (False, True), gqa_ratios):
+            cases.append(Case("attention", f"encoder_attention.{'causal' if causal else 'bidirectional'}",
+                              f"{batch}-hs{hs0}-gqa{g}", dt, K.check_encoder_attention,
+                              dict(batch=batch, causal=causal, head_size=hs0, gqa=g)))
+        for hs in head_sizes[1:]:  # every other declared head size (vision towers: 72, 80...) on the varlen batch
+            cases.append(Case("attention", "encoder_attention.bidirectional", f"varlen-hs{hs}-gqa{max(gqa_ratios)}",
+                              dt, K.check_encoder_attention,
+                              dict(batch="varlen", causal=False, head_size=hs, gqa=max(gqa_ratios))))
         g = max(gqa_ratios)
         for bs in caps.block_sizes:
             cases.append(Case("attention", "paged_attention.sliding_window", f"hs{hs0}-bs{bs}-gqa{g}", dt,

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.bert import ENCODER_ARCHITECTURES
 from pagedllm.models.falcon import falcon_kv_heads
 from pagedllm.models.transformers_impl import transformers_architecture
 
@@ -26,6 +27,7 @@ class ArchSpec:
     rope_interleaved: bool = False  # GLM: rotary over (x0, x1), (x2, x3)... pairs of the rotary dims
     glm4_norms: bool = False  # Glm4: post_self_attn_layernorm and post_mlp_layernorm around the sub-blocks
     # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms) | stablelm (models/stablelm.py)
+    # | bert (models/bert.py: encoder-only BERT / RoBERTa / XLM-R)
     module: str = "decoder"
 
 
@@ -78,6 +80,9 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                   "falcon": "FalconForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",
                   "stablelm": "StableLmForCausalLM"}
+# Encoder-only (models/bert.py): bidirectional attention, no KV cache, the pooling runner only.
+ARCHITECTURES.update({name: ArchSpec(lambda c: True, lambda c: True, module="bert")
+                      for name in ENCODER_ARCHITECTURES})
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

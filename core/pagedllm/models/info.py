@@ -8,6 +8,7 @@ import torch
 
 from pagedllm.backend.hookspec import ModelInfo
 from pagedllm.models.alibi import uses_alibi
+from pagedllm.models.bert import encoder_max_positions
 from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
 from pagedllm.models.paths import is_gguf
 from pagedllm.models.transformers_impl import num_kv_heads_of
@@ -47,7 +48,8 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
         num_kv_heads=kv_heads,
         head_size=head_size,
         vocab_size=config.vocab_size,
-        max_model_len=config.max_position_embeddings,
+        max_model_len=(encoder_max_positions(config) if impl == "native"  # RoBERTa: 514 rows hold 512 tokens
+                       and architecture_of(config)[1].module == "bert" else config.max_position_embeddings),
         sliding_window=max(windows) if windows else None,
         soft_cap=getattr(config, "attn_logit_softcapping", None),
         alibi=uses_alibi(config),

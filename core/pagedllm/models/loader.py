@@ -16,6 +16,7 @@ from pagedllm.distributed.parallel_state import get_parallel_state
 from pagedllm.distributed.sharding import local_config, parallelize, shard_state_dict
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
+from pagedllm.models.bert import ENCODER_ARCHITECTURES, build_encoder_model
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
@@ -110,7 +111,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     logger.info("model %s: %s implementation%s", shown, impl,
                 " (transformers' module, pagedllm paged attention)" if impl == "transformers" else "")
     t0 = time.perf_counter()
-    stage("reading weights: %s (%s, %s)", path, shown, "native decoder" if impl == "native" else "transformers module")
+    stage("reading weights: %s (%s, %s)", path, shown, "transformers module" if impl != "native"
+          else "native encoder" if name in ENCODER_ARCHITECTURES else "native decoder")
     if impl == "transformers":
         if get_parallel_state() is not None:
             raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel runs native models only, not the "
@@ -127,6 +129,12 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
     arch_name, spec = architecture_of(config)
+    if spec.module == "bert":  # encoder-only: its own small loader (models/bert.py)
+        if get_parallel_state() is not None or quantization is not None or is_gguf(path):
+            raise UnsupportedModelError(f"{shown}: encoder models load unquantized safetensors on one rank only")
+        model = build_encoder_model(path, config, arch_name, backend, dtype, device)
+        stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
+        return model
     full_config, par = config, get_parallel_state()
     if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
         if quantization is not None:

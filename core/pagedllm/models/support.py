@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from pagedllm.models.arch import ARCHITECTURES, _BY_MODEL_TYPE
+from pagedllm.models.bert import ENCODER_ARCHITECTURES
 from pagedllm.models.remote_layouts import REMOTE_LAYOUTS
 
 #: Families whose oracle tests (HF logits 1e-4 + engine greedy parity) run in this repository, and where.
@@ -46,6 +47,8 @@ VERIFIED: dict[str, str] = {
                     "test_gguf_glm_baichuan_deepseek.py",
     "Olmo2ForCausalLM": "tests/models/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/models/test_transformers_fallback.py",
+    **{name: "tests/models/test_bert_encoder.py (hidden states, CLS row, classifier logits vs HF; varlen batch)"
+       for name in ENCODER_ARCHITECTURES},
 }
 # SmolLM2-135M Q4_1 (tests/models/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
 # (tests/models/test_gguf_families.py); Mistral,
@@ -93,7 +96,12 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "DeepseekV2ForCausalLM": "DeepSeek-V2", "DeepseekV3ForCausalLM": "DeepSeek-V3", "GlmForCausalLM": "GLM",
             "Glm4ForCausalLM": "GLM-4", "FalconForCausalLM": "Falcon", "ChatGLMModel": "ChatGLM2/3, GLM-4",
             "BaiChuanForCausalLM": "Baichuan-7B", "BaichuanForCausalLM": "Baichuan2, 13B",
-            "StableLmForCausalLM": "StableLM", "Olmo2ForCausalLM": "OLMo 2", "Starcoder2ForCausalLM": "StarCoder2"}
+            "StableLmForCausalLM": "StableLM", "Olmo2ForCausalLM": "OLMo 2", "Starcoder2ForCausalLM": "StarCoder2",
+            "BertModel": "BERT (embeddings)", "BertForSequenceClassification": "BERT (cross-encoder, classifier)",
+            "RobertaModel": "RoBERTa (embeddings)",
+            "RobertaForSequenceClassification": "RoBERTa (cross-encoder, classifier)",
+            "XLMRobertaModel": "XLM-RoBERTa (embeddings)",
+            "XLMRobertaForSequenceClassification": "XLM-RoBERTa (cross-encoder, classifier)"}
 #: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
 _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
           "FalconForCausalLM": ("alibi Falcon-RW",)}
@@ -154,6 +162,8 @@ def _features(name: str) -> str:
         out.append("parallel attn+MLP, MQA/grouped KV, LayerNorm, ALiBi (alibi=True, Falcon-RW)")
     if spec.module == "stablelm":
         out.append("LayerNorm, partial rotary, parallel residual (optional), per-head q/k LayerNorm (optional)")
+    if spec.module == "bert":
+        out.append("encoder-only: bidirectional `encoder_attention`, no KV cache, pooling runner (CLS default)")
     if spec.sliding != "none":
         out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
     if spec.qk_norm:

@@ -105,13 +105,16 @@ class Pooler:
             if params.normalize:
                 x = F.normalize(x, p=2, dim=-1)
         elif task in ("classify", "score", "reward"):
-            if self.classifier is not None:
-                x = self.classifier(x.to(self.dtype)).float()
+            if self.classifier is not None:  # (heads take rows [N, H]: a pooled vector is one row)
+                rows = x.to(self.dtype)
+                x = self.classifier(rows if rows.ndim == 2 else rows.unsqueeze(0)).float()
+                x = x if state.pooling_type == "ALL" else x[0]
                 if params.use_activation:
                     x = activation(x)
         elif params.normalize:  # encode
             x = F.normalize(x, p=2, dim=-1)
-        return x.cpu()
+        with torch.inference_mode(False):  # a plain tensor for the caller (in-place ops allowed)
+            return x.to("cpu", copy=True)
 
 
 def classifier_of(model: Any) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:

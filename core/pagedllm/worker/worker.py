@@ -301,7 +301,7 @@ class Worker:
                 ids = torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device)
                 positions = torch.zeros(shape.num_tokens, dtype=torch.long, device=self.device)
                 runner.run(ids, positions, meta)
-                if runner.sample is not None:
+                if runner.sample is not None and self.pooling is None:  # pooling never samples (nor has logits)
                     rows = torch.zeros(shape.num_seqs, dtype=torch.long, device=self.device)
                     runner.sample(ids, positions, meta, rows, SamplingTensors.build([], shape.num_seqs, self.device))
         self.backend.synchronize(self.device)

@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.backend.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, QuantizedLinearKernel, hookimpl)
-from pagedllm_cpu import attention, graph, lora, moe, native, ops, platform, quant
+from pagedllm_cpu import attention, encoder, graph, lora, moe, native, ops, platform, quant
 
 #: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
 _DEFAULT_KV_BYTES = 4 << 30
@@ -113,6 +113,12 @@ def pagedllm_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: 
                              v_scale: float, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale,
                                      alibi_slopes)
+
+
+@hookimpl
+def pagedllm_encoder_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                               max_seqlen: int, scale: float, causal: bool) -> torch.Tensor:
+    return encoder.encoder_attention(query, key, value, cu_seqlens, max_seqlen, scale, causal)
 
 
 @hookimpl

@@ -20,7 +20,8 @@ from pagedllm.backend.hookspec import BackendInfo, Capabilities, GraphRunner, Ru
 from pagedllm.backend.static_runner import make_static_runner
 from pagedllm_cpu import plugin as _cpu
 from pagedllm_cpu.plugin import (pagedllm_allocate_kv_cache, pagedllm_apply_token_bitmask,  # noqa: F401
-                                 pagedllm_communicator, pagedllm_distributed_backend, pagedllm_fused_add_rms_norm,
+                                 pagedllm_communicator, pagedllm_distributed_backend, pagedllm_encoder_attention,
+                                 pagedllm_fused_add_rms_norm,
                                  pagedllm_memory_info, pagedllm_paged_attention, pagedllm_probe, pagedllm_rms_norm,
                                  pagedllm_quantized_linear, pagedllm_rotary, pagedllm_set_device,
                                  pagedllm_silu_and_mul, pagedllm_update_config, pagedllm_write_kv)
