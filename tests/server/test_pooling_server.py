@@ -4,7 +4,7 @@ own parity with HF transformers and sentence-transformers is tests/core/test_poo
 
 Servers: the tiny chat Llama turned into an embedding model (``--convert embed``), tiny random
 ``LlamaForSequenceClassification`` checkpoints with SmolLM2's tokenizer (3 labels: ``/classify``; 1 label: a
-cross-encoder for ``/score`` and ``/rerank``) and the plain chat model (generation only: the pooling routes are refused by name).
+cross-encoder for ``/score`` and ``/rerank``), a tiny BERT cross-encoder (encoder-only, segment ids: against HF) and the plain chat model (generation only: the pooling routes are refused by name).
 """
 
 from __future__ import annotations
@@ -19,11 +19,13 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import torch
 
 from pagedllm import LLM
 from pagedllm.pooling_params import PoolingParams
 from pooling_models import make_seq_cls_model
 from server_utils import API_KEY, ServerProcess, metrics, tiny_chat_model, wait_idle
+from tiny_encoders import make_tiny_encoder
 
 pytestmark = pytest.mark.slow
 
@@ -287,6 +289,38 @@ def test_cross_encoder_score_and_rerank(cross_encoder_path):
         _error(_post(s, "/rerank", {"query": QUERY, "documents": DOCS, "top_n": -1}), 400, "top_n")
         err = _error(_post(s, "/rerank", {"query": "word " * MAX_LEN, "documents": ["x"]}), 400, "documents")
         assert str(MAX_LEN) in err["message"]
+        m = wait_idle(s.base_url)
+        assert m["pagedllm:kv_cache_used_blocks"] == 0
+    finally:
+        s.stop()
+
+
+def test_bert_cross_encoder_rerank_equals_hf(tmp_path):
+    """An encoder-only cross-encoder (BERT, no KV cache): the pair's segment ids from the server's tokenisation reach
+    the model, so /rerank and /score equal HF's sigmoid of the pair logits."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = make_tiny_encoder("bert", tmp_path / "ce", classification=True, num_labels=1, seed=3)
+    query = "where is the capital of france"
+    docs = ["paris is the capital of france", "the cat sat on the mat", "a big red house over the river",
+            "what city is in france"]
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        pairs = tok([query] * len(docs), docs, return_tensors="pt", padding=True)
+        assert pairs["token_type_ids"].any()
+        want = hf(**pairs).logits[:, 0].sigmoid().tolist()
+    s = ServerProcess(path, "--runner", "pooling", "--dtype", "float32")
+    try:
+        r = _post(s, "/v1/rerank", {"query": query, "documents": docs})
+        assert r.status_code == 200, r.text
+        res = r.json()["results"]
+        assert [x["index"] for x in res] == sorted(range(len(docs)), key=lambda i: -want[i])
+        _close([x["relevance_score"] for x in res], [want[x["index"]] for x in res], atol=1e-4)
+        r = _post(s, "/score", {"text_1": query, "text_2": docs})
+        _close([d["score"] for d in r.json()["data"]], want, atol=1e-4)
+        err = _error(_post(s, "/score", {"text_1": "the cat " * 40, "text_2": "dog"}), 400, "text_1")
+        assert "64" in err["message"]  # max_position_embeddings: the model's limit
         m = wait_idle(s.base_url)
         assert m["pagedllm:kv_cache_used_blocks"] == 0
     finally:
