@@ -4,7 +4,8 @@ own parity with HF transformers and sentence-transformers is tests/core/test_poo
 
 Servers: the tiny chat Llama turned into an embedding model (``--convert embed``), tiny random
 ``LlamaForSequenceClassification`` checkpoints with SmolLM2's tokenizer (3 labels: ``/classify``; 1 label: a
-cross-encoder for ``/score`` and ``/rerank``), a tiny BERT cross-encoder (encoder-only, segment ids: against HF) and the plain chat model (generation only: the pooling routes are refused by name).
+cross-encoder for ``/score`` and ``/rerank``), a tiny BERT cross-encoder (encoder-only; its pair's segment ids,
+against HF) and the plain chat model (generation only: the pooling routes are refused by name).
 """
 
 from __future__ import annotations
