@@ -234,6 +234,38 @@ def test_many_concurrent_embeddings_leave_nothing_held(embed_server, embed_llm):
     assert m["pagedllm:request_success_total"] >= 12 * 4 * 2  # one per input, counted as "stop"
 
 
+def test_fuzzed_pooling_routes_answer_their_schema(embed_server):
+    """schemathesis' valid and invalid bodies for each pooling route (as test_server_schema.py does for every route of
+    a generation server): a declared status, a body matching the declared model, never a 5xx; nothing held after."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                                   status_code_conformance)
+
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    schema = schemathesis.openapi.from_url(f"{embed_server.base_url}/openapi.json", headers=embed_server.headers())
+    paths = {"/v1/embeddings", "/pooling", "/classify", "/score", "/v1/rerank"}
+    operations = [r.ok() for r in schema.get_all_operations()]
+    operations = [op for op in operations if op.path in paths]
+    assert {op.path for op in operations} == paths
+    before = metrics(embed_server.base_url).get("pagedllm:request_success_total", 0.0)
+    for op in operations:
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            @given(case=op.as_strategy(generation_mode=mode))
+            @settings(max_examples=20, deadline=None, derandomize=True, database=None,
+                      phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+            def run(case):
+                case.call_and_validate(base_url=embed_server.base_url, headers=embed_server.headers(), checks=checks,
+                                       timeout=30)
+
+            run()
+    m = wait_idle(embed_server.base_url)
+    assert (m["pagedllm:num_requests_running"], m["pagedllm:kv_cache_used_blocks"]) == (0, 0)
+    assert m["pagedllm:request_success_total"] > before  # valid bodies were served, not only refused
+
+
 # ---- classification and cross-encoder scores ---------------------------------------------------------------------
 def test_classify_equals_offline(classifier_path):
     llm = LLM(classifier_path, device="cpu", max_model_len=MAX_LEN, kv_cache_memory=32 << 20)
