@@ -43,7 +43,7 @@ class _TextInput(_PoolingBase):
 
     input: Optional[PoolingInput] = None
     messages: Optional[Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]] = None
-    add_special_tokens: Optional[StrictBool] = None  # default: True for input, False for messages (vLLM's)
+    add_special_tokens: Optional[StrictBool] = None  # input only (default True); messages: the template has them
     add_generation_prompt: StrictBool = False
     continue_final_message: StrictBool = False
     chat_template: Optional[Annotated[StrictStr, StringConstraints(max_length=MAX_REQUEST_TEMPLATE_CHARS)]] = None
