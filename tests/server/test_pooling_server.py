@@ -22,7 +22,9 @@ import openai
 import pytest
 import torch
 
+from lora_utils import write_adapter
 from pagedllm import LLM
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pooling_models import make_seq_cls_model
 from server_utils import API_KEY, ServerProcess, metrics, tiny_chat_model, wait_idle
@@ -41,15 +43,23 @@ ENGINE = ["--max-model-len", str(MAX_LEN), "--kv-cache-memory", str(32 << 20)]
 
 
 @pytest.fixture(scope="module")
-def embed_server():
-    s = ServerProcess(tiny_chat_model(), "--convert", "embed", *ENGINE)
+def adapter(tmp_path_factory):
+    return write_adapter(tiny_chat_model(), tmp_path_factory.mktemp("lora") / "sql", seed=1, r=8, lora_alpha=16,
+                         target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def embed_server(adapter):
+    s = ServerProcess(tiny_chat_model(), "--convert", "embed", *ENGINE, "--enable-lora", "--lora-modules",
+                      f"sql={adapter}")
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
 def embed_llm():
-    return LLM(tiny_chat_model(), device="cpu", convert="embed", max_model_len=MAX_LEN, kv_cache_memory=32 << 20)
+    return LLM(tiny_chat_model(), device="cpu", convert="embed", max_model_len=MAX_LEN, kv_cache_memory=32 << 20,
+               enable_lora=True)
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +158,17 @@ def test_embeddings_chat_messages(embed_server, embed_llm):
     assert r.status_code == 200, r.text
     _close(r.json()["data"][0]["embedding"], want.outputs.embedding)
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_embeddings_of_a_lora_adapter(embed_server, embed_llm, adapter):
+    """``model`` naming a served adapter embeds with it (as offline ``lora_request``), and the response names it."""
+    want = embed_llm.embed(TEXTS[:2], lora_request=LoRARequest("sql", 1, adapter), use_tqdm=False)
+    base = embed_llm.embed(TEXTS[:2], use_tqdm=False)
+    got = _client(embed_server).embeddings.create(model="sql", input=TEXTS[:2], encoding_format="float")
+    assert got.model == "sql"
+    for d, w, b in zip(got.data, want, base):
+        _close(d.embedding, w.outputs.embedding)
+        assert np.abs(np.asarray(w.outputs.embedding) - np.asarray(b.outputs.embedding)).max() > 1e-2
 
 
 def test_embeddings_bad_input(embed_server):

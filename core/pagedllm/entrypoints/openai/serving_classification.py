@@ -37,7 +37,7 @@ class ClassificationServing(PoolingServing):
 
     async def create(self, req: ClassificationRequest, raw: Request) -> Response:
         rid, outs = await self.pool(req, raw, "classify", "/classify", "classify", use_activation=req.use_activation)
-        return await self.respond(rid, [partial(self.item, i, o) for i, o in enumerate(outs)], outs)
+        return await self.respond(rid, req, [partial(self.item, i, o) for i, o in enumerate(outs)], outs)
 
     def item(self, i: int, out: Any) -> dict:
         probs = [float(x) for x in out.outputs.data.reshape(-1).tolist()]

@@ -22,8 +22,8 @@ class EmbeddingServing(PoolingServing):
     async def create(self, req: EmbeddingRequest, raw: Request) -> Response:
         rid, outs = await self.pool(req, raw, "embed", "/v1/embeddings", "embd", dimensions=req.dimensions,
                                     normalize=req.normalize)
-        return await self.respond(rid, [partial(self.item, i, o, req.encoding_format) for i, o in enumerate(outs)],
-                                  outs)
+        return await self.respond(rid, req, [partial(self.item, i, o, req.encoding_format)
+                                             for i, o in enumerate(outs)], outs)
 
     @staticmethod
     def item(i: int, out: Any, encoding_format: str) -> dict:

@@ -30,6 +30,7 @@ from pagedllm.entrypoints.openai.protocol_pooling import PoolingRequest
 from pagedllm.entrypoints.openai.serving_common import (Serving, json_response, now, random_id, timeout_error,
                                                       until_disconnect)
 from pagedllm.errors import ParamError
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 
 #: Flag named when a route does not fit the model: what turns a generation model into one that serves the task.
@@ -171,7 +172,8 @@ class PoolingServing(Serving):
 
     # ---- submission ------------------------------------------------------------------------------------------
     async def run(self, base_id: str, prompts: list[dict], params: PoolingParams, raw: Request, start: float,
-                  param: str = "input", rename: Optional[dict[str, str]] = None, priority: int = 0) -> list[Any]:
+                  param: str = "input", rename: Optional[dict[str, str]] = None, priority: int = 0,
+                  lora: Optional[LoRARequest] = None) -> list[Any]:
         """Every prompt's final ``PoolingRequestOutput``, in order; a client disconnect aborts them all (499). The
         engine's refusals of a prompt name ``param`` (the request's field)."""
         timeout = self.remaining(start)
@@ -180,7 +182,8 @@ class PoolingServing(Serving):
         async def one(i: int, p: dict) -> Any:
             rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
             final = None
-            async for out in self.engine.encode(p, params, rid, priority=priority, timeout=timeout):
+            async for out in self.engine.encode(p, params, rid, lora_request=lora, priority=priority,
+                                                timeout=timeout):
                 final = out
             return final
 
@@ -215,7 +218,7 @@ class PoolingServing(Serving):
                    rename: Optional[dict[str, str]] = None, **params: Any) -> tuple[str, list[Any]]:
         """The common route body: model and task checks, admission, prompts, submission; (request id, outputs)."""
         start = time.monotonic()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_task(task, route)
         check_extra_fields(req, route)
         pooling_params = self.pooling_params(rename, task=task, **params)
@@ -225,17 +228,17 @@ class PoolingServing(Serving):
             prompts = await self.text_prompts(req, start)
             rid = random_id(rid_prefix)
             field = "input" if getattr(req, "input", None) is not None else "messages"
-            return rid, await self.run(rid, prompts, pooling_params, raw, start, field, rename, req.priority)
+            return rid, await self.run(rid, prompts, pooling_params, raw, start, field, rename, req.priority, lora)
         finally:
             ticket.release()
 
-    def head(self, rid: str) -> dict:
-        return {"id": rid, "object": "list", "created": now(), "model": self.model_name}
+    def head(self, rid: str, req: Any) -> dict:
+        return {"id": rid, "object": "list", "created": now(), "model": self.response_model(req)}
 
-    async def respond(self, rid: str, items: Iterable[Callable[[], dict]], outs: Sequence[Any]) -> Response:
+    async def respond(self, rid: str, req: Any, items: Iterable[Callable[[], dict]], outs: Sequence[Any]) -> Response:
         """``{id, object: "list", created, model, data: [...], usage}``, each item built and encoded on its own with
         the event loop let go between them (2048 inputs of 4096 floats are 8M numbers to format)."""
-        return await json_response(self.head(rid), items, usage(outs), key="data")
+        return await json_response(self.head(rid, req), items, usage(outs), key="data")
 
 
 class PoolingEndpoint(PoolingServing):
@@ -246,8 +249,8 @@ class PoolingEndpoint(PoolingServing):
         task = req.task or ("encode" if "encode" in tasks else next(iter(sorted(tasks)), "encode"))
         rid, outs = await self.pool(req, raw, task, "/pooling", "pool", dimensions=req.dimensions,
                                     normalize=req.normalize)
-        return await self.respond(rid, [partial(self.item, i, o, req.encoding_format) for i, o in enumerate(outs)],
-                                  outs)
+        return await self.respond(rid, req, [partial(self.item, i, o, req.encoding_format)
+                                             for i, o in enumerate(outs)], outs)
 
     @staticmethod
     def item(i: int, out: Any, encoding_format: str) -> dict:

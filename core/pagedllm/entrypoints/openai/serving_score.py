@@ -56,7 +56,7 @@ class ScoreServing(PoolingServing):
                      param: str) -> tuple[str, list[float], int]:
         """(request id, one score per pair, prompt tokens used)."""
         start = time.monotonic()
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         kind = self.check_score_task(route)
         check_extra_fields(req, route)
         texts = [t for p in pairs for t in p]
@@ -67,7 +67,7 @@ class ScoreServing(PoolingServing):
             try:
                 prompts = await self.pair_prompts(pairs, req.truncate_prompt_tokens, param, start)
                 rid = random_id(rid_prefix)
-                outs = await self.run(rid, prompts, params, raw, start, param, priority=req.priority)
+                outs = await self.run(rid, prompts, params, raw, start, param, priority=req.priority, lora=lora)
             finally:
                 ticket.release()
             scores = [float(o.outputs.data.reshape(-1)[-1]) for o in outs]
@@ -79,7 +79,7 @@ class ScoreServing(PoolingServing):
         try:
             prompts = await self.tokenize_items(unique, True, req.truncate_prompt_tokens, param, start)
             rid = random_id(rid_prefix)
-            outs = await self.run(rid, prompts, params, raw, start, param, priority=req.priority)
+            outs = await self.run(rid, prompts, params, raw, start, param, priority=req.priority, lora=lora)
         finally:
             ticket.release()
         emb = {t: o.outputs.data.to(torch.float32).reshape(-1) for t, o in zip(unique, outs)}
@@ -107,7 +107,7 @@ class ScoreServing(PoolingServing):
     async def create_score(self, req: ScoreRequest, raw: Request) -> dict:
         pairs = score_pairs(req.text_1, req.text_2)
         rid, scores, n = await self.scores(req, pairs, raw, "/score", "score", "text_1")
-        return {**self.head(rid),
+        return {**self.head(rid, req),
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                 "usage": {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0}}
 
@@ -125,5 +125,5 @@ class ScoreServing(PoolingServing):
             if req.return_documents:
                 r["document"] = {"text": req.documents[i]}
             results.append(r)
-        return {"id": rid, "model": self.model_name, "results": results,
+        return {"id": rid, "model": self.response_model(req), "results": results,
                 "usage": {"prompt_tokens": n, "total_tokens": n}}
