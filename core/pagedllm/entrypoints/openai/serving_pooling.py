@@ -67,19 +67,21 @@ class PoolingServing(Serving):
     # ---- route availability ----------------------------------------------------------------------------------
     def check_task(self, task: str, route: str) -> None:
         """400 unless the model serves ``task``: names the model and the flag that would."""
+        if task not in supported_tasks(self.engine):
+            raise self.task_error(task, route)
+
+    def task_error(self, task: str, route: str) -> APIError:
         tasks = supported_tasks(self.engine)
-        if task in tasks:
-            return
         flag = CONVERT_FLAG[task]
-        how = f"start the server with {flag}" + ("" if flag == "--runner pooling" else " (the --runner pooling "
-                                                                                       "runner)")
+        implied = "" if flag == "--runner pooling" else " (which implies --runner pooling)"
+        how = f"start the server with {flag}{implied}"
         if task == "score":
             how = ("score needs an embedding model (--convert embed: cosine similarity) or a one-label "
                    "classifier (a cross-encoder); " + how)
         kind = ("a generation model" if not tasks else
                 f"a pooling model for {', '.join(sorted(tasks))}, not {task}")
-        raise APIError(400, f"{route}: the model `{self.model_name}` is {kind}; {how} to serve {route}",
-                       param="model", code="model_not_supported")
+        return APIError(400, f"{route}: the model `{self.model_name}` is {kind}; {how} to serve {route}",
+                        param="model", code="model_not_supported")
 
     def check_generation(self, route: str) -> None:
         """400 for completions and chat on a pooling model (vLLM runs one kind per engine)."""

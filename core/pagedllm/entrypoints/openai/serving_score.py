@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.protocol_pooling import RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.serving_common import random_id
 from pagedllm.entrypoints.openai.serving_pooling import PoolingServing, supported_tasks
+from pagedllm.outputs import ScoringOutput
 
 
 def score_pairs(text_1: Any, text_2: Any, names: tuple[str, str] = ("text_1", "text_2")) -> list[tuple[str, str]]:
@@ -49,8 +50,7 @@ class ScoreServing(PoolingServing):
             return "score"
         if "embed" in tasks:
             return "embed"
-        self.check_task("score", route)  # raises, naming the model and the flag
-        raise AssertionError("unreachable")
+        raise self.task_error("score", route)
 
     async def scores(self, req: Any, pairs: list[tuple[str, str]], raw: Request, route: str, rid_prefix: str,
                      param: str) -> tuple[str, list[float], int]:
@@ -70,7 +70,7 @@ class ScoreServing(PoolingServing):
                 outs = await self.run(rid, prompts, params, raw, start, param, priority=req.priority, lora=lora)
             finally:
                 ticket.release()
-            scores = [float(o.outputs.data.reshape(-1)[-1]) for o in outs]
+            scores = [ScoringOutput.from_base(o.outputs).score for o in outs]
             return rid, scores, sum(len(o.prompt_token_ids) for o in outs)
         # bi-encoder: embed each distinct text once, then cosine similarity of each pair
         unique = list(dict.fromkeys(texts))
@@ -82,9 +82,8 @@ class ScoreServing(PoolingServing):
             outs = await self.run(rid, prompts, params, raw, start, param, priority=req.priority, lora=lora)
         finally:
             ticket.release()
-        emb = {t: o.outputs.data.to(torch.float32).reshape(-1) for t, o in zip(unique, outs)}
-        cos = torch.nn.CosineSimilarity(dim=0)
-        scores = [float(cos(emb[a], emb[b])) for a, b in pairs]
+        emb = {t: o.outputs.data for t, o in zip(unique, outs)}
+        scores = [float(torch.nn.functional.cosine_similarity(emb[a], emb[b], dim=0)) for a, b in pairs]
         return rid, scores, sum(len(o.prompt_token_ids) for o in outs)
 
     async def pair_prompts(self, pairs: list[tuple[str, str]], truncate: Optional[int], param: str,
