@@ -237,8 +237,6 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         pooling.check_generation("/v1/chat/completions")
         return await chat.create(body, raw)
 
-    pooling = add_pooling_routes(app, engine, names, metrics, chat_template, limits, admission, renderer)
-
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404, 408, 413, 429, 503))
     async def tokenize(body: TokenizeRequest) -> dict:
         start = time.monotonic()
@@ -285,6 +283,10 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
             return {"prompt": (await completions.decode([body.tokens], "tokens", start))[0]}
         finally:
             ticket.release()
+
+    # /v1/embeddings, /pooling, /classify, /score, /rerank (pooling_routes.py); completions and chat refuse a
+    # pooling model through it
+    pooling = add_pooling_routes(app, engine, names, metrics, chat_template, limits, admission, renderer)
 
     @app.get("/metrics", response_class=Response, responses={200: {"description": "Prometheus text format",
                                           "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})
