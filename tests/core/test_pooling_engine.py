@@ -213,3 +213,27 @@ def test_data_parallel_encode(tiny_llama):
         asyncio.run(_encode_session(engine))
     finally:
         engine.shutdown()
+
+
+def test_lora_adapter_embeddings_match_peft(tiny_llama, tmp_path):
+    """A LoRA request pools the adapted model's hidden states (the oracle: peft's model), the base one's without."""
+    import torch.nn.functional as F
+
+    from lora_utils import ADAPTERS, peft_model, write_adapter
+    from pagedllm.lora.request import LoRARequest
+
+    adapter = write_adapter(tiny_llama, tmp_path / "all4", seed=1, **ADAPTERS["all4"])
+    oracle = peft_model(tiny_llama, adapter)
+    with torch.no_grad():
+        adapted = oracle.base_model.model.model(torch.tensor([LONG])).last_hidden_state[0, -1]
+        with oracle.disable_adapter():
+            base = oracle.base_model.model.model(torch.tensor([LONG])).last_hidden_state[0, -1]
+    assert (adapted - base).abs().max() > 1e-2  # the adapter changes the embedding
+    with LLM(tiny_llama, runner="pooling", enable_lora=True, max_lora_rank=8, max_num_batched_tokens=16,
+             **BASE) as llm:
+        lora = LoRARequest("all4", 1, adapter)
+        outs = llm.embed([{"prompt_token_ids": LONG}] * 2, lora_request=[lora, None], use_tqdm=False)
+    torch.testing.assert_close(torch.tensor(outs[0].outputs.embedding), F.normalize(adapted, dim=-1), atol=1e-4,
+                               rtol=1e-4)
+    torch.testing.assert_close(torch.tensor(outs[1].outputs.embedding), F.normalize(base, dim=-1), atol=1e-4,
+                               rtol=1e-4)

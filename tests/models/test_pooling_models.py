@@ -55,6 +55,21 @@ def test_embeddings_match_hf(causal_models, arch, pooling_type):
         assert len(n.outputs.embedding) == ref.shape[0]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_base_model_checkpoint(causal_models, tmp_path, arch):
+    """A ``LlamaModel`` / ``Qwen3Model`` checkpoint (no LM head, unprefixed names): runner auto pools it."""
+    from transformers import AutoModel
+
+    path = str(tmp_path / "base")
+    AutoModel.from_pretrained(causal_models[arch], dtype=torch.float32).save_pretrained(path)
+    with LLM(path, **ENGINE) as llm:
+        assert llm.llm_engine.pooling.architecture == {"llama": "LlamaModel", "qwen3": "Qwen3Model"}[arch]
+        out = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    for p, o in zip(PROMPTS, out):
+        ref = F.normalize(hf_hidden(path, p)[-1], dim=-1)
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), ref, atol=ATOL, rtol=1e-4)
+
+
 def test_matryoshka_dimensions(causal_models):
     path = causal_models["qwen3"]
     with LLM(path, convert="embed", **ENGINE) as llm:  # convert alone picks the pooling runner

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pagedllm.models.arch import ARCHITECTURES, _BY_MODEL_TYPE
+from pagedllm.models.arch import ARCHITECTURES, POOLING_ARCHITECTURES, _BY_MODEL_TYPE
 from pagedllm.models.bert import ENCODER_ARCHITECTURES
 from pagedllm.models.remote_layouts import REMOTE_LAYOUTS
 
@@ -102,6 +102,14 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "RobertaForSequenceClassification": "RoBERTa (cross-encoder, classifier)",
             "XLMRobertaModel": "XLM-RoBERTa (embeddings)",
             "XLMRobertaForSequenceClassification": "XLM-RoBERTa (cross-encoder, classifier)"}
+#: The decoders' pooling forms checked against HF (tests/models/test_pooling_models.py)
+_POOLING_TESTED = {
+    "LlamaForSequenceClassification": "tests/models/test_pooling_models.py (probabilities, logits, per-token "
+                                      "rewards vs HF)",
+    "Qwen3ForSequenceClassification": "tests/models/test_pooling_models.py (probabilities, logits, cross-encoder "
+                                      "scores vs HF; the Qwen3-Reranker conversion vs the causal LM's yes/no)",
+    **{f"{f}Model": "tests/models/test_pooling_models.py (base checkpoint embeddings vs HF)" for f in ("Llama", "Qwen3")},
+}
 #: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
 _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
           "FalconForCausalLM": ("alibi Falcon-RW",)}
@@ -212,6 +220,15 @@ def rows() -> list[dict[str, Any]]:
                     "lora": "yes" if spec.moe == "none" and not spec.gemma and spec.attention == "mha"
                     and spec.module == "decoder" else "no",
                     "verified": VERIFIED.get(name, "-")})
+    for name, base in POOLING_ARCHITECTURES.items():  # the native decoder as a pooling model (docs/pooling.md)
+        head = name.endswith("ForSequenceClassification")
+        out.append({"family": family(base) + (" (sequence classification)" if head else " (base model, embeddings)"),
+                    "architecture": name, "backends": backends_for(base), "path": "native, pooling runner",
+                    "features": ("`score` head: classify, score (1 label), reward" if head
+                                 else "no LM head: embed, encode") + (f"; {_features(base)}"
+                                                                      if _features(base) != "-" else ""),
+                    "gguf": "no", "lora": "untested",
+                    "verified": _POOLING_TESTED.get(name, "-")})
     for name, what in REMOTE_LAYOUTS.items():
         out.append({"family": family(name), "architecture": name, "backends": backends_for(name),
                     "path": "native, remote-code layout mapped by name", "features": what,
