@@ -155,6 +155,8 @@ class AsyncEngine:
         self.max_model_len: int = info["max_model_len"]
         self.model_path: str = info["model_path"]
         self.vocab_size: int = info["vocab_size"]
+        #: vLLM's supported tasks: ("generate",), or the pooling tasks of a pooling model (embed, classify, ...)
+        self.supported_tasks: tuple[str, ...] = tuple(info.get("supported_tasks", ("generate",)))
         self._stats: EngineStats = info["stats"]
         #: DP+EP replicas: the experts this replica's model holds (``dp_lockstep.expert_info``); None otherwise.
         self.expert_parallel: Optional[dict] = info.get("expert_parallel")

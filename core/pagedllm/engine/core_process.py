@@ -88,7 +88,8 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
         return
     freeze_startup_heap()  # the model and its imports live for good; full passes rare (gc_policy.py)
     info = {"max_model_len": engine.max_model_len, "model_path": engine.model_path,
-            "vocab_size": engine.model.vocab_size, "stats": engine.get_stats()}
+            "vocab_size": engine.model.vocab_size, "stats": engine.get_stats(),
+            "supported_tasks": engine.get_supported_tasks()}  # the server routes and refuses requests by them
     if dp_ep is not None:
         from pagedllm.engine.dp_lockstep import expert_info, lockstep_loop  # cycle: dp_lockstep imports this module
 

@@ -111,6 +111,7 @@ class DataParallelEngine:
         first = self.replicas[0]
         self.tokenizer = first.tokenizer
         self.max_model_len, self.model_path, self.vocab_size = first.max_model_len, first.model_path, first.vocab_size
+        self.supported_tasks = first.supported_tasks
         self.loras: dict[str, LoRARequest] = dict(first.loras)
         self.error: Optional[BaseException] = None
         self.on_dead: Optional[Callable[[BaseException], None]] = None

@@ -38,6 +38,7 @@ from pagedllm.entrypoints.openai.errors import APIError, error_body, from_param_
 from pagedllm.entrypoints.openai.grammar_gate import start_grammar_pool, stop_grammar_pool
 from pagedllm.entrypoints.openai.limits import Admission, RequestBodyMiddleware, ServerLimits
 from pagedllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from pagedllm.entrypoints.openai.pooling_routes import add_pooling_routes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -227,11 +228,13 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     @app.post("/v1/completions", response_model=None, response_class=JSONResponse,
               responses=_generation(CompletionResponse))
     async def create_completion(body: CompletionRequest, raw: Request):
+        pooling.check_generation("/v1/completions")
         return await completions.create(body, raw)
 
     @app.post("/v1/chat/completions", response_model=None, response_class=JSONResponse,
               responses=_generation(ChatCompletionResponse))
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
+        pooling.check_generation("/v1/chat/completions")
         return await chat.create(body, raw)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404, 408, 413, 429, 503))
@@ -280,6 +283,10 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
             return {"prompt": (await completions.decode([body.tokens], "tokens", start))[0]}
         finally:
             ticket.release()
+
+    # /v1/embeddings, /pooling, /classify, /score, /rerank (pooling_routes.py); completions and chat refuse a
+    # pooling model through it
+    pooling = add_pooling_routes(app, engine, names, metrics, chat_template, limits, admission, renderer)
 
     @app.get("/metrics", response_class=Response, responses={200: {"description": "Prometheus text format",
                                           "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}})

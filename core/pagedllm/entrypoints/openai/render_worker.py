@@ -9,7 +9,8 @@ longer than ``max_chars`` is refused before it is tokenised.
 Protocol (one ``multiprocessing`` pipe): the worker sends ``("ready", None)`` once, then answers each job with
 ``("ok", value)`` or ``("err", message)``. Jobs: ``("chat", messages, template, add_generation_prompt,
 continue_final_message, kwargs, max_chars)`` -> token ids; ``("encode", texts, add_special_tokens)`` -> id lists;
-``("decode", id_lists)`` -> texts. The tokenizer arrives pickled, so the worker needs no file access.
+``("decode", id_lists)`` -> texts; ``("pairs", [(text_1, text_2), ...])`` -> one ``{"input_ids", "token_type_ids"}`` per
+pair as the tokenizer pairs two texts (a cross-encoder's score prompt). The tokenizer arrives pickled, so the worker needs no file access.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ def _ignores_tools(render_without: Any, with_tools: str) -> bool:
         return False
 
 
+def pair_ids(tok: Any, text_1: str, text_2: str) -> dict[str, Optional[list[int]]]:
+    enc = tok(text=text_1, text_pair=text_2)
+    types = enc.get("token_type_ids")
+    return {"input_ids": [int(t) for t in enc["input_ids"]],
+            "token_type_ids": [int(t) for t in types] if types is not None else None}
+
+
 def handle(tok: Any, job: tuple) -> Any:
     kind = job[0]
     if kind == "chat":
@@ -84,6 +92,8 @@ def handle(tok: Any, job: tuple) -> Any:
         return [list(tok.encode(t, add_special_tokens=job[2])) for t in job[1]]
     if kind == "decode":
         return [tok.decode(ids) for ids in job[1]]
+    if kind == "pairs":
+        return [pair_ids(tok, a, b) for a, b in job[1]]
     raise RenderError(f"unknown job {kind!r}")
 
 

@@ -68,9 +68,10 @@ ASSEMBLY_SLICE_S = 0.002
 _encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode  # JSONResponse's
 
 
-async def json_response(head: dict, choices: Iterable[Callable[[], dict]], usage: dict) -> Response:
-    """``{**head, "choices": [...], "usage": usage}`` as JSONResponse would encode it, each choice built and encoded
-    on its own with the event loop let go every few milliseconds.
+async def json_response(head: dict, choices: Iterable[Callable[[], dict]], usage: dict,
+                        key: str = "choices") -> Response:
+    """``{**head, key: [...], "usage": usage}`` as JSONResponse would encode it, each choice (or pooling ``data``
+    item) built and encoded on its own with the event loop let go every few milliseconds.
 
     Why: ``n=128, logprobs=20, max_tokens=100`` is 270 000 logprob entries; built and encoded in one go, that held
     the loop (and ``/health``) for 420 ms (issue 34). One choice is at most a few ms of work."""
@@ -81,7 +82,7 @@ async def json_response(head: dict, choices: Iterable[Callable[[], dict]], usage
         if time.monotonic() - last > ASSEMBLY_SLICE_S:
             await asyncio.sleep(0)
             last = time.monotonic()
-    body = b"".join((_encode(head)[:-1].encode("utf-8"), b',"choices":[', b",".join(parts), b'],"usage":',
+    body = b"".join((_encode(head)[:-1].encode("utf-8"), f',"{key}":['.encode(), b",".join(parts), b'],"usage":',
                      _encode(usage).encode("utf-8"), b"}"))
     return Response(body, media_type="application/json")
 
