@@ -198,13 +198,42 @@ def test_embeddings_bad_input(embed_server):
     assert e.value.body["param"] == "input"
 
 
-def test_pooling_model_refuses_generation_and_other_tasks(embed_server):
-    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
-        err = _error(_post(embed_server, path, body), 400, "model")
-        assert "test-model" in err["message"] and "--runner generate" in err["message"]
+def test_pooling_model_refuses_other_tasks(embed_server):
     err = _error(_post(embed_server, "/classify", {"input": "x"}), 400, "model")
     assert "test-model" in err["message"] and "--convert classify" in err["message"]
+
+
+def test_mixed_generation_and_embedding_load(embed_server, embed_llm):
+    """Issue 30: one server (a causal LM with --convert embed keeps its LM head) takes generation and embedding
+    requests at once: every one succeeds, greedy completions equal the same server's idle answer, embeddings equal
+    offline, and afterwards no KV block is held and nothing runs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    gen = {"model": "test-model", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0}
+    chat = {"model": "test-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "temperature": 0}
+    idle = _post(embed_server, "/v1/completions", gen).json()["choices"][0]["text"]
+    want = [o.outputs.embedding for o in embed_llm.embed(TEXTS, use_tqdm=False)]
+
+    def one(i: int):
+        kind = i % 3
+        if kind == 0:
+            return kind, _post(embed_server, "/v1/completions", gen)
+        if kind == 1:
+            return kind, _post(embed_server, "/v1/chat/completions", chat)
+        return kind, _post(embed_server, "/v1/embeddings", {"model": "test-model", "input": TEXTS})
+
+    with ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(one, range(36)))
+    for kind, r in results:
+        assert r.status_code == 200, r.text
+        if kind == 0:
+            assert r.json()["choices"][0]["text"] == idle
+        elif kind == 2:
+            for d, w in zip(r.json()["data"], want):
+                _close(d["embedding"], w)
+    m = wait_idle(embed_server.base_url)
+    assert m["pagedllm:kv_cache_used_blocks"] == 0 and m["pagedllm:num_requests_running"] == 0
 
 
 def test_pooling_endpoint(embed_server, embed_llm):
@@ -307,6 +336,10 @@ def test_classify_equals_offline(classifier_path):
         assert "--convert embed" in err["message"]
         err = _error(_post(s, "/score", {"text_1": "a", "text_2": "b"}), 400, "model")  # 3 labels: no score
         assert "test-model" in err["message"]
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),  # no LM head: no generation
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            err = _error(_post(s, path, body), 400, "model")
+            assert "test-model" in err["message"] and "no LM head" in err["message"]
     finally:
         s.stop()
 

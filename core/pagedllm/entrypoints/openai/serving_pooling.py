@@ -84,12 +84,13 @@ class PoolingServing(Serving):
                         param="model", code="model_not_supported")
 
     def check_generation(self, route: str) -> None:
-        """400 for completions and chat on a pooling model (vLLM runs one kind per engine)."""
-        if is_pooling_model(self.engine):
-            raise APIError(400, f"{route}: the model `{self.model_name}` was started as a pooling model "
-                                f"(--runner pooling); it serves /v1/embeddings, /pooling, /classify, /score and "
-                                f"/rerank as its tasks allow, not generation; start the server with --runner "
-                                f"generate for {route}", param="model", code="model_not_supported")
+        """400 for completions and chat on a pooling model without an LM head (one with it generates too:
+        ``LLMEngine.get_supported_tasks``)."""
+        if "generate" not in getattr(self.engine, "supported_tasks", ("generate",)):
+            raise APIError(400, f"{route}: the model `{self.model_name}` is a pooling model with no LM head; it "
+                                f"serves /v1/embeddings, /pooling, /classify, /score and /rerank as its tasks "
+                                f"allow, not generation (serve a generative model for {route})", param="model",
+                           code="model_not_supported")
 
     # ---- inputs ----------------------------------------------------------------------------------------------
     @staticmethod
