@@ -34,8 +34,9 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
         window = getattr(config, "sliding_window", None)
         windows = [window] if isinstance(window, int) else []
     heads = config.num_attention_heads
-    mla = False
-    if impl == "native":  # MLA: the cache's one latent row per token
+    mla, sinks = False, False
+    if impl == "native":  # MLA: the cache's one latent row per token; GPT-OSS's attention sinks
+        sinks = architecture_of(config)[1].sinks
         kv_heads, head_size, mla = kv_cache_shape(config, architecture_of(config)[1])
     else:
         kv_heads, head_size = num_kv_heads_of(config), getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -53,4 +54,5 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
         alibi=uses_alibi(config),
         quantization="gguf" if is_gguf(model_path) else checkpoint_quantization(config),
         mla=bool(mla),
+        attention_sinks=sinks,
     )

@@ -129,6 +129,9 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
         if quantization is not None:
             raise UnsupportedModelError("tensor/pipeline parallel runs unquantized native models only")
+        if spec.sinks:  # the per-head sinks and GPT-OSS's stacked expert tensors are not sharded
+            raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel does not shard attention sinks or "
+                                        "GPT-OSS's experts yet")
         config = local_config(config, par)
     with torch.device("meta"):
         module = {"falcon": FalconCausalLM, "stablelm": StableLmCausalLM}.get(spec.module, CausalLM)
