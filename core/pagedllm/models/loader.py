@@ -125,6 +125,9 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
     _, spec = architecture_of(config)
+    if spec.moe == "gpt_oss" and is_gguf(path):
+        raise UnsupportedModelError(f"{shown}: GGUF files of GPT-OSS are not supported (its expert and sink tensors "
+                                    "are not mapped); load the safetensors checkpoint")
     full_config, par = config, get_parallel_state()
     if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
         if quantization is not None:
