@@ -3,7 +3,8 @@ biases, the biased top-k-then-softmax router and the clamped SwiGLU experts (int
 configs with odd shapes (10 heads over 2 KV heads, head 48, vocab 500), sinks drawn large enough to matter and a
 SwiGLU limit the activations cross: fp32 logits within 1e-4 of HF eager through the paged cache (full prefill and
 chunked schedules, reference and CPU backends), greedy parity through the engine (chunked prefill, prefix caching),
-and the refusals (MXFP4 checkpoints, tensor parallel, a backend without sinks)."""
+MXFP4 checkpoints loaded dequantized (vs HF's own ``Mxfp4Config(dequantize=True)``), and the refusal on a backend
+without sinks."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pagedllm.backend.hookspec import Capabilities
 from pagedllm.backend.registry import get_backend, register_backend
 from pagedllm.errors import ParamError, UnsupportedModelError
 from pagedllm.models import CausalLM, load_model
-from pagedllm.models.gpt_oss import GptOssExperts, GptOssMoeBlock
+from pagedllm.models.gpt_oss import GptOssExperts, GptOssMoeBlock, Mxfp4Weights
 from pagedllm.models.info import read_model_info
 from pagedllm.models.loader import load_config
 from plugin_factory import make_plugin
@@ -45,10 +46,10 @@ CONFIGS = {
 }
 
 
-def make_gpt_oss(name: str, out_dir) -> str:
+def make_gpt_oss(name: str, out_dir, **overrides) -> str:
     """The tiny model, its sinks redrawn with std 2 (HF inits them with the initializer range: too small to tell
     a model that ignores them)."""
-    path = save_random_model(CONFIGS[name], out_dir)
+    path = save_random_model({**CONFIGS[name], **overrides}, out_dir)
     file = os.path.join(path, "model.safetensors")
     sd = load_file(file)
     g = torch.Generator().manual_seed(7)
@@ -125,7 +126,7 @@ def test_gpt_oss_greedy_parity_engine(gpt_oss_dirs):
     assert llm.llm_engine.backend.capabilities.attention_sinks
 
 
-def test_gpt_oss_model_info_and_refusals(gpt_oss_dirs, tmp_path):
+def test_gpt_oss_model_info_and_refusals(gpt_oss_dirs):
     path = gpt_oss_dirs["gpt_oss"]
     info = read_model_info(path, load_config(path))
     assert info.attention_sinks and info.sliding_window == 8 and info.architecture == "GptOssForCausalLM"
@@ -134,13 +135,66 @@ def test_gpt_oss_model_info_and_refusals(gpt_oss_dirs, tmp_path):
     register_backend(make_plugin("gptoss-nosinks", caps, paged_attention=ref_ops.paged_attention), "gptoss-nosinks")
     with pytest.raises(ParamError, match=r"GptOssForCausalLM uses attention sinks.*'gptoss-nosinks'"):
         LLM(path, device="gptoss-nosinks", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
-    # MXFP4 checkpoints (gpt-oss-20b/120b as published): refused before any weight is read, naming the method
-    mx = tmp_path / "mxfp4"
-    mx.mkdir()
-    with open(os.path.join(path, "config.json")) as f:
+
+
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF-layout experts ``[E, in, out]`` -> the published checkpoints' ``_blocks`` ``[E, out, in/32, 16]`` (two
+    e2m1 codes a byte, low nibble first) and ``_scales`` ``[E, out, in/32]`` (exponent + 127): round to nearest."""
+    x = w.transpose(1, 2).unflatten(-1, (-1, 32))  # [E, out, in/32, 32]
+    exp = torch.ceil(torch.log2(x.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
+    codes = (x / torch.exp2(exp)[..., None])[..., None].sub(_FP4).abs().argmin(-1)
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8), (exp + 127).to(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(tmp_path_factory) -> str:
+    """The tiny model (hidden 256: MXFP4 blocks are 32 wide) with its experts stored as MXFP4, as published."""
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    dense = make_gpt_oss("gpt_oss", root / "dense", hidden_size=256)
+    sd = load_file(os.path.join(dense, "model.safetensors"))
+    for key in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        sd[key + "_blocks"], sd[key + "_scales"] = _to_mxfp4(sd.pop(key))
+    out = root / "mxfp4"
+    out.mkdir()
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(dense, "config.json")) as f:
         cfg = json.load(f)
-    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (mx / "config.json").write_text(json.dumps(cfg))
-    (mx / "model.safetensors").write_bytes(b"")
-    with pytest.raises(UnsupportedModelError, match=r"quant_method='mxfp4' is not supported"):
-        LLM(str(mx), device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def test_gpt_oss_mxfp4_loads_dequantized(mxfp4_dir):
+    """Logits within 1e-4 of HF loading the same MXFP4 files with ``Mxfp4Config(dequantize=True)``, through the
+    paged cache on the CPU backend; the engine sees a dense checkpoint."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    hf = AutoModelForCausalLM.from_pretrained(mxfp4_dir, dtype=torch.float32, attn_implementation="eager",
+                                              quantization_config=Mxfp4Config(dequantize=True)).eval()
+    backend = get_backend("cpu")
+    ours = load_model(mxfp4_dir, backend=backend, dtype=torch.float32, device=torch.device("cpu"))
+    torch.testing.assert_close(ours.layers[1].mlp.experts.gate_up_proj, hf.model.layers[1].mlp.experts.gate_up_proj,
+                               rtol=0, atol=0)
+    assert read_model_info(mxfp4_dir, load_config(mxfp4_dir)).quantization is None
+    prompts = parity_prompts(hf.config.vocab_size)
+    with torch.inference_mode():
+        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
+        for schedule in (FULL_PREFILL, CHUNKED):
+            assert_logits_match("gpt_oss_mxfp4", run_schedule(ours, backend, prompts, schedule), expected)
+    llm = LLM(mxfp4_dir, device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
+              skip_tokenizer_init=True)
+    assert isinstance(llm.llm_engine.model, CausalLM) and llm.llm_engine.config.quantization is None
+
+
+def test_mxfp4_weights_pass_other_tensors_through(mxfp4_dir):
+    from pagedllm.models.weights import SafetensorsWeights
+
+    w = Mxfp4Weights(SafetensorsWeights(mxfp4_dir))
+    assert "model.layers.0.mlp.experts.down_proj" in w and "model.layers.0.mlp.experts.down_proj_bias" in w
+    assert "model.layers.0.mlp.experts.up_proj" not in w
+    assert w.take("model.layers.0.mlp.experts.down_proj").shape == (4, 64, 256)
+    assert w.take("model.layers.0.self_attn.sinks").shape == (10,)

@@ -7,6 +7,9 @@ biases and the clamped SwiGLU of transformers' ``GptOssExperts``: gate and up ar
 sigmoid(alpha * gate)``. The backend's ``fused_moe`` hook has neither biases nor this activation, so the experts run
 here in torch (tokens grouped per expert, one matmul each). Parameters keep the checkpoint's names and layouts
 (``mlp.router.{weight,bias}``, ``mlp.experts.{gate_up_proj,down_proj}[_bias]``): the loader maps them one to one.
+
+MXFP4 checkpoints (the published gpt-oss weights: experts as ``*_blocks`` / ``*_scales``) load dequantized
+(:class:`Mxfp4Weights`, with transformers' own ``convert_moe_packed_tensors``).
 """
 
 from __future__ import annotations
@@ -83,3 +86,39 @@ class GptOssMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
         weights, ids = self.router(x)
         return self.experts(x, weights, ids)
+
+
+def is_mxfp4_checkpoint(config: Any) -> bool:
+    """A GPT-OSS checkpoint whose experts are MXFP4 (``quantization_config.quant_method == "mxfp4"``)."""
+    qc = getattr(config, "quantization_config", None)
+    qc = qc if isinstance(qc, dict) or qc is None else qc.to_dict()
+    return getattr(config, "model_type", None) == "gpt_oss" and (qc or {}).get("quant_method") == "mxfp4"
+
+
+#: The expert tensors an MXFP4 checkpoint stores as ``<name>_blocks`` (uint8, two e2m1 values a byte, 32 a block)
+#: and ``<name>_scales`` (uint8 exponents, bias 127).
+_MXFP4_TENSORS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+class Mxfp4Weights:
+    """A weight source over an MXFP4 GPT-OSS checkpoint: ``mlp.experts.{gate_up_proj,down_proj}`` come back
+    dequantized in the checkpoint's dense layout (bfloat16 holds every e2m1 value times its power-of-two scale
+    exactly; the loader then casts to the model dtype). Costs the dense experts' memory: MXFP4 is not kept packed."""
+
+    def __init__(self, source: Any):
+        self.source = source
+
+    def _packed(self, name: str) -> bool:
+        return (name.endswith(_MXFP4_TENSORS) and name not in self.source and f"{name}_blocks" in self.source
+                and f"{name}_scales" in self.source)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.source or self._packed(name)
+
+    def take(self, name: str) -> torch.Tensor:
+        if not self._packed(name):
+            return self.source.take(name)
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # heavy: transformers
+
+        return convert_moe_packed_tensors(self.source.take(f"{name}_blocks"), self.source.take(f"{name}_scales"),
+                                          dtype=torch.bfloat16)

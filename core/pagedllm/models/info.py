@@ -9,6 +9,7 @@ import torch
 from pagedllm.backend.hookspec import ModelInfo
 from pagedllm.models.alibi import uses_alibi
 from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
+from pagedllm.models.gpt_oss import is_mxfp4_checkpoint
 from pagedllm.models.paths import is_gguf
 from pagedllm.models.transformers_impl import num_kv_heads_of
 from pagedllm.quantization.config import checkpoint_quantization
@@ -52,7 +53,9 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
         sliding_window=max(windows) if windows else None,
         soft_cap=getattr(config, "attn_logit_softcapping", None),
         alibi=uses_alibi(config),
-        quantization="gguf" if is_gguf(model_path) else checkpoint_quantization(config),
+        # GPT-OSS MXFP4 experts are dequantized at load: the engine sees a dense checkpoint
+        quantization="gguf" if is_gguf(model_path) else (None if is_mxfp4_checkpoint(config)
+                                                           else checkpoint_quantization(config)),
         mla=bool(mla),
         attention_sinks=sinks,
     )
