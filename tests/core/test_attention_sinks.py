@@ -1,6 +1,7 @@
 """Attention sinks in the paged attention contract (issue 28): the reference op against transformers' GPT-OSS eager
-attention (a dense oracle), the CPU backend against the reference (decode, prefill with context, sliding window, GQA,
-NaN-poisoned caches), the conformance cases, and the start-up refusal on a backend that does not declare them."""
+attention (a dense oracle), the CPU backend against the reference (decode through its C++ kernel and through the
+torch path, prefill with context, sliding window, GQA, NaN-poisoned caches), the conformance cases, and the start-up
+refusal on a backend that does not declare them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pagedllm.backend.registry import Backend, get_backend
 from pagedllm.config import EngineConfig, resolve_config
 from pagedllm.conformance import run_conformance
 from pagedllm.errors import ParamError
+from pagedllm_cpu import native
 from plugin_factory import REFERENCE_FEATURES, make_plugin
 
 HEADS, KV_HEADS, HEAD = 10, 2, 48  # GQA 5:1, head size not a power of two
@@ -91,13 +93,25 @@ def test_reference_sinks_match_transformers_eager(lens, window):
     assert (got.norm(dim=-1) <= plain.norm(dim=-1) + 1e-5).all()
 
 
+@pytest.fixture(scope="module")
+def kernel():
+    """The CPU plugin's C++ decode kernel, built (or loaded) now: a failed build fails the kernel cases."""
+    op = native.get(wait=True, timeout=600)
+    assert op is not None, f"the CPU C++ ops did not build: {native.error()}"
+    return op
+
+
+@pytest.mark.parametrize("decodes", ["kernel", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5, 64])
 @pytest.mark.parametrize("lens", [DECODE, MIXED, ([7, 1], [7, 9])], ids=["decode", "mixed", "prefill"])
 @pytest.mark.parametrize("bs", [4, 16])
-def test_cpu_sinks_match_reference(lens, window, dtype, bs):
-    """Decodes (the C++ kernel is skipped for sinks: the float32 path), prefill from scratch and after cached
-    context, windows shorter and longer than the sequences; unwritten slots hold NaN."""
+def test_cpu_sinks_match_reference(kernel, monkeypatch, lens, window, dtype, bs, decodes):
+    """Decodes through the C++ kernel or (disabled) the float32 torch path, prefill from scratch and after cached
+    context (float32 path), windows shorter and longer than the sequences; unwritten slots hold NaN."""
+    if decodes == "torch":
+        monkeypatch.setenv("PAGEDLLM_CPU_PAGED_DECODE", "0")
+    assert (native.get() is not None) == (decodes == "kernel")
     qlens, slens = lens
     _, _, cache, tables = _paged(slens, bs, dtype)
     meta = AttentionMetadata.build(qlens, slens, tables, bs)
@@ -110,6 +124,25 @@ def test_cpu_sinks_match_reference(lens, window, dtype, bs):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     assert got.dtype == dtype and not got.isnan().any()
     torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("window,cap", [(None, None), (6, None), (None, 2.0)])
+def test_kernel_sinks_match_reference(kernel, dtype, window, cap):
+    """The kernel itself: sinks from negligible to far above every score (the rescaled denominator), GQA 5:1."""
+    qlens, slens = [1] * 6, [1, 4, 5, 16, 17, 61]
+    _, _, cache, tables = _paged(slens, 8, dtype)
+    meta = AttentionMetadata.build(qlens, slens, tables, 8)
+    query = torch.randn(6, HEADS, HEAD, generator=torch.Generator().manual_seed(5)).to(dtype)
+    sinks = _sinks()
+    sinks[0], sinks[1] = 200.0, -200.0  # exp(sink) dwarfs / vanishes beside the scores: no overflow, no NaN
+    out = torch.full_like(query, float("nan"))
+    kernel(out, query, cache, meta.block_tables, meta.seq_lens, 0.3, window or 0, cap or 0.0, None, sinks)
+    want = ref_ops.paged_attention(query, cache, meta, 0.3, window, cap, sinks=sinks)
+    assert not out.isnan().any()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), want.float(), **tol)
+    assert out[:, 0].abs().max() < 1e-6  # a dominant sink takes all the mass
 
 
 def test_cpu_sinks_with_soft_cap_match_reference():

@@ -14,9 +14,10 @@ output (values), so the attention itself is unchanged. ALiBi is an additive per-
 When the C++ kernel (``native.py``) is built, decodes skip the gather altogether: it reads keys and values in
 place through the block table. The gather + SDPA path above stays for fp8 caches and until (or unless) it is built.
 
-Attention sinks (GPT-OSS: a per-head logit that joins every softmax, ``sinks`` of the hook) are not in SDPA nor in
-the C++ kernel: steps with sinks take the float32 matmul path of soft-capping, decodes included (the kernel is
-skipped), with the sink added to the softmax's denominator (``_softmax_with_sinks``).
+Attention sinks (GPT-OSS: a per-head logit that joins every softmax, ``sinks`` of the hook): the C++ decode kernel
+adds the sink to its online softmax's denominator; SDPA has no such input, so prefill chunks with sinks (and decodes
+while the kernel is not built) take the float32 matmul path of soft-capping, the sink added to the softmax's
+denominator (``_softmax_with_sinks``).
 """
 
 from __future__ import annotations
@@ -241,10 +242,9 @@ def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tens
     return e.div_(e.sum(-1, keepdim=True).add_((sinks - m).exp_()))
 
 
-def _decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sinks=None):
-    """The in-place decode kernel when it is built and takes this call (same dtype for query and cache, not fp8,
-    no sinks)."""
-    if meta.num_decodes == 0 or is_fp8(kv_cache.dtype) or kv_cache.dtype != query.dtype or sinks is not None:
+def _decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata):
+    """The in-place decode kernel when it is built and takes this call (same dtype for query and cache, not fp8)."""
+    if meta.num_decodes == 0 or is_fp8(kv_cache.dtype) or kv_cache.dtype != query.dtype:
         return None
     return native.get()
 
@@ -357,13 +357,13 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
 def _attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                sliding_window: Optional[int], soft_cap: Optional[float],
                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-    kernel = _decode_kernel(query, kv_cache, meta, sinks)
+    kernel = _decode_kernel(query, kv_cache, meta)
     plan = _get_plan(meta, sliding_window, kv_cache.shape[1], decodes=kernel is None)
     out = torch.empty_like(query)
     if kernel is not None:
         nd = meta.num_decodes
         kernel(out[:nd], query[:nd], kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window or 0,
-               soft_cap or 0.0, alibi_slopes)
+               soft_cap or 0.0, alibi_slopes, sinks)
     for group in plan.decodes:
         if group.rows is None:
             _decode(query[: meta.num_decodes], kv_cache, group, scale, soft_cap, out[: meta.num_decodes], alibi_slopes,
