@@ -117,11 +117,13 @@ def test_gpt_oss_experts_match_hf_experts():
     assert isinstance(ours.experts, GptOssExperts) and ours.experts.alpha == 1.702
 
 
-def test_gpt_oss_greedy_parity_engine(gpt_oss_dirs):
+@pytest.mark.parametrize("device", ["cpu", "cpu-static"])
+def test_gpt_oss_greedy_parity_engine(gpt_oss_dirs, device):
     """>= 32 greedy tokens, batch 8 of lengths 1..37 (past block 16 and window 8), 16-token chunks, prefix hits,
-    on the CPU backend (its float32 sinks path for prefill and decodes)."""
+    on the CPU backends (sinks in the C++ decode kernel once built, else the float32 path; the static-shape one
+    pads every step to its buckets)."""
     path = gpt_oss_dirs["gpt_oss"]
-    llm = assert_engine_parity(path, hf_eager(path))
+    llm = assert_engine_parity(path, hf_eager(path), device=device)
     assert isinstance(llm.llm_engine.model, CausalLM)
     assert llm.llm_engine.backend.capabilities.attention_sinks
 
