@@ -20,6 +20,7 @@ from pagedllm.backend.registry import Backend, get_backend
 from pagedllm.config import EngineConfig, resolve_config
 from pagedllm.conformance import run_conformance
 from pagedllm.errors import ParamError
+from pagedllm_cpu import attention as cpu_attention
 from pagedllm_cpu import native
 from plugin_factory import REFERENCE_FEATURES, make_plugin
 
@@ -101,17 +102,20 @@ def kernel():
     return op
 
 
-@pytest.mark.parametrize("decodes", ["kernel", "torch"])
+@pytest.mark.parametrize("path", ["fused", "float32"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5, 64])
 @pytest.mark.parametrize("lens", [DECODE, MIXED, ([7, 1], [7, 9])], ids=["decode", "mixed", "prefill"])
 @pytest.mark.parametrize("bs", [4, 16])
-def test_cpu_sinks_match_reference(kernel, monkeypatch, lens, window, dtype, bs, decodes):
-    """Decodes through the C++ kernel or (disabled) the float32 torch path, prefill from scratch and after cached
-    context (float32 path), windows shorter and longer than the sequences; unwritten slots hold NaN."""
-    if decodes == "torch":
+def test_cpu_sinks_match_reference(kernel, monkeypatch, lens, window, dtype, bs, path):
+    """Both CPU paths: ``fused`` (decodes in the C++ kernel, prefill chunks on torch's flash kernel rescaled by
+    their log-sum-exp) and ``float32`` (C++ ops disabled, no flash kernel: the float32 matmul path); prefill from
+    scratch and after cached context, windows shorter and longer than the sequences; unwritten slots hold NaN."""
+    if path == "float32":
         monkeypatch.setenv("PAGEDLLM_CPU_PAGED_DECODE", "0")
-    assert (native.get() is not None) == (decodes == "kernel")
+        monkeypatch.setattr(cpu_attention, "_FLASH_LSE", None)
+    assert (native.get() is not None) == (path == "fused")
+    assert (cpu_attention._FLASH_LSE is not None) == (path == "fused")
     qlens, slens = lens
     _, _, cache, tables = _paged(slens, bs, dtype)
     meta = AttentionMetadata.build(qlens, slens, tables, bs)

@@ -15,9 +15,11 @@ When the C++ kernel (``native.py``) is built, decodes skip the gather altogether
 place through the block table. The gather + SDPA path above stays for fp8 caches and until (or unless) it is built.
 
 Attention sinks (GPT-OSS: a per-head logit that joins every softmax, ``sinks`` of the hook): the C++ decode kernel
-adds the sink to its online softmax's denominator; SDPA has no such input, so prefill chunks with sinks (and decodes
-while the kernel is not built) take the float32 matmul path of soft-capping, the sink added to the softmax's
-denominator (``_softmax_with_sinks``).
+adds the sink to its online softmax's denominator. SDPA has no such input, but its CPU flash kernel returns the
+log-sum-exp of each row, and a sink only grows the denominator: ``out_sink = out * sigmoid(lse - sink)``, so prefill
+chunks run the fused kernel (keys expanded to every query head: it takes no GQA) and rescale. Decodes while the
+kernel is not built, and sinks with soft-capping, take the float32 matmul path of soft-capping with the sink in the
+softmax's denominator (``_softmax_with_sinks``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ _SPLIT_MIN_BLOCKS = 8  # decode batches whose longest context fits in this many 
 _CHUNK_BYTES = 8 << 20  # gathered K+V per decode chunk: stays in cache between the gather and the attention
 _SCORES_BUDGET = 1 << 25  # float32 scores per soft-capped prefill pass (128 MiB)
 _local = threading.local()
+#: torch's fused CPU attention that also returns each row's log-sum-exp (what SDPA calls on CPU); None if absent.
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -315,6 +319,8 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale:
     q = query[p.start:p.end]  # [L, H, D]
     if alibi_slopes is not None and (soft_cap is not None or sinks is not None):
         raise NotImplementedError("ALiBi together with soft-capping or sinks is not implemented (no model uses both)")
+    if sinks is not None and soft_cap is None and _FLASH_LSE is not None:
+        return _prefill_sinks(q, k, v, p, scale, sinks)
     if soft_cap is None and sinks is None:  # 4-D: torch's fused CPU kernel takes only 4-D inputs (3-D: slow path)
         bias = p.bias(q.dtype) if alibi_slopes is None else p.alibi_bias(q.dtype, alibi_slopes)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
@@ -340,6 +346,20 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale:
                  else _softmax_with_sinks(scores, sinks.float().view(hkv, g, 1, 1))).view(hkv, g * n, -1)
         out[r:r + n] = torch.bmm(probs, vf).view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, h, d)
     return out
+
+
+def _prefill_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _PrefillSeq, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """One chunk with sinks on torch's fused kernel: ``out * sigmoid(lse - sink)`` per head and query row (the sink's
+    ``exp`` joins the denominator ``exp(lse)``). ``q`` ``[L, H, D]``, ``k``/``v`` ``[S, Hkv, D]`` -> ``[L, H, D]``."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, S, D]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
+    bias = p.bias(q.dtype)
+    out, lse = _FLASH_LSE(q.transpose(0, 1)[None], k[None], v[None], 0.0, bias is None, attn_mask=bias, scale=scale)
+    keep = torch.sigmoid(lse[0].float() - sinks.float()[:, None])  # [H, L]
+    return (out[0].float() * keep[..., None]).to(q.dtype).transpose(0, 1)
 
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
