@@ -86,9 +86,8 @@ class Capabilities:
     """What the backend's kernels support; core checks a model/config against this before running.
 
     Every optional feature (``sliding_window``, ``soft_cap``, ``mla``, ``alibi``, ``attention_sinks``,
-    ``on_device_sampling``,
-    ``quantization``, fp8 ``kv_cache_dtypes``) is off unless stated, so a backend that forgets one refuses those
-    models instead of running them wrong."""
+    ``on_device_sampling``, ``quantization``, fp8 ``kv_cache_dtypes``) is off unless stated, so a backend that forgets
+    one refuses those models instead of running them wrong."""
 
     dtypes: tuple[str, ...] = ("float32",)  # the first is the default when neither user nor checkpoint decides
     # vLLM ``kv_cache_dtype`` names the kernels store and read: ``auto`` (the model dtype), ``fp8_e4m3`` (also

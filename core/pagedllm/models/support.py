@@ -105,8 +105,8 @@ _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B
 
 
 BACKENDS_NOTE = ("Backends: the installed ones whose capabilities declare what the model needs (sliding window, "
-                 "soft-capping, MLA, attention sinks, ALiBi for the variants in brackets); head sizes and dtypes are checked when the "
-                 "model loads (`pagedllm backends --json`).")
+                 "soft-capping, MLA, attention sinks, ALiBi for the variants in brackets); head sizes and dtypes are "
+                 "checked when the model loads (`pagedllm backends --json`).")
 
 
 def family(name: str) -> str:
