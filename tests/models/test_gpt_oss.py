@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine_parity import hf_greedy, mixed_prompts, run
 from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, hf_eager, parity_prompts, run_schedule
 from model_parity import assert_engine_parity
 from pagedllm import LLM
@@ -126,6 +127,40 @@ def test_gpt_oss_greedy_parity_engine(gpt_oss_dirs, device):
     llm = assert_engine_parity(path, hf_eager(path), device=device)
     assert isinstance(llm.llm_engine.model, CausalLM)
     assert llm.llm_engine.backend.capabilities.attention_sinks
+
+
+def test_gpt_oss_greedy_parity_under_preemption(gpt_oss_dirs):
+    """10 blocks of 16 for 7 sequences of up to ~40 + 24 tokens: preempted and recomputed, still HF's tokens."""
+    path = gpt_oss_dirs["gpt_oss_full_first"]
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=10,
+              enable_prefix_caching=True)
+    prompts = mixed_prompts(7, 500, seed=4, max_len=40)
+    got = run(llm, prompts, max_tokens=24)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert got == [hf_greedy(path, p, 24) for p in prompts]
+
+
+def test_gpt_oss_routing_matches_hf(gpt_oss_dirs, ref_backend):
+    """Every token goes to HF's experts (top-k of the biased router logits), chunked schedule included."""
+    path = gpt_oss_dirs["gpt_oss"]
+    hf = hf_eager(path)
+    ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+    theirs, mine = [], []
+    hf.model.layers[2].mlp.router.register_forward_hook(lambda m, a, out: theirs.append(out[2]))
+    ours.layers[2].mlp.router.register_forward_hook(lambda m, a, out: mine.append(out[1]))
+    prompts = parity_prompts(500)
+    with torch.inference_mode():
+        for p in prompts:
+            hf(torch.tensor([p]))
+        run_schedule(ours, ref_backend, prompts, CHUNKED)
+    per_seq = [[], []]
+    for step, ids in zip(CHUNKED, mine):
+        start = 0
+        for seq, n in step:
+            per_seq[seq].append(ids[start:start + n])
+            start += n
+    for h, o in zip(theirs, per_seq):
+        assert torch.equal(h.sort(-1).values, torch.cat(o).sort(-1).values)
 
 
 def test_gpt_oss_model_info_and_refusals(gpt_oss_dirs):
