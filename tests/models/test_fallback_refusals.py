@@ -144,15 +144,17 @@ def test_lfm2_convolution_layers_are_refused_before_any_weight_is_read(tmp_path,
 
 
 def test_gpt_oss_sinks_are_refused_before_any_weight_is_read(tmp_path, backend):
-    """Issue 28: GPT-OSS ran wrong from its first tokens (attention sinks, alternating windows)."""
+    """Issue 28: GPT-OSS ran wrong from its first tokens (attention sinks, alternating windows). It runs natively now
+    (tests/models/test_gpt_oss.py); the fallback, asked for by ``model_impl="transformers"``, still refuses it."""
     path = _saved(tiny_config("gpt_oss", "GptOssForCausalLM"), tmp_path / "gpt_oss")
     with open(os.path.join(path, "model.safetensors"), "wb"):
         pass
     with pytest.raises(UnsupportedModelError, match=r"GptOssForCausalLM: model\.layers\.0\.self_attn\.sinks: "
                                                     r"attention sinks"):
-        load_model(path, backend=backend, dtype=torch.float32, device=torch.device("cpu"))
+        load_model(path, backend=backend, dtype=torch.float32, device=torch.device("cpu"), model_impl="transformers")
     with pytest.raises(UnsupportedModelError, match=r"GptOssForCausalLM: .*attention sinks"):  # as users start it
-        LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20)
+        LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=16 << 20,
+            model_impl="transformers")
 
 
 def test_gpt_oss_sinks_are_seen_by_the_probe_too(backend):

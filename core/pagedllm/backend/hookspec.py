@@ -85,9 +85,9 @@ class ProbeResult:
 class Capabilities:
     """What the backend's kernels support; core checks a model/config against this before running.
 
-    Every optional feature (``sliding_window``, ``soft_cap``, ``mla``, ``alibi``, ``on_device_sampling``,
-    ``quantization``, fp8 ``kv_cache_dtypes``) is off unless stated, so a backend that forgets one refuses those
-    models instead of running them wrong."""
+    Every optional feature (``sliding_window``, ``soft_cap``, ``mla``, ``alibi``, ``attention_sinks``,
+    ``on_device_sampling``, ``quantization``, fp8 ``kv_cache_dtypes``) is off unless stated, so a backend that forgets
+    one refuses those models instead of running them wrong."""
 
     dtypes: tuple[str, ...] = ("float32",)  # the first is the default when neither user nor checkpoint decides
     # vLLM ``kv_cache_dtype`` names the kernels store and read: ``auto`` (the model dtype), ``fp8_e4m3`` (also
@@ -108,6 +108,8 @@ class Capabilities:
     mla: bool = False
     # ALiBi position bias (``alibi_slopes`` of ``pagedllm_paged_attention``); ALiBi models are refused without it.
     alibi: bool = False
+    # Attention sinks (``sinks`` of ``pagedllm_paged_attention``: GPT-OSS); models with sinks are refused without it.
+    attention_sinks: bool = False
     # vLLM quantization method names this backend runs (``gguf``...); weight types without a kernel from
     # ``pagedllm_quantized_linear`` run core's reference (dequantized at load). Others are refused.
     quantization: tuple[str, ...] = ()
@@ -167,6 +169,7 @@ class ModelInfo:
     sliding_window: Optional[int] = None  # set when any layer slides
     soft_cap: Optional[float] = None
     alibi: bool = False  # ALiBi position bias instead of rotary (Falcon-RW, Baichuan-13B)
+    attention_sinks: bool = False  # a learned per-head sink logit in every softmax (GPT-OSS)
     quantization: Optional[str] = None  # e.g. "gguf"
     mla: bool = False  # the cache holds one latent row per token (num_kv_heads 1, head_size = latent width)
 
@@ -350,6 +353,7 @@ class BackendSpec:
         k_scale: float,
         v_scale: float,
         alibi_slopes: Optional["torch.Tensor"] = None,
+        sinks: Optional["torch.Tensor"] = None,
     ) -> "torch.Tensor":
         """Attention for a flat batch mixing decodes and prefill chunks with cached context.
 
@@ -362,7 +366,11 @@ class BackendSpec:
         ``stored * k_scale`` (keys) and ``stored * v_scale`` (values); other caches ignore the scales. Returns
         ``[num_tokens, num_heads, head_size]`` in the query's dtype. ``alibi_slopes`` (float32 ``[num_heads]``, optional keyword; only
         passed to backends whose ``Capabilities.alibi`` is set) adds the ALiBi bias ``slope_h * (k_pos - q_pos)`` to head
-        h's scaled scores.
+        h's scaled scores. ``sinks`` (float32 ``[num_heads]``, optional keyword; only passed to backends whose
+        ``Capabilities.attention_sinks`` is set) is GPT-OSS's learned sink logit: a virtual key with a zero value that
+        joins every softmax of head h with the raw logit ``sinks[h]`` (not scaled, capped or masked; window and
+        causality apply to the real keys only), so ``p_s = exp(score_s) / (exp(sinks[h]) + sum_s' exp(score_s'))``
+        and the probabilities of the real keys sum to less than 1.
         """
 
     @hookspec(firstresult=True)

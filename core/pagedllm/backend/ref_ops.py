@@ -64,9 +64,11 @@ def _rows(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tens
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    v_scale: float = 1.0, alibi_slopes: Optional[torch.Tensor] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """See ``hookspec.pagedllm_paged_attention``. One sequence at a time, scores in float32; an fp8 cache is read as
-    ``stored * k_scale`` / ``stored * v_scale``."""
+    ``stored * k_scale`` / ``stored * v_scale``. ``sinks``: transformers' GPT-OSS ``eager_attention_forward``
+    (the sink logit concatenated as one more column, softmax, the column dropped)."""
     group = query.shape[1] // kv_cache.shape[3]
     out = torch.empty_like(query)
     for start, end, blocks, q_pos, k_pos in _sequences(meta, kv_cache.shape[2], query.device):
@@ -84,7 +86,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         if sliding_window is not None:
             allowed &= (q_pos - k_pos) < sliding_window
         scores = scores.masked_fill(~allowed[None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hls,shd->lhd", probs, v).to(query.dtype)
     return out
 

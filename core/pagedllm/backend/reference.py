@@ -79,9 +79,9 @@ def pagedllm_write_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale) -> N
 
 @hookimpl(trylast=True)
 def pagedllm_paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale,
-                             alibi_slopes=None):
+                             alibi_slopes=None, sinks=None):
     return ref_ops.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale,
-                                   alibi_slopes)
+                                   alibi_slopes, sinks)
 
 
 @hookimpl(trylast=True)

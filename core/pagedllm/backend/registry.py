@@ -126,13 +126,14 @@ class Backend:
 
     @cached_property
     def capabilities(self) -> Capabilities:
-        """The backend's declared capabilities, plus what core's reference ops add where they run: ALiBi whenever
-        the attention is the reference's; for a backend without ``pagedllm_capabilities``, also the sliding window
-        and soft cap of the reference attention and the reference MLA path on the canonical allocator."""
+        """The backend's declared capabilities, plus what core's reference ops add where they run: ALiBi and
+        attention sinks whenever the attention is the reference's; for a backend without ``pagedllm_capabilities``,
+        also the sliding window and soft cap of the reference attention and the reference MLA path on the canonical
+        allocator."""
         caps = self._resolve("pagedllm_capabilities")()
         reference_attention = not self.implements("pagedllm_paged_attention")
-        if not caps.alibi and reference_attention:
-            caps = replace(caps, alibi=True)  # core's reference attention runs, and it does ALiBi
+        if reference_attention and not (caps.alibi and caps.attention_sinks):
+            caps = replace(caps, alibi=True, attention_sinks=True)  # core's reference attention runs: it does both
         if not self.implements("pagedllm_capabilities"):
             reference_mla = not any(self.implements(h) for h in ("pagedllm_write_mla_kv", "pagedllm_mla_attention",
                                                                  "pagedllm_allocate_kv_cache"))

@@ -104,6 +104,8 @@ def check_attention(ctx: CaseContext) -> None:
         from pagedllm.models.alibi import alibi_slopes  # heavy: pagedllm.models, not at CLI start
 
         alibi = dict(alibi_slopes=alibi_slopes(heads).to(ctx.device))
+    if p.get("sinks"):  # GPT-OSS sink logits: some heads' sinks dominate their scores, some are negligible
+        alibi["sinks"] = ctx.randn(heads, dtype=torch.float32, scale=2.0)
     out = ctx.backend.paged_attention(query, cache, batch.meta, scale, window, cap, *kv_scales(ctx), **alibi)
     ref = ref_ops.paged_attention(query, ref_cache, batch.meta, scale, window, cap, *kv_scales(ctx), **alibi)
     try:

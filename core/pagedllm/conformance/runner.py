@@ -128,6 +128,14 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                               K.check_attention, dict(scenario="mixed", head_size=hs0, block_size=bs, gqa=g,
                                                       alibi=True),
                               untested="" if caps.alibi else "capabilities do not declare alibi"))
+            for scenario, window in (("decode", None), ("prefill", None), ("mixed", None), ("mixed", bs // 2 + 3)):
+                missing = [f for f, need in (("attention_sinks", True), ("sliding_window", bool(window)))
+                           if need and not getattr(caps, f)]
+                cases.append(Case("attention", f"paged_attention.sinks.{scenario}" + ".sliding_window" * bool(window),
+                                  f"hs{hs0}-bs{bs}-gqa{g}", dt, K.check_attention,
+                                  dict(scenario=scenario, head_size=hs0, block_size=bs, gqa=g, sinks=True,
+                                       sliding_window=window),
+                                  untested=f"capabilities do not declare {missing[0]}" if missing else ""))
         for kvd in (k for k in caps.kv_cache_dtypes if k != "auto"):  # fp8 KV: scaled writes, reads, swaps
             bs = caps.block_sizes[0]
             fp8 = dict(head_size=hs0, block_size=bs, kv_cache_dtype=kvd, k_scale=0.05, v_scale=2.0)

@@ -22,7 +22,9 @@ class ArchSpec:
     sliding: str = "none"  # none | all (Mistral: config.sliding_window everywhere) | layer_types (Qwen2/3)
     gemma: bool = False  # Gemma 2/3: (1 + w) RMSNorm, pre/post feed-forward norms, sqrt(hidden) embedding scale
     # none | experts (Mixtral, Qwen3-MoE: routed experts only) | shared (Qwen2-MoE: plus a sigmoid-gated shared expert)
-    moe: str = "none"  # ... | deepseek (grouped top-k routing, shared experts, first_k_dense_replace dense layers)
+    # | deepseek (grouped top-k routing, shared experts, first_k_dense_replace dense layers)
+    moe: str = "none"  # ... | gpt_oss (biased router and experts, clamped SwiGLU: models/gpt_oss.py)
+    sinks: bool = False  # GPT-OSS: a learned per-head sink logit (self_attn.sinks) in every softmax
     attention: str = "mha"  # mha | mla (DeepSeek: compressed latent cached, models/mla.py)
     rope_interleaved: bool = False  # GLM: rotary over (x0, x1), (x2, x3)... pairs of the rotary dims
     glm4_norms: bool = False  # Glm4: post_self_attn_layernorm and post_mlp_layernorm around the sub-blocks
@@ -61,6 +63,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "DeepseekV3ForCausalLM": ArchSpec(lambda c: False, lambda c: False, moe="deepseek", attention="mla"),
     "GlmForCausalLM": ArchSpec(_attention_bias, lambda c: False, rope_interleaved=True),
     "Glm4ForCausalLM": ArchSpec(_attention_bias, lambda c: False, rope_interleaved=True, glm4_norms=True),
+    "GptOssForCausalLM": ArchSpec(_attention_bias, _attention_bias, sliding="layer_types", moe="gpt_oss",
+                                  sinks=True),
     "FalconForCausalLM": ArchSpec(lambda c: bool(c.bias), lambda c: bool(c.bias), module="falcon"),
     "StableLmForCausalLM": ArchSpec(lambda c: bool(c.use_qkv_bias), lambda c: False, module="stablelm"),
 }
@@ -79,7 +83,7 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
                   "phi3": "Phi3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                   "falcon": "FalconForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",
-                  "stablelm": "StableLmForCausalLM"}
+                  "stablelm": "StableLmForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # Encoder-only (models/bert.py): bidirectional attention, no KV cache, the pooling runner only.
 ARCHITECTURES.update({name: ArchSpec(lambda c: True, lambda c: True, module="bert")
                       for name in ENCODER_ARCHITECTURES})

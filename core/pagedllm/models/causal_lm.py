@@ -1,5 +1,5 @@
-"""One native decoder (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, DeepSeek-V2/V3) running attention through a
-pagedllm backend.
+"""One native decoder (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, DeepSeek-V2/V3, GPT-OSS) running
+attention through a pagedllm backend.
 
 Flat batch, no batch dimension: ``T`` tokens of many sequences, described by an ``AttentionMetadata``. q/k/v and
 gate/up are fused into one matmul each (as vLLM does); hot-path ops are the backend's resolved plain functions.
@@ -19,6 +19,7 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ArchSpec, hidden_act, kv_cache_shape, layer_sliding_windows
 from pagedllm.models.mla import MLAAttention
 from pagedllm.models.alibi import alibi_slopes
+from pagedllm.models.gpt_oss import GptOssMoeBlock
 from pagedllm.models.moe import DeepseekMoeBlock, SparseMoeBlock, is_moe_layer
 from pagedllm.models.quantized_embedding import QuantizedEmbedding
 
@@ -89,6 +90,8 @@ class Attention(nn.Module):
         # ALiBi instead of rotary (Baichuan-13B): slopes made on first use on the query's device (meta-device build).
         self.alibi = bool(getattr(config, "pagedllm_alibi", False))
         self.alibi_slopes: Optional[torch.Tensor] = None
+        # GPT-OSS: a learned sink logit per head (float32 [num_heads] for the hook; cast once per call if not).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if spec.sinks else None
         self.add_lora = getattr(backend, "add_lora", None)
         self.lora_qkv: Optional[tuple] = None  # (A, B) slot stacks, set by the LoRA manager
         self.lora_o: Optional[tuple] = None
@@ -117,8 +120,12 @@ class Attention(nn.Module):
         else:
             q, k = self.rotary(positions, q, k, cos_sin_cache)
             self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-            out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap, self.k_scale,
-                                       self.v_scale)
+            if self.sinks is not None:
+                out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap,
+                                           self.k_scale, self.v_scale, sinks=self.sinks.float())
+            else:
+                out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap,
+                                           self.k_scale, self.v_scale)
         out = out.reshape(t, self.num_heads * self.head_size)
         y = self.o_proj(out)
         if lora is not None:
@@ -174,6 +181,8 @@ class DecoderLayer(nn.Module):
         if spec.moe == "deepseek":
             self.mlp = (DeepseekMoeBlock(config, backend, lambda size: GatedMLP(config, spec, backend, size))
                         if index >= config.first_k_dense_replace else GatedMLP(config, spec, backend))
+        elif spec.moe == "gpt_oss":
+            self.mlp = GptOssMoeBlock(config)
         elif spec.moe != "none" and is_moe_layer(config, index):
             shared = (lambda size: GatedMLP(config, spec, backend, size)) if spec.moe == "shared" else None
             self.mlp = SparseMoeBlock(config, backend, shared)

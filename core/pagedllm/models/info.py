@@ -10,6 +10,7 @@ from pagedllm.backend.hookspec import ModelInfo
 from pagedllm.models.alibi import uses_alibi
 from pagedllm.models.bert import encoder_max_positions
 from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
+from pagedllm.models.gpt_oss import is_mxfp4_checkpoint
 from pagedllm.models.paths import is_gguf
 from pagedllm.models.transformers_impl import num_kv_heads_of
 from pagedllm.quantization.config import checkpoint_quantization
@@ -35,8 +36,9 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
         window = getattr(config, "sliding_window", None)
         windows = [window] if isinstance(window, int) else []
     heads = config.num_attention_heads
-    mla = False
-    if impl == "native":  # MLA: the cache's one latent row per token
+    mla, sinks = False, False
+    if impl == "native":  # MLA: the cache's one latent row per token; GPT-OSS's attention sinks
+        sinks = architecture_of(config)[1].sinks
         kv_heads, head_size, mla = kv_cache_shape(config, architecture_of(config)[1])
     else:
         kv_heads, head_size = num_kv_heads_of(config), getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -53,6 +55,9 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
         sliding_window=max(windows) if windows else None,
         soft_cap=getattr(config, "attn_logit_softcapping", None),
         alibi=uses_alibi(config),
-        quantization="gguf" if is_gguf(model_path) else checkpoint_quantization(config),
+        # GPT-OSS MXFP4 experts are dequantized at load: the engine sees a dense checkpoint
+        quantization="gguf" if is_gguf(model_path) else (None if is_mxfp4_checkpoint(config)
+                                                           else checkpoint_quantization(config)),
         mla=bool(mla),
+        attention_sinks=sinks,
     )

@@ -22,6 +22,7 @@ from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
 from pagedllm.models.stablelm import StableLmCausalLM
 from pagedllm.models.gguf_moe import complete_moe_config
+from pagedllm.models.gpt_oss import Mxfp4Weights, is_mxfp4_checkpoint
 from pagedllm.models.gguf_weights import GGUFWeights
 from pagedllm.models.heap import trim_heap
 from pagedllm.models.paths import is_gguf, resolve_model_path
@@ -135,10 +136,16 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model = build_encoder_model(path, config, arch_name, backend, dtype, device)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
+    if spec.moe == "gpt_oss" and is_gguf(path):
+        raise UnsupportedModelError(f"{shown}: GGUF files of GPT-OSS are not supported (its expert and sink tensors "
+                                    "are not mapped); load the safetensors checkpoint")
     full_config, par = config, get_parallel_state()
     if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
         if quantization is not None:
             raise UnsupportedModelError("tensor/pipeline parallel runs unquantized native models only")
+        if spec.sinks:  # the per-head sinks and GPT-OSS's stacked expert tensors are not sharded
+            raise UnsupportedModelError(f"{shown}: tensor/pipeline parallel does not shard attention sinks or "
+                                        "GPT-OSS's experts yet")
         config = local_config(config, par)
     with torch.device("meta"):
         module = {"falcon": FalconCausalLM, "stablelm": StableLmCausalLM}.get(spec.module, CausalLM)
@@ -152,9 +159,12 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         if dp_ep is not None:  # a DP+EP replica: this replica's experts only (distributed/dp_ep.py)
             shard_experts(model, dp_ep)
     fp8_checkpoint = is_fp8_checkpoint(config)
-    qc = None if is_gguf(path) else checkpoint_quant_config(config)
+    mxfp4 = is_mxfp4_checkpoint(config)  # GPT-OSS MXFP4 experts: dequantized at load
+    qc = None if is_gguf(path) or mxfp4 else checkpoint_quant_config(config)
     if is_gguf(path):
         weights = GGUFWeights(path, config)
+    elif mxfp4:
+        weights = Mxfp4Weights(SafetensorsWeights(path))
     elif qc is not None and not fp8_checkpoint:  # GPTQ / AWQ / compressed-tensors: packed tensors
         checkpoint_quantization(config)
         weights = QuantizedCheckpoint(SafetensorsWeights(path), qc)

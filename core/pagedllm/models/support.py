@@ -31,6 +31,8 @@ VERIFIED: dict[str, str] = {
     "MixtralForCausalLM": "tests/models/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
     "Qwen2MoeForCausalLM": "tests/models/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
     "Qwen3MoeForCausalLM": "tests/models/test_moe.py (routing vs HF); GGUF: test_gguf_qwen_mistral.py",
+    "GptOssForCausalLM": "tests/models/test_gpt_oss.py (sinks, alternating windows, YaRN, clamped SwiGLU experts vs "
+                         "HF); sinks vs HF's eager formula: tests/core/test_attention_sinks.py",
     "DeepseekV2ForCausalLM": "tests/models/test_deepseek_mla.py (routing vs HF, latent KV asserted from the "
                              "allocator); GGUF: test_gguf_glm_baichuan_deepseek.py",
     "DeepseekV3ForCausalLM": "tests/models/test_deepseek_mla.py (routing vs HF, latent KV asserted from the "
@@ -83,7 +85,8 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "DeepseekV3ForCausalLM": "yes (tested; arch deepseek2 with sigmoid gating and exp_probs_b, config "
                                          "from its metadata by pagedllm; YaRN with mscale = mscale_all_dim)",
                 "ChatGLMModel": "yes (tested; arch chatglm, config from its metadata by pagedllm, run as Glm)",
-                "GlmForCausalLM": "yes (tested; llama.cpp writes GLM as arch chatglm, which loads as Glm)"}
+                "GlmForCausalLM": "yes (tested; llama.cpp writes GLM as arch chatglm, which loads as Glm)",
+                "GptOssForCausalLM": "no (refused at load: its expert and sink tensors are not mapped yet)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 #: Which GGUF block types run packed and which are dequantized (backend/quantization kernels; docs/quantization.md).
 GGUF_FORMATS = ("GGUF formats: Q4_0 and Q4_1 linears run packed on cpu (q4_gemv), Q8_0 packed on cpu once its C++ "
@@ -92,7 +95,7 @@ GGUF_FORMATS = ("GGUF formats: Q4_0 and Q4_1 linears run packed on cpu (q4_gemv)
 FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mistral", "Qwen2ForCausalLM": "Qwen2",
             "Qwen3ForCausalLM": "Qwen3", "Phi3ForCausalLM": "Phi-3", "Gemma2ForCausalLM": "Gemma 2",
             "Gemma3ForCausalLM": "Gemma 3 (text)", "MixtralForCausalLM": "Mixtral", "Qwen2MoeForCausalLM": "Qwen2-MoE",
-            "Qwen3MoeForCausalLM": "Qwen3-MoE",
+            "Qwen3MoeForCausalLM": "Qwen3-MoE", "GptOssForCausalLM": "GPT-OSS",
             "DeepseekV2ForCausalLM": "DeepSeek-V2", "DeepseekV3ForCausalLM": "DeepSeek-V3", "GlmForCausalLM": "GLM",
             "Glm4ForCausalLM": "GLM-4", "FalconForCausalLM": "Falcon", "ChatGLMModel": "ChatGLM2/3, GLM-4",
             "BaiChuanForCausalLM": "Baichuan-7B", "BaichuanForCausalLM": "Baichuan2, 13B",
@@ -110,14 +113,16 @@ _POOLING_TESTED = {
                                       "scores vs HF; the Qwen3-Reranker conversion vs the causal LM's yes/no)",
     **{f"{f}Model": "tests/models/test_pooling_models.py (base checkpoint embeddings vs HF)" for f in ("Llama", "Qwen3")},
 }
+#: Native architectures the transformers fallback refuses (``models/fallback_support.py``), and why.
+_FALLBACK_REFUSES = {"GptOssForCausalLM": "attention sinks"}
 #: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
 _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
           "FalconForCausalLM": ("alibi Falcon-RW",)}
 
 
 BACKENDS_NOTE = ("Backends: the installed ones whose capabilities declare what the model needs (sliding window, "
-                 "soft-capping, MLA, ALiBi for the variants in brackets); head sizes and dtypes are checked when the "
-                 "model loads (`pagedllm backends --json`).")
+                 "soft-capping, MLA, attention sinks, ALiBi for the variants in brackets); head sizes and dtypes are "
+                 "checked when the model loads (`pagedllm backends --json`).")
 
 
 def family(name: str) -> str:
@@ -131,6 +136,8 @@ def _needs(name: str) -> list[str]:
         out.append("sliding_window")
     if spec is not None and spec.attention == "mla":
         out.append("mla")
+    if spec is not None and spec.sinks:
+        out.append("attention_sinks")
     return out
 
 
@@ -164,8 +171,10 @@ def _features(name: str) -> str:
     if spec.attention == "mla":
         out.append("MLA (latent KV cache), YaRN")
     if spec.moe != "none":
-        out.append("MoE" + {"shared": " + shared expert", "deepseek": " (grouped top-k) + shared experts"}.get(
-            spec.moe, ""))
+        out.append("MoE" + {"shared": " + shared expert", "deepseek": " (grouped top-k) + shared experts",
+                             "gpt_oss": " (biased router, clamped SwiGLU experts with biases)"}.get(spec.moe, ""))
+    if spec.sinks:
+        out.append("attention sinks")
     if spec.module == "falcon":
         out.append("parallel attn+MLP, MQA/grouped KV, LayerNorm, ALiBi (alibi=True, Falcon-RW)")
     if spec.module == "stablelm":
@@ -214,8 +223,9 @@ def rows() -> list[dict[str, Any]]:
     for name in ARCHITECTURES:
         spec = ARCHITECTURES[name]
         out.append({"family": family(name), "architecture": name, "backends": backends_for(name),
-                    "path": "native" + (" (transformers via --model-impl)"
-                                                             if name in fallback else ""),
+                    "path": "native" + (f" (the transformers fallback refuses it: {_FALLBACK_REFUSES[name]})"
+                                        if name in _FALLBACK_REFUSES else
+                                        " (transformers via --model-impl)" if name in fallback else ""),
                     "features": _features(name), "gguf": _gguf(name, model_types.get(name, "")),
                     "lora": "yes" if spec.moe == "none" and not spec.gemma and spec.attention == "mha"
                     and spec.module == "decoder" else "no",

@@ -13,6 +13,13 @@ output (values), so the attention itself is unchanged. ALiBi is an additive per-
 
 When the C++ kernel (``native.py``) is built, decodes skip the gather altogether: it reads keys and values in
 place through the block table. The gather + SDPA path above stays for fp8 caches and until (or unless) it is built.
+
+Attention sinks (GPT-OSS: a per-head logit that joins every softmax, ``sinks`` of the hook): the C++ decode kernel
+adds the sink to its online softmax's denominator. SDPA has no such input, but its CPU flash kernel returns the
+log-sum-exp of each row, and a sink only grows the denominator: ``out_sink = out * sigmoid(lse - sink)``, so prefill
+chunks run the fused kernel (keys expanded to every query head: it takes no GQA) and rescale. Decodes while the
+kernel is not built, and sinks with soft-capping, take the float32 matmul path of soft-capping with the sink in the
+softmax's denominator (``_softmax_with_sinks``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ _SPLIT_MIN_BLOCKS = 8  # decode batches whose longest context fits in this many 
 _CHUNK_BYTES = 8 << 20  # gathered K+V per decode chunk: stays in cache between the gather and the attention
 _SCORES_BUDGET = 1 << 25  # float32 scores per soft-capped prefill pass (128 MiB)
 _local = threading.local()
+#: torch's fused CPU attention that also returns each row's log-sum-exp (what SDPA calls on CPU); None if absent.
+_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -229,6 +238,14 @@ def _get_plan(meta: AttentionMetadata, window: Optional[int], num_blocks: int, d
     return plan
 
 
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores`` with one more virtual column per head holding ``sinks``
+    (broadcast to ``[..., 1]``), that column dropped: transformers' GPT-OSS eager attention, without the concat."""
+    m = torch.maximum(scores.amax(-1, keepdim=True), sinks)
+    e = scores.sub_(m).exp_()
+    return e.div_(e.sum(-1, keepdim=True).add_((sinks - m).exp_()))
+
+
 def _decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata):
     """The in-place decode kernel when it is built and takes this call (same dtype for query and cache, not fp8)."""
     if meta.num_decodes == 0 or is_fp8(kv_cache.dtype) or kv_cache.dtype != query.dtype:
@@ -250,7 +267,8 @@ def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, n: int, dtype: torc
 
 
 def _decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, scale: float,
-            soft_cap: Optional[float], out: torch.Tensor, alibi_slopes: Optional[torch.Tensor] = None) -> None:
+            soft_cap: Optional[float], out: torch.Tensor, alibi_slopes: Optional[torch.Tensor] = None,
+            sinks: Optional[torch.Tensor] = None) -> None:
     """Attention for one decode group: its query rows ``[B, H, D]`` -> ``out`` ``[B, H, D]``.
 
     Sequences go in chunks of about ``_CHUNK_BYTES`` of gathered K/V, so the attention reads its keys from cache
@@ -260,7 +278,8 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, sc
     s = group.nblk * bs
     dtype = query.dtype if is_fp8(kv_cache.dtype) else kv_cache.dtype
     per_seq = 2 * s * hkv * d * dtype.itemsize
-    bias_dtype = query.dtype if soft_cap is None else torch.float32
+    exact = soft_cap is None and sinks is None  # SDPA; else the float32 path
+    bias_dtype = query.dtype if exact else torch.float32
     bias = group.bias(bias_dtype) if alibi_slopes is None else group.alibi_bias(bias_dtype, alibi_slopes)
     for s0, s1, invalid_rows in group.chunks(max(1, _CHUNK_BYTES // per_seq)):
         n = s1 - s0
@@ -270,21 +289,27 @@ def _decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup, sc
                 kv[i].view(n * s, hkv * d).index_fill_(0, invalid_rows, 0)
         kv = kv.view(2, n, s, hkv, d)
         k, v = kv[0], kv[1]
-        if soft_cap is None:
+        if exact:
             q = query[s0:s1].reshape(n, h, 1, d)
             out[s0:s1] = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias[s0:s1],
                                                         scale=scale, enable_gqa=True).view(n, h, d)
             continue
         g = h // hkv
         q = query[s0:s1].reshape(n, hkv, g, d).float()
-        scores = torch.einsum("bkgd,bskd->bkgs", q, k.float()).mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+        scores = torch.einsum("bkgd,bskd->bkgs", q, k.float())
+        if soft_cap is not None:
+            scores.mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+        else:
+            scores.mul_(scale)
         scores.add_(bias[s0:s1].view(n, hkv, -1, s) if alibi_slopes is not None else bias[s0:s1])
-        probs = torch.softmax(scores, dim=-1)
+        probs = (torch.softmax(scores, dim=-1) if sinks is None
+                 else _softmax_with_sinks(scores, sinks.float().view(1, hkv, g, 1)))
         out[s0:s1] = torch.einsum("bkgs,bskd->bkgd", probs, v.float()).reshape(n, h, d)
 
 
 def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale: float,
-             soft_cap: Optional[float], alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+             soft_cap: Optional[float], alibi_slopes: Optional[torch.Tensor] = None,
+             sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     _, nb, bs, hkv, d = kv_cache.shape
     h = query.shape[1]
     n = p.block_ids.numel()
@@ -292,9 +317,11 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale:
     kv = kv.view(2, n * bs, hkv, d)[:, p.skip:p.skip + p.num_keys]
     k, v = kv[0], kv[1]
     q = query[p.start:p.end]  # [L, H, D]
-    if alibi_slopes is not None and soft_cap is not None:
-        raise NotImplementedError("ALiBi together with soft-capping is not implemented (no model uses both)")
-    if soft_cap is None:  # 4-D: torch's fused CPU kernel takes only 4-D inputs (3-D runs the slow math path)
+    if alibi_slopes is not None and (soft_cap is not None or sinks is not None):
+        raise NotImplementedError("ALiBi together with soft-capping or sinks is not implemented (no model uses both)")
+    if sinks is not None and soft_cap is None and _FLASH_LSE is not None:
+        return _prefill_sinks(q, k, v, p, scale, sinks)
+    if soft_cap is None and sinks is None:  # 4-D: torch's fused CPU kernel takes only 4-D inputs (3-D: slow path)
         bias = p.bias(q.dtype) if alibi_slopes is None else p.alibi_bias(q.dtype, alibi_slopes)
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                              attn_mask=bias, is_causal=bias is None, scale=scale,
@@ -309,19 +336,39 @@ def _prefill(query: torch.Tensor, kv_cache: torch.Tensor, p: _PrefillSeq, scale:
     for r in range(0, qlen, step):
         n = min(step, qlen - r)
         qg = q[r:r + n].float().view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)
-        scores = torch.bmm(qg, kf.transpose(1, 2)).mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+        scores = torch.bmm(qg, kf.transpose(1, 2))
+        if soft_cap is not None:
+            scores.mul_(scale / soft_cap).tanh_().mul_(soft_cap)
+        else:
+            scores.mul_(scale)
         scores = scores.view(hkv, g, n, -1).masked_fill_(~mask[r:r + n], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(hkv, g * n, -1)
+        probs = (torch.softmax(scores, dim=-1) if sinks is None
+                 else _softmax_with_sinks(scores, sinks.float().view(hkv, g, 1, 1))).view(hkv, g * n, -1)
         out[r:r + n] = torch.bmm(probs, vf).view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, h, d)
     return out
 
 
+def _prefill_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: _PrefillSeq, scale: float,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """One chunk with sinks on torch's fused kernel: ``out * sigmoid(lse - sink)`` per head and query row (the sink's
+    ``exp`` joins the denominator ``exp(lse)``). ``q`` ``[L, H, D]``, ``k``/``v`` ``[S, Hkv, D]`` -> ``[L, H, D]``."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, S, D]
+    if g > 1:
+        k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
+    bias = p.bias(q.dtype)
+    out, lse = _FLASH_LSE(q.transpose(0, 1)[None], k[None], v[None], 0.0, bias is None, attn_mask=bias, scale=scale)
+    keep = torch.sigmoid(lse[0].float() - sinks.float()[:, None])  # [H, L]
+    return (out[0].float() * keep[..., None]).to(q.dtype).transpose(0, 1)
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    v_scale: float = 1.0, alibi_slopes: Optional[torch.Tensor] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Same semantics as ``pagedllm.backend.ref_ops.paged_attention`` (see the hookspec); returns ``[T, H, D]``."""
     out = _attention(query, kv_cache, meta, scale * k_scale if is_fp8(kv_cache.dtype) else scale, sliding_window,
-                     soft_cap, alibi_slopes)
+                     soft_cap, alibi_slopes, sinks)
     if is_fp8(kv_cache.dtype) and v_scale != 1.0:  # softmax(.) @ (v * s) = s * (softmax(.) @ v)
         out.mul_(v_scale)
     return out
@@ -329,21 +376,22 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
 
 def _attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                sliding_window: Optional[int], soft_cap: Optional[float],
-               alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+               alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     kernel = _decode_kernel(query, kv_cache, meta)
     plan = _get_plan(meta, sliding_window, kv_cache.shape[1], decodes=kernel is None)
     out = torch.empty_like(query)
     if kernel is not None:
         nd = meta.num_decodes
         kernel(out[:nd], query[:nd], kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window or 0,
-               soft_cap or 0.0, alibi_slopes)
+               soft_cap or 0.0, alibi_slopes, sinks)
     for group in plan.decodes:
         if group.rows is None:
-            _decode(query[: meta.num_decodes], kv_cache, group, scale, soft_cap, out[: meta.num_decodes], alibi_slopes)
+            _decode(query[: meta.num_decodes], kv_cache, group, scale, soft_cap, out[: meta.num_decodes], alibi_slopes,
+                    sinks)
         else:
             res = torch.empty((group.rows.numel(),) + query.shape[1:], dtype=query.dtype, device=query.device)
-            _decode(query.index_select(0, group.rows), kv_cache, group, scale, soft_cap, res, alibi_slopes)
+            _decode(query.index_select(0, group.rows), kv_cache, group, scale, soft_cap, res, alibi_slopes, sinks)
             out.index_copy_(0, group.rows, res)
     for p in plan.prefills:
-        out[p.start:p.end] = _prefill(query, kv_cache, p, scale, soft_cap, alibi_slopes)
+        out[p.start:p.end] = _prefill(query, kv_cache, p, scale, soft_cap, alibi_slopes, sinks)
     return out

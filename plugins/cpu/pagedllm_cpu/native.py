@@ -140,7 +140,8 @@ def start_build() -> None:
 
 def get(wait: bool = False, timeout: Optional[float] = None) -> Optional[Callable]:
     """The op ``paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap,
-    alibi_slopes)`` if it is ready, else None; starts the build if nobody has. ``wait`` blocks until it is done."""
+    alibi_slopes, sinks=None)`` if it is ready, else None; starts the build if nobody has. ``wait`` blocks until it is
+    done."""
     if not enabled():
         return None
     if _op is not None:

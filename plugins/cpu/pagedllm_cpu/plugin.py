@@ -49,6 +49,7 @@ def pagedllm_capabilities() -> Capabilities:
         soft_cap=True,
         mla=True,  # canonical caches: core's reference MLA hooks run on them
         alibi=True,
+        attention_sinks=True,  # attention.py: the float32 path (not SDPA, not the C++ decode kernel)
         # kernels: quant.py (fp8: dequantized once at load onto the dense path); the rest: core reference
         quantization=("gguf", "gptq", "awq", "compressed-tensors", "fp8"),
     )
@@ -110,9 +111,10 @@ def pagedllm_write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
 @hookimpl
 def pagedllm_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Any, scale: float,
                              sliding_window: Optional[int], soft_cap: Optional[float], k_scale: float,
-                             v_scale: float, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             v_scale: float, alibi_slopes: Optional[torch.Tensor] = None,
+                             sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     return attention.paged_attention(query, kv_cache, meta, scale, sliding_window, soft_cap, k_scale, v_scale,
-                                     alibi_slopes)
+                                     alibi_slopes, sinks)
 
 
 @hookimpl

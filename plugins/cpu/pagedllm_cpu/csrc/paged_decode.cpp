@@ -2,7 +2,8 @@
 // canonical cache [2, num_blocks, block_size, num_kv_heads, head_size] through the block table (no gather copy).
 // Work item = a sequence (small batches: a sequence's share of the kv heads), so one cache block's rows for all its
 // kv heads are read together; each kv head's GQA group of query heads shares every key/value row it loads. Scores
-// and the online softmax are float32, one cache block at a time. Vectorized<float> is compiled for the capability the
+// and the online softmax are float32, one cache block at a time; attention sinks (GPT-OSS: a per-head logit with a
+// zero value) join the softmax's denominator at the end. Vectorized<float> is compiled for the capability the
 // loader passes (CPU_CAPABILITY_AVX2 / _AVX512 from ATen's own detection, or the portable default).
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -103,7 +104,7 @@ inline void prefetch_rows(const T* base, int64_t rows, int64_t stride, int64_t w
 template <typename T>
 void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                   double soft_cap, const float* slopes) {
+                   double soft_cap, const float* slopes, const float* sinks) {
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t bs = kv_cache.size(2), hkv = kv_cache.size(3);
   const int64_t g = H / hkv;
@@ -199,7 +200,11 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
         }
       }
       for (int64_t j = 0; j < nh; ++j) {
-        const float inv = 1.f / l[j];
+        float inv = 1.f / l[j];
+        if (sinks) {  // the sink's exp(s) joins the denominator; rescaled to the larger of the two maxima
+          const float s = sinks[kh0 * g + j], mx = std::max(m[j], s), c = std::exp(m[j] - mx);
+          inv = c / (l[j] * c + std::exp(s - mx));
+        }
         T* dst = o_row + j * o_s1;
         for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[j * D + i] * inv);
       }
@@ -209,7 +214,8 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                            int64_t window, double soft_cap, const std::optional<at::Tensor>& alibi_slopes) {
+                            int64_t window, double soft_cap, const std::optional<at::Tensor>& alibi_slopes,
+                            const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must be [B, H, D] of one shape");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2, "kv_cache must be [2, num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(kv_cache.size(4) == query.size(2), "kv_cache head size ", kv_cache.size(4), " != query's ",
@@ -230,13 +236,19 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
     TORCH_CHECK(slopes.numel() == query.size(1), "alibi_slopes must have num_heads entries");
   }
   const float* sp = slopes.defined() ? slopes.data_ptr<float>() : nullptr;
+  at::Tensor sink;
+  if (sinks.has_value()) {
+    sink = sinks->to(at::kFloat).contiguous();
+    TORCH_CHECK(sink.numel() == query.size(1), "sinks must have num_heads entries");
+  }
+  const float* kp = sink.defined() ? sink.data_ptr<float>() : nullptr;
   switch (query.scalar_type()) {
     case at::kFloat:
-      return decode_kernel<float>(out, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap, sp);
+      return decode_kernel<float>(out, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap, sp, kp);
     case at::kBFloat16:
-      return decode_kernel<at::BFloat16>(out, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap, sp);
+      return decode_kernel<at::BFloat16>(out, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap, sp, kp);
     case at::kHalf:
-      return decode_kernel<at::Half>(out, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap, sp);
+      return decode_kernel<at::Half>(out, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap, sp, kp);
     default:
       TORCH_CHECK(false, "paged_decode_attention: unsupported dtype ", query.scalar_type());
   }
@@ -246,7 +258,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int window, float soft_cap, Tensor? alibi_slopes) -> ()");
+        "Tensor seq_lens, float scale, int window, float soft_cap, Tensor? alibi_slopes, Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
