@@ -261,6 +261,14 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = None
+    # OpenAI's field; rendered as the template variable ``reasoning_effort`` (GPT-OSS's template reads it)
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        """``chat_template_kwargs`` plus ``reasoning_effort`` (a value in the kwargs wins, as it is explicit)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @property
     def max_new_tokens(self) -> Optional[int]:
@@ -352,6 +360,9 @@ class ChatResponseMessage(_Out):
     role: str
     content: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
+    # with --reasoning-parser: the reasoning, under vLLM's current name and its older one (same value)
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatCompletionChoice(_Out):
