@@ -19,7 +19,6 @@ from server_utils import ServerProcess
 
 openai = pytest.importorskip("openai")
 
-pytestmark = pytest.mark.slow
 MESSAGES = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
           "required": ["answer"], "additionalProperties": False}
@@ -74,6 +73,7 @@ def streamed(client, **kw):
     return "".join(reasoning) or None, "".join(content) or None, "".join(tool_args), finish
 
 
+@pytest.mark.slow
 def test_qwen3_splits_reasoning_whole_and_streamed(qwen3):
     reasoning, content, r = whole(qwen3)
     assert (reasoning, content) == (REASONING, ANSWER)
@@ -81,6 +81,7 @@ def test_qwen3_splits_reasoning_whole_and_streamed(qwen3):
     assert streamed(qwen3)[:2] == (REASONING, ANSWER)
 
 
+@pytest.mark.slow
 def test_enable_thinking_false_reaches_the_template(qwen3, tokenizer):
     """The kwarg changes the rendered prompt (its tokens are the tokenizer's own rendering) and the script: no
     thinking, so the whole output is content."""
@@ -95,6 +96,7 @@ def test_enable_thinking_false_reaches_the_template(qwen3, tokenizer):
     assert streamed(qwen3, extra_body=off)[:2] == (None, PLAIN)
 
 
+@pytest.mark.slow
 def test_reasoning_effort_is_rendered(qwen3, tokenizer):
     _, _, r = whole(qwen3, reasoning_effort="low")
     expect = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, reasoning_effort="low",
@@ -110,6 +112,7 @@ def test_reasoning_effort_is_rendered(qwen3, tokenizer):
     assert "reasoning_effort" in str(e.value)
 
 
+@pytest.mark.slow
 def test_json_schema_applies_after_thinking(qwen3):
     """The reasoning is the script's free text (a grammar from the first token could not produce it); the answer
     is JSON valid under the schema, not the script's "Hello there"."""
@@ -125,6 +128,7 @@ def test_json_schema_applies_after_thinking(qwen3):
     jsonschema.validate(json.loads(content2), SCHEMA)
 
 
+@pytest.mark.slow
 def test_forced_tool_call_is_parsed_after_reasoning(qwen3):
     tools = [{"type": "function", "function": {"name": "answer", "parameters": SCHEMA}}]
     choice = {"type": "function", "function": {"name": "answer"}}
@@ -139,6 +143,7 @@ def test_forced_tool_call_is_parsed_after_reasoning(qwen3):
     assert (reasoning, streamed_args) == (REASONING, args)
 
 
+@pytest.mark.slow
 def test_deepseek_r1_start_tag_in_the_prompt(model, tokenizer):
     srv, client = _server(model, "--reasoning-parser", "deepseek_r1")
     try:
@@ -155,6 +160,7 @@ def test_deepseek_r1_start_tag_in_the_prompt(model, tokenizer):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_gpt_oss_harmony_channels(model, tokenizer, tmp_path):
     template = tmp_path / "harmony.jinja"
     template.write_text(HARMONY_TEMPLATE)
@@ -174,6 +180,7 @@ def test_gpt_oss_harmony_channels(model, tokenizer, tmp_path):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_without_a_parser_the_text_is_untouched(model):
     srv, client = _server(model)
     try:
@@ -183,3 +190,23 @@ def test_without_a_parser_the_text_is_untouched(model):
         assert "reasoning_content" not in (msg.model_extra or {})
     finally:
         srv.stop()
+
+
+def test_tool_calls_are_parsed_from_the_content_only():
+    """A call the model only thinks about is no call; one in the answer is (hermes, tool_choice auto)."""
+    from pagedllm.entrypoints.openai.serving_chat import ChatServing
+    from pagedllm.reasoning import ReasoningStream, get_reasoning_parser
+    from reasoning_models import reasoning_tokenizer
+
+    chat = ChatServing.__new__(ChatServing)  # _message reads only the parser settings
+    chat.tool_parser = "hermes"
+    parser = get_reasoning_parser("qwen3", reasoning_tokenizer())
+    call = '<tool_call>{"name": "answer", "arguments": {"answer": "yes"}}</tool_call>'
+    msg, has_calls = chat._message(f"<think>maybe {call}</think>No call needed.", "auto", ReasoningStream(parser))
+    assert not has_calls and msg["content"] == "No call needed." and msg["reasoning_content"] == f"maybe {call}"
+    msg, has_calls = chat._message(f"<think>I will call it</think>{call}", "auto", ReasoningStream(parser))
+    assert has_calls and msg["content"] is None and msg["reasoning"] == "I will call it"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
+        ("answer", {"answer": "yes"})]
+    msg, has_calls = chat._message(f"<think>I will call it</think>{call}", "auto")  # no parser: as before
+    assert has_calls and msg["content"] == "<think>I will call it</think>" and "reasoning" not in msg
