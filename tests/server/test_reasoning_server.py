@@ -79,6 +79,9 @@ def test_qwen3_splits_reasoning_whole_and_streamed(qwen3):
     assert (reasoning, content) == (REASONING, ANSWER)
     assert r.choices[0].finish_reason == "stop"
     assert streamed(qwen3)[:2] == (REASONING, ANSWER)
+    hide = {"include_reasoning": False}  # vLLM's field: the reasoning is left out, the answer stays the same
+    assert whole(qwen3, extra_body=hide)[:2] == (None, ANSWER)
+    assert streamed(qwen3, extra_body=hide)[:2] == (None, ANSWER)
 
 
 @pytest.mark.slow

@@ -263,6 +263,7 @@ class ChatCompletionRequest(_Sampling):
     parallel_tool_calls: Optional[StrictBool] = None
     # OpenAI's field; rendered as the template variable ``reasoning_effort`` (GPT-OSS's template reads it)
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    include_reasoning: StrictBool = True  # vLLM's: false drops the reasoning (--reasoning-parser) from the response
 
     def template_kwargs(self) -> Optional[dict[str, Any]]:
         """``chat_template_kwargs`` plus ``reasoning_effort`` (a value in the kwargs wins, as it is explicit)."""

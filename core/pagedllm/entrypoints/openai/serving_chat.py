@@ -154,9 +154,11 @@ class ChatServing(Serving):
     def _k(self, req: ChatCompletionRequest) -> int:
         return req.top_logprobs or 0
 
-    def _message(self, text: str, choice: object, rs: Optional[ReasoningStream] = None) -> tuple[dict, bool]:
+    def _message(self, text: str, choice: object, rs: Optional[ReasoningStream] = None,
+                 include_reasoning: bool = True) -> tuple[dict, bool]:
         """The assistant message for ``text`` under ``choice`` (tool calls parsed from the content after the
-        reasoning, when ``rs`` splits one off); True when it carries tool calls."""
+        reasoning, when ``rs`` splits one off; the reasoning left out unless ``include_reasoning``); True when it
+        carries tool calls."""
         reasoning = None
         if rs is not None:
             reasoning, text = rs.whole(text)
@@ -169,7 +171,7 @@ class ChatServing(Serving):
             calls, content = tc.forced_calls(text, choice), None
         msg: dict = {"role": "assistant", "content": content if content or rs is None else None}
         if rs is not None:
-            msg["reasoning"] = msg["reasoning_content"] = reasoning
+            msg["reasoning"] = msg["reasoning_content"] = reasoning if include_reasoning else None
         if calls:
             msg["tool_calls"] = tc.openai_calls(calls)
         return msg, bool(calls)
@@ -197,7 +199,8 @@ class ChatServing(Serving):
 
         def build(c) -> dict:
             msg, has_calls = self._message(c.text, choice,
-                                           ReasoningStream(reasoner, prompt_ids) if reasoner is not None else None)
+                                           ReasoningStream(reasoner, prompt_ids) if reasoner is not None else None,
+                                           req.include_reasoning)
             return {"index": c.index, "message": msg,
                     "logprobs": self.chat_logprobs(c, 0, len(c.token_ids), self._k(req)) if req.logprobs else None,
                     "finish_reason": self._finish(c.finish_reason, has_calls, choice), "stop_reason": c.stop_reason,
@@ -246,7 +249,7 @@ class ChatServing(Serving):
                         if rs is None:
                             rs = splits[c.index] = ReasoningStream(reasoner, prompt_ids)
                         thought, text = _reasoning_delta(rs, text, c.token_ids[start:end], finish is not None)
-                        if thought:
+                        if thought and req.include_reasoning:
                             yield chunk(c.index, {"reasoning": thought, "reasoning_content": thought}, lp,
                                         token_ids=ids)
                             lp = ids = None
