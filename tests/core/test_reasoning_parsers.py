@@ -100,7 +100,16 @@ def test_qwen3_without_thinking_is_all_content(tok):
                                      enable_thinking=False, tokenize=False)
     prompt_ids = tok.encode(prompt, add_special_tokens=False)
     default = parser(tok, "qwen3")
-    assert default.is_reasoning_end(prompt_ids)
+    assert default.is_reasoning_end(prompt_ids) and default.prompt_is_reasoning_end(prompt_ids)
+    # An earlier turn's closed block followed by more conversation: the new turn may think again.
+    history = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo",
+                                                                          "reasoning_content": "greet"},
+                                       {"role": "user", "content": "again"}], add_generation_prompt=True,
+                                      tokenize=False)
+    history_ids = tok.encode(history, add_special_tokens=False)
+    assert "</think>" in history
+    assert default.is_reasoning_end(history_ids) and not default.prompt_is_reasoning_end(history_ids)
+    assert ReasoningStream(default, history_ids).whole("<think>a</think>b") == ("a", "b")
     assert ReasoningStream(default, prompt_ids).whole("Plain reply") == (None, "Plain reply")
     assert_stream_matches_whole(default, "Plain </think> reply", tok, prompt_ids)
     assert streamed(default, list("Plain </think> reply"), prompt_ids) == ("", "Plain </think> reply")
@@ -261,6 +270,11 @@ def test_grammar_waits_for_the_end_of_reasoning(scripted_model):
         # enable_thinking=False: the prompt closes the think block, so the grammar applies from the first token
         no_think = _chat(llm, json_sp, chat_template_kwargs={"enable_thinking": False})
         jsonschema.validate(json.loads(no_think), SCHEMA)
+        # an earlier turn's reasoning in the prompt does not open the gate for the new turn
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ANSWER,
+                                                      "reasoning_content": REASONING},
+                   {"role": "user", "content": "again"}]
+        assert llm.chat(history, json_sp, use_tqdm=False)[0].outputs[0].text == text
         # n > 1: every sample gets its own gate
         out = llm.chat([{"role": "user", "content": "hi"}], json_sp.clone(n=2, best_of=2), use_tqdm=False)[0]
         assert [c.text for c in out.outputs] == [text, text]

@@ -116,6 +116,23 @@ def test_reasoning_effort_is_rendered(qwen3, tokenizer):
 
 
 @pytest.mark.slow
+def test_earlier_reasoning_reaches_the_template(qwen3, tokenizer):
+    """An assistant turn sent back with its reasoning (either of vLLM's names) is rendered by a template that reads
+    ``reasoning_content`` (Qwen3's does)."""
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ANSWER},
+             {"role": "user", "content": "again"}]
+    plain = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    for name in ("reasoning_content", "reasoning"):
+        sent = [turns[0], {**turns[1], name: REASONING}, turns[2]]
+        r = qwen3.chat.completions.create(model="test-model", messages=sent, temperature=0, max_tokens=40)
+        expect = tokenizer.apply_chat_template([turns[0], {**turns[1], "reasoning_content": REASONING}, turns[2]],
+                                               add_generation_prompt=True, tokenize=False)
+        assert f"<think>{REASONING}</think>{ANSWER}" in expect and expect != plain
+        assert r.usage.prompt_tokens == len(tokenizer.encode(expect, add_special_tokens=False))
+        assert r.choices[0].message.model_extra["reasoning_content"] == REASONING
+
+
+@pytest.mark.slow
 def test_json_schema_applies_after_thinking(qwen3):
     """The reasoning is the script's free text (a grammar from the first token could not produce it); the answer
     is JSON valid under the schema, not the script's "Hello there"."""

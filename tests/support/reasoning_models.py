@@ -25,7 +25,9 @@ HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|retur
 SPLIT_MARKERS = ["<|chan", "nel|>", "<|mess", "age|>"]  # second spellings of <|channel|> and <|message|>
 
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['reasoning_content'] is defined and m['reasoning_content'] %}<think>{{ m['reasoning_content'] }}</think>"
+    "{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if reasoning_effort is defined and reasoning_effort %}<|im_start|>system\nReasoning: {{ reasoning_effort }}"
     "<|im_end|>\n{% endif %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"

@@ -67,6 +67,12 @@ class ReasoningParser:
         """True when the reasoning ends with ``delta_ids``, the last tokens of ``input_ids`` (a decode step)."""
         return self.is_reasoning_end(input_ids)
 
+    def prompt_is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
+        """True when the prompt itself closes the reasoning of the turn it opens (Qwen3's template with
+        ``enable_thinking=False`` ends the prompt with an empty think block): the output is then all answer, and
+        a grammar applies from its first token. An earlier turn's closed reasoning does not count."""
+        return self.is_reasoning_end(prompt_token_ids)
+
     def extract_content_ids(self, input_ids: list[int]) -> list[int]:
         """The output's token ids after the reasoning ([] while it is not over)."""
         raise NotImplementedError

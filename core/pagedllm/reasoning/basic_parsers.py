@@ -40,6 +40,15 @@ class BaseThinkingReasoningParser(ReasoningParser):
         n = len(list(delta_ids)) + len(self.end_token_ids) - 1
         return rfind_seq(input_ids, self.end_token_ids, max(len(input_ids) - n, 0)) >= 0
 
+    def prompt_is_reasoning_end(self, prompt_token_ids: Sequence[int]) -> bool:
+        """The prompt ends with a closed think block (only whitespace after ``</think>``); a ``</think>`` of an
+        earlier turn, followed by more conversation, leaves the new turn free to think."""
+        end = rfind_seq(prompt_token_ids, self.end_token_ids)
+        if end < 0 or rfind_seq(prompt_token_ids, self.start_token_ids, end) >= 0:
+            return False
+        tail = prompt_token_ids[end + len(self.end_token_ids):]
+        return not tail or not self.model_tokenizer.decode(list(tail), skip_special_tokens=False).strip()
+
     def extract_content_ids(self, input_ids: list[int]) -> list[int]:
         end = rfind_seq(input_ids, self.end_token_ids)
         return [] if end < 0 else list(input_ids[end + len(self.end_token_ids):])

@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 class ReasoningStream:
     def __init__(self, parser: ReasoningParser, prompt_token_ids: Sequence[int] = ()):
         self.parser = parser
-        self.prompt_ended = bool(prompt_token_ids) and parser.is_reasoning_end(prompt_token_ids)
+        self.prompt_ended = bool(prompt_token_ids) and parser.prompt_is_reasoning_end(prompt_token_ids)
         self.text = ""
         self.ids: list[int] = []
         self.sent_reasoning = ""

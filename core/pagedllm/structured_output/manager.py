@@ -219,7 +219,7 @@ class StructuredOutputManager:
         for the end of the reasoning unless ``prompt_token_ids`` already end it."""
         req = self._new_request(spec, prefix)
         if self.reasoner is not None:
-            req.reasoning_ended = self.reasoner.is_reasoning_end(list(prompt_token_ids or ()))
+            req.reasoning_ended = self.reasoner.prompt_is_reasoning_end(list(prompt_token_ids or ()))
         return req
 
     def should_advance(self, request: Request, token: int) -> bool:

@@ -204,6 +204,9 @@ class ChatMessage(_Base):
     name: Optional[StrictStr] = None
     tool_call_id: Optional[StrictStr] = None
     tool_calls: Optional[list[ToolCall]] = None
+    # an earlier answer's reasoning sent back (vLLM's two names); templates read ``reasoning_content`` (Qwen3's)
+    reasoning_content: Optional[StrictStr] = None
+    reasoning: Optional[StrictStr] = None
 
     def to_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -214,6 +217,9 @@ class ChatMessage(_Base):
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:
+            d["reasoning_content"] = d["reasoning"] = thought
         if self.tool_calls:  # HF templates take the arguments as a dict
             d["tool_calls"] = [{"id": t.id, "type": "function", "function": {
                 "name": t.function.name, "arguments": _json_or_text(t.function.arguments)}} for t in self.tool_calls]

@@ -89,7 +89,7 @@ class ChatServing(Serving):
         params = await gate_grammar(self, params, rename, raw, start)
         tools = tc.tools_for_template(req.tools) if req.tools and choice != "none" else None
         messages = [m.to_template_dict() for m in req.messages]
-        self.check_text_size([m["content"] for m in messages], "messages")
+        self.check_text_size([m["content"] for m in messages] + [m.get("reasoning") for m in messages], "messages")
         ticket = self.admit(params.best_of)
         try:
             ids = await self.render_chat(messages,
