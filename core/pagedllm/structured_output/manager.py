@@ -13,8 +13,8 @@ a ParamError naming it, before the request is queued); the tokenizer-dependent c
 grammars are cached by spec, bounded by their bytes (``GrammarCache``).
 
 With a reasoning parser (``StructuredOutputsConfig.reasoning_parser``, serve's ``--reasoning-parser``) a grammar
-constrains the answer, not the thinking, as in vLLM: while a request reasons its row of the bitmask allows every
-token and its matcher does not advance (``should_advance``); the token that ends the reasoning (``</think>``) is the
+constrains the answer, not the thinking, as in vLLM: while a request reasons it has no row in the bitmask (every
+token is allowed) and its matcher does not advance (``should_advance``); the token that ends the reasoning (``</think>``) is the
 last one left free, and the grammar applies from the next. A prompt that already ends the reasoning (Qwen3 with
 ``enable_thinking=False``) is constrained from its first token.
 """
