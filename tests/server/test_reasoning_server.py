@@ -44,7 +44,8 @@ def _server(model: str, *extra: str):
 
 @pytest.fixture(scope="module")
 def qwen3(model):
-    srv, client = _server(model, "--reasoning-parser", "qwen3")
+    srv, client = _server(model, "--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser",
+                          "hermes")
     yield client
     srv.stop()
 
@@ -161,6 +162,16 @@ def test_forced_tool_call_is_parsed_after_reasoning(qwen3):
     jsonschema.validate(json.loads(args), SCHEMA)
     reasoning, _, streamed_args, finish = streamed(qwen3, tools=tools, tool_choice=choice)
     assert (reasoning, streamed_args) == (REASONING, args)
+
+
+@pytest.mark.slow
+def test_auto_tool_choice_streams_the_answer_after_reasoning(qwen3):
+    """tool_choice=auto: the script's answer has no call, so it streams as content, the reasoning apart."""
+    tools = [{"type": "function", "function": {"name": "answer", "parameters": SCHEMA}}]
+    reasoning, content, r = whole(qwen3, tools=tools)
+    assert (reasoning, content, r.choices[0].message.tool_calls) == (REASONING, ANSWER, None)
+    assert r.choices[0].finish_reason == "stop"
+    assert streamed(qwen3, tools=tools) == (REASONING, ANSWER, "", "stop")
 
 
 @pytest.mark.slow
