@@ -156,7 +156,8 @@ def test_multi_token_tags_are_sequences():
     assert p.extract_reasoning(plain.decode(ids), None) == ("abc", "xyz")
 
 
-HARMONY = "<|channel|>analysis<|message|>Weigh options<|end|><|start|>assistant<|channel|>final<|message|>Sure thing<|return|>"
+HARMONY = ("<|channel|>analysis<|message|>Weigh options<|end|><|start|>assistant<|channel|>final<|message|>Sure thing"
+           "<|return|>")
 HARMONY_CASES = [
     (HARMONY, ("Weigh options", "Sure thing")),
     ("<|channel|>final<|message|>Direct answer<|return|>", (None, "Direct answer")),

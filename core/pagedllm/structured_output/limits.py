@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Union
 
 from pagedllm.errors import ParamError
+from pagedllm.reasoning import ReasoningParserManager
 from pagedllm.sampling_params import StructuredOutputsParams
 
 
@@ -47,8 +48,6 @@ class StructuredOutputsConfig:
             raise ParamError("structured_outputs_config.reasoning_parser", f"must be a parser name, got "
                                                                          f"{self.reasoning_parser!r}")
         if self.reasoning_parser:
-            from pagedllm.reasoning import ReasoningParserManager  # registers the parsers
-
             known = ReasoningParserManager.list_registered()
             if self.reasoning_parser not in known:
                 raise ParamError("reasoning_parser", f"unknown reasoning parser {self.reasoning_parser!r}; known: "

@@ -14,9 +14,9 @@ grammars are cached by spec, bounded by their bytes (``GrammarCache``).
 
 With a reasoning parser (``StructuredOutputsConfig.reasoning_parser``, serve's ``--reasoning-parser``) a grammar
 constrains the answer, not the thinking, as in vLLM: while a request reasons it has no row in the bitmask (every
-token is allowed) and its matcher does not advance (``should_advance``); the token that ends the reasoning (``</think>``) is the
-last one left free, and the grammar applies from the next. A prompt that already ends the reasoning (Qwen3 with
-``enable_thinking=False``) is constrained from its first token.
+token is allowed) and its matcher does not advance (``should_advance``); the token that ends the reasoning
+(``</think>``) is the last one left free, and the grammar applies from the next. A prompt that already ends the
+reasoning (Qwen3 with ``enable_thinking=False``: ``prompt_is_reasoning_end``) is constrained from its first token.
 """
 
 from __future__ import annotations

@@ -258,7 +258,8 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         # render worker tokenises it, and the token count must fit max_model_len.
         if body.messages is not None:
             messages = [m.to_template_dict() for m in body.messages]
-            completions.check_text_size([m["content"] for m in messages] + [m.get("reasoning") for m in messages], "messages")
+            completions.check_text_size([m["content"] for m in messages] + [m.get("reasoning") for m in messages],
+                                        "messages")
         else:
             completions.check_text_size([body.prompt], "prompt")
         ticket = completions.admit(1)
