@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_
                                                 DEFAULT_TEMPLATE_RENDER_TIMEOUT, ServerLimits)
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 from pagedllm.errors import ParamError
+from pagedllm.reasoning import ReasoningParserManager
 
 
 def _str_list(value: str) -> list[str]:
@@ -103,6 +104,9 @@ def add_parser(sub) -> None:
                         + ", ".join(ToolParserManager.list_registered()) + " (docs/structured_outputs.md)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice=auto (needs --tool-call-parser)")
+    p.add_argument("--reasoning-parser", default=None, choices=ReasoningParserManager.list_registered(),
+                   help="split chat output into reasoning_content and content; grammars apply after the "
+                        "reasoning (docs/reasoning.md)")
     p.set_defaults(func=run)
 
 
@@ -186,4 +190,5 @@ def run(args: argparse.Namespace) -> int:
                  render_workers=args.render_workers, exit_on_engine_failure=args.exit_on_engine_failure, cors=cors,
                  tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                  lora_modules=loras, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                 data_parallel_size=args.data_parallel_size, metrics_without_key=args.allow_metrics_without_key)
+                 data_parallel_size=args.data_parallel_size, metrics_without_key=args.allow_metrics_without_key,
+                 reasoning_parser=args.reasoning_parser)

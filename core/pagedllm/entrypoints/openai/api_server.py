@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
 import uvicorn
@@ -60,6 +61,7 @@ from pagedllm.entrypoints.openai.serving_chat import ChatServing
 from pagedllm.entrypoints.openai.serving_completions import CompletionServing
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
+from pagedllm.structured_output import StructuredOutputsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +118,8 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
               chat_template: Optional[str] = None, limits: Optional[ServerLimits] = None,
               renderer: Optional[RenderPool] = None, cors: Optional[dict[str, Any]] = None,
               tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
-              allow_runtime_lora_updating: bool = False, metrics_without_key: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, metrics_without_key: bool = False,
+              reasoning_parser: Optional[str] = None) -> FastAPI:
     """The OpenAI-compatible app around an AsyncEngine; its lifespan binds the event loop and stops the engine.
 
     ``api_key``: one key or a list of keys (any of them is accepted). ``renderer``: the render worker pool that
@@ -124,6 +127,7 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     arguments of :func:`~pagedllm.entrypoints.openai.auth.add_cors`. ``allow_runtime_lora_updating``: serve
     ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (else they answer 404 saying how to enable them).
     ``metrics_without_key``: with API keys, leave ``/metrics`` open to scrapers (``/health`` always is).
+    ``reasoning_parser``: split chat output into ``reasoning_content`` and ``content`` (docs/reasoning.md).
     """
     names = list(served_model_names)
     limits = limits or ServerLimits()
@@ -132,6 +136,7 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     completions = CompletionServing(engine, names, metrics, chat_template, limits, admission, renderer)
     chat = ChatServing(engine, names, metrics, chat_template, limits, admission, renderer)
     chat.tool_parser, chat.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
+    chat.reasoning_parser = reasoning_parser
     created = int(time.time())
 
     @asynccontextmanager
@@ -248,7 +253,8 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         # render worker tokenises it, and the token count must fit max_model_len.
         if body.messages is not None:
             messages = [m.to_template_dict() for m in body.messages]
-            completions.check_text_size([m["content"] for m in messages], "messages")
+            completions.check_text_size([m["content"] for m in messages] + [m.get("reasoning") for m in messages],
+                                        "messages")
         else:
             completions.check_text_size([body.prompt], "prompt")
         ticket = completions.admit(1)
@@ -329,15 +335,20 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
           cors: Optional[dict[str, Any]] = None, tool_call_parser: Optional[str] = None,
           enable_auto_tool_choice: bool = False, lora_modules: Sequence[LoRARequest] = (),
           allow_runtime_lora_updating: bool = False, data_parallel_size: int = 1,
-          metrics_without_key: bool = False) -> int:
+          metrics_without_key: bool = False, reasoning_parser: Optional[str] = None) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code.
 
     ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
     ``data_parallel_size`` > 1: that many engine replicas (see ``dp_client.py``), the engine CPUs (default: all this
     process may use) split evenly among them.
     ``exit_on_engine_failure``: if the engine process dies, fail the in-flight requests, then exit with code 1.
+    ``reasoning_parser``: the server splits reasoning from content, and the engine applies grammars after it
+    (``structured_outputs_config.reasoning_parser``).
     """
     template = load_chat_template(chat_template)
+    if reasoning_parser:
+        so = StructuredOutputsConfig.parse(config.structured_outputs_config)
+        config = replace(config, structured_outputs_config=replace(so, reasoning_parser=reasoning_parser))
     if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
         raise ParamError("data_parallel_size", f"must be an integer >= 1, got {data_parallel_size!r}")
     cpus = parse_cpu_list(engine_cpus) if engine_cpus is not None else None
@@ -367,7 +378,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     if not served_model_names:
         served_model_names = [default_served_name(config.model, engine.model_path)]
     app = build_app(engine, served_model_names, api_key, template, limits, renderer, cors, tool_call_parser,
-                    enable_auto_tool_choice, allow_runtime_lora_updating, metrics_without_key)
+                    enable_auto_tool_choice, allow_runtime_lora_updating, metrics_without_key,
+                    reasoning_parser or None)
     ucfg = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                           timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
     server = uvicorn.Server(ucfg)

@@ -30,7 +30,7 @@ REFUSED: dict[str, str] = {
     "prompt_logprobs": "use echo with logprobs (completions) instead",
     "min_tokens_per_choice": "not supported",
 }
-IGNORED: frozenset[str] = frozenset({"store", "metadata", "service_tier", "reasoning_effort", "verbosity",
+IGNORED: frozenset[str] = frozenset({"store", "metadata", "service_tier", "verbosity",
                                      "safety_identifier", "prompt_cache_key", "request_id", "documents",
                                      "cache_salt", "add_special_tokens", "echo"})
 

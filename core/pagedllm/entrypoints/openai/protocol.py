@@ -204,6 +204,9 @@ class ChatMessage(_Base):
     name: Optional[StrictStr] = None
     tool_call_id: Optional[StrictStr] = None
     tool_calls: Optional[list[ToolCall]] = None
+    # an earlier answer's reasoning sent back (vLLM's two names); templates read ``reasoning_content`` (Qwen3's)
+    reasoning_content: Optional[StrictStr] = None
+    reasoning: Optional[StrictStr] = None
 
     def to_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -214,6 +217,9 @@ class ChatMessage(_Base):
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        thought = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thought is not None:
+            d["reasoning_content"] = d["reasoning"] = thought
         if self.tool_calls:  # HF templates take the arguments as a dict
             d["tool_calls"] = [{"id": t.id, "type": "function", "function": {
                 "name": t.function.name, "arguments": _json_or_text(t.function.arguments)}} for t in self.tool_calls]
@@ -261,6 +267,15 @@ class ChatCompletionRequest(_Sampling):
     tools: Optional[Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = None
+    # OpenAI's field; rendered as the template variable ``reasoning_effort`` (GPT-OSS's template reads it)
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    include_reasoning: StrictBool = True  # vLLM's: false drops the reasoning (--reasoning-parser) from the response
+
+    def template_kwargs(self) -> Optional[dict[str, Any]]:
+        """``chat_template_kwargs`` plus ``reasoning_effort`` (a value in the kwargs wins, as it is explicit)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     @property
     def max_new_tokens(self) -> Optional[int]:
@@ -352,6 +367,9 @@ class ChatResponseMessage(_Out):
     role: str
     content: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
+    # with --reasoning-parser: the reasoning, under vLLM's current name and its older one (same value)
+    reasoning: Optional[str] = None
+    reasoning_content: Optional[str] = None
 
 
 class ChatCompletionChoice(_Out):

@@ -11,13 +11,18 @@ A streamed choice opens with a ``{"role": "assistant"}`` delta and ends with a c
 Tools (``tool_calling.py``): a named ``tool_choice`` streams its arguments as they are generated; ``auto`` streams
 through the ``--tool-call-parser`` (``tool_parsers/``: content until a call may begin, then each call's name and
 its arguments as they settle); ``required`` calls are parsed when the choice ends and sent as one delta each.
+
+Reasoning (``--reasoning-parser``, ``pagedllm.reasoning``): each choice's text is split into ``reasoning`` (also sent
+as ``reasoning_content``, vLLM's older name) and ``content``, whole or per delta with the same result; tool calls are
+parsed from the content only, and a grammar (structured outputs, forced tool choices) constrains only the answer
+(the engine's gate, ``structured_output/manager.py``). ``reasoning_effort`` reaches the template as a variable.
 """
 
 from __future__ import annotations
 
 import time
 from functools import partial
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Optional, Sequence
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -34,6 +39,7 @@ from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_REN
                                                       until_disconnect)
 from pagedllm.entrypoints.openai.errors import from_param_error
 from pagedllm.errors import ParamError
+from pagedllm.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
 from pagedllm.sampling_params import SamplingParams
 
 _RENAME = {"logprobs": "top_logprobs", "prompt_token_ids": "messages", "prompt": "messages"}
@@ -42,6 +48,14 @@ _RENAME = {"logprobs": "top_logprobs", "prompt_token_ids": "messages", "prompt":
 class ChatServing(Serving):
     tool_parser: Optional[str] = None  # --tool-call-parser
     enable_auto_tool_choice = False  # --enable-auto-tool-choice
+    reasoning_parser: Optional[str] = None  # --reasoning-parser
+
+    def _reasoner(self, req: ChatCompletionRequest) -> Optional[ReasoningParser]:
+        """A parser for this request (it may read the request's chat_template_kwargs, as Qwen3's does)."""
+        if self.reasoning_parser is None:
+            return None
+        return get_reasoning_parser(self.reasoning_parser, self.need_tokenizer(),
+                                    chat_template_kwargs=req.template_kwargs())
 
     def _tool_choice(self, req: ChatCompletionRequest) -> object:
         """The effective tool_choice; validates tools and sets the grammar of a forced choice."""
@@ -65,6 +79,9 @@ class ChatServing(Serving):
             raise APIError(400, "chat_template: a request-level chat template is not accepted by this server (the "
                                 "operator can allow it with --trust-request-chat-template)", param="chat_template",
                            code="chat_template_not_allowed")
+        reasoner = self._reasoner(req)
+        if reasoner is not None:
+            reasoner.adjust_request(req)  # before the params: GPT-OSS keeps its (special) channel markers
         params = self.request_params(req, {**_RENAME, **STRUCTURED_RENAME})
         forced = tc.forced_grammar(req.tools or [], choice, req.parallel_tool_calls)
         if forced is not None:
@@ -74,12 +91,12 @@ class ChatServing(Serving):
         params = await gate_grammar(self, params, rename, raw, start)
         tools = tc.tools_for_template(req.tools) if req.tools and choice != "none" else None
         messages = [m.to_template_dict() for m in req.messages]
-        self.check_text_size([m["content"] for m in messages], "messages")
+        self.check_text_size([m["content"] for m in messages] + [m.get("reasoning") for m in messages], "messages")
         ticket = self.admit(params.best_of)
         try:
             ids = await self.render_chat(messages,
                                          req.chat_template or self.chat_template, req.add_generation_prompt,
-                                         req.continue_final_message, req.chat_template_kwargs, start,
+                                         req.continue_final_message, req.template_kwargs(), start,
                                          request_template=req.chat_template is not None, tools=tools,
                                          tools_prompt=tc.tools_system_prompt(tools, self.tool_parser) if tools
                                          else None)
@@ -89,19 +106,21 @@ class ChatServing(Serving):
             streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, rename, start,
                                             lora)
             if req.stream:
-                resp = stream_response(self._stream(rid, req, params, streams, choice), streams, self.metrics,
-                                       ticket)
+                resp = stream_response(self._stream(rid, req, params, streams, choice, reasoner, ids), streams,
+                                       self.metrics, ticket)
                 ticket = None  # released when the response ends
                 return resp
-            return await until_disconnect(self._full(rid, req, params, streams, choice), raw, self.metrics)
+            return await until_disconnect(self._full(rid, req, params, streams, choice, reasoner, ids), raw,
+                                          self.metrics)
         finally:
             if ticket is not None:
                 ticket.release()
 
-    def _tool_deltas(self, st: ChoiceState, c, text: str, choice: object, done: bool,
+    def _tool_deltas(self, st: ChoiceState, full: str, text: str, choice: object, done: bool,
                      req: ChatCompletionRequest) -> list[dict]:
         """Stream deltas of one choice with tools: a named choice streams its arguments; ``auto`` streams through
-        the tool parser; ``required`` calls are parsed and sent when the choice ends."""
+        the tool parser; ``required`` calls are parsed and sent when the choice ends. ``text``: this delta's content
+        (after the reasoning); ``full``: the choice's whole content once ``done``."""
         if not isinstance(choice, str):  # named: the whole output is the arguments
             out = []
             if not st.called:
@@ -123,7 +142,7 @@ class ChatServing(Serving):
         out = []
         if not done:
             return out
-        calls = tc.forced_calls(c.text, choice)
+        calls = tc.forced_calls(full, choice)
         for i, call in enumerate(tc.openai_calls(calls)):
             st.called = True
             out.append({"tool_calls": [{"index": i, **call}]})
@@ -132,8 +151,15 @@ class ChatServing(Serving):
     def _k(self, req: ChatCompletionRequest) -> int:
         return req.top_logprobs or 0
 
-    def _message(self, text: str, choice: object, req: ChatCompletionRequest) -> tuple[dict, bool]:
-        """The assistant message for ``text`` under ``choice``; True when it carries tool calls."""
+    def _message(self, text: str, choice: object, req: ChatCompletionRequest,
+                 rs: Optional[ReasoningStream] = None, include_reasoning: bool = True) -> tuple[dict, bool]:
+        """The assistant message for ``text`` under ``choice`` (tool calls parsed from the content after the
+        reasoning, when ``rs`` splits one off; the reasoning left out unless ``include_reasoning``); True when it
+        carries tool calls."""
+        reasoning = None
+        if rs is not None:
+            reasoning, text = rs.whole(text)
+            text = text or ""
         calls: list = []
         content: Optional[str] = text
         if choice == "auto":
@@ -141,7 +167,9 @@ class ChatServing(Serving):
             content, calls = info.content, [t.model_dump() for t in info.tool_calls]
         elif choice != "none":
             calls, content = tc.openai_calls(tc.forced_calls(text, choice)), None
-        msg: dict = {"role": "assistant", "content": content}
+        msg: dict = {"role": "assistant", "content": content if content or rs is None else None}
+        if rs is not None:
+            msg["reasoning"] = msg["reasoning_content"] = reasoning if include_reasoning else None
         if calls:
             msg["tool_calls"] = calls
         return msg, bool(calls)
@@ -151,7 +179,8 @@ class ChatServing(Serving):
         return "tool_calls" if has_calls and reason == "stop" and choice in ("auto", "required") else reason
 
     async def _full(self, rid: str, req: ChatCompletionRequest, params: SamplingParams, streams,
-                    choice: object = "none") -> Response:
+                    choice: object = "none", reasoner: Optional[ReasoningParser] = None,
+                    prompt_ids: Sequence[int] = ()) -> Response:
         final = None
         try:
             async for _, out in merge_streams(streams):
@@ -167,7 +196,9 @@ class ChatServing(Serving):
             usage.completion_tokens += len(c.token_ids)
 
         def build(c) -> dict:
-            msg, has_calls = self._message(c.text, choice, req)
+            msg, has_calls = self._message(c.text, choice, req,
+                                           ReasoningStream(reasoner, prompt_ids) if reasoner is not None else None,
+                                           req.include_reasoning)
             return {"index": c.index, "message": msg,
                     "logprobs": self.chat_logprobs(c, 0, len(c.token_ids), self._k(req)) if req.logprobs else None,
                     "finish_reason": self._finish(c.finish_reason, has_calls, choice), "stop_reason": c.stop_reason,
@@ -179,12 +210,14 @@ class ChatServing(Serving):
                                    usage.as_dict())
 
     async def _stream(self, rid: str, req: ChatCompletionRequest, params: SamplingParams,
-                      streams, choice: object = "none") -> AsyncIterator[str]:
+                      streams, choice: object = "none", reasoner: Optional[ReasoningParser] = None,
+                      prompt_ids: Sequence[int] = ()) -> AsyncIterator[str]:
         created = now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
         usage = Usage()
         states: dict[int, ChoiceState] = {}
+        splits: dict[int, ReasoningStream] = {}  # per choice, with a reasoning parser
 
         def chunk(index: int, delta: dict, logprobs: Optional[dict] = None, finish: Optional[str] = None,
                   stop_reason=None, token_ids: Optional[list[int]] = None) -> str:
@@ -208,6 +241,18 @@ class ChatServing(Serving):
                     if finish is not None:
                         st.finished = True
                     ids = c.token_ids[start:end] if req.return_token_ids else None
+                    full = c.text
+                    if reasoner is not None:  # the reasoning goes out apart; the content goes on as before
+                        rs = splits.get(c.index)
+                        if rs is None:
+                            rs = splits[c.index] = ReasoningStream(reasoner, prompt_ids)
+                        thought, text = _reasoning_delta(rs, text, c.token_ids[start:end], finish is not None)
+                        if thought and req.include_reasoning:
+                            yield chunk(c.index, {"reasoning": thought, "reasoning_content": thought}, lp,
+                                        token_ids=ids)
+                            lp = ids = None
+                        if finish is not None:
+                            full = rs.whole(c.text)[1] or ""
                     if choice == "none":
                         if text or lp is not None or ids:
                             yield chunk(c.index, {"content": text}, lp, token_ids=ids)
@@ -215,7 +260,7 @@ class ChatServing(Serving):
                             yield chunk(c.index, {}, None, finish, c.stop_reason)
                         continue
                     has_calls = False
-                    for delta in self._tool_deltas(st, c, text, choice, finish is not None, req):
+                    for delta in self._tool_deltas(st, full, text, choice, finish is not None, req):
                         has_calls = has_calls or "tool_calls" in delta
                         yield chunk(c.index, delta, lp, token_ids=ids)
                         lp = ids = None
@@ -234,3 +279,12 @@ class ChatServing(Serving):
         except RequestTimeoutError:
             yield sse(error_body(408, timeout_error(self.limits.request_timeout).message, code="request_timeout"))
         yield SSE_DONE
+
+
+def _reasoning_delta(rs: ReasoningStream, text: str, token_ids: Sequence[int], done: bool) -> tuple[str, str]:
+    """(reasoning, content) that this stream delta adds, plus what the split held back when the choice ends."""
+    parts = [rs.delta(text, token_ids)]
+    if done:
+        parts.append(rs.finish())
+    return ("".join(p.reasoning or "" for p in parts if p is not None),
+            "".join(p.content or "" for p in parts if p is not None))
