@@ -230,14 +230,15 @@ def test_tool_calls_are_parsed_from_the_content_only():
     from reasoning_models import reasoning_tokenizer
 
     chat = ChatServing.__new__(ChatServing)  # _message reads only the parser settings
-    chat.tool_parser = "hermes"
+    chat.tool_parser, chat.tokenizer = "hermes", None
     parser = get_reasoning_parser("qwen3", reasoning_tokenizer())
     call = '<tool_call>{"name": "answer", "arguments": {"answer": "yes"}}</tool_call>'
-    msg, has_calls = chat._message(f"<think>maybe {call}</think>No call needed.", "auto", ReasoningStream(parser))
+    msg, has_calls = chat._message(f"<think>maybe {call}</think>No call needed.", "auto", None,
+                                  ReasoningStream(parser))
     assert not has_calls and msg["content"] == "No call needed." and msg["reasoning_content"] == f"maybe {call}"
-    msg, has_calls = chat._message(f"<think>I will call it</think>{call}", "auto", ReasoningStream(parser))
+    msg, has_calls = chat._message(f"<think>I will call it</think>{call}", "auto", None, ReasoningStream(parser))
     assert has_calls and msg["content"] is None and msg["reasoning"] == "I will call it"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == [
         ("answer", {"answer": "yes"})]
-    msg, has_calls = chat._message(f"<think>I will call it</think>{call}", "auto")  # no parser: as before
+    msg, has_calls = chat._message(f"<think>I will call it</think>{call}", "auto", None)  # no parser: as before
     assert has_calls and msg["content"] == "<think>I will call it</think>" and "reasoning" not in msg
