@@ -54,9 +54,12 @@ from pagedllm.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
+from pagedllm.entrypoints.openai.protocol_responses import ResponseDeleted, ResponsesRequest, ResponsesResponse
 from pagedllm.entrypoints.openai.render_pool import RenderPool, warm_up_forkserver
+from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ITEMS, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import ChatServing
 from pagedllm.entrypoints.openai.serving_completions import CompletionServing
+from pagedllm.entrypoints.openai.serving_responses import ResponsesServing
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
 
@@ -116,7 +119,8 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
               chat_template: Optional[str] = None, limits: Optional[ServerLimits] = None,
               renderer: Optional[RenderPool] = None, cors: Optional[dict[str, Any]] = None,
               tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
-              allow_runtime_lora_updating: bool = False, metrics_without_key: bool = False) -> FastAPI:
+              allow_runtime_lora_updating: bool = False, metrics_without_key: bool = False,
+              response_store: Optional[ResponseStore] = None) -> FastAPI:
     """The OpenAI-compatible app around an AsyncEngine; its lifespan binds the event loop and stops the engine.
 
     ``api_key``: one key or a list of keys (any of them is accepted). ``renderer``: the render worker pool that
@@ -124,6 +128,7 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     arguments of :func:`~pagedllm.entrypoints.openai.auth.add_cors`. ``allow_runtime_lora_updating``: serve
     ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (else they answer 404 saying how to enable them).
     ``metrics_without_key``: with API keys, leave ``/metrics`` open to scrapers (``/health`` always is).
+    ``response_store``: where ``/v1/responses`` keeps stored responses (default: a store of the default bounds).
     """
     names = list(served_model_names)
     limits = limits or ServerLimits()
@@ -132,6 +137,9 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     completions = CompletionServing(engine, names, metrics, chat_template, limits, admission, renderer)
     chat = ChatServing(engine, names, metrics, chat_template, limits, admission, renderer)
     chat.tool_parser, chat.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
+    responses = ResponsesServing(engine, names, metrics, chat_template, limits, admission, renderer)
+    responses.tool_parser, responses.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
+    responses.store = response_store if response_store is not None else ResponseStore()
     created = int(time.time())
 
     @asynccontextmanager
@@ -242,6 +250,25 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request):
         return await chat.create(body, raw)
 
+    # OpenAI's Responses API (serving_responses.py); stored responses live in responses.store (response_store.py)
+    @app.post("/v1/responses", response_model=None, response_class=JSONResponse,
+              responses=_generation(ResponsesResponse))
+    async def create_response(body: ResponsesRequest, raw: Request):
+        return await responses.create(body, raw)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponsesResponse, responses=_errors(401, 404))
+    async def retrieve_response(response_id: str) -> dict:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=_errors(401, 404))
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponsesResponse,
+              responses=_errors(400, 401, 404))
+    async def cancel_response(response_id: str) -> dict:
+        return responses.cancel(response_id)
+
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404, 408, 413, 429, 503))
     async def tokenize(body: TokenizeRequest) -> dict:
         start = time.monotonic()
@@ -330,13 +357,15 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
           cors: Optional[dict[str, Any]] = None, tool_call_parser: Optional[str] = None,
           enable_auto_tool_choice: bool = False, lora_modules: Sequence[LoRARequest] = (),
           allow_runtime_lora_updating: bool = False, data_parallel_size: int = 1,
-          metrics_without_key: bool = False) -> int:
+          metrics_without_key: bool = False, max_stored_responses: int = DEFAULT_MAX_ITEMS,
+          max_stored_responses_bytes: int = DEFAULT_MAX_BYTES) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code.
 
     ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
     ``data_parallel_size`` > 1: that many engine replicas (see ``dp_client.py``), the engine CPUs (default: all this
     process may use) split evenly among them.
     ``exit_on_engine_failure``: if the engine process dies, fail the in-flight requests, then exit with code 1.
+    ``max_stored_responses`` / ``max_stored_responses_bytes``: the bounds of /v1/responses' store (LRU).
     """
     template = load_chat_template(chat_template)
     if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
@@ -368,7 +397,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     if not served_model_names:
         served_model_names = [default_served_name(config.model, engine.model_path)]
     app = build_app(engine, served_model_names, api_key, template, limits, renderer, cors, tool_call_parser,
-                    enable_auto_tool_choice, allow_runtime_lora_updating, metrics_without_key)
+                    enable_auto_tool_choice, allow_runtime_lora_updating, metrics_without_key,
+                    ResponseStore(max_stored_responses, max_stored_responses_bytes))
     ucfg = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                           timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
     server = uvicorn.Server(ucfg)
