@@ -1,7 +1,7 @@
-"""Tool-call parsing (hermes, llama3_json), forced-choice grammars and the chat-template fallback for tools.
+"""Tool-call requests: validation, forced-choice grammars and the chat-template fallback for tools.
 
-End-to-end tool calls through the server (required, named, auto; streamed vs whole) are in
-test_structured_output_server.py."""
+The ``auto`` parsers are tested in tests/core/test_tool_parsers.py. End-to-end tool calls through the server
+(required, named, auto; streamed vs whole) are in test_structured_output_server.py and test_tool_parsers_server.py."""
 
 from __future__ import annotations
 
@@ -24,27 +24,6 @@ ADD = ChatTool(type="function", function={"name": "add", "description": "Add two
     "required": ["a", "b"]}})
 ECHO = ChatTool(type="function", function={"name": "echo", "parameters": {
     "type": "object", "properties": {"text": {"enum": ["hi", "bye"]}}, "required": ["text"]}})
-
-
-def test_hermes_parser():
-    p = tc.get_parser("hermes")
-    text = ('Let me check.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
-            '<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>')
-    content, calls = p.parse(text)
-    assert content == "Let me check."
-    assert [(n, json.loads(a)) for n, a in calls] == [("add", {"a": 1, "b": 2}), ("echo", {"text": "hi"})]
-    assert p.parse("no call here") == ("no call here", [])
-    assert p.holds("text <tool") == len("text ") and p.holds("plain") == 5 and p.started("x<tool_call>{")
-
-
-def test_llama3_json_parser():
-    p = tc.get_parser("llama3_json")
-    content, calls = p.parse('<|python_tag|>{"name": "add", "parameters": {"a": 3, "b": 4}}; '
-                             '{"name": "echo", "parameters": {"text": "bye"}}')
-    assert content is None
-    assert [(n, json.loads(a)) for n, a in calls] == [("add", {"a": 3, "b": 4}), ("echo", {"text": "bye"})]
-    assert p.parse("The answer is 7.") == ("The answer is 7.", [])
-    assert p.parse('{"not": "a call"}') == ('{"not": "a call"}', [])
 
 
 def test_check_request_errors_name_the_field():

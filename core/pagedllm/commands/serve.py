@@ -18,6 +18,7 @@ from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_
                                                 DEFAULT_MAX_NUM_QUEUED_REQS, DEFAULT_RENDER_WORKER_MAX_GROWTH,
                                                 DEFAULT_TEMPLATE_RENDER_TIMEOUT, ServerLimits)
 from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ITEMS
+from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 from pagedllm.errors import ParamError
 
 
@@ -98,8 +99,9 @@ def add_parser(sub) -> None:
                    help="engine replicas, each a process with a full model copy and its own KV cache, behind this "
                         "server; requests go to the least loaded (docs/distributed.md). On CPUs the engine CPUs "
                         "(--engine-cpus, default all) are split evenly among them; default 1")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
-                   help="parse tool calls out of the model's text for tool_choice=auto (Hermes/Qwen or Llama 3 JSON)")
+    p.add_argument("--tool-call-parser", default=None, choices=ToolParserManager.list_registered(),
+                   help="parse tool calls out of the model's text for tool_choice=auto: "
+                        + ", ".join(ToolParserManager.list_registered()) + " (docs/structured_outputs.md)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="allow tool_choice=auto (needs --tool-call-parser)")
     p.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_ITEMS, metavar="N",

@@ -8,9 +8,9 @@ stall the server. A request's own ``chat_template`` is refused (400 naming it) u
 A streamed choice opens with a ``{"role": "assistant"}`` delta and ends with a chunk carrying ``finish_reason``;
 ``stream_options.include_usage`` adds a final chunk with empty ``choices`` and the usage.
 
-Tools (``tool_calling.py``): a named ``tool_choice`` streams its arguments as they are generated; ``required`` and
-``auto`` calls are parsed when the choice ends and sent as one ``tool_calls`` delta each (``auto`` streams plain
-content until the parser's start marker appears).
+Tools (``tool_calling.py``): a named ``tool_choice`` streams its arguments as they are generated; ``auto`` streams
+through the ``--tool-call-parser`` (``tool_parsers/``: content until a call may begin, then each call's name and
+its arguments as they settle); ``required`` calls are parsed when the choice ends and sent as one delta each.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class ChatServing(Serving):
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs=true", param="top_logprobs")
         choice = self._tool_choice(req)
+        if choice == "auto":  # e.g. mistral keeps the special [TOOL_CALLS] token in the text
+            req = tc.new_tool_parser(self.tool_parser, self.tokenizer).adjust_request(req)
         if req.chat_template is not None and not self.limits.trust_request_chat_template:
             raise APIError(400, "chat_template: a request-level chat template is not accepted by this server (the "
                                 "operator can allow it with --trust-request-chat-template)", param="chat_template",
@@ -96,9 +98,10 @@ class ChatServing(Serving):
             if ticket is not None:
                 ticket.release()
 
-    def _tool_deltas(self, st: ChoiceState, c, text: str, choice: object, done: bool) -> list[dict]:
-        """Stream deltas of one choice with tools: a named choice streams its arguments; otherwise content streams
-        until a tool call may begin, and calls are parsed and sent when the choice ends."""
+    def _tool_deltas(self, st: ChoiceState, c, text: str, choice: object, done: bool,
+                     req: ChatCompletionRequest) -> list[dict]:
+        """Stream deltas of one choice with tools: a named choice streams its arguments; ``auto`` streams through
+        the tool parser; ``required`` calls are parsed and sent when the choice ends."""
         if not isinstance(choice, str):  # named: the whole output is the arguments
             out = []
             if not st.called:
@@ -108,26 +111,19 @@ class ChatServing(Serving):
             if text:
                 out.append({"tool_calls": [{"index": 0, "function": {"arguments": text}}]})
             return out
-        st.held += text
-        out = []
-        if choice == "auto" and not done:
-            if not st.holding:
-                parser = tc.get_parser(self.tool_parser)
-                cut = parser.holds(st.held)
-                if cut > 0:
-                    out.append({"content": st.held[:cut]})
-                    st.held = st.held[cut:]
-                st.holding = parser.started(st.held)
+        previous, st.held = st.held, st.held + text
+        if choice == "auto":  # the parser's streaming method; its last delta completes what the final parse finds
+            parser = st.tool_parser = st.tool_parser or tc.new_tool_parser(self.tool_parser, self.tokenizer)
+            out = tc.delta_dicts(parser.extract_tool_calls_streaming(previous, st.held, text, (), (), (), req)
+                                 if text else None)
+            if done:
+                out += tc.delta_dicts(parser.finish_streaming(st.held, req))
+            st.called = st.called or any("tool_calls" in d for d in out)
             return out
+        out = []
         if not done:
             return out
-        full = c.text
-        if choice == "auto":
-            content, calls = tc.get_parser(self.tool_parser).parse(full)
-            if not calls and st.held:
-                out.append({"content": st.held})
-        else:
-            calls = tc.forced_calls(full, choice)
+        calls = tc.forced_calls(c.text, choice)
         for i, call in enumerate(tc.openai_calls(calls)):
             st.called = True
             out.append({"tool_calls": [{"index": i, **call}]})
@@ -136,17 +132,18 @@ class ChatServing(Serving):
     def _k(self, req: ChatCompletionRequest) -> int:
         return req.top_logprobs or 0
 
-    def _message(self, text: str, choice: object) -> tuple[dict, bool]:
+    def _message(self, text: str, choice: object, req: ChatCompletionRequest) -> tuple[dict, bool]:
         """The assistant message for ``text`` under ``choice``; True when it carries tool calls."""
         calls: list = []
         content: Optional[str] = text
         if choice == "auto":
-            content, calls = tc.get_parser(self.tool_parser).parse(text)
+            info = tc.new_tool_parser(self.tool_parser, self.tokenizer).extract_tool_calls(text, req)
+            content, calls = info.content, [t.model_dump() for t in info.tool_calls]
         elif choice != "none":
-            calls, content = tc.forced_calls(text, choice), None
+            calls, content = tc.openai_calls(tc.forced_calls(text, choice)), None
         msg: dict = {"role": "assistant", "content": content}
         if calls:
-            msg["tool_calls"] = tc.openai_calls(calls)
+            msg["tool_calls"] = calls
         return msg, bool(calls)
 
     @staticmethod
@@ -170,7 +167,7 @@ class ChatServing(Serving):
             usage.completion_tokens += len(c.token_ids)
 
         def build(c) -> dict:
-            msg, has_calls = self._message(c.text, choice)
+            msg, has_calls = self._message(c.text, choice, req)
             return {"index": c.index, "message": msg,
                     "logprobs": self.chat_logprobs(c, 0, len(c.token_ids), self._k(req)) if req.logprobs else None,
                     "finish_reason": self._finish(c.finish_reason, has_calls, choice), "stop_reason": c.stop_reason,
@@ -218,7 +215,7 @@ class ChatServing(Serving):
                             yield chunk(c.index, {}, None, finish, c.stop_reason)
                         continue
                     has_calls = False
-                    for delta in self._tool_deltas(st, c, text, choice, finish is not None):
+                    for delta in self._tool_deltas(st, c, text, choice, finish is not None, req):
                         has_calls = has_calls or "tool_calls" in delta
                         yield chunk(c.index, delta, lp, token_ids=ids)
                         lp = ids = None

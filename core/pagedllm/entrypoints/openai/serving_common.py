@@ -121,6 +121,7 @@ class ChoiceState:
     held: str = ""  # tool calling: text held back while a call may be in it
     holding: bool = False
     called: bool = False
+    tool_parser: Any = None  # the --tool-call-parser instance of an "auto" choice
 
     def delta(self, c: CompletionOutput, params: SamplingParams) -> tuple[str, int, int]:
         """(new text, first new token index, end token index) since the last call."""

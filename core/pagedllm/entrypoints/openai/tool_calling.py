@@ -4,28 +4,25 @@
 and ``--tool-call-parser``; the parser finds calls in free text), ``required`` (the output is constrained to a JSON
 array of ``{"name", "parameters"}`` objects, one schema branch per tool) and a named function (the output is
 constrained to that function's parameters schema). Forced choices are enforced by a grammar, as vLLM does, so every
-response carries valid calls whatever the model. Parsers: ``hermes`` (Hermes/Qwen ``<tool_call>{...}</tool_call>``)
-and ``llama3_json`` (Llama 3's bare ``{"name": ..., "parameters": ...}``, ``;``-separated, optional
-``<|python_tag|>``).
+response carries valid calls whatever the model. The ``auto`` parsers live in ``tool_parsers/`` (vLLM's
+``ToolParser`` interface, ``ToolParserManager`` registry); this module holds what serving needs of them.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
 from typing import Any, Optional
 
+from pagedllm.entrypoints.openai.tool_parsers import DeltaMessage, ToolParser, ToolParserManager
+from pagedllm.entrypoints.openai.tool_parsers.records import make_tool_call_id
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import StructuredOutputsParams
-
-PARSERS = ("hermes", "llama3_json")
 
 Call = tuple[str, str]  # (function name, arguments as JSON text)
 
 
 def call_id() -> str:
-    return f"chatcmpl-tool-{uuid.uuid4().hex[:24]}"
+    return make_tool_call_id()
 
 
 def _params_schema(fn: Any) -> dict:
@@ -89,89 +86,33 @@ def tools_for_template(tools: list) -> list[dict]:
 
 
 def tools_system_prompt(tools: list[dict], parser: Optional[str]) -> str:
-    """The system message used when the chat template does not render ``tools`` (e.g. SmolLM2's)."""
+    """The system message used when the chat template does not render ``tools`` (e.g. SmolLM2's): the functions
+    and the call format of ``parser`` (hermes's when there is none)."""
     sigs = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    if parser == "llama3_json":
-        fmt = 'respond with a JSON object {"name": <function name>, "parameters": <arguments object>}'
-    else:
-        fmt = 'wrap each call as <tool_call>{"name": <function name>, "arguments": <arguments object>}</tool_call>'
+    fmt = ToolParserManager.get_tool_parser(parser or "hermes").call_format
     return f"You may call these functions:\n{sigs}\nTo call a function, {fmt}."
 
 
-# ---- parsers (auto) ------------------------------------------------------------------------------------------
-class HermesParser:
-    start = "<tool_call>"
-    _re = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
-
-    def parse(self, text: str) -> tuple[Optional[str], list[Call]]:
-        if self.start not in text:
-            return text, []
-        calls = []
-        for body in self._re.findall(text):
-            try:
-                obj = json.loads(body)
-            except ValueError:
-                continue
-            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-                calls.append((obj["name"], json.dumps(obj.get("arguments", {}), ensure_ascii=False)))
-        if not calls:
-            return text, []
-        content = text[:text.index(self.start)].strip()
-        return content or None, calls
-
-    def started(self, text: str) -> bool:
-        return self.start in text
-
-    def holds(self, text: str) -> int:
-        """Index from which streamed text must be held back (a call, or what may become one), else len(text)."""
-        i = text.find(self.start)
-        if i >= 0:
-            return i
-        for n in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-n:]):
-                return len(text) - n
-        return len(text)
+def tool_parser_names() -> list[str]:
+    """The registered ``--tool-call-parser`` names."""
+    return ToolParserManager.list_registered()
 
 
-class Llama3JsonParser:
-    tag = "<|python_tag|>"
-
-    def parse(self, text: str) -> tuple[Optional[str], list[Call]]:
-        body = text.strip()
-        if body.startswith(self.tag):
-            body = body[len(self.tag):].strip()
-        if not body.startswith("{"):
-            return text, []
-        calls = []
-        dec = json.JSONDecoder()
-        i = 0
-        while i < len(body):
-            try:
-                obj, end = dec.raw_decode(body, i)
-            except ValueError:
-                return text, []
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                return text, []
-            args = obj.get("parameters", obj.get("arguments", {}))
-            calls.append((obj["name"], json.dumps(args, ensure_ascii=False)))
-            i = end
-            while i < len(body) and body[i] in " \n\t;":
-                i += 1
-        return None, calls
-
-    def started(self, text: str) -> bool:
-        s = text.lstrip()
-        return s.startswith("{") or s.startswith(self.tag)
-
-    def holds(self, text: str) -> int:
-        s = text.lstrip()
-        if s.startswith("{") or s.startswith(self.tag) or self.tag.startswith(s):
-            return 0
-        return len(text)
+def new_tool_parser(name: str, tokenizer: Any = None) -> ToolParser:
+    """A parser for one choice (streaming keeps its state on the instance)."""
+    return ToolParserManager.get_tool_parser(name)(tokenizer)
 
 
-def get_parser(name: str) -> Any:
-    return {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[name]()
+def delta_dicts(delta: Optional[DeltaMessage]) -> list[dict]:
+    """A parser's streamed step as chunk deltas: its content, then its tool-call pieces."""
+    if delta is None:
+        return []
+    out: list[dict] = []
+    if delta.content:
+        out.append({"content": delta.content})
+    if delta.tool_calls:
+        out.append({"tool_calls": [d.model_dump(exclude_none=True) for d in delta.tool_calls]})
+    return out
 
 
 def openai_calls(calls: list[Call]) -> list[dict]:
