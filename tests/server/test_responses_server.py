@@ -15,17 +15,21 @@ import jsonschema
 import openai
 import pytest
 
+from pagedllm.entrypoints.openai import tool_calling as tc
 from pagedllm.entrypoints.openai.response_store import ResponseStore
+from pagedllm.entrypoints.openai.serving_responses import ResponseEventStream
 from server_utils import ServerProcess, tiny_chat_model
 
 STORE_ITEMS = 3
 ECHO = {"type": "function", "name": "echo", "description": "Say a word",
         "parameters": {"type": "object", "properties": {"text": {"enum": ["hi", "bye"]}}, "required": ["text"]}}
+ECHO_CHAT = {"type": "function", "function": {k: v for k, v in ECHO.items() if k != "type"}}
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = ServerProcess(tiny_chat_model(), "--max-model-len", "256", "--max-stored-responses", str(STORE_ITEMS))
+    srv = ServerProcess(tiny_chat_model(), "--max-model-len", "256", "--max-stored-responses", str(STORE_ITEMS),
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield srv
     srv.stop()
 
@@ -118,6 +122,21 @@ def test_function_tool_round_trip(client):
     jsonschema.validate(json.loads(req.output[0].arguments), ECHO["parameters"])
 
 
+def test_auto_tool_choice_matches_chat(client):
+    """tool_choice auto (the server's hermes parser): the tools are rendered as chat renders them and the text is
+    parsed as chat parses it; the random model writes no call, so the answer is a message, streamed or not."""
+    kw = dict(model="test-model", input="Maybe call echo", tools=[ECHO], max_output_tokens=12, temperature=0)
+    r = client.responses.create(**kw)
+    expected = client.chat.completions.create(model="test-model", messages=[{"role": "user",
+                                                                             "content": "Maybe call echo"}],
+                                              tools=[ECHO_CHAT], max_tokens=12, temperature=0).choices[0].message
+    assert not expected.tool_calls and [it.type for it in r.output] == ["message"]
+    assert r.output_text == expected.content and r.tool_choice == "auto"
+    events = list(client.responses.create(**kw, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+
+
 def test_previous_response_chaining(client, server):
     r1 = client.responses.create(model="test-model", input="What is a cat?", instructions="Answer briefly.",
                                  max_output_tokens=8, temperature=0)
@@ -176,7 +195,8 @@ def test_unknown_ids_are_404(client, server):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
     ({"input": [{"type": "function_call", "name": "f"}]}, "input"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [ECHO], "tool_choice": "auto"}, "tool_choice"),  # this server has no --tool-call-parser
+    ({"tools": [ECHO], "tool_choice": {"type": "function", "name": "missing"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
 ])
 def test_unsupported_or_bad_fields_are_400(client, extra, param):
@@ -230,3 +250,30 @@ def test_store_byte_bound():
     assert not store.put(resp("e", "x" * 10_000), msgs)  # bigger than the whole store: not kept, nothing evicted
     assert len(store) == 2 and not one.put(resp("a", ""), msgs) and len(one) == 0
     assert store.delete("b") and not store.delete("b") and store.bytes == size
+
+
+def test_streamed_tool_calls_assemble_like_the_whole_parse():
+    """The event stream of an ``auto`` answer that does call tools (the random model never writes one): the real
+    hermes parser's streamed steps, fed a few characters at a time, give the items its whole-text parse gives."""
+    text = ('Let me check.\n<tool_call>\n{"name": "echo", "arguments": {"text": "hi"}}\n</tool_call>\n'
+            '<tool_call>{"name": "echo", "arguments": {"text": "bye"}}</tool_call>')
+    whole = tc.new_tool_parser("hermes").extract_tool_calls(text, None)
+    parser, ev, events, sent = tc.new_tool_parser("hermes"), ResponseEventStream(), [], ""
+    for i in range(0, len(text), 5):
+        delta = text[i:i + 5]
+        events += ev.parser_delta(parser.extract_tool_calls_streaming(sent, sent + delta, delta, [], [], [], None))
+        sent += delta
+    events += ev.parser_delta(parser.finish_streaming(text, None)) + ev.close_all()
+    data = [json.loads(e.split("data: ", 1)[1]) for e in events]
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    items = [d["item"] for d in data if d["type"] == "response.output_item.done"]
+    assert [it["type"] for it in items] == ["message", "function_call", "function_call"]
+    assert items[0]["content"][0]["text"] == "".join(d["delta"] for d in data
+                                                      if d["type"] == "response.output_text.delta")
+    assert items[0]["content"][0]["text"].strip() == whole.content
+    for item, call in zip(items[1:], whole.tool_calls):
+        args = "".join(d["delta"] for d in data if d["type"] == "response.function_call_arguments.delta"
+                       and d["item_id"] == item["id"])
+        assert (item["name"], item["arguments"], args) == (call.function.name, call.function.arguments, args)
+        assert json.loads(args) == json.loads(call.function.arguments)
+    assert ev.output == items

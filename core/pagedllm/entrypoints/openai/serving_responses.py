@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai import tool_calling as tc
 from pagedllm.entrypoints.openai.errors import APIError, from_param_error
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.grammar_gate import gate_grammar
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (ResponsesRequest, parse_input, to_chat_messages,
                                                             unsupported_fields)
 from pagedllm.entrypoints.openai.response_store import ResponseStore
@@ -84,9 +85,9 @@ class ResponsesServing(Serving):
             raise not_found(req.previous_response_id, "previous_response_id")
         return prev.messages + to_chat_messages(parse_input(prev.response["output"])) + new
 
-    def _params(self, req: ResponsesRequest, structured) -> SamplingParams:
+    def _params(self, req: ResponsesRequest, structured, skip_special_tokens: bool) -> SamplingParams:
         kw: dict[str, Any] = dict(max_tokens=req.max_output_tokens, seed=req.seed, priority=req.priority,
-                                  structured_outputs=structured)
+                                  structured_outputs=structured, skip_special_tokens=skip_special_tokens)
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             if getattr(req, name) is not None:
                 kw[name] = getattr(req, name)
@@ -110,8 +111,9 @@ class ResponsesServing(Serving):
         check_extra_fields(req, "/v1/responses")
         conversation = self._conversation(req)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+        chat_req = self.chat_request(req, chat_tools, choice)
         forced = tc.forced_grammar(chat_tools, choice, req.parallel_tool_calls)
-        params = self._params(req, forced if forced is not None else structured)
+        params = self._params(req, forced if forced is not None else structured, chat_req.skip_special_tokens)
         rename = {f"structured_outputs.{k}": "tools" if forced is not None else "text.format"
                   for k in ("json", "regex", "choice", "grammar", "json_object")}
         params = await gate_grammar(self, params, rename, raw, start)
@@ -132,7 +134,7 @@ class ResponsesServing(Serving):
             self.check_lengths(len(ids), req.max_output_tokens, "max_output_tokens", prompt_field="input")
             rid = item_id("resp")
             streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, rename, start, lora)
-            turn = _Turn(self, rid, req, params, choice, conversation)
+            turn = _Turn(self, rid, req, chat_req, params, choice, conversation)
             if req.stream:
                 resp = stream_response(turn.events(streams), streams, self.metrics, ticket)
                 ticket = None  # released when the response ends
@@ -141,6 +143,17 @@ class ResponsesServing(Serving):
         finally:
             if ticket is not None:
                 ticket.release()
+
+    def chat_request(self, req: ResponsesRequest, chat_tools: list, choice: Any) -> ChatCompletionRequest:
+        """The request as the chat request it amounts to, for the tool and reasoning parsers (which read
+        ``tools`` and may adjust it, e.g. keep special tokens); its messages are not used."""
+        chat = ChatCompletionRequest(model=req.model, messages=[{"role": "user", "content": ""}],
+                                     tools=chat_tools or None, tool_choice=choice,
+                                     parallel_tool_calls=req.parallel_tool_calls,
+                                     max_completion_tokens=req.max_output_tokens)
+        if choice == "auto":
+            chat = tc.new_tool_parser(self.tool_parser, self.tokenizer).adjust_request(chat)
+        return chat
 
     # ---- stored responses -------------------------------------------------------------------------------------
     def retrieve(self, response_id: str) -> dict:
@@ -168,9 +181,9 @@ class ResponsesServing(Serving):
 
         return ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)(self.tokenizer)
 
-    def auto_parser(self) -> Any:
-        """The ``--tool-call-parser`` for ``tool_choice: auto`` (``parse``, ``holds``, ``started``)."""
-        return tc.get_parser(self.tool_parser)
+    def new_tool_parser(self) -> Any:
+        """The ``--tool-call-parser`` for ``tool_choice: auto`` (one per response: streaming keeps its state)."""
+        return tc.new_tool_parser(self.tool_parser, self.tokenizer)
 
 
 def _delta_parts(delta: Any) -> tuple[Optional[str], Optional[str]]:
@@ -186,9 +199,10 @@ def _delta_parts(delta: Any) -> tuple[Optional[str], Optional[str]]:
 class _Turn:
     """One response being produced: builds its output items whole or as streamed events."""
 
-    def __init__(self, serving: ResponsesServing, rid: str, req: ResponsesRequest, params: SamplingParams,
-                 choice: Any, conversation: list[dict]):
+    def __init__(self, serving: ResponsesServing, rid: str, req: ResponsesRequest, chat_req: ChatCompletionRequest,
+                 params: SamplingParams, choice: Any, conversation: list[dict]):
         self.s, self.rid, self.req, self.params, self.choice = serving, rid, req, params, choice
+        self.chat_req = chat_req
         self.conversation = conversation
         self.created = time.time()
 
@@ -237,7 +251,7 @@ class _Turn:
         parser = self.s.new_reasoning_parser()
         if parser is None:
             return None, c.text, 0
-        reasoning, content = parser.extract_reasoning(c.text, self.req)
+        reasoning, content = parser.extract_reasoning(c.text, self.chat_req)
         n = len(c.token_ids) - len(parser.extract_content_ids(list(c.token_ids))) if reasoning else 0
         return reasoning, content or "", n
 
@@ -246,7 +260,9 @@ class _Turn:
         calls: list = []
         text: Optional[str] = content
         if self.choice == "auto":
-            text, calls = self.s.auto_parser().parse(content)
+            info = self.s.new_tool_parser().extract_tool_calls(content, self.chat_req)
+            if info.tools_called:
+                text, calls = info.content, [(c.function.name, c.function.arguments) for c in info.tool_calls]
         elif self.choice != "none":
             calls, text = tc.forced_calls(content, self.choice), None
         items = [message_item(text or "")] if text or not calls else []
@@ -269,49 +285,51 @@ class _Turn:
 
     # ---- streamed -----------------------------------------------------------------------------------------------
     async def events(self, streams) -> AsyncIterator[str]:
-        ev = _EventStream()
+        ev = ResponseEventStream()
         head = self.response("in_progress", [])
         yield ev.event("response.created", response=head)
         yield ev.event("response.in_progress", response=head)
-        parser = self.s.new_reasoning_parser()
-        auto = self.s.auto_parser() if self.choice == "auto" else None
+        reasoner = self.s.new_reasoning_parser()
+        tools = self.s.new_tool_parser() if self.choice == "auto" else None
         named = None if isinstance(self.choice, str) else self.choice.function.name
         st = ChoiceState()
-        prev_text, prev_ids = "", []
-        held = ""  # content that may be (part of) a tool call (auto, required): items when the output ends
-        holding = False
+        text, ids = "", []  # the whole output so far, and its content part (after the reasoning)
+        content_text, content_ids = "", []
         reasoning_tokens = 0
         final = None
         try:
             async for _, out in merge_streams(streams):
                 c = out.outputs[0]
                 delta, start, end = st.delta(c, self.params)
-                cur_text = prev_text + delta
+                new_ids = list(c.token_ids[start:end])
                 reasoning, content = None, delta
-                if parser is not None and (delta or end > start):
-                    reasoning, content = _delta_parts(parser.extract_reasoning_streaming(
-                        prev_text, cur_text, delta, prev_ids, list(c.token_ids[:end]), list(c.token_ids[start:end])))
+                if reasoner is not None and (delta or new_ids):
+                    reasoning, content = _delta_parts(reasoner.extract_reasoning_streaming(
+                        text, text + delta, delta, ids, ids + new_ids, new_ids))
                     if reasoning:
-                        reasoning_tokens += end - start
-                prev_text, prev_ids = cur_text, list(c.token_ids[:end])
+                        reasoning_tokens += len(new_ids)
+                text, ids = text + delta, ids + new_ids
                 if reasoning:
                     for e in ev.text("reasoning", reasoning):
                         yield e
-                if content and self.choice == "none":
+                content = content or ""
+                if tools is not None and (content or out.finished):
+                    step = tools.extract_tool_calls_streaming(content_text, content_text + content, content,
+                                                              content_ids, content_ids + new_ids, new_ids,
+                                                              self.chat_req)
+                    content_text, content_ids = content_text + content, content_ids + new_ids
+                    if out.finished:
+                        step = _merge(step, tools.finish_streaming(content_text, self.chat_req))
+                    for e in ev.parser_delta(step):
+                        yield e
+                elif self.choice == "none" and content:
                     for e in ev.text("message", content):
                         yield e
-                elif content and named is not None:  # a named choice: the whole content is the arguments
-                    for e in ev.text("function_call", content, named):
+                elif named is not None and content:  # a named choice: the whole content is the arguments
+                    for e in ev.call(0, named, content):
                         yield e
-                elif content:
-                    held += content
-                    if auto is not None and not holding:
-                        cut = auto.holds(held)
-                        if cut > 0:
-                            for e in ev.text("message", held[:cut]):
-                                yield e
-                            held = held[cut:]
-                        holding = auto.started(held)
+                else:  # required: the JSON array of calls is read when it is complete
+                    content_text += content
                 if out.finished:
                     final = out
         except EngineDeadError as e:
@@ -321,38 +339,39 @@ class _Turn:
             yield ev.event("error", code="request_timeout", param=None,
                            message=timeout_error(self.s.limits.request_timeout).message)
             return
-        calls: list = []
         if self.choice == "required":
-            calls = tc.forced_calls(held, self.choice)
-        elif self.choice == "auto" and held:
-            calls = auto.parse(held)[1] if holding else []
-            if not calls:
-                for e in ev.text("message", held):
+            for i, (name, args) in enumerate(tc.forced_calls(content_text, self.choice)):
+                for e in ev.call(i, name, args):
                     yield e
-        for name, args in calls:
-            for e in ev.text("function_call", args, name):
-                yield e
-            ev.force_close = True
-        for e in ev.close():
-            yield e
         if not any(it["type"] in ("message", "function_call") for it in ev.output):
             for e in ev.text("message", ""):  # an empty answer is still a message
                 yield e
-            for e in ev.close():
-                yield e
+        for e in ev.close_all():
+            yield e
         resp = self.finish(final, ev.output, reasoning_tokens)
         yield ev.event("response.completed" if resp["status"] == "completed" else "response.incomplete",
                        response=resp)
 
 
-class _EventStream:
-    """The output items of a streamed response and the SSE events that build them, numbered in order."""
+def _merge(a: Any, b: Any) -> Any:
+    """Two streamed parser steps as one (content appended, tool-call pieces in order)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return a.model_copy(update={"content": (a.content or "") + (b.content or "") or None,
+                                "tool_calls": list(a.tool_calls) + list(b.tool_calls)})
+
+
+class ResponseEventStream:
+    """The output items of a streamed response and the SSE events that build them, numbered in order.
+
+    At most one text item (message or reasoning) is open at a time; function calls stay open until the end, since a
+    tool parser may still add to an earlier call's arguments after a later call began."""
 
     def __init__(self):
         self.seq = 0
         self.output: list[dict] = []
-        self.open: Optional[dict] = None  # the item text deltas go to
-        self.force_close = False  # the next text opens a new item even of the same kind (one call per item)
+        self.open: Optional[dict] = None  # the text item deltas go to
+        self.calls: dict[int, dict] = {}  # open function_call items by the parser's call index
 
     def event(self, kind: str, **body: Any) -> str:
         data = json.dumps({"type": kind, **body, "sequence_number": self.seq}, ensure_ascii=False,
@@ -360,12 +379,12 @@ class _EventStream:
         self.seq += 1
         return f"event: {kind}\ndata: {data}\n\n"
 
-    def close(self) -> list[str]:
-        item, self.open = self.open, None
-        if item is None:
-            return []
+    def _index(self, item: dict) -> int:
+        return next(i for i, it in enumerate(self.output) if it is item)
+
+    def _done(self, item: dict) -> list[str]:
         item["status"] = "completed"
-        i, out = len(self.output) - 1, []
+        i, out = self._index(item), []
         if item["type"] == "message":
             part = item["content"][0]
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
@@ -381,44 +400,68 @@ class _EventStream:
         out.append(self.event("response.output_item.done", output_index=i, item=item))
         return out
 
-    def _open(self, item: dict) -> list[str]:
+    def close(self) -> list[str]:
+        """Close the open text item."""
+        item, self.open = self.open, None
+        return self._done(item) if item is not None else []
+
+    def close_all(self) -> list[str]:
         out = self.close()
+        for item in self.calls.values():
+            out += self._done(item)
+        self.calls.clear()
+        return out
+
+    def _add(self, item: dict) -> list[str]:
         self.output.append(item)
-        self.open = item
         i = len(self.output) - 1
         added = {**item, "status": "in_progress"}
         if item["type"] == "reasoning":
             added["content"] = []
-        out.append(self.event("response.output_item.added", output_index=i, item=added))
+        out = [self.event("response.output_item.added", output_index=i, item=added)]
         if item["type"] == "message":
             out.append(self.event("response.content_part.added", item_id=item["id"], output_index=i,
                                   content_index=0, part={"type": "output_text", "text": "", "annotations": [],
                                                          "logprobs": []}))
         return out
 
-    def text(self, kind: str, delta: str, name: Optional[str] = None) -> list[str]:
-        """``delta`` appended to the open item of ``kind`` (a new one is opened, closing another, if needed);
-        ``name``: the function of a ``function_call`` item."""
+    def text(self, kind: str, delta: str) -> list[str]:
+        """``delta`` appended to the open ``kind`` ("message" or "reasoning") item, opened first if needed."""
         out: list[str] = []
-        if self.open is None or self.open["type"] != kind or self.force_close:
-            self.force_close = False
-            item = (message_item("", status="in_progress") if kind == "message" else
-                    reasoning_item("", status="in_progress") if kind == "reasoning" else
-                    function_call_item(name, "", status="in_progress"))
-            out += self._open(item)
-        item, i = self.open, len(self.output) - 1
-        if not delta:
-            return out
-        if kind == "function_call":
-            item["arguments"] += delta
-            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
-                                  delta=delta))
-        elif kind == "message":
+        if self.open is None or self.open["type"] != kind:
+            out += self.close()
+            self.open = message_item("", status="in_progress") if kind == "message" else \
+                reasoning_item("", status="in_progress")
+            out += self._add(self.open)
+        if delta:
+            item = self.open
             item["content"][0]["text"] += delta
-            out.append(self.event("response.output_text.delta", item_id=item["id"], output_index=i,
-                                  content_index=0, delta=delta, logprobs=[]))
-        else:
-            item["content"][0]["text"] += delta
-            out.append(self.event("response.reasoning_text.delta", item_id=item["id"], output_index=i,
-                                  content_index=0, delta=delta))
+            name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+            extra = {"logprobs": []} if kind == "message" else {}
+            out.append(self.event(name, item_id=item["id"], output_index=self._index(item), content_index=0,
+                                  delta=delta, **extra))
+        return out
+
+    def call(self, index: int, name: Optional[str], arguments: str) -> list[str]:
+        """``arguments`` appended to function call ``index`` (added first, with ``name``, if new)."""
+        out: list[str] = []
+        item = self.calls.get(index)
+        if item is None:
+            out += self.close()
+            item = self.calls[index] = function_call_item(name or "", "", status="in_progress")
+            out += self._add(item)
+        if arguments:
+            item["arguments"] += arguments
+            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                  output_index=self._index(item), delta=arguments))
+        return out
+
+    def parser_delta(self, step: Any) -> list[str]:
+        """A tool parser's streamed step (vLLM's ``DeltaMessage``): its content, then its call pieces."""
+        if step is None:
+            return []
+        out = self.text("message", step.content) if step.content else []
+        for d in step.tool_calls:
+            fn = d.function
+            out += self.call(d.index, fn.name if fn else None, (fn.arguments or "") if fn else "")
         return out
