@@ -37,8 +37,10 @@ from pagedllm.entrypoints.openai.serving_common import (ChoiceState, Serving, me
                                                       timeout_error, until_disconnect)
 from pagedllm.errors import ParamError
 from pagedllm.generation_defaults import apply_defaults
+from pagedllm.reasoning import ReasoningParserManager, ReasoningStream
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.limits import StructuredOutputsConfig
 
 
 def item_id(prefix: str) -> str:
@@ -68,8 +70,13 @@ def function_call_item(name: str, arguments: str, fid: Optional[str] = None, cal
 class ResponsesServing(Serving):
     tool_parser: Optional[str] = None  # --tool-call-parser
     enable_auto_tool_choice = False  # --enable-auto-tool-choice
-    reasoning_parser: Optional[str] = None  # --reasoning-parser
     store: ResponseStore
+
+    @property
+    def reasoning_parser(self) -> Optional[str]:
+        """``--reasoning-parser`` (vLLM keeps it in the structured-outputs config: grammars start after it)."""
+        config = StructuredOutputsConfig.parse(getattr(self.engine.config, "structured_outputs_config", None))
+        return getattr(config, "reasoning_parser", None) or None
 
     # ---- request -> prompt ------------------------------------------------------------------------------------
     def _conversation(self, req: ResponsesRequest) -> list[dict]:
@@ -134,7 +141,7 @@ class ResponsesServing(Serving):
             self.check_lengths(len(ids), req.max_output_tokens, "max_output_tokens", prompt_field="input")
             rid = item_id("resp")
             streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, rename, start, lora)
-            turn = _Turn(self, rid, req, chat_req, params, choice, conversation)
+            turn = _Turn(self, rid, req, chat_req, params, choice, conversation, ids)
             if req.stream:
                 resp = stream_response(turn.events(streams), streams, self.metrics, ticket)
                 ticket = None  # released when the response ends
@@ -153,7 +160,8 @@ class ResponsesServing(Serving):
                                      max_completion_tokens=req.max_output_tokens)
         if choice == "auto":
             chat = tc.new_tool_parser(self.tool_parser, self.tokenizer).adjust_request(chat)
-        return chat
+        reasoner = self.new_reasoning_parser()
+        return reasoner.adjust_request(chat) if reasoner is not None else chat
 
     # ---- stored responses -------------------------------------------------------------------------------------
     def retrieve(self, response_id: str) -> dict:
@@ -175,34 +183,24 @@ class ResponsesServing(Serving):
 
     # ---- parsers ----------------------------------------------------------------------------------------------
     def new_reasoning_parser(self) -> Any:
-        if self.reasoning_parser is None:
-            return None
-        from pagedllm.reasoning import ReasoningParserManager  # the reasoning package (--reasoning-parser)
-
-        return ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)(self.tokenizer)
+        name = self.reasoning_parser
+        return ReasoningParserManager.get_reasoning_parser(name)(self.tokenizer) if name else None
 
     def new_tool_parser(self) -> Any:
         """The ``--tool-call-parser`` for ``tool_choice: auto`` (one per response: streaming keeps its state)."""
         return tc.new_tool_parser(self.tool_parser, self.tokenizer)
 
 
-def _delta_parts(delta: Any) -> tuple[Optional[str], Optional[str]]:
-    """(reasoning, content) of a reasoning parser's streamed delta (vLLM's ``DeltaMessage``; either name)."""
-    if delta is None:
-        return None, None
-    reasoning = getattr(delta, "reasoning", None)
-    if reasoning is None:
-        reasoning = getattr(delta, "reasoning_content", None)
-    return reasoning, getattr(delta, "content", None)
-
-
 class _Turn:
     """One response being produced: builds its output items whole or as streamed events."""
 
     def __init__(self, serving: ResponsesServing, rid: str, req: ResponsesRequest, chat_req: ChatCompletionRequest,
-                 params: SamplingParams, choice: Any, conversation: list[dict]):
+                 params: SamplingParams, choice: Any, conversation: list[dict], prompt_ids: list[int]):
         self.s, self.rid, self.req, self.params, self.choice = serving, rid, req, params, choice
         self.chat_req = chat_req
+        reasoner = serving.new_reasoning_parser()
+        #: the reasoning split of this output, whole or streamed (None without --reasoning-parser)
+        self.reasoning = ReasoningStream(reasoner, prompt_ids) if reasoner is not None else None
         self.conversation = conversation
         self.created = time.time()
 
@@ -248,11 +246,10 @@ class _Turn:
 
     def split_reasoning(self, c: CompletionOutput) -> tuple[Optional[str], str, int]:
         """(reasoning, content, reasoning tokens) of a finished output."""
-        parser = self.s.new_reasoning_parser()
-        if parser is None:
+        if self.reasoning is None:
             return None, c.text, 0
-        reasoning, content = parser.extract_reasoning(c.text, self.chat_req)
-        n = len(c.token_ids) - len(parser.extract_content_ids(list(c.token_ids))) if reasoning else 0
+        reasoning, content = self.reasoning.whole(c.text)
+        n = self.reasoning.parser.count_reasoning_tokens(c.token_ids) if reasoning is not None else 0
         return reasoning, content or "", n
 
     def content_items(self, content: str) -> list[dict]:
@@ -289,30 +286,27 @@ class _Turn:
         head = self.response("in_progress", [])
         yield ev.event("response.created", response=head)
         yield ev.event("response.in_progress", response=head)
-        reasoner = self.s.new_reasoning_parser()
         tools = self.s.new_tool_parser() if self.choice == "auto" else None
         named = None if isinstance(self.choice, str) else self.choice.function.name
         st = ChoiceState()
-        text, ids = "", []  # the whole output so far, and its content part (after the reasoning)
-        content_text, content_ids = "", []
-        reasoning_tokens = 0
+        content_text, content_ids = "", []  # the answer after the reasoning, as the tool parser has seen it
         final = None
         try:
             async for _, out in merge_streams(streams):
                 c = out.outputs[0]
                 delta, start, end = st.delta(c, self.params)
                 new_ids = list(c.token_ids[start:end])
-                reasoning, content = None, delta
-                if reasoner is not None and (delta or new_ids):
-                    reasoning, content = _delta_parts(reasoner.extract_reasoning_streaming(
-                        text, text + delta, delta, ids, ids + new_ids, new_ids))
+                steps = [(None, delta)]
+                if self.reasoning is not None:
+                    steps = [self.reasoning.delta(delta, new_ids)] + ([self.reasoning.finish()] if out.finished
+                                                                      else [])
+                    steps = [(m.reasoning, m.content) for m in steps if m is not None]
+                content = ""
+                for reasoning, part in steps:
                     if reasoning:
-                        reasoning_tokens += len(new_ids)
-                text, ids = text + delta, ids + new_ids
-                if reasoning:
-                    for e in ev.text("reasoning", reasoning):
-                        yield e
-                content = content or ""
+                        for e in ev.text("reasoning", reasoning):
+                            yield e
+                    content += part or ""
                 if tools is not None and (content or out.finished):
                     step = tools.extract_tool_calls_streaming(content_text, content_text + content, content,
                                                               content_ids, content_ids + new_ids, new_ids,
@@ -348,6 +342,9 @@ class _Turn:
                 yield e
         for e in ev.close_all():
             yield e
+        reasoning_tokens = 0
+        if self.reasoning is not None and any(it["type"] == "reasoning" for it in ev.output):
+            reasoning_tokens = self.reasoning.parser.count_reasoning_tokens(final.outputs[0].token_ids)
         resp = self.finish(final, ev.output, reasoning_tokens)
         yield ev.event("response.completed" if resp["status"] == "completed" else "response.incomplete",
                        response=resp)
