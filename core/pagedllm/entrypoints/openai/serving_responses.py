@@ -72,11 +72,11 @@ class ResponsesServing(Serving):
     enable_auto_tool_choice = False  # --enable-auto-tool-choice
     store: ResponseStore
 
-    @property
-    def reasoning_parser(self) -> Optional[str]:
-        """``--reasoning-parser`` (vLLM keeps it in the structured-outputs config: grammars start after it)."""
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        #: ``--reasoning-parser``; vLLM keeps it in the structured-outputs config (grammars start after it)
         config = StructuredOutputsConfig.parse(getattr(self.engine.config, "structured_outputs_config", None))
-        return getattr(config, "reasoning_parser", None) or None
+        self.reasoning_parser: Optional[str] = getattr(config, "reasoning_parser", None) or None
 
     # ---- request -> prompt ------------------------------------------------------------------------------------
     def _conversation(self, req: ResponsesRequest) -> list[dict]:
