@@ -221,3 +221,62 @@ def test_registry(tok):
         ReasoningParserManager.reasoning_parsers.pop("test_custom", None)
         ReasoningParserManager.reasoning_parsers.pop("test_lazy", None)
         ReasoningParserManager.lazy_parsers.pop("test_lazy", None)
+
+
+# ---- the engine: a grammar applies to the answer after the reasoning (offline LLM, scripted model) -------------
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+          "required": ["answer"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def scripted_model(tmp_path_factory):
+    from reasoning_models import scripted_reasoning_model
+
+    return scripted_reasoning_model(tmp_path_factory.mktemp("scripted") / "model")
+
+
+def _chat(llm, sp, **kw) -> str:
+    return llm.chat([{"role": "user", "content": "hi"}], sp, use_tqdm=False, **kw)[0].outputs[0].text
+
+
+def test_grammar_waits_for_the_end_of_reasoning(scripted_model):
+    import json
+
+    import jsonschema
+
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from reasoning_models import ANSWER, PLAIN, REASONING
+
+    json_sp = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    free_sp = SamplingParams(temperature=0, max_tokens=40)
+    with LLM(scripted_model, device="cpu", max_model_len=256,
+             structured_outputs_config={"reasoning_parser": "qwen3"}) as llm:
+        assert _chat(llm, free_sp) == f"<think>{REASONING}</think>{ANSWER}"  # the script, unconstrained
+        assert _chat(llm, free_sp, chat_template_kwargs={"enable_thinking": False}) == PLAIN
+        text = _chat(llm, json_sp)
+        reasoning, content = get_reasoning_parser("qwen3", llm.get_tokenizer()).extract_reasoning(text, None)
+        assert reasoning == REASONING  # free text while reasoning: the grammar was not applied
+        jsonschema.validate(json.loads(content), SCHEMA)  # then it was: the script's "Hello there" is gone
+        # enable_thinking=False: the prompt closes the think block, so the grammar applies from the first token
+        no_think = _chat(llm, json_sp, chat_template_kwargs={"enable_thinking": False})
+        jsonschema.validate(json.loads(no_think), SCHEMA)
+        # n > 1: every sample gets its own gate
+        out = llm.chat([{"role": "user", "content": "hi"}], json_sp.clone(n=2, best_of=2), use_tqdm=False)[0]
+        assert [c.text for c in out.outputs] == [text, text]
+    with LLM(scripted_model, device="cpu", max_model_len=256) as llm:  # no parser: the grammar applies at once
+        text = _chat(llm, json_sp)
+        jsonschema.validate(json.loads(text), SCHEMA)
+    with LLM(scripted_model, device="cpu", max_model_len=256,
+             structured_outputs_config={"reasoning_parser": "qwen3", "enable_in_reasoning": True}) as llm:
+        assert _chat(llm, json_sp) == text  # vLLM's enable_in_reasoning: constrained all along
+
+
+def test_unknown_reasoning_parser_is_refused():
+    from pagedllm.errors import ParamError
+    from pagedllm.structured_output import StructuredOutputsConfig
+
+    with pytest.raises(ParamError, match="reasoning_parser.*nope.*deepseek_r1"):
+        StructuredOutputsConfig.parse({"reasoning_parser": "nope"})
+    with pytest.raises(ParamError, match="enable_in_reasoning"):
+        StructuredOutputsConfig.parse({"enable_in_reasoning": "yes"})

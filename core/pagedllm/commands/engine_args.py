@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Optional
 
 from pagedllm.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
-from pagedllm.structured_output.limits import StructuredOutputsConfig, flag as limit_flag
+from pagedllm.structured_output.limits import StructuredOutputsConfig, flag as limit_flag, limit_fields
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
@@ -49,7 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                    help="grammar limits and compile pool as JSON, keys as the flags below without the prefix, e.g. "
                         '\'{"max_choices": 1000}\' (docs/structured_outputs.md)')
-    for f in fields(StructuredOutputsConfig):  # one flag per limit; it wins over the same key in the JSON
+    for f in limit_fields():  # one flag per limit; it wins over the same key in the JSON
         p.add_argument(limit_flag(f.name), type=float if f.name == "compile_timeout" else int, default=None,
                        help=f"{_LIMIT_HELP[f.name]} (default {f.default})")
     p.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"],
@@ -118,7 +118,7 @@ _LIMIT_HELP = {
 def structured_outputs_config(args: argparse.Namespace) -> StructuredOutputsConfig:
     """``--structured-outputs-config`` JSON, then each ``--structured-outputs-<limit>`` flag given over it."""
     base = StructuredOutputsConfig.parse(getattr(args, "structured_outputs_config", None))
-    given = {f.name: getattr(args, f"structured_outputs_{f.name}", None) for f in fields(StructuredOutputsConfig)}
+    given = {f.name: getattr(args, f"structured_outputs_{f.name}", None) for f in limit_fields()}
     return replace(base, **{k: v for k, v in given.items() if v is not None})
 
 

@@ -250,7 +250,7 @@ class LLMEngine:
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             ids = ids[-params.truncate_prompt_tokens:]
         bad_words = self._check_token_params(params)
-        grammar = (self.structured.new_request(params.structured_outputs, structured_prefix)
+        grammar = (self.structured.new_request(params.structured_outputs, structured_prefix, ids)
                    if params.structured_outputs else None)
         parent = ParentRequest(request_id, text, ids, params)
         eos = self.model.eos_token_ids[0] if self.model.eos_token_ids else None
@@ -413,7 +413,8 @@ class LLMEngine:
                     self.spec.accept(req, proposed, len(tokens) - 1)
                 for token in tokens:
                     done = False
-                    if req.structured is not None and req.structured.matcher is not None:
+                    if req.structured is not None and req.structured.matcher is not None and \
+                            self.structured.should_advance(req, token):  # not while it reasons
                         m = req.structured.matcher
                         if not m.accept(token):  # the grammar allowed no token here: never emit one off-grammar
                             self._finish_grammar_dead_end(parent, req)

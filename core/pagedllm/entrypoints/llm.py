@@ -120,8 +120,10 @@ class LLM:
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
              use_tqdm: bool = True, chat_template: Optional[str] = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template (or ``chat_template``) and generate."""
+             add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict[str, Any]] = None
+             ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or ``chat_template``) and generate. ``chat_template_kwargs``: extra
+        template variables (e.g. ``enable_thinking``, ``reasoning_effort``), as vLLM's."""
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat: this model has no tokenizer")
@@ -129,7 +131,8 @@ class LLM:
         prompts = []
         for conv in conversations:
             ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
-                                          add_generation_prompt=add_generation_prompt, return_dict=False)
+                                          add_generation_prompt=add_generation_prompt, return_dict=False,
+                                          **(chat_template_kwargs or {}))
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 

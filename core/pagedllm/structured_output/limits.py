@@ -36,9 +36,27 @@ class StructuredOutputsConfig:
     max_schema_depth: int = 64  # nesting of the JSON schema document (objects and arrays)
     cache_bytes: int = 128 << 20  # compiled grammars kept (by their size), in the server and in the engine
     worker_memory_bytes: int = 1 << 30  # a compile worker that grew by more than this (resident) is replaced
+    # vLLM's reasoning keys (not limits; serve's --reasoning-parser sets the first): with a reasoning parser, a
+    # request's grammar applies from the end of its reasoning (docs/reasoning.md), or all along when
+    # enable_in_reasoning.
+    reasoning_parser: str = ""
+    enable_in_reasoning: bool = False
 
     def __post_init__(self) -> None:
-        for f in fields(self):
+        if not isinstance(self.reasoning_parser, str):
+            raise ParamError("structured_outputs_config.reasoning_parser", f"must be a parser name, got "
+                                                                         f"{self.reasoning_parser!r}")
+        if self.reasoning_parser:
+            from pagedllm.reasoning import ReasoningParserManager  # registers the parsers
+
+            known = ReasoningParserManager.list_registered()
+            if self.reasoning_parser not in known:
+                raise ParamError("reasoning_parser", f"unknown reasoning parser {self.reasoning_parser!r}; known: "
+                                                     f"{', '.join(known)}")
+        if not isinstance(self.enable_in_reasoning, bool):
+            raise ParamError("structured_outputs_config.enable_in_reasoning", f"must be true or false, got "
+                                                                            f"{self.enable_in_reasoning!r}")
+        for f in limit_fields():
             v = getattr(self, f.name)
             kind = float if f.name == "compile_timeout" else int
             if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)) \
@@ -68,6 +86,12 @@ class StructuredOutputsConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def limit_fields() -> tuple:
+    """The fields of :class:`StructuredOutputsConfig` that are limits (each has its own flag)."""
+    return tuple(f for f in fields(StructuredOutputsConfig) if f.name not in ("reasoning_parser",
+                                                                              "enable_in_reasoning"))
 
 
 def flag(key: str) -> str:

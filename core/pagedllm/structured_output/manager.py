@@ -11,6 +11,12 @@ them in worker processes with a time limit), so the engine only loads them, in i
 (``LLM``) specs are checked against the same limits and parsed at ``add_request`` (a bad schema, regex or grammar is
 a ParamError naming it, before the request is queued); the tokenizer-dependent compile runs in that thread. Compiled
 grammars are cached by spec, bounded by their bytes (``GrammarCache``).
+
+With a reasoning parser (``StructuredOutputsConfig.reasoning_parser``, serve's ``--reasoning-parser``) a grammar
+constrains the answer, not the thinking, as in vLLM: while a request reasons its row of the bitmask allows every
+token and its matcher does not advance (``should_advance``); the token that ends the reasoning (``</think>``) is the
+last one left free, and the grammar applies from the next. A prompt that already ends the reasoning (Qwen3 with
+``enable_thinking=False``) is constrained from its first token.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from pagedllm.errors import ParamError
+from pagedllm.reasoning import ReasoningParser, get_reasoning_parser
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.sched.request import Request
 from pagedllm.sched.scheduler import ScheduledRequest
@@ -40,23 +47,26 @@ GRAMMAR_DEAD_END = ("grammar_dead_end: the grammar allows no token at this point
                     "cannot be spelt with this model's vocabulary, or min_tokens forbids ending where it ends)")
 _CACHE_ENTRIES = 512
 _MAX_ERROR_CHARS = 1000  # most compiled grammars kept, whatever their size
+_REASONING_TAIL = 63  # tokens before a new one that the reasoner sees (an end tag spelt in up to that many)
 
 
 class StructuredRequest:
     """One request's grammar: a compile future, then its own matcher, advanced first over ``prefix`` (tokens already
     generated under this grammar: beam search continues a beam as a new request)."""
 
-    def __init__(self, future: cf.Future, backend: Any, json_output: bool = False, prefix: Sequence[int] = ()):
+    def __init__(self, future: cf.Future, backend: Any, json_output: bool = False, prefix: Sequence[int] = (),
+                 reasoning_ended: bool = True):
         self.future = future
         self.backend = backend
         self.json_output = json_output  # the output is JSON (json / json_object)
         self.prefix = list(prefix)
         self.matcher: Any = None
         self._error: Optional[BaseException] = None
+        self.reasoning_ended = reasoning_ended  # False while the request reasons: the grammar waits (vLLM's name)
 
     def sibling(self) -> "StructuredRequest":
         """The same grammar for another sample of the request (shared compile, own matcher)."""
-        return StructuredRequest(self.future, self.backend, self.json_output, self.prefix)
+        return StructuredRequest(self.future, self.backend, self.json_output, self.prefix, self.reasoning_ended)
 
     @property
     def ready(self) -> bool:
@@ -193,15 +203,37 @@ class StructuredOutputManager:
         self.config = StructuredOutputsConfig.parse(config)
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-grammar")
         self._cache = GrammarCache(self.config.cache_bytes)
+        self.reasoner: Optional[ReasoningParser] = None  # vLLM's name: the parser that says when reasoning ends
+        if self.config.reasoning_parser and not self.config.enable_in_reasoning and tokenizer is not None:
+            self.reasoner = get_reasoning_parser(self.config.reasoning_parser, tokenizer)
 
     def shutdown(self) -> None:
         """Stop the compile thread (the engine's shutdown): compiles not started are cancelled, a running one ends."""
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def new_request(self, spec: StructuredOutputsParams, prefix: Sequence[int] = ()) -> StructuredRequest:
+    def new_request(self, spec: StructuredOutputsParams, prefix: Sequence[int] = (),
+                    prompt_token_ids: Optional[Sequence[int]] = None) -> StructuredRequest:
         """Start (or reuse) the grammar of ``spec``: a :class:`PrecompiledSpec` (the server compiled it) is only
         loaded, off the step loop; another spec is checked against the limits and parsed now (ParamError if it is
-        over a limit or cannot compile), then compiled in the manager's thread."""
+        over a limit or cannot compile), then compiled in the manager's thread. With a reasoner, the grammar waits
+        for the end of the reasoning unless ``prompt_token_ids`` already end it."""
+        req = self._new_request(spec, prefix)
+        if self.reasoner is not None:
+            req.reasoning_ended = self.reasoner.is_reasoning_end(list(prompt_token_ids or ()))
+        return req
+
+    def should_advance(self, request: Request, token: int) -> bool:
+        """Whether ``token`` (sampled, not yet appended) goes to the request's matcher (vLLM's ``should_advance``):
+        not while the request reasons; the token that ends the reasoning flips the request to constrained from
+        the next one."""
+        structured = request.structured
+        if structured.reasoning_ended:
+            return True
+        if self.reasoner.is_reasoning_end_streaming(request.all_token_ids[-_REASONING_TAIL:] + [token], [token]):
+            structured.reasoning_ended = True
+        return False
+
+    def _new_request(self, spec: StructuredOutputsParams, prefix: Sequence[int]) -> StructuredRequest:
         if self.tokenizer is None:
             raise ParamError("structured_outputs", "needs a tokenizer (the engine was started without one)")
         json_output = spec.kind in ("json", "json_object")
@@ -241,7 +273,8 @@ class StructuredOutputManager:
     def grammar_bitmask(self, scheduled: Sequence[ScheduledRequest]) -> Optional[GrammarBitmask]:
         """The masks of the scheduled requests that sample this step and follow a grammar, from their matchers'
         state now (a request's matcher only advances once its step returns), or None when no row is constrained."""
-        reqs = [s.request for s in scheduled if s.samples and s.request.structured is not None]
+        reqs = [s.request for s in scheduled if s.samples and s.request.structured is not None
+                and s.request.structured.reasoning_ended]
         if not reqs:
             return None
         words = (self.vocab_size + 31) // 32
