@@ -198,6 +198,7 @@ def test_unknown_ids_are_404(client, server):
     ({"tools": [ECHO], "tool_choice": {"type": "function", "name": "missing"}}, "tool_choice"),
     ({"tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"input": []}, "input"),
 ])
 def test_unsupported_or_bad_fields_are_400(client, extra, param):
     body = {"model": "test-model", "input": "hi", "max_output_tokens": 2, **extra}

@@ -86,6 +86,9 @@ class ResponsesServing(Serving):
         except ParamError as e:
             raise from_param_error(e) from None
         if req.previous_response_id is None:
+            if not new:
+                raise APIError(400, "input: must hold at least one item (or continue a previous_response_id)",
+                               param="input")
             return new
         prev = self.store.get(req.previous_response_id)
         if prev is None:
@@ -108,6 +111,9 @@ class ResponsesServing(Serving):
         lora = self.check_model(req.model)
         try:
             unsupported_fields(req)
+        except ParamError as e:
+            raise APIError(400, str(e), param=e.field, code="unsupported_parameter") from None
+        try:
             tools = req.function_tools()
             structured = req.structured()
             chat_tools = [t.to_chat_tool() for t in tools]
