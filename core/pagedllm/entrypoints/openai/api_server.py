@@ -398,7 +398,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
         served_model_names = [default_served_name(config.model, engine.model_path)]
     app = build_app(engine, served_model_names, api_key, template, limits, renderer, cors, tool_call_parser,
                     enable_auto_tool_choice, allow_runtime_lora_updating, metrics_without_key,
-                    ResponseStore(max_stored_responses, max_stored_responses_bytes))
+                    response_store=ResponseStore(max_stored_responses, max_stored_responses_bytes))
     ucfg = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                           timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
     server = uvicorn.Server(ucfg)
