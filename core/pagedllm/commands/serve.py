@@ -17,6 +17,7 @@ from pagedllm.commands.engine_args import add_engine_args, engine_config, lora_m
 from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH,
                                                 DEFAULT_MAX_NUM_QUEUED_REQS, DEFAULT_RENDER_WORKER_MAX_GROWTH,
                                                 DEFAULT_TEMPLATE_RENDER_TIMEOUT, ServerLimits)
+from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ITEMS
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 from pagedllm.errors import ParamError
 from pagedllm.reasoning import ReasoningParserManager
@@ -107,6 +108,12 @@ def add_parser(sub) -> None:
     p.add_argument("--reasoning-parser", default=None, choices=ReasoningParserManager.list_registered(),
                    help="split chat output into reasoning_content and content; grammars apply after the "
                         "reasoning (docs/reasoning.md)")
+    p.add_argument("--max-stored-responses", type=int, default=DEFAULT_MAX_ITEMS, metavar="N",
+                   help="/v1/responses keeps at most this many stored responses (least recently used go first; "
+                        f"default {DEFAULT_MAX_ITEMS}); 0 stores none")
+    p.add_argument("--max-stored-responses-mb", type=int, default=DEFAULT_MAX_BYTES >> 20, metavar="MIB",
+                   help="/v1/responses keeps at most this many MiB of stored responses, as JSON (least recently "
+                        f"used go first; default {DEFAULT_MAX_BYTES >> 20})")
     p.set_defaults(func=run)
 
 
@@ -129,6 +136,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ParamError("render_worker_max_growth_mb", f"must be >= 0, got {args.render_worker_max_growth_mb}")
     if args.max_json_depth < 2:
         raise ParamError("max_json_depth", f"must be >= 2, got {args.max_json_depth}")
+    if args.max_stored_responses < 0 or args.max_stored_responses_mb < 0:
+        raise ParamError("max_stored_responses", "the response store's bounds must be >= 0")
     _check_port(args.host, args.port)
 
 
@@ -191,4 +200,6 @@ def run(args: argparse.Namespace) -> int:
                  tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                  lora_modules=loras, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                  data_parallel_size=args.data_parallel_size, metrics_without_key=args.allow_metrics_without_key,
-                 reasoning_parser=args.reasoning_parser)
+                 reasoning_parser=args.reasoning_parser,
+                 max_stored_responses=args.max_stored_responses,
+                 max_stored_responses_bytes=args.max_stored_responses_mb << 20)

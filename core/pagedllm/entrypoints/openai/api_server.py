@@ -56,9 +56,12 @@ from pagedllm.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
+from pagedllm.entrypoints.openai.protocol_responses import ResponseDeleted, ResponsesRequest, ResponsesResponse
 from pagedllm.entrypoints.openai.render_pool import RenderPool, warm_up_forkserver
+from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ITEMS, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import ChatServing
 from pagedllm.entrypoints.openai.serving_completions import CompletionServing
+from pagedllm.entrypoints.openai.serving_responses import ResponsesServing
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
 from pagedllm.structured_output import StructuredOutputsConfig
@@ -119,7 +122,8 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
               renderer: Optional[RenderPool] = None, cors: Optional[dict[str, Any]] = None,
               tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
               allow_runtime_lora_updating: bool = False, metrics_without_key: bool = False,
-              reasoning_parser: Optional[str] = None) -> FastAPI:
+              reasoning_parser: Optional[str] = None,
+              response_store: Optional[ResponseStore] = None) -> FastAPI:
     """The OpenAI-compatible app around an AsyncEngine; its lifespan binds the event loop and stops the engine.
 
     ``api_key``: one key or a list of keys (any of them is accepted). ``renderer``: the render worker pool that
@@ -128,6 +132,7 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (else they answer 404 saying how to enable them).
     ``metrics_without_key``: with API keys, leave ``/metrics`` open to scrapers (``/health`` always is).
     ``reasoning_parser``: split chat output into ``reasoning_content`` and ``content`` (docs/reasoning.md).
+    ``response_store``: where ``/v1/responses`` keeps stored responses (default: a store of the default bounds).
     """
     names = list(served_model_names)
     limits = limits or ServerLimits()
@@ -137,6 +142,11 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     chat = ChatServing(engine, names, metrics, chat_template, limits, admission, renderer)
     chat.tool_parser, chat.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
     chat.reasoning_parser = reasoning_parser
+    responses = ResponsesServing(engine, names, metrics, chat_template, limits, admission, renderer)
+    responses.tool_parser, responses.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
+    responses.store = response_store if response_store is not None else ResponseStore()
+    if reasoning_parser:  # (else: the engine config's structured_outputs_config.reasoning_parser, if any)
+        responses.reasoning_parser = reasoning_parser
     created = int(time.time())
 
     @asynccontextmanager
@@ -242,6 +252,26 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         pooling.check_generation("/v1/chat/completions")
         return await chat.create(body, raw)
 
+    # OpenAI's Responses API (serving_responses.py); stored responses live in responses.store (response_store.py)
+    @app.post("/v1/responses", response_model=None, response_class=JSONResponse,
+              responses=_generation(ResponsesResponse))
+    async def create_response(body: ResponsesRequest, raw: Request):
+        pooling.check_generation("/v1/responses")
+        return await responses.create(body, raw)
+
+    @app.get("/v1/responses/{response_id}", response_model=ResponsesResponse, responses=_errors(401, 404))
+    async def retrieve_response(response_id: str) -> dict:
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}", response_model=ResponseDeleted, responses=_errors(401, 404))
+    async def delete_response(response_id: str) -> dict:
+        return responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel", response_model=ResponsesResponse,
+              responses=_errors(400, 401, 404))
+    async def cancel_response(response_id: str) -> dict:
+        return responses.cancel(response_id)
+
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_errors(400, 404, 408, 413, 429, 503))
     async def tokenize(body: TokenizeRequest) -> dict:
         start = time.monotonic()
@@ -335,7 +365,9 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
           cors: Optional[dict[str, Any]] = None, tool_call_parser: Optional[str] = None,
           enable_auto_tool_choice: bool = False, lora_modules: Sequence[LoRARequest] = (),
           allow_runtime_lora_updating: bool = False, data_parallel_size: int = 1,
-          metrics_without_key: bool = False, reasoning_parser: Optional[str] = None) -> int:
+          metrics_without_key: bool = False, reasoning_parser: Optional[str] = None,
+          max_stored_responses: int = DEFAULT_MAX_ITEMS, max_stored_responses_bytes: int = DEFAULT_MAX_BYTES
+          ) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code.
 
     ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
@@ -344,6 +376,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     ``exit_on_engine_failure``: if the engine process dies, fail the in-flight requests, then exit with code 1.
     ``reasoning_parser``: the server splits reasoning from content, and the engine applies grammars after it
     (``structured_outputs_config.reasoning_parser``).
+    ``max_stored_responses`` / ``max_stored_responses_bytes``: the bounds of /v1/responses' store (LRU).
     """
     template = load_chat_template(chat_template)
     if reasoning_parser:
@@ -379,7 +412,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
         served_model_names = [default_served_name(config.model, engine.model_path)]
     app = build_app(engine, served_model_names, api_key, template, limits, renderer, cors, tool_call_parser,
                     enable_auto_tool_choice, allow_runtime_lora_updating, metrics_without_key,
-                    reasoning_parser or None)
+                    reasoning_parser or None,
+                    response_store=ResponseStore(max_stored_responses, max_stored_responses_bytes))
     ucfg = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                           timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
     server = uvicorn.Server(ucfg)
