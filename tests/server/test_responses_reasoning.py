@@ -67,13 +67,14 @@ def test_reasoning_effort_reaches_the_template(client):
 
 
 def test_chained_reasoning_is_not_replayed_as_content(client):
-    """The stored reasoning item goes back as the assistant turn's ``reasoning_content`` (which this template, like
-    most, leaves out): the continued prompt is the chat prompt of the visible conversation."""
+    """The stored reasoning item goes back as the assistant turn's ``reasoning_content``, for the template to render
+    or not (this scripted one renders it, as Qwen3's does): the continued prompt is the chat prompt of that
+    conversation, never the reasoning replayed as the answer's content."""
     r1 = client.responses.create(model="test-model", input="Hi", max_output_tokens=40, temperature=0)
     r2 = client.responses.create(model="test-model", input="Again", previous_response_id=r1.id,
                                  max_output_tokens=40, temperature=0)
     chat = client.chat.completions.create(model="test-model", max_tokens=1, temperature=0, messages=[
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": ANSWER},
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING},
         {"role": "user", "content": "Again"}])
     assert r2.usage.input_tokens == chat.usage.prompt_tokens
     assert [it.type for it in r2.output] == ["reasoning", "message"] and r2.output_text == ANSWER
