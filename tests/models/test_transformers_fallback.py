@@ -84,7 +84,7 @@ def test_model_impl_resolution():
     (dict(model_type="t5", architectures=["T5ForConditionalGeneration"]), "T5ForConditionalGeneration is an "
                                                                            "encoder-decoder model"),
     (dict(model_type="llama", architectures=["BaichuanForCausalLM"]), "BaichuanForCausalLM.*no decoder-only"),
-    (dict(model_type="bert", architectures=["BertModel"]), "BertModel.*no decoder-only"),
+    (dict(model_type="distilbert", architectures=["DistilBertModel"]), "DistilBertModel.*no decoder-only"),
     (dict(model_type="bloom", architectures=["BloomForCausalLM"]), "BloomForCausalLM does not route attention"),
 ])
 def test_unrunnable_models_name_the_architecture(config, message):

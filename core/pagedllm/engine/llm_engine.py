@@ -251,8 +251,8 @@ class LLMEngine:
             return self._add_pooling_request(request_id, prompt, params, arrival_time, priority, lora_request)
         if self.pooling is not None and not self.worker.can_generate:
             raise ParamError("runner", f"model {self.config.model} was started with the pooling runner "
-                                       f"(runner='pooling', --convert {self.pooling.convert}) and has no LM head: it "
-                                       "does not generate; send PoolingParams (embed, classify, score, reward, "
+                                       f"(runner='pooling', --convert {self.pooling.convert}) and has no LM head to "
+                                       "sample with (a classifier or embedding checkpoint): it does not generate; send PoolingParams (embed, classify, score, reward, "
                                        "encode), or serve a generative model")
         params = params if params is not None else SamplingParams()
         if lora_request is not None:

@@ -4,7 +4,8 @@ head's rows of those tokens; ``is_original_qwen3_reranker``: the "yes" row minus
 is softmax([no, yes])[yes], the Qwen3-Reranker score).
 
 Embedding checkpoints (``*Model``, sentence-transformers folders) have no LM head: the model then keeps none of its
-own (``has_lm_head`` False; the generate runner refuses it)."""
+own (``has_lm_head`` False; the generate runner refuses it). ``can_generate``: whether a pooling engine over the
+model may also sample (not for a classifier)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,9 @@ def prepare_heads(model: nn.Module, config: Any, architecture: str, weights: Any
         del model.lm_head
         model.tie_word_embeddings = True  # lm_head_weight then names the embedding (never used for logits)
         model.has_lm_head = False
+    # A classifier (its own head, or a causal LM converted by classifier_from_token) never samples, even where a tied
+    # embedding could serve as an LM head; a causal LM pooled by --convert embed keeps generating (docs/pooling.md).
+    model.can_generate = model.has_lm_head and not architecture.endswith("ForSequenceClassification")
 
 
 def finish_heads(model: nn.Module, config: Any, tokenizer: Any) -> None:

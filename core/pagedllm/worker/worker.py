@@ -70,8 +70,8 @@ class Worker:
         # without an LM head (an embedding checkpoint) by naming the flag.
         self.requires_kv_cache = bool(getattr(self.model, "requires_kv_cache", True))
         #: The model can sample (an LM head over a paged decoder): a pooling engine then serves generation too
-        self.can_generate = (getattr(self.model, "has_lm_head", True) and self.requires_kv_cache
-                             and hasattr(self.model, "compute_logits"))
+        self.can_generate = (getattr(self.model, "can_generate", getattr(self.model, "has_lm_head", True))
+                             and self.requires_kv_cache and hasattr(self.model, "compute_logits"))
         self.pooling: Optional[PoolingSpec] = None
         self.pooler: Optional[Pooler] = None
         if config.runner == "pooling":
