@@ -9,8 +9,9 @@ longer than ``max_chars`` is refused before it is tokenised.
 Protocol (one ``multiprocessing`` pipe): the worker sends ``("ready", None)`` once, then answers each job with
 ``("ok", value)`` or ``("err", message)``. Jobs: ``("chat", messages, template, add_generation_prompt,
 continue_final_message, kwargs, max_chars)`` -> token ids; ``("encode", texts, add_special_tokens)`` -> id lists;
-``("decode", id_lists)`` -> texts; ``("pairs", [(text_1, text_2), ...])`` -> one ``{"input_ids", "token_type_ids"}`` per
-pair as the tokenizer pairs two texts (a cross-encoder's score prompt). The tokenizer arrives pickled, so the worker needs no file access.
+``("decode", id_lists)`` -> texts; ``("pairs", [(text_1, text_2), ...])`` -> one ``{"input_ids",
+"token_type_ids"}`` per pair as the tokenizer pairs two texts (a cross-encoder's score prompt). The tokenizer arrives
+pickled, so the worker needs no file access.
 """
 
 from __future__ import annotations

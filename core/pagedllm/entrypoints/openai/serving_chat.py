@@ -34,8 +34,8 @@ from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.grammar_gate import gate_grammar
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_RENAME, ChoiceState, Serving, Usage,
-                                                      json_response, merge_streams, now, random_id, sse,
-                                                      sse_choice_chunk, stream_response, timeout_error,
+                                                      engine_failures, json_response, merge_streams, now, random_id,
+                                                      sse, sse_choice_chunk, stream_response, timeout_error,
                                                       until_disconnect)
 from pagedllm.entrypoints.openai.errors import from_param_error
 from pagedllm.errors import ParamError
@@ -182,15 +182,11 @@ class ChatServing(Serving):
                     choice: object = "none", reasoner: Optional[ReasoningParser] = None,
                     prompt_ids: Sequence[int] = ()) -> Response:
         final = None
-        try:
+        with engine_failures(self.limits):
             async for _, out in merge_streams(streams):
                 if out.finished:
                     final = out
                     self.finished(out)
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from None
-        except RequestTimeoutError:
-            raise timeout_error(self.limits.request_timeout) from None
         usage = Usage(prompt_tokens=len(final.prompt_token_ids))
         for c in final.outputs:
             usage.completion_tokens += len(c.token_ids)

@@ -15,8 +15,9 @@ import asyncio
 import json
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Optional, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, Optional, Sequence
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -51,6 +52,18 @@ STRUCTURED_RENAME = {f"structured_outputs.{k}": "structured_outputs"
 def timeout_error(limit: Optional[float]) -> APIError:
     return APIError(408, f"the request ran past its deadline of {limit:g} s (--request-timeout) and was aborted",
                     code="request_timeout")
+
+
+@contextmanager
+def engine_failures(limits: ServerLimits) -> Iterator[None]:
+    """The engine's failures while a whole response is awaited, as HTTP errors: a dead engine is 503, a request past
+    its deadline (``--request-timeout``) 408. (Streams send the same as an SSE error event instead.)"""
+    try:
+        yield
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_unavailable") from None
+    except RequestTimeoutError:
+        raise timeout_error(limits.request_timeout) from None
 
 
 def random_id(prefix: str) -> str:
@@ -293,16 +306,13 @@ class Serving:
     async def submit(self, request_id: str, prompt: dict, params: SamplingParams, arrival: float,
                      rename: Optional[dict[str, str]] = None, start: Optional[float] = None,
                      lora: Optional[LoRARequest] = None) -> RequestStream:
-        try:
-            return await self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
-                                                 priority=params.priority, lora_request=lora,
-                                                 timeout=self.remaining(start) if start is not None else None)
-        except ParamError as e:
-            raise from_param_error(e, rename) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from None
-        except RequestTimeoutError:
-            raise timeout_error(self.limits.request_timeout) from None
+        with engine_failures(self.limits):
+            try:
+                return await self.engine.add_request(request_id, prompt, params, arrival_time=arrival,
+                                                     priority=params.priority, lora_request=lora,
+                                                     timeout=self.remaining(start) if start is not None else None)
+            except ParamError as e:
+                raise from_param_error(e, rename) from None
 
     async def submit_all(self, base_id: str, prompts: list[dict], params: SamplingParams, arrival: float,
                          rename: Optional[dict[str, str]] = None, start: Optional[float] = None,

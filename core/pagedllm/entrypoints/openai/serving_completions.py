@@ -21,8 +21,8 @@ from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.grammar_gate import gate_grammar
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_RENAME, ChoiceState, Serving, Usage,
-                                                      json_response, merge_streams, now, random_id, sse,
-                                                      sse_choice_chunk, stream_response, timeout_error,
+                                                      engine_failures, json_response, merge_streams, now, random_id,
+                                                      sse, sse_choice_chunk, stream_response, timeout_error,
                                                       until_disconnect)
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -122,15 +122,11 @@ class CompletionServing(Serving):
     async def _full(self, rid: str, req: CompletionRequest, params: SamplingParams, prompts: list[dict],
                     streams) -> Response:
         final: dict[int, RequestOutput] = {}
-        try:
+        with engine_failures(self.limits):
             async for i, out in merge_streams(streams):
                 if out.finished:
                     final[i] = out
                     self.finished(out)
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from None
-        except RequestTimeoutError:
-            raise timeout_error(self.limits.request_timeout) from None
         usage = Usage()
         todo = []
         for i in range(len(prompts)):

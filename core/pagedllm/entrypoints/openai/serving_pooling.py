@@ -23,11 +23,10 @@ import torch
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
 from pagedllm.entrypoints.openai.errors import APIError, from_param_error
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.protocol_pooling import PoolingRequest
-from pagedllm.entrypoints.openai.serving_common import (Serving, json_response, now, random_id, timeout_error,
+from pagedllm.entrypoints.openai.serving_common import (Serving, engine_failures, json_response, now, random_id,
                                                       until_disconnect)
 from pagedllm.errors import ParamError
 from pagedllm.lora.request import LoRARequest
@@ -200,14 +199,11 @@ class PoolingServing(Serving):
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
 
-        try:
-            outs = await until_disconnect(every(), raw, self.metrics)
-        except ParamError as e:
-            raise from_param_error(e, rename) from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from None
-        except RequestTimeoutError:
-            raise timeout_error(self.limits.request_timeout) from None
+        with engine_failures(self.limits):
+            try:
+                outs = await until_disconnect(every(), raw, self.metrics)
+            except ParamError as e:
+                raise from_param_error(e, rename) from None
         self.observe_pooled(len(outs), start)
         return outs
 

@@ -33,8 +33,8 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (ResponsesRequest, parse_input, to_chat_messages,
                                                             unsupported_fields)
 from pagedllm.entrypoints.openai.response_store import ResponseStore
-from pagedllm.entrypoints.openai.serving_common import (ChoiceState, Serving, merge_streams, stream_response,
-                                                      timeout_error, until_disconnect)
+from pagedllm.entrypoints.openai.serving_common import (ChoiceState, Serving, engine_failures, merge_streams,
+                                                      stream_response, timeout_error, until_disconnect)
 from pagedllm.errors import ParamError
 from pagedllm.generation_defaults import apply_defaults
 from pagedllm.reasoning import ReasoningParserManager, ReasoningStream
@@ -274,14 +274,10 @@ class _Turn:
     # ---- whole --------------------------------------------------------------------------------------------------
     async def whole(self, streams) -> Response:
         final = None
-        try:
+        with engine_failures(self.s.limits):
             async for _, out in merge_streams(streams):
                 if out.finished:
                     final = out
-        except EngineDeadError as e:
-            raise APIError(503, str(e), code="engine_unavailable") from None
-        except RequestTimeoutError:
-            raise timeout_error(self.s.limits.request_timeout) from None
         reasoning, content, n = self.split_reasoning(final.outputs[0])
         output = ([reasoning_item(reasoning)] if reasoning is not None else []) + self.content_items(content)
         return JSONResponse(self.finish(final, output, n))
