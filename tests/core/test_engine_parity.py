@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_parity import MAX_TOKENS, hf_greedy, mixed_prompts, run
+from engine_parity import MAX_TOKENS, assert_preemption_parity, hf_greedy, mixed_prompts, run
 from pagedllm import LLM
 
 
@@ -41,14 +41,7 @@ def test_greedy_parity_with_tiny_chunked_prefill_budget(tiny_model_dirs, name):
 
 @pytest.mark.parametrize("caching", [True, False])
 def test_greedy_parity_under_preemption(tiny_model_dirs, caching):
-    path = tiny_model_dirs["llama"]
-    # 10 blocks of 16 = 160 slots for 7 sequences of up to ~60+24 tokens: preemption must happen.
-    llm = LLM(path, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=10,
-              enable_prefix_caching=caching)
-    prompts = mixed_prompts(7, 512, seed=4, max_len=50)
-    got = run(llm, prompts, max_tokens=24)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert got == [hf_greedy(path, p, 24) for p in prompts]
+    assert_preemption_parity(tiny_model_dirs["llama"], 512, max_len=50, enable_prefix_caching=caching)
 
 
 def test_repeated_prompts_hit_prefix_cache_and_stay_exact(tiny_model_dirs):

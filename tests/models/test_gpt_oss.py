@@ -15,14 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_parity import hf_greedy, mixed_prompts, run
+from engine_parity import assert_preemption_parity
 from logit_parity import CHUNKED, FULL_PREFILL, assert_logits_match, hf_eager, parity_prompts, run_schedule
 from model_parity import assert_engine_parity
 from pagedllm import LLM
 from pagedllm.backend import ref_ops
 from pagedllm.backend.hookspec import Capabilities
 from pagedllm.backend.registry import get_backend, register_backend
-from pagedllm.errors import ParamError, UnsupportedModelError
+from pagedllm.errors import ParamError
 from pagedllm.models import CausalLM, load_model
 from pagedllm.models.gpt_oss import GptOssExperts, GptOssMoeBlock, Mxfp4Weights
 from pagedllm.models.info import read_model_info
@@ -131,13 +131,7 @@ def test_gpt_oss_greedy_parity_engine(gpt_oss_dirs, device):
 
 def test_gpt_oss_greedy_parity_under_preemption(gpt_oss_dirs):
     """10 blocks of 16 for 7 sequences of up to ~40 + 24 tokens: preempted and recomputed, still HF's tokens."""
-    path = gpt_oss_dirs["gpt_oss_full_first"]
-    llm = LLM(path, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=10,
-              enable_prefix_caching=True)
-    prompts = mixed_prompts(7, 500, seed=4, max_len=40)
-    got = run(llm, prompts, max_tokens=24)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert got == [hf_greedy(path, p, 24) for p in prompts]
+    assert_preemption_parity(gpt_oss_dirs["gpt_oss_full_first"], 500, max_len=40)
 
 
 def test_gpt_oss_routing_matches_hf(gpt_oss_dirs, ref_backend):

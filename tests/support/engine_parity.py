@@ -36,3 +36,15 @@ def run(llm: LLM, prompts, max_tokens=MAX_TOKENS):
     assert llm.llm_engine.kv.num_used_blocks == 0, "KV blocks leaked"
     assert not llm.llm_engine.has_unfinished_requests()
     return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_preemption_parity(path: str, vocab: int, max_len: int, enable_prefix_caching: bool = True) -> LLM:
+    """HF's greedy tokens when the pool is too small for the batch: 10 blocks of 16 (160 slots) for 7 sequences of
+    up to ``max_len`` + 24 tokens, so requests are preempted and recomputed (asserted)."""
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=10,
+              enable_prefix_caching=enable_prefix_caching)
+    prompts = mixed_prompts(7, vocab, seed=4, max_len=max_len)
+    got = run(llm, prompts, max_tokens=24)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert got == [hf_greedy(path, p, 24) for p in prompts]
+    return llm
