@@ -283,3 +283,14 @@ def test_streaming_sends_names_before_arguments_end():
         "", text[:cut], text[:cut], (), (), (), QWEN_REQ)
     assert first.tool_calls[0].function.name == "get_current_weather"
     assert first.tool_calls[0].function.arguments == '{"city": "Dallas"'
+
+
+@pytest.mark.parametrize("field", ["tool_call_parser", "reasoning_parser"])
+def test_build_app_refuses_an_unknown_parser_before_serving(field):
+    """A programmatic app with a parser name nothing registered fails when built, naming the argument and the
+    parsers there are, not at the first request that needs the parser."""
+    from pagedllm.entrypoints.openai.api_server import build_app
+
+    with pytest.raises(ValueError, match=rf"^{field}: 'no-such-parser' is not a registered parser; available: .*hermes"
+                       if field == "tool_call_parser" else rf"^{field}: 'no-such-parser' .*qwen3"):
+        build_app(None, ["m"], **{field: "no-such-parser"})

@@ -62,8 +62,10 @@ from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAUL
 from pagedllm.entrypoints.openai.serving_chat import ChatServing
 from pagedllm.entrypoints.openai.serving_completions import CompletionServing
 from pagedllm.entrypoints.openai.serving_responses import ResponsesServing
+from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
+from pagedllm.reasoning import ReasoningParserManager
 from pagedllm.structured_output import StructuredOutputsConfig
 
 logger = logging.getLogger(__name__)
@@ -135,6 +137,10 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     ``response_store``: where ``/v1/responses`` keeps stored responses (default: a store of the default bounds).
     """
     names = list(served_model_names)
+    for field, value, known in (("tool_call_parser", tool_call_parser, ToolParserManager.list_registered()),
+                                ("reasoning_parser", reasoning_parser, ReasoningParserManager.list_registered())):
+        if value and value not in known:  # here, not at the first request that needs it
+            raise ValueError(f"{field}: {value!r} is not a registered parser; available: {', '.join(known)}")
     limits = limits or ServerLimits()
     metrics = ServerMetrics(engine.replica_stats, names[0])
     admission = Admission(limits.max_num_queued_reqs, limits.retry_after_s, on_reject=metrics.rejected.inc)
