@@ -49,7 +49,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def _prepare(q: torch.Tensor, k: torch.Tensor, v_heads: int, scale: Optional[float],
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, v_heads: int, scale: Optional[float],
              use_qk_l2norm_in_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 q (scaled) and k, repeated to one per value head: ``[..., HV, K]``."""
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm_in_kernel else (q.float(), k.float())
@@ -70,7 +70,7 @@ def fused_recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.
         state_indices = torch.arange(batch, device=v.device)
     rows = (state_indices >= 0).nonzero().squeeze(1)
     slots = state_indices[rows].long()
-    qh, kh = _prepare(q[rows], k[rows], v.shape[1], scale, use_qk_l2norm_in_kernel)  # [b, HV, K]
+    qh, kh = prepare_qk(q[rows], k[rows], v.shape[1], scale, use_qk_l2norm_in_kernel)  # [b, HV, K]
     s = state[slots].float() * torch.exp(g[rows].float())[..., None, None]  # [b, HV, K, V]
     delta = (v[rows].float() - torch.einsum("bhk,bhkv->bhv", kh, s)) * beta[rows].float()[..., None]
     s = s + kh[..., None] * delta[:, :, None, :]
@@ -124,7 +124,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, total])
     bounds = [int(x) for x in cu_seqlens.tolist()]
-    qh, kh = _prepare(q, k, v_heads, scale, use_qk_l2norm_in_kernel)
+    qh, kh = prepare_qk(q, k, v_heads, scale, use_qk_l2norm_in_kernel)
     qh, kh, vh = (t.transpose(0, 1) for t in (qh, kh, v.float()))  # heads first
     gh, bh = g.float().t(), beta.float().t()
     out = torch.zeros(v_heads, total, v_dim, dtype=torch.float32, device=v.device)

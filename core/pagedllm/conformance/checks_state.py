@@ -93,9 +93,11 @@ def _check_result(ctx: CaseContext, got, ref: tuple, what: str, state_what: str)
 
 # ---- Mamba2 ----------------------------------------------------------------------------------------------------
 def _mamba_inputs(ctx: CaseContext, tokens: int) -> dict:
+    """``decay`` (param) scales ``A``: strong decays drive a chunk's log decays far below -80 (denormal range)."""
     h, p, g, n = (MAMBA[k] for k in ("heads", "head_dim", "groups", "d_state"))
+    a = -(torch.rand(h, generator=ctx.gen) + 0.5) * ctx.params.get("decay", 1.0)
     return dict(x=ctx.randn(tokens, h, p), dt=ctx.randn(tokens, h, scale=0.5),
-                A=-(torch.rand(h, generator=ctx.gen) + 0.5).to(ctx.device), B=ctx.randn(tokens, g, n, scale=0.5),
+                A=a.to(ctx.device), B=ctx.randn(tokens, g, n, scale=0.5),
                 C=ctx.randn(tokens, g, n, scale=0.5), D=ctx.randn(h), z=ctx.randn(tokens, h, p),
                 dt_bias=ctx.randn(h, scale=0.5))
 
@@ -108,22 +110,22 @@ def check_mamba_chunk_scan(ctx: CaseContext) -> None:
     """``mamba_chunk_scan_combined`` on the varlen batch (``scenario="varlen"``; ``fresh_only``: no initial states at
     all), or cut into calls with the state carried (``scenario="carried"``), against one reference call."""
     total, limit = sum(LENGTHS), ctx.params.get("dt_limit", (0.0, float("inf")))
+    chunk = ctx.params.get("chunk_size", MAMBA["chunk_size"])
     inp = _mamba_inputs(ctx, total + PADDING)
     init = None if ctx.params.get("fresh_only") else _initial(ctx, _mamba_state_shape(), 0.5)
     cu = _cu(ctx, LENGTHS)
     a, d, z, bias = inp["A"], inp["D"], inp["z"], inp["dt_bias"]
-    ref = ssm_ops.mamba_chunk_scan_combined(inp["x"], inp["dt"], a, inp["B"], inp["C"], MAMBA["chunk_size"], cu,
-                                            init, d, z, bias, True, limit)
+    ref = ssm_ops.mamba_chunk_scan_combined(inp["x"], inp["dt"], a, inp["B"], inp["C"], chunk, cu, init, d, z,
+                                            bias, True, limit)
     if ctx.params["scenario"] == "varlen":
         poison_allocator(inp["x"].numel(), ctx.dtype, ctx.device)
-        got = ctx.backend.mamba_chunk_scan_combined(inp["x"], inp["dt"], a, inp["B"], inp["C"], MAMBA["chunk_size"],
-                                                    cu, init, d, z, bias, True, limit)
+        got = ctx.backend.mamba_chunk_scan_combined(inp["x"], inp["dt"], a, inp["B"], inp["C"], chunk, cu, init, d,
+                                                    z, bias, True, limit)
         _check_result(ctx, got, ref, "mamba_chunk_scan_combined", "final states")
         return
 
     def run(x, dt, b, c, z_, cu_, state):
-        return ctx.backend.mamba_chunk_scan_combined(x, dt, a, b, c, MAMBA["chunk_size"], cu_, state, d, z_, bias,
-                                                     True, limit)
+        return ctx.backend.mamba_chunk_scan_combined(x, dt, a, b, c, chunk, cu_, state, d, z_, bias, True, limit)
 
     got = _carried(ctx, run, [inp[k][:total] for k in ("x", "dt", "B", "C", "z")], init)
     _check_result(ctx, got, ref, "mamba_chunk_scan_combined over 3 calls, state carried,",
@@ -141,7 +143,7 @@ def check_selective_state_update(ctx: CaseContext) -> None:
         slots = ctx.randperm(NUM_SLOTS)[:batch]
         slots[2] = -1  # a padding row
         idx = torch.tensor(slots, dtype=torch.int32, device=ctx.device)
-        state = ctx.randn(NUM_SLOTS, *shape, dtype=torch.float32, scale=0.5)
+        state = ctx.randn(NUM_SLOTS, *shape, scale=0.5)  # a cache in the model dtype (vLLM's default)
         ref_state = state.clone()
         args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"], inp["D"], inp["z"], inp["dt_bias"], True, idx)
         ref = ssm_ops.selective_state_update(ref_state, *args)
@@ -193,7 +195,7 @@ def _delta_inputs(ctx: CaseContext, tokens: int, l2norm: bool) -> dict:
     q, key = ctx.randn(tokens, h, k), ctx.randn(tokens, h, k)
     if not l2norm:  # without the kernel's normalisation, unit keys keep the delta rule stable (as models feed it)
         key = delta_rule_ops.l2norm(key).to(ctx.dtype)
-    g = -torch.nn.functional.softplus(ctx.randn(tokens, hv, dtype=torch.float32)) * 0.5
+    g = -torch.nn.functional.softplus(ctx.randn(tokens, hv, dtype=torch.float32)) * 0.5 * ctx.params.get("decay", 1)
     beta = torch.sigmoid(ctx.randn(tokens, hv, dtype=torch.float32)).to(ctx.dtype)
     return dict(q=q, k=key, v=ctx.randn(tokens, hv, v), g=g, beta=beta)
 
@@ -234,7 +236,7 @@ def check_fused_recurrent_gated_delta_rule(ctx: CaseContext) -> None:
         slots = ctx.randperm(NUM_SLOTS)[:batch]
         slots[2] = -1
         idx = torch.tensor(slots, dtype=torch.int32, device=ctx.device)
-        state = ctx.randn(NUM_SLOTS, *shape, dtype=torch.float32, scale=0.5)
+        state = ctx.randn(NUM_SLOTS, *shape, scale=0.5)  # a cache in the model dtype (vLLM's default)
         ref_state = state.clone()
         qkvgb = [inp[k] for k in ("q", "k", "v", "g", "beta")]
         ref = delta_rule_ops.fused_recurrent_gated_delta_rule(*qkvgb, ref_state, idx, scale, l2)
@@ -277,6 +279,8 @@ def cases() -> list[tuple[str, str, Callable[[CaseContext], None], dict]]:
            ("mamba_chunk_scan_combined.dt_limit", m, check_mamba_chunk_scan,
             dict(scenario="varlen", dt_limit=(0.3, 0.9))),
            ("mamba_chunk_scan_combined.state_carried", m, check_mamba_chunk_scan, dict(scenario="carried")),
+           ("mamba_chunk_scan_combined.strong_decay", m.replace("chunk8", "chunk32"), check_mamba_chunk_scan,
+            dict(scenario="varlen", decay=8.0, chunk_size=32)),
            ("selective_state_update.decode", m, check_selective_state_update, dict(scenario="decode")),
            ("selective_state_update.vs_chunk_scan", m, check_selective_state_update, dict(scenario="vs_chunk_scan"))]
     for l2 in (True, False):
@@ -290,5 +294,7 @@ def cases() -> list[tuple[str, str, Callable[[CaseContext], None], dict]]:
                 ("fused_recurrent_gated_delta_rule.vs_chunked", d + tag, check_fused_recurrent_gated_delta_rule,
                  dict(scenario="vs_chunked", l2norm=l2))]
     out += [("chunk_gated_delta_rule.fresh", d + "-l2norm-scale0.3", check_chunk_gated_delta_rule,
-             dict(scenario="varlen", l2norm=True, fresh_only=True, scale=0.3))]
+             dict(scenario="varlen", l2norm=True, fresh_only=True, scale=0.3)),
+            ("chunk_gated_delta_rule.strong_decay", d + "-l2norm", check_chunk_gated_delta_rule,
+             dict(scenario="varlen", l2norm=True, decay=16.0))]
     return out
