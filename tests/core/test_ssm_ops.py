@@ -32,7 +32,8 @@ def hf_step(state, p, t):
     """transformers' decode step for token t, called as its Mamba2 mixer calls it (tied per-head parameters)."""
     x = p["x"][t:t + 1]
     return hf.mamba2_selective_state_update(
-        state, x, p["dt"][t:t + 1, :, None].expand(-1, -1, HEAD_DIM), p["A"][:, None, None].expand(-1, HEAD_DIM, D_STATE),
+        state, x, p["dt"][t:t + 1, :, None].expand(-1, -1, HEAD_DIM),
+        p["A"][:, None, None].expand(-1, HEAD_DIM, D_STATE),
         p["B"][t:t + 1], p["C"][t:t + 1], p["D"][:, None].expand(-1, HEAD_DIM), z=p["z"][t:t + 1],
         dt_bias=p["dt_bias"][:, None].expand(-1, HEAD_DIM), dt_softplus=True)
 
