@@ -30,7 +30,8 @@ What hooks receive or may build on:
 
 Submodules: ``hookspec`` (the contract, one documented file), ``registry`` (discovery and the bound ``Backend``),
 ``builds`` (the build lock), ``reference`` and ``ref_ops`` (core's pure-torch reference ops: every optional hook's
-fallback and the conformance oracle), ``kv_quant`` (fp8 KV semantics), ``accelerator`` (the device-generic GPU runtime hooks and probe steps:
+fallback and the conformance oracle; ``ssm_ops`` and ``delta_rule_ops`` for the Mamba2 and Gated DeltaNet state
+hooks), ``kv_quant`` (fp8 KV semantics), ``accelerator`` (the device-generic GPU runtime hooks and probe steps:
 ``DeviceHooks``, ``probe_device``), ``triton`` (portable Triton kernels and their op hooks).
 """
 

@@ -495,6 +495,65 @@ class BackendSpec:
         then up rows); ``w2`` ``[E, H, I]``; ``topk_weights`` float32 and ``topk_ids`` int64, both ``[T, k]``.
         Returns ``[T, H]`` in the hidden states' dtype. Reference: ``pagedllm.backend.ref_ops.fused_moe``."""
 
+    # ---- recurrent-state ops: Mamba2 and Gated DeltaNet (fall back to reference) ---------------------------------
+    # Decode ops update a state cache ``[num_slots, ...]`` in place at ``state_indices`` (int ``[batch]``, -1:
+    # padding row, neither read nor written, output zero; other slots untouched); prefill ops are functional: initial
+    # states in (zeros for a fresh sequence), final states out, one per sequence of ``cu_seqlens`` (int ``[N + 1]``).
+    # Arithmetic in float32; outputs in the activations' dtype. Exact meaning: the reference modules' docstrings.
+    @hookspec(firstresult=True)
+    def pagedllm_selective_state_update(
+        self, state: "torch.Tensor", x: "torch.Tensor", dt: "torch.Tensor", A: "torch.Tensor", B: "torch.Tensor",
+        C: "torch.Tensor", D: Optional["torch.Tensor"], z: Optional["torch.Tensor"],
+        dt_bias: Optional["torch.Tensor"], dt_softplus: bool, state_indices: "torch.Tensor",
+    ) -> "torch.Tensor":
+        """Mamba2 decode, vLLM's ``selective_state_update`` with per-head ``dt``/``A``/``D``/``dt_bias`` (its tied
+        form): one token per sequence. ``state`` ``[num_slots, heads, head_dim, d_state]`` (any float dtype,
+        updated in place at ``state_indices``); ``x`` / ``z`` ``[batch, heads, head_dim]``; ``dt`` ``[batch,
+        heads]``; ``A`` / ``D`` / ``dt_bias`` ``[heads]``; ``B`` / ``C`` ``[batch, groups, d_state]``. ``dt`` +=
+        ``dt_bias``, softplus when ``dt_softplus``; ``state = state * exp(dt * A) + dt * x (outer) B``; ``y = state
+        @ C + D * x``, times ``silu(z)`` when given. Returns ``[batch, heads, head_dim]`` in ``x``'s dtype.
+        Reference: ``pagedllm.backend.ssm_ops.selective_state_update``."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_mamba_chunk_scan_combined(
+        self, x: "torch.Tensor", dt: "torch.Tensor", A: "torch.Tensor", B: "torch.Tensor", C: "torch.Tensor",
+        chunk_size: int, cu_seqlens: "torch.Tensor", initial_states: Optional["torch.Tensor"],
+        D: Optional["torch.Tensor"], z: Optional["torch.Tensor"], dt_bias: Optional["torch.Tensor"],
+        dt_softplus: bool, dt_limit: tuple,
+    ) -> tuple:
+        """Mamba2 prefill, vLLM's ``mamba_chunk_scan_combined_varlen`` (SSD): the flat chunk ``x`` / ``z`` ``[T,
+        heads, head_dim]``, ``dt`` ``[T, heads]``, ``B`` / ``C`` ``[T, groups, d_state]`` split by ``cu_seqlens``;
+        sequence i starts from ``initial_states[i]`` (``[N, heads, head_dim, d_state]``; ``None``: zeros). ``dt`` as
+        in ``pagedllm_selective_state_update``, then clamped to ``dt_limit`` ``(min, max)``. ``chunk_size`` only
+        tiles the work. Returns ``(out [T, heads, head_dim]`` in ``x``'s dtype, ``final_states [N, heads,
+        head_dim, d_state]`` float32``)``. Reference: ``pagedllm.backend.ssm_ops.mamba_chunk_scan_combined``."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_chunk_gated_delta_rule(
+        self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
+        scale: Optional[float], initial_state: Optional["torch.Tensor"], cu_seqlens: "torch.Tensor",
+        use_qk_l2norm_in_kernel: bool,
+    ) -> tuple:
+        """Gated DeltaNet prefill (Qwen3-Next, Qwen3.5), flash-linear-attention's ``chunk_gated_delta_rule`` in
+        varlen form without its batch of 1: ``q`` / ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` (value head i reads
+        q/k head ``i // (HV // H)``), ``g`` (log decay) / ``beta`` ``[T, HV]``, split by ``cu_seqlens``; sequence i
+        starts from ``initial_state[i]`` (``[N, HV, K, V]``; ``None``: zeros). q and k L2-normalised first when
+        ``use_qk_l2norm_in_kernel``; q times ``scale`` (``None``: ``K ** -0.5``). Per token: ``S *= exp(g)``; ``S +=
+        k (outer) beta * (v - k @ S)``; ``o = q @ S``. Returns ``(o [T, HV, V]`` in ``v``'s dtype, ``final_state
+        [N, HV, K, V]`` float32``)``. Reference: ``pagedllm.backend.delta_rule_ops.chunk_gated_delta_rule``."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_fused_recurrent_gated_delta_rule(
+        self, q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", g: "torch.Tensor", beta: "torch.Tensor",
+        scale: Optional[float], state: "torch.Tensor", state_indices: "torch.Tensor", use_qk_l2norm_in_kernel: bool,
+    ) -> "torch.Tensor":
+        """Gated DeltaNet decode, FLA's ``fused_recurrent_gated_delta_rule`` as vLLM calls it
+        (``inplace_final_state``, ``ssm_state_indices``): one token per sequence, ``q`` / ``k`` ``[batch, H, K]``,
+        ``v`` ``[batch, HV, V]``, ``g`` / ``beta`` ``[batch, HV]``; ``state`` ``[num_slots, HV, K, V]`` (any float
+        dtype) updated in place at ``state_indices``, the step of ``pagedllm_chunk_gated_delta_rule``. Returns
+        ``[batch, HV, V]`` in ``v``'s dtype. Reference:
+        ``pagedllm.backend.delta_rule_ops.fused_recurrent_gated_delta_rule``."""
+
 
 class RetiredSpec:
     """Hooks core no longer calls (see the module docstring): specs kept only so plugins written against an older

@@ -152,3 +152,32 @@ def pagedllm_fused_moe(hidden_states, w13, w2, topk_weights, topk_ids):
 @hookimpl(trylast=True)
 def pagedllm_quantized_linear(method: str, weight_type: str) -> None:
     return None  # core's reference (pagedllm.quantization) serves every method and weight type
+
+
+# ---- recurrent-state ops: Mamba2 and Gated DeltaNet ----------------------------------------------------------------
+from pagedllm.backend import delta_rule_ops, ssm_ops  # noqa: E402  (kept with the block it serves)
+
+
+@hookimpl(trylast=True)
+def pagedllm_selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_indices):
+    return ssm_ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_indices)
+
+
+@hookimpl(trylast=True)
+def pagedllm_mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, cu_seqlens, initial_states, D, z, dt_bias,
+                                       dt_softplus, dt_limit):
+    return ssm_ops.mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, cu_seqlens, initial_states, D, z, dt_bias,
+                                             dt_softplus, dt_limit)
+
+
+@hookimpl(trylast=True)
+def pagedllm_chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel):
+    return delta_rule_ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, scale,
+                                                 use_qk_l2norm_in_kernel)
+
+
+@hookimpl(trylast=True)
+def pagedllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, state, state_indices,
+                                              use_qk_l2norm_in_kernel):
+    return delta_rule_ops.fused_recurrent_gated_delta_rule(q, k, v, g, beta, state, state_indices, scale,
+                                                           use_qk_l2norm_in_kernel)

@@ -15,6 +15,7 @@ import torch
 import pagedllm
 from pagedllm.backend.registry import Backend, BackendError, get_backend
 from pagedllm.conformance import checks_e2e, checks_kernels as K, checks_layout, checks_runtime as R, checks_static
+from pagedllm.conformance import checks_state
 from pagedllm.conformance.evidence import device_evidence
 from pagedllm.conformance.harness import CaseContext, CheckFailed, NotApplicable, Untested, case_seed
 from pagedllm.conformance.report import NOT_VERIFIED, SIMULATION, CaseResult, Report, case_id
@@ -83,6 +84,7 @@ CHECK_HOOKS = {
     R.check_graph_replay: ("pagedllm_graph_runner",),
     checks_e2e.check_e2e: OP_HOOKS,
     checks_static.check_static_shapes: ("pagedllm_batch_policy",),
+    **checks_state.CHECK_HOOKS,
 }
 
 
@@ -156,6 +158,8 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                           K.check_mla_attention, dict(kv_lora_rank=40, rope=16, heads=5,
                                                       block_size=caps.block_sizes[0]),
                           untested="" if caps.mla else "capabilities do not declare mla"))
+        for kernel, model, check, params in checks_state.cases():  # Mamba2 and Gated DeltaNet state ops
+            cases.append(Case("fused_ops", kernel, model, dt, check, params))
         for hs in head_sizes:
             for rot in (hs, hs // 2):
                 cases.append(Case("fused_ops", "rotary", f"hs{hs}-rot{rot}", dt, K.check_rotary,

@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.backend.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, QuantizedLinearKernel, hookimpl)
-from pagedllm_cpu import attention, encoder, graph, lora, moe, native, ops, platform, quant
+from pagedllm_cpu import attention, encoder, graph, lora, moe, native, ops, platform, quant, state_ops
 
 #: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
 _DEFAULT_KV_BYTES = 4 << 30
@@ -169,3 +169,29 @@ def pagedllm_add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lo
 @hookimpl
 def pagedllm_quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
     return quant.quantized_linear(method, weight_type)
+
+
+# ---- recurrent-state ops (Mamba2, Gated DeltaNet): state_ops.py ----------------------------------------------------
+@hookimpl
+def pagedllm_selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_indices):
+    return state_ops.selective_state_update(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, state_indices)
+
+
+@hookimpl
+def pagedllm_mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, cu_seqlens, initial_states, D, z, dt_bias,
+                                       dt_softplus, dt_limit):
+    return state_ops.mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, cu_seqlens, initial_states, D, z, dt_bias,
+                                               dt_softplus, dt_limit)
+
+
+@hookimpl
+def pagedllm_chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel):
+    return state_ops.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                                            use_qk_l2norm_in_kernel)
+
+
+@hookimpl
+def pagedllm_fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, state, state_indices,
+                                              use_qk_l2norm_in_kernel):
+    return state_ops.fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale, state, state_indices,
+                                                      use_qk_l2norm_in_kernel)

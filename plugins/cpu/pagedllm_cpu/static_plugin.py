@@ -25,6 +25,9 @@ from pagedllm_cpu.plugin import (pagedllm_allocate_kv_cache, pagedllm_apply_toke
                                  pagedllm_memory_info, pagedllm_paged_attention, pagedllm_probe, pagedllm_rms_norm,
                                  pagedllm_quantized_linear, pagedllm_rotary, pagedllm_set_device,
                                  pagedllm_silu_and_mul, pagedllm_update_config, pagedllm_write_kv)
+from pagedllm_cpu.plugin import (pagedllm_chunk_gated_delta_rule,  # noqa: F401  (recurrent-state ops)
+                                 pagedllm_fused_recurrent_gated_delta_rule, pagedllm_mamba_chunk_scan_combined,
+                                 pagedllm_selective_state_update)
 
 #: The smallest token bucket: decode batches of a few sequences share one shape.
 MIN_TOKEN_BUCKET = 8
