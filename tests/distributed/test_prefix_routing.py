@@ -19,7 +19,7 @@ import pytest
 from pagedllm import SamplingParams
 from pagedllm.config import EngineConfig
 from pagedllm.engine.dp_client import prompt_token_ids
-from pagedllm.engine.prefix_router import (DPRoutingConfig, PrefixIndex, PrefixRouter, least_loaded,
+from pagedllm.engine.prefix_router import (DPRoutingConfig, PrefixIndex, PrefixRouter, RoutingStats, least_loaded,
                                            prompt_block_hashes)
 from pagedllm.errors import ParamError
 from pagedllm.lora.request import LoRARequest
@@ -244,9 +244,9 @@ def rounds() -> list[list[list[int]]]:
     return out
 
 
-def run_dp(path: str, policy: str) -> tuple[dict[tuple[int, ...], list[int]], list[int], list[int], dict]:
-    """Each round submitted at once, awaited whole; returns outputs by prompt, replicas' prefix hits and queries,
-    and the router's decisions."""
+def run_dp(path: str, policy: str) -> tuple[dict[tuple[int, ...], list[int]], list, RoutingStats]:
+    """Each round submitted at once, awaited whole; returns outputs by prompt, the replicas' (stats, requests) and
+    the router's decisions."""
     from pagedllm.engine.dp_client import DataParallelEngine
 
     config = EngineConfig(model=path, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=64,
@@ -265,8 +265,7 @@ def run_dp(path: str, policy: str) -> tuple[dict[tuple[int, ...], list[int]], li
                     async for o in s:
                         last = o
                     outs[tuple(p)] = list(last.outputs[0].token_ids)
-            stats = [s for s, _ in dp.replica_stats()]
-            return outs, [s.prefix_hits for s in stats], [s.prefix_queries for s in stats], dp.routing_stats()
+            return outs, dp.replica_stats(), dp.routing_stats()
         finally:
             dp.shutdown()
             await asyncio.sleep(0.1)
@@ -283,8 +282,10 @@ def tiny_llama(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dp2_cache_aware_hits_more_with_identical_outputs(tiny_llama):
-    ca_out, ca_hits, ca_queries, ca_routing = run_dp(tiny_llama, "cache_aware")
-    ll_out, ll_hits, ll_queries, ll_routing = run_dp(tiny_llama, "least_loaded")
+    ca_out, ca_replicas, ca_routing = run_dp(tiny_llama, "cache_aware")
+    ll_out, ll_replicas, ll_routing = run_dp(tiny_llama, "least_loaded")
+    ca_hits, ca_queries = [s.prefix_hits for s, _ in ca_replicas], [s.prefix_queries for s, _ in ca_replicas]
+    ll_hits, ll_queries = [s.prefix_hits for s, _ in ll_replicas], [s.prefix_queries for s, _ in ll_replicas]
     n = TENANTS * PER_TENANT
     prompt_tokens = n * (3 * E2E_BS + 5)
     print(f"prefix hits / queries: cache_aware {ca_hits} / {ca_queries}, least_loaded {ll_hits} / {ll_queries}")
@@ -298,3 +299,40 @@ def test_dp2_cache_aware_hits_more_with_identical_outputs(tiny_llama):
     assert ca_routing.decisions["least_loaded"] == [TENANTS // 2] * 2 and sum(ca_routing.decisions["load_bound"]) == 0
     assert ca_routing.predicted_hit_tokens == [h for h in ca_hits]  # the record matched the replicas' caches
     assert ll_routing.decisions["least_loaded"] == [n // 2] * 2
+
+    # /metrics: the replicas' own prefix-cache counters and the router's decisions, one sample per engine
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedllm.bench.serve import scrape_counters
+    from pagedllm.entrypoints.openai.metrics import ServerMetrics
+
+    text = ServerMetrics(lambda: ca_replicas, "m", lambda: ca_routing).render().decode()
+    samples = {(s.name, s.labels.get("engine"), s.labels.get("decision")): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    for e in (0, 1):
+        assert samples[("pagedllm:prefix_cache_hits_total", str(e), None)] == ca_hits[e]
+        assert samples[("pagedllm:prefix_cache_queries_total", str(e), None)] == ca_queries[e]
+        assert samples[("pagedllm:dp_routing_predicted_hit_tokens_total", str(e), None)] == ca_hits[e]
+        for d in ("prefix_match", "load_bound", "least_loaded"):
+            assert samples[("pagedllm:dp_routing_decisions_total", str(e), d)] == ca_routing.decisions[d][e]
+    # ... as `pagedllm bench serve` reads them (summed over engines)
+    assert scrape_counters(text) == {"prefix_cache_hits_total": sum(ca_hits),
+                                     "prefix_cache_queries_total": sum(ca_queries),
+                                     "decision:prefix_match": n - TENANTS, "decision:load_bound": 0,
+                                     "decision:least_loaded": TENANTS}
+    plain = ServerMetrics(lambda: ll_replicas[:1], "m").render().decode()  # one engine: no router, no counters
+    assert "dp_routing" not in plain and "prefix_cache_hits_total" in plain
+
+
+def test_bench_shared_prefix_prompts():
+    from pagedllm.bench.serve import make_prefix_prompts
+
+    ps = make_prefix_prompts(10, 3, 8, 4, 100, 200, seed=0)
+    assert ps == make_prefix_prompts(10, 3, 8, 4, 100, 200, seed=0) and len(ps) == 10
+    assert all(len(p) == 12 and all(100 <= t < 200 for t in p) for p in ps)
+    shares = {}
+    for p in ps:
+        shares[tuple(p[:8])] = shares.get(tuple(p[:8]), 0) + 1
+    assert sorted(shares.values()) == [3, 3, 4]  # 3 tenants, equal shares
+    assert len({tuple(p) for p in ps}) == 10  # each prompt its own suffix
+    assert ps != sorted(ps, key=lambda p: [k for k in shares].index(tuple(p[:8])))  # shuffled, not tenant-major
