@@ -218,6 +218,17 @@ def test_serve_flags():
         build_parser().parse_args(["serve", "--dp-routing", "random"])
 
 
+def test_bad_threshold_exits_2_naming_the_flag_before_loading():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "pagedllm.cli", "serve", "/nonexistent-model", "--device", "cpu",
+                          "-dp", "2", "--dp-balance-rel-threshold", "0.5"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "error: dp_balance_rel_threshold: must be a number >= 1, got 0.5" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_prompt_token_ids_as_the_engine_runs_them():
     ids = list(range(3, 23))
     assert prompt_token_ids({"prompt_token_ids": ids}, SamplingParams(), 100) == ids
@@ -257,6 +268,8 @@ def run_dp(path: str, policy: str) -> tuple[dict[tuple[int, ...], list[int]], li
         dp = DataParallelEngine(config, [None, None], routing=DPRoutingConfig(policy))
         try:
             await dp.start()
+            # the records mirror what the replicas built: their block size, their pools
+            assert dp.router.block_size == E2E_BS and [i.capacity for i in dp.router.indexes] == [64, 64]
             outs = {}
             for i, batch in enumerate(rounds()):
                 streams = [await dp.add_request(f"{i}-{j}", {"prompt_token_ids": p}, GREEDY)

@@ -37,8 +37,9 @@ def least_loaded(loads: Sequence[int], start: int) -> int:
 
 @dataclass(frozen=True)
 class DPRoutingConfig:
-    """How ``--data-parallel-size N`` places requests. SGLang's router defaults to 64 requests and 1.5x; replicas
-    here are often small CPU engines with short queues, so the absolute bound is 32."""
+    """How ``--data-parallel-size N`` places requests. The bounds are SGLang router's ``balance_abs_threshold``
+    (its default, 32) and ``balance_rel_threshold`` (its default 1.0001 leaves the absolute bound alone in charge;
+    1.5, its successor SMG's, also keeps a long queue on its prefix while the other is not much shorter)."""
 
     policy: str = "cache_aware"
     #: a prefix match loses to load when the matched replica holds more than this many requests above the minimum
