@@ -14,6 +14,7 @@ import socket
 from dataclasses import replace
 
 from pagedllm.commands.engine_args import add_engine_args, engine_config, lora_modules
+from pagedllm.engine.prefix_router import ROUTING_POLICIES, DPRoutingConfig
 from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_JSON_DEPTH,
                                                 DEFAULT_MAX_NUM_QUEUED_REQS, DEFAULT_RENDER_WORKER_MAX_GROWTH,
                                                 DEFAULT_TEMPLATE_RENDER_TIMEOUT, ServerLimits)
@@ -98,8 +99,17 @@ def add_parser(sub) -> None:
                         "process runs on the other CPUs (default: both on every CPU)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                    help="engine replicas, each a process with a full model copy and its own KV cache, behind this "
-                        "server; requests go to the least loaded (docs/distributed.md). On CPUs the engine CPUs "
+                        "server; requests go by --dp-routing (docs/distributed.md). On CPUs the engine CPUs "
                         "(--engine-cpus, default all) are split evenly among them; default 1")
+    p.add_argument("--dp-routing", default=DPRoutingConfig.policy, choices=ROUTING_POLICIES,
+                   help="data parallel: cache_aware (default) sends a request to the replica most likely to hold "
+                        "the longest prefix of its prompt in its prefix cache, within the load bound below; "
+                        "least_loaded uses the fewest unfinished requests alone")
+    p.add_argument("--dp-balance-abs-threshold", type=int, default=DPRoutingConfig.balance_abs_threshold,
+                   metavar="N", help="cache_aware: a prefix match loses to load when its replica holds more than N "
+                                     "requests above the least loaded one ... (default %(default)s)")
+    p.add_argument("--dp-balance-rel-threshold", type=float, default=DPRoutingConfig.balance_rel_threshold,
+                   metavar="X", help="... and more than X times as many (default %(default)s)")
     p.add_argument("--tool-call-parser", default=None, choices=ToolParserManager.list_registered(),
                    help="parse tool calls out of the model's text for tool_choice=auto: "
                         + ", ".join(ToolParserManager.list_registered()) + " (docs/structured_outputs.md)")
@@ -130,6 +140,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ParamError("enable_auto_tool_choice", "needs --tool-call-parser")
     if args.data_parallel_size < 1:
         raise ParamError("data_parallel_size", f"must be >= 1, got {args.data_parallel_size}")
+    dp_routing(args)  # a bad threshold fails before the model loads
     if args.render_workers < 1:
         raise ParamError("render_workers", f"must be >= 1, got {args.render_workers}")
     if args.render_worker_max_growth_mb < 0:
@@ -139,6 +150,10 @@ def _check(args: argparse.Namespace) -> None:
     if args.max_stored_responses < 0 or args.max_stored_responses_mb < 0:
         raise ParamError("max_stored_responses", "the response store's bounds must be >= 0")
     _check_port(args.host, args.port)
+
+
+def dp_routing(args: argparse.Namespace) -> DPRoutingConfig:
+    return DPRoutingConfig(args.dp_routing, args.dp_balance_abs_threshold, args.dp_balance_rel_threshold)
 
 
 def _check_port(host: str, port: int) -> None:
@@ -199,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
                  render_workers=args.render_workers, exit_on_engine_failure=args.exit_on_engine_failure, cors=cors,
                  tool_call_parser=args.tool_call_parser, enable_auto_tool_choice=args.enable_auto_tool_choice,
                  lora_modules=loras, allow_runtime_lora_updating=args.allow_runtime_lora_updating,
-                 data_parallel_size=args.data_parallel_size, metrics_without_key=args.allow_metrics_without_key,
+                 data_parallel_size=args.data_parallel_size, dp_routing=dp_routing(args),
+                 metrics_without_key=args.allow_metrics_without_key,
                  reasoning_parser=args.reasoning_parser,
                  max_stored_responses=args.max_stored_responses,
                  max_stored_responses_bytes=args.max_stored_responses_mb << 20)

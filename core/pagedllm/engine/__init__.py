@@ -6,6 +6,7 @@ to, its async client, data-parallel clients, and CPU pinning.
 - ``core_process``: the engine loop in its own process (``run_engine_core``).
 - ``async_engine``: the server side's client of that process.
 - ``dp_client`` / ``dp_lockstep``: data-parallel replicas, and their lock step for expert parallel.
+- ``prefix_router``: which replica a request goes to (cache-aware: the longest recorded prefix within a load bound).
 - ``cpu_split``: ``--engine-cpus``, the engine's and the HTTP process's CPU sets.
 """
 

@@ -158,6 +158,8 @@ class AsyncEngine:
         #: vLLM's supported tasks: ("generate",), or the pooling tasks of a pooling model (embed, classify, ...)
         self.supported_tasks: tuple[str, ...] = tuple(info.get("supported_tasks", ("generate",)))
         self._stats: EngineStats = info["stats"]
+        #: The KV pool as built ({"block_size", "prefix_caching"}): data-parallel cache-aware routing keys on it.
+        self.kv_cache: dict = info.get("kv_cache", {})
         #: DP+EP replicas: the experts this replica's model holds (``dp_lockstep.expert_info``); None otherwise.
         self.expert_parallel: Optional[dict] = info.get("expert_parallel")
         #: DP+EP: called with ``w`` when this replica starts lock-step wave ``w`` (the others must be woken).

@@ -89,7 +89,9 @@ def _run(config: EngineConfig, commands: Connection, outputs: Connection, log_le
     freeze_startup_heap()  # the model and its imports live for good; full passes rare (gc_policy.py)
     info = {"max_model_len": engine.max_model_len, "model_path": engine.model_path,
             "vocab_size": engine.model.vocab_size, "stats": engine.get_stats(),
-            "supported_tasks": engine.get_supported_tasks()}  # the server routes and refuses requests by them
+            "supported_tasks": engine.get_supported_tasks(),  # the server routes and refuses requests by them
+            # data-parallel cache-aware routing keys its record of this replica's prefix cache on these
+            "kv_cache": {"block_size": engine.kv.block_size, "prefix_caching": engine.kv.enable_caching}}
     if dp_ep is not None:
         from pagedllm.engine.dp_lockstep import expert_info, lockstep_loop  # cycle: dp_lockstep imports this module
 

@@ -2,8 +2,10 @@
 
 Each replica is a whole engine in its own process (an :class:`AsyncEngine`, so streaming, aborts, timeouts and
 errors cross the process boundary exactly as with one engine) holding a full copy of the model and its own KV pool.
-A request goes to the replica with the fewest unfinished requests (running + waiting, counted here as they are
-added and finish, so a burst is spread before any replica has reported a step); ties go round robin. On CPUs each
+A request goes to the replica whose prefix cache most likely holds the longest prefix of its prompt, within a load
+bound (``--dp-routing cache_aware``, the default: ``prefix_router.py``), else to the replica with the fewest
+unfinished requests (running + waiting, counted here as they are added and finish, so a burst is spread before any
+replica has reported a step); ties go round robin. ``--dp-routing least_loaded`` places by load alone. On CPUs each
 replica is pinned to its own share of the cores with one torch thread per core (see ``cpu_split.py``).
 
 A replica that dies fails its own in-flight requests (EngineDeadError, as one engine does); from then on the server
@@ -28,6 +30,8 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import EngineStats, PromptType
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream, encode_stream
+from pagedllm.engine.prefix_router import (DPRoutingConfig, PrefixRouter, RoutingStats,
+    least_loaded)  # noqa: F401 - least_loaded: this module's name for it before the router existed
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.lora.request import LoRARequest
@@ -55,10 +59,19 @@ def split_cpus(cpus: Sequence[int], n: int) -> list[frozenset[int]]:
     return out
 
 
-def least_loaded(loads: Sequence[int], start: int) -> int:
-    """Index of the smallest load; among equal ones the first at or after ``start`` (round robin)."""
-    n = len(loads)
-    return min(((start + k) % n for k in range(n)), key=lambda i: loads[i])  # min keeps the first of ties
+def prompt_token_ids(prompt: PromptType, params: object, max_model_len: int) -> Optional[list[int]]:
+    """The token ids the engine will run for ``prompt`` (after ``truncate_prompt_tokens``), or None when the prompt
+    is text (the server always sends ids: it tokenizes before it submits)."""
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+    else:
+        ids = prompt if isinstance(prompt, (list, tuple)) else None
+    if ids is None:
+        return None
+    keep = getattr(params, "truncate_prompt_tokens", None)
+    if keep == -1 and isinstance(params, PoolingParams):  # pooling's -1: keep max_model_len
+        keep = max_model_len
+    return list(ids[-keep:]) if isinstance(keep, int) and 0 < keep < len(ids) else list(ids)
 
 
 class DataParallelEngine:
@@ -66,10 +79,14 @@ class DataParallelEngine:
     the others and re-raises). ``replica_cpus[i]``: the CPUs replica ``i`` is pinned to (None: not pinned)."""
 
     def __init__(self, config: EngineConfig, replica_cpus: Sequence[Optional[frozenset[int]]],
-                 stream_interval: int = 1, lora_modules: Sequence[LoRARequest] = ()):
+                 stream_interval: int = 1, lora_modules: Sequence[LoRARequest] = (),
+                 routing: Optional[DPRoutingConfig] = None):
         n = len(replica_cpus)
         if n < 1:
             raise ParamError("data_parallel_size", f"must be >= 1, got {n}")
+        routing = routing if routing is not None else DPRoutingConfig()
+        if not isinstance(routing, DPRoutingConfig):
+            raise ParamError("dp_routing", f"must be a DPRoutingConfig, got {type(routing).__name__}")
         self.config = config
 
         #: DP+EP (``--enable-expert-parallel`` with an MoE model): one expert-parallel group over the replicas.
@@ -116,7 +133,7 @@ class DataParallelEngine:
         self.error: Optional[BaseException] = None
         self.on_dead: Optional[Callable[[BaseException], None]] = None
         self._stopping = False
-        self._rr = 0  # round-robin pointer for ties
+        self.router = PrefixRouter(routing, *self._kv_record_shape())
         for r in self.replicas:
             r.on_dead = self._replica_dead
             if self.expert_parallel:
@@ -124,6 +141,14 @@ class DataParallelEngine:
             logger.info("data parallel: engine %d is process %d%s", r.index, r.pid,
                         f" on CPUs {','.join(map(str, sorted(replica_cpus[r.index])))}" if replica_cpus[r.index]
                         else "")
+
+    def _kv_record_shape(self) -> tuple[int, list[int]]:
+        """(block size, blocks per replica) the router's records mirror; capacity 0 where a replica caches no
+        prefixes (all replicas are built from one config, so their block sizes agree)."""
+        block_size = self.replicas[0].kv_cache.get("block_size", 0)
+        caps = [r.stats().num_blocks if r.kv_cache.get("prefix_caching") and
+                r.kv_cache.get("block_size") == block_size else 0 for r in self.replicas]
+        return block_size, caps
 
     @staticmethod
     def _expert_parallel_configs(config: EngineConfig, n: int) -> list:
@@ -177,28 +202,31 @@ class DataParallelEngine:
         self.on_dead(self.error)
 
     # ---- requests --------------------------------------------------------------------------------------------
-    def pick(self) -> AsyncEngine:
-        """The replica with the fewest unfinished requests; ties round robin from the last choice."""
-        best = least_loaded([r.num_unfinished() for r in self.replicas], self._rr)
-        self._rr = (best + 1) % len(self.replicas)
+    def pick(self, prompt: Optional[PromptType] = None, params: object = None,
+             lora_request: Optional[LoRARequest] = None) -> AsyncEngine:
+        """The replica for this prompt: the longest recorded prefix within the load bound, else the one with the
+        fewest unfinished requests; ties round robin from the last choice (``prefix_router.py``)."""
+        ids = prompt_token_ids(prompt, params, self.max_model_len) if prompt is not None else None
+        lora_id = lora_request.lora_int_id if isinstance(lora_request, LoRARequest) else 0
+        best = self.router.route(ids, [r.num_unfinished() for r in self.replicas], lora_id)
         return self.replicas[best]
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: Optional[float] = None, priority: Optional[int] = None,
                           timeout: Optional[float] = None, lora_request: Optional[LoRARequest] = None
                           ) -> RequestStream:
-        """As :meth:`AsyncEngine.add_request`, on the least loaded replica (its stream aborts there)."""
+        """As :meth:`AsyncEngine.add_request`, on the replica :meth:`pick` chooses (its stream aborts there)."""
         if not self.is_running:
             raise EngineDeadError(f"engine is not running: {self.error!r}" if self.error else "engine is not running")
         if any(r.has_request(request_id) for r in self.replicas):
             raise ParamError("request_id", f"{request_id!r} is already in use")
-        return await self.pick().add_request(request_id, prompt, params, arrival_time, priority, timeout,
-                                             lora_request)
+        return await self.pick(prompt, params, lora_request).add_request(
+            request_id, prompt, params, arrival_time, priority, timeout, lora_request)
 
     def encode(self, prompt: PromptType, pooling_params: PoolingParams, request_id: str,
                lora_request: Optional[LoRARequest] = None, priority: int = 0, timeout: Optional[float] = None,
                arrival_time: Optional[float] = None) -> AsyncIterator[PoolingRequestOutput]:
-        """As :meth:`AsyncEngine.encode`, on the least loaded replica."""
+        """As :meth:`AsyncEngine.encode`, on the replica :meth:`pick` chooses."""
         return encode_stream(self.add_request, prompt, pooling_params, request_id, lora_request, priority, timeout,
                              arrival_time)
 
@@ -234,3 +262,7 @@ class DataParallelEngine:
 
     def replica_stats(self) -> list[tuple[EngineStats, int]]:
         return [(r.stats(), r.num_requests) for r in self.replicas]
+
+    def routing_stats(self) -> RoutingStats:
+        """The router's decisions per replica (``pagedllm:dp_routing_*`` on /metrics), a snapshot."""
+        return self.router.stats.copy()

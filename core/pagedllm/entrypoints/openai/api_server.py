@@ -34,6 +34,7 @@ from pagedllm.entrypoints.openai.auth import APIKeyMiddleware, add_cors
 from pagedllm.entrypoints.openai.docs_assets import add_offline_docs
 from pagedllm.engine.cpu_split import parse_cpu_list, pin_front_end
 from pagedllm.engine.dp_client import DataParallelEngine, split_cpus
+from pagedllm.engine.prefix_router import DPRoutingConfig
 from pagedllm.engine.gc_policy import freeze_startup_heap
 from pagedllm.entrypoints.openai.errors import APIError, error_body, from_param_error, install_handlers
 from pagedllm.entrypoints.openai.grammar_gate import start_grammar_pool, stop_grammar_pool
@@ -142,7 +143,7 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         if value and value not in known:  # here, not at the first request that needs it
             raise ValueError(f"{field}: {value!r} is not a registered parser; available: {', '.join(known)}")
     limits = limits or ServerLimits()
-    metrics = ServerMetrics(engine.replica_stats, names[0])
+    metrics = ServerMetrics(engine.replica_stats, names[0], getattr(engine, "routing_stats", None))
     admission = Admission(limits.max_num_queued_reqs, limits.retry_after_s, on_reject=metrics.rejected.inc)
     completions = CompletionServing(engine, names, metrics, chat_template, limits, admission, renderer)
     chat = ChatServing(engine, names, metrics, chat_template, limits, admission, renderer)
@@ -371,6 +372,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
           cors: Optional[dict[str, Any]] = None, tool_call_parser: Optional[str] = None,
           enable_auto_tool_choice: bool = False, lora_modules: Sequence[LoRARequest] = (),
           allow_runtime_lora_updating: bool = False, data_parallel_size: int = 1,
+          dp_routing: Optional[DPRoutingConfig] = None,
           metrics_without_key: bool = False, reasoning_parser: Optional[str] = None,
           max_stored_responses: int = DEFAULT_MAX_ITEMS, max_stored_responses_bytes: int = DEFAULT_MAX_BYTES
           ) -> int:
@@ -378,7 +380,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
 
     ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
     ``data_parallel_size`` > 1: that many engine replicas (see ``dp_client.py``), the engine CPUs (default: all this
-    process may use) split evenly among them.
+    process may use) split evenly among them, requests placed by ``dp_routing`` (default: cache-aware).
     ``exit_on_engine_failure``: if the engine process dies, fail the in-flight requests, then exit with code 1.
     ``reasoning_parser``: the server splits reasoning from content, and the engine applies grammars after it
     (``structured_outputs_config.reasoning_parser``).
@@ -397,7 +399,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
         cpus = frozenset().union(*replica_cpus)
     warm_up_forkserver()  # imports transformers in the background while the engine loads the model
     # Starts the engine process(es) and waits until the model is loaded.
-    engine = (DataParallelEngine(config, replica_cpus, stream_interval, lora_modules) if replica_cpus
+    engine = (DataParallelEngine(config, replica_cpus, stream_interval, lora_modules, dp_routing) if replica_cpus
               else AsyncEngine(config, stream_interval, cpus, lora_modules))
     renderer = None
     try:

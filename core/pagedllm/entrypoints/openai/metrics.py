@@ -9,13 +9,14 @@ replica. Latency histograms are observed by the HTTP handlers when a request end
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pagedllm.engine.llm_engine import EngineStats
+from pagedllm.engine.prefix_router import RoutingStats
 from pagedllm.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -63,6 +64,33 @@ class _EngineCollector(Collector):
                 yield family(kind, name, doc, [getattr(s, name) for s in stats])
 
 
+class _RoutingCollector(Collector):
+    """Data parallel: where the front end placed requests and why (``engine/prefix_router.py``), per replica."""
+
+    def __init__(self, routing: Callable[[], RoutingStats], model_name: str):
+        self.routing = routing
+        self.model_name = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        stats = self.routing()
+        decisions = CounterMetricFamily(
+            "pagedllm:dp_routing_decisions", "Requests the data-parallel router placed on each engine, by decision: "
+            "prefix_match (its recorded prefix cache held the longest prefix), load_bound (a prefix match elsewhere "
+            "lost to the load bound), least_loaded (no match, or --dp-routing least_loaded).",
+            labels=["model_name", "engine", "decision"])
+        for decision, per_engine in stats.decisions.items():
+            for i, v in enumerate(per_engine):
+                decisions.add_metric([self.model_name, str(i), decision], v)
+        yield decisions
+        predicted = CounterMetricFamily(
+            "pagedllm:dp_routing_predicted_hit_tokens", "Prompt tokens the data-parallel router expected each "
+            "engine's prefix cache to serve when it placed requests there (compare prefix_cache_hits).",
+            labels=["model_name", "engine"])
+        for i, v in enumerate(stats.predicted_hit_tokens):
+            predicted.add_metric([self.model_name, str(i)], v)
+        yield predicted
+
+
 #: (kind, name after ``pagedllm:``, help, EngineStats field): vLLM's names where vLLM has the metric.
 _ENGINE_METRICS = (
     ("gauge", "num_requests_running", "Number of requests in model execution batches.", "num_running"),
@@ -99,11 +127,15 @@ _SPEC_METRICS = (
 class ServerMetrics:
     """The app's registry: engine snapshot collector plus request-latency histograms."""
 
-    def __init__(self, replicas: Callable[[], Sequence[tuple[EngineStats, int]]], model_name: str):
-        """``replicas``: (stats snapshot, requests accepted) of each engine, e.g. ``AsyncEngine.replica_stats``."""
+    def __init__(self, replicas: Callable[[], Sequence[tuple[EngineStats, int]]], model_name: str,
+                 routing: Optional[Callable[[], RoutingStats]] = None):
+        """``replicas``: (stats snapshot, requests accepted) of each engine, e.g. ``AsyncEngine.replica_stats``;
+        ``routing``: the data-parallel router's decisions (``DataParallelEngine.routing_stats``), if any."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.registry.register(_EngineCollector(replicas, model_name))
+        if routing is not None:
+            self.registry.register(_RoutingCollector(routing, model_name))
         lab = ["model_name"]
         self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               lab, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
