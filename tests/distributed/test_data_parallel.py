@@ -23,7 +23,8 @@ import openai
 import pytest
 from server_utils import ServerProcess, cmdline, descendants, gone, tiny_chat_model
 
-from pagedllm.engine.dp_client import least_loaded, split_cpus
+from pagedllm.engine.dp_client import split_cpus
+from pagedllm.engine.prefix_router import least_loaded
 from pagedllm.errors import ParamError
 
 MAX_LEN = 512

@@ -30,8 +30,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 from pagedllm.config import EngineConfig
 from pagedllm.engine.llm_engine import EngineStats, PromptType
 from pagedllm.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream, encode_stream
-from pagedllm.engine.prefix_router import (DPRoutingConfig, PrefixRouter, RoutingStats,
-    least_loaded)  # noqa: F401 - least_loaded: this module's name for it before the router existed
+from pagedllm.engine.prefix_router import DPRoutingConfig, PrefixRouter, RoutingStats
 from pagedllm.outputs import PoolingRequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.lora.request import LoRARequest
