@@ -9,7 +9,8 @@ import torch
 
 from pagedllm import SamplingParams
 from pagedllm.backend import conv_ops
-from pagedllm.backend.hookspec import API_VERSION, MambaSpec
+from pagedllm.backend.hookspec import API_VERSION, BackendInfo, MambaSpec, MemoryInfo, ProbeResult, hookimpl
+from pagedllm.backend.registry import Backend, BackendError
 from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.sched.request import Request, RequestStatus
 from pagedllm.sched.scheduler import Scheduler
@@ -144,7 +145,39 @@ def test_reference_conv_chunks_and_updates_equal_one_whole_pass(activation):
     torch.testing.assert_close(states[4], seqs[0][-(width - 1):].t())  # the final state: the last inputs
 
 
-def test_contract_version_three_and_state_spec_bytes():
+class _Plugin:
+    """A plugin of a given contract version implementing only the required hooks."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    @hookimpl
+    def pagedllm_backend_info(self):
+        return BackendInfo(name=f"v{self.version}-plugin", device_type="cpu", api_version=self.version)
+
+    @hookimpl
+    def pagedllm_probe(self):
+        return ProbeResult(usable=True)
+
+    @hookimpl
+    def pagedllm_memory_info(self, device):
+        return MemoryInfo(total_bytes=1 << 30, free_bytes=1 << 30)
+
+
+def test_contract_v3_loads_v2_plugins_on_the_reference_state_ops_and_refuses_v1():
     assert API_VERSION == 3
+    v2 = Backend(_Plugin(2), "v2-plugin")
+    assert not any(v2.implements(h) for h in ("pagedllm_allocate_state_cache", "pagedllm_causal_conv1d_fn",
+                                              "pagedllm_causal_conv1d_update"))
     spec = MambaSpec(num_layers=3, num_slots=8, shapes=((96, 2),), dtypes=(torch.bfloat16,), device="cpu")
     assert spec.bytes_per_slot == 3 * 96 * 2 * 2
+    caches = v2.allocate_state_cache(spec)
+    assert len(caches) == 3 and all(c[0].shape == (8, 96, 2) and c[0].dtype == torch.bfloat16 for c in caches)
+    x = torch.randn(2, 96, dtype=torch.bfloat16)
+    w = torch.randn(96, 3, dtype=torch.bfloat16)
+    idx = torch.tensor([5, 0], dtype=torch.int32)
+    ref = caches[1][0].clone()
+    torch.testing.assert_close(v2.causal_conv1d_update(x, caches[0][0], w, None, None, idx),
+                               conv_ops.causal_conv1d_update(x, ref, w, None, None, idx))
+    with pytest.raises(BackendError, match=r"contract version 1; this pagedllm implements version 3 \(accepts 2\.\.3\)"):
+        Backend(_Plugin(1), "v1-plugin")

@@ -199,7 +199,7 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                           checks_e2e.check_e2e, dict(head_size=hs_e2e, block_size=bs),
                           untested=no_f32 and f"capabilities do not declare float32: end-to-end parity {no_f32}"))
     bs_min = min(caps.block_sizes)  # prompts over several blocks, cut by the budget off block boundaries
-    cases.append(Case("e2e", "state_carry_vs_hf", f"tiny-lfm2-hs{hs_e2e}-bs{bs_min}-budget7", "float32",
+    cases.append(Case("state", "state_carry_vs_hf", f"tiny-lfm2-hs{hs_e2e}-bs{bs_min}-budget7", "float32",
                       checks_state.check_state_carry_e2e, dict(head_size=hs_e2e, block_size=bs_min, budget=7),
                       untested=no_f32 and f"capabilities do not declare float32: end-to-end parity {no_f32}"))
     if _static(backend, bs_max):
