@@ -20,7 +20,7 @@ from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.backend.hookspec import KVCacheSpec, MambaSpec
 from pagedllm.backend.registry import Backend, get_backend
 from pagedllm.conformance import run_conformance
-from pagedllm.errors import UnsupportedModelError
+from pagedllm.errors import ParamError, UnsupportedModelError
 from pagedllm.models import load_model
 from pagedllm.models.lfm2 import Lfm2CausalLM
 from plugin_factory import make_plugin
@@ -162,13 +162,16 @@ def test_lfm2_abort_mid_prefill_returns_slot_and_blocks(lfm2_dir):
     _assert_released(llm)
 
 
-def test_lfm2_refused_by_the_transformers_fallback_and_static_shapes(lfm2_dir):
+def test_lfm2_refused_by_the_fallback_static_shapes_and_speculation(lfm2_dir):
     with pytest.raises(UnsupportedModelError, match="conv"):
         load_model(lfm2_dir, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"),
                    model_impl="transformers")
     with pytest.raises(UnsupportedModelError, match=r"Lfm2ForCausalLM keeps recurrent state .*'cpu-static'.*static "
                                                     r"batch shapes"):
         LLM(lfm2_dir, device="cpu-static", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
+    with pytest.raises(ParamError, match=r"speculative_config: Lfm2ForCausalLM keeps recurrent state"):
+        LLM(lfm2_dir, device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
 # ---- conformance: an injected bug in the state carry between chunks -----------------------------------------
