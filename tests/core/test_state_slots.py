@@ -179,5 +179,6 @@ def test_contract_v3_loads_v2_plugins_on_the_reference_state_ops_and_refuses_v1(
     ref = caches[1][0].clone()
     torch.testing.assert_close(v2.causal_conv1d_update(x, caches[0][0], w, None, None, idx),
                                conv_ops.causal_conv1d_update(x, ref, w, None, None, idx))
-    with pytest.raises(BackendError, match=r"contract version 1; this pagedllm implements version 3 \(accepts 2\.\.3\)"):
+    with pytest.raises(BackendError, match=r"contract version 1; this pagedllm implements version 3 "
+                                           r"\(accepts 2\.\.3\)"):
         Backend(_Plugin(1), "v1-plugin")

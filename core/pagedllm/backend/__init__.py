@@ -7,7 +7,8 @@ they only gain arguments or fields with defaults; a name that moves keeps its ol
 
 The contract (``hookspec``): ``hookimpl``, ``API_VERSION``, ``ENTRY_POINT_GROUP``, ``BackendSpec`` and the records
 hooks take and return — ``BackendInfo``, ``ProbeResult``, ``Capabilities``, ``MemoryInfo``, ``KVCacheSpec``,
-``MambaSpec`` (v3: the recurrent-state group), ``ModelInfo``, ``RunnerContext``, ``GraphRunner``, ``QuantizedWeight``, ``QuantizedLinearKernel``.
+``MambaSpec`` (v3: the recurrent-state group), ``ModelInfo``, ``RunnerContext``, ``GraphRunner``, ``QuantizedWeight``,
+``QuantizedLinearKernel``.
 
 What hooks receive or may build on:
 
@@ -30,7 +31,8 @@ What hooks receive or may build on:
 
 Submodules: ``hookspec`` (the contract, one documented file), ``registry`` (discovery and the bound ``Backend``),
 ``builds`` (the build lock), ``reference`` and ``ref_ops`` (core's pure-torch reference ops: every optional hook's
-fallback and the conformance oracle; ``conv_ops``: the causal conv1d of the state hooks), ``kv_quant`` (fp8 KV semantics), ``accelerator`` (the device-generic GPU runtime hooks and probe steps:
+fallback and the conformance oracle; ``conv_ops``: the causal conv1d of the state hooks), ``kv_quant`` (fp8 KV
+semantics), ``accelerator`` (the device-generic GPU runtime hooks and probe steps:
 ``DeviceHooks``, ``probe_device``), ``triton`` (portable Triton kernels and their op hooks).
 """
 

@@ -190,7 +190,7 @@ class Worker:
             return None
         arch, name = self.info.architecture, self.backend.name
         if self.policy.static:
-            raise UnsupportedModelError(f"{arch} keeps recurrent state per request (conv layers), which backend "
+            raise UnsupportedModelError(f"{arch} keeps recurrent state per request, which backend "
                                         f"{name!r}'s static batch shapes do not carry (no state slots in its "
                                         "persistent buffers); run it on a dynamic backend (--device cpu)")
         if self.config.speculative_config is not None:
