@@ -180,6 +180,15 @@ class Worker:
         draft = self._draft_kv_spec(1)
         return self._kv_spec(1).bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
 
+    def _state_bytes(self) -> int:
+        """What the state group will cost (one slot per sequence a step may hold); 0 for models without state."""
+        m = self.model
+        shapes = getattr(m, "state_shapes", None)
+        if not shapes:
+            return 0
+        spec = MambaSpec(m.num_state_layers, self.max_num_seqs, tuple(shapes), tuple(m.state_dtypes), self.device)
+        return spec.bytes_per_slot * spec.num_slots
+
     def _state_spec(self) -> Optional[MambaSpec]:
         """The model's state group (``state_shapes`` / ``state_dtypes`` per layer), with one slot per sequence a step
         may hold; refused where the step cannot hand the model its slots (static shapes keep no per-step slot
@@ -270,6 +279,7 @@ class Worker:
                 logger.info("KV budget %.2f GiB: %.0f%% of %.2f GiB, %.2f GiB in use after load, %s GiB activation "
                             "peak", budget / 2**30, 100 * util, mem.total_bytes / 2**30, used / 2**30,
                             f"{peak / 2**30:.2f}" if peak is not None else "unmeasured")
+            budget -= self._state_bytes()  # a hybrid model's state slots come out of the same budget
             # More blocks than every sequence at full length can use only feed the prefix cache; cap there x2.
             n = min(int(max(budget, 0) // bpb), 2 * self.max_num_seqs * per_seq)
         if n < per_seq:
