@@ -2,7 +2,8 @@
 
 Each old module path still imports and gives the new module's names, with one ``DeprecationWarning`` naming the new
 path; so do the old names of modules that became packages (``pagedllm.worker``, ``pagedllm.engine``) and
-``pagedllm.sampling_params.ParamError``. Installed by ``import pagedllm``; removed with contract v3.
+``pagedllm.sampling_params.ParamError``. Installed by ``import pagedllm``; removed once core stops loading contract-v2
+plugins (contract v4), which may import them.
 """
 
 from __future__ import annotations

@@ -72,6 +72,7 @@ def test_reference_backend_passes_everything(ref_backend, tmp_path):
     assert report.features() == {"memory": "verified-on-hardware", "kv_cache": "reference-fallback",
                                  "attention": "reference-fallback", "fused_ops": "reference-fallback",
                                  "graph": "reference-fallback", "e2e": "reference-fallback",
+                                 "state": "reference-fallback",
                                  "quantization": "not-applicable", "dtype": "not-applicable"}
     kernels = {r.kernel for r in report.results}
     assert {"write_kv", "paged_attention.decode", "paged_attention.prefill", "paged_attention.mixed",

@@ -1,4 +1,4 @@
-"""The compatibility promise of contract v2, on a backend written against contract v1 (before v2 existed) and shipped
+"""The compatibility promise (N loads N-1), on a backend written against contract v1 (before v2 existed) and shipped
 as a vendor ships it: a package found through its entry point. It passes conformance on what it declares, its
 undeclared features shown as not applicable; it has no host-cache allocator (v1 had none), so core gives it host
 caches from its own allocator in its own layout and swaps through its own swap hook; a backend that cannot swap is
@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from pagedllm.backend.hookspec import API_VERSION
 from pagedllm.backend.registry import Backend
 from pagedllm.conformance.checks_e2e import hf_greedy, tiny_llama
 from plugin_factory import make_plugin, v1_backend_source, write_plugin_package
@@ -124,7 +125,7 @@ def test_engine_swaps_a_v1_backend_through_its_own_host_layout_or_recomputes(v1_
     want = hf_greedy(path, prompts)
 
     v1 = Backend(_load(v1_site, "oldvendor_pagedllm"), "oldvendor")
-    assert v1.info.api_version == 1 and not v1.implements("pagedllm_allocate_host_kv_cache")
+    assert v1.info.api_version == API_VERSION - 1 and not v1.implements("pagedllm_allocate_host_kv_cache")
     engine, got = _preempting_run(v1, path, prompts, bs)
     host = engine.worker.host_caches
     assert host is not None and tuple(host[0].shape)[1:] == (2, bs, 2, 64)  # blocks-first, on the host

@@ -15,7 +15,7 @@ from pagedllm.backend.batch_policy import BatchShape, BucketPolicy, capped_pow2_
 from pagedllm.conformance import run_conformance
 from pagedllm.conformance import cli as conformance_cli
 from pagedllm.conformance.evidence import device_evidence
-from pagedllm.conformance.matrix import support_matrix
+from pagedllm.conformance.matrix import FEATURES, support_matrix
 from pagedllm.conformance.report import PARTIAL, SIMULATION, Report
 from pagedllm.conformance.runner import enumerate_cases, run_case
 from pagedllm.backend.hookspec import BackendInfo, Capabilities
@@ -238,7 +238,7 @@ def test_verification_level_json_and_support_matrix(tmp_path, monkeypatch, capsy
     assert "verified on CPU simulation (" in rows["simmed"] and "PARTIAL (tests/fake layer)" in rows["simmed"]
     assert "verified on hardware (" in rows["hw"] and "verified on CPU simulation" not in rows["hw"]
     assert "not verified (" in rows["simmed"]  # attention: declared, not run
-    assert rows["nothere"].count("not verified") == 7 and "no report" in rows["nothere"]
+    assert rows["nothere"].count("not verified") == len(FEATURES) and "no report" in rows["nothere"]
     assert "✅" not in text
 
 

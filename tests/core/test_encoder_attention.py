@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backend import ref_ops
-from pagedllm.backend.hookspec import BackendInfo, MemoryInfo, ProbeResult, hookimpl
+from pagedllm.backend.hookspec import API_VERSION, BackendInfo, MemoryInfo, ProbeResult, hookimpl
 from pagedllm.backend.registry import Backend, get_backend
 from pagedllm.conformance.runner import run_conformance
 
@@ -78,11 +78,12 @@ def test_causal_flag_is_honoured_and_sequences_are_isolated():
 
 
 class PluginWithoutTheHook:
-    """A contract-v1 plugin, written before the hook existed (no ``pagedllm_encoder_attention``): it must still load."""
+    """An older plugin (the oldest contract core loads), written before the hook existed (no
+    ``pagedllm_encoder_attention``): it must still load."""
 
     @hookimpl
     def pagedllm_backend_info(self):
-        return BackendInfo(name="old-plugin", device_type="cpu", api_version=1)
+        return BackendInfo(name="old-plugin", device_type="cpu", api_version=API_VERSION - 1)
 
     @hookimpl
     def pagedllm_probe(self):

@@ -134,13 +134,14 @@ def _saved(config, path) -> str:
 
 
 def test_lfm2_convolution_layers_are_refused_before_any_weight_is_read(tmp_path, backend):
-    """Issue 28: LFM2 ran wrong from its second token (its short-convolution state is not carried between steps)."""
+    """Issue 28: LFM2 ran wrong from its second token (its short-convolution state is not carried between steps).
+    It runs natively now (tests/models/test_lfm2.py); asked for the transformers path, it is still refused."""
     path = _saved(tiny_config("lfm2", "Lfm2ForCausalLM"), tmp_path / "lfm2")
     with open(os.path.join(path, "model.safetensors"), "wb"):  # no weights at all: the refusal comes first
         pass
     with pytest.raises(UnsupportedModelError, match=r"Lfm2ForCausalLM.*config\.layer_types has layers the paged "
                                                     r"cache cannot hold \(conv: a convolution state; layers 0, 2\)"):
-        load_model(path, backend=backend, dtype=torch.float32, device=torch.device("cpu"))
+        load_model(path, backend=backend, dtype=torch.float32, device=torch.device("cpu"), model_impl="transformers")
 
 
 def test_gpt_oss_sinks_are_refused_before_any_weight_is_read(tmp_path, backend):

@@ -56,7 +56,8 @@ def write_plugin_package(root, dist: str, module: str, source: str, entry_name: 
     return str(root)
 
 
-#: A backend as a vendor wrote it against contract v1 (``API_VERSION = 1``, before v2 existed): the v1 module path
+#: A backend as a vendor wrote it against contract v1 (before v2 existed), declaring the oldest contract version core
+#: still loads (``API_VERSION - 1``: v1 plugins themselves are refused since contract v3): the v1 module path
 #: (``pagedllm.hookspec``), v1 hook signatures (no fp8 scales, no ALiBi, a graph runner without ``ctx``), the v1
 #: ``copy_kv_blocks`` hook, its own blocks-first KV layout ``[num_blocks, 2, block_size, heads, head_size]`` with
 #: its own write, attention, gather and swap, and no host-cache allocator (v1 had none). ``BLOCK_OFFSET_BUG = 1``
@@ -65,14 +66,16 @@ def write_plugin_package(root, dist: str, module: str, source: str, entry_name: 
 V1_BACKEND = '''
 """NAME: a pagedllm backend written against contract v1."""
 import torch
-from pagedllm.hookspec import BackendInfo, Capabilities, GraphRunner, MemoryInfo, ProbeResult, hookimpl
+from pagedllm.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, MemoryInfo, ProbeResult,
+                               hookimpl)
 
 BLOCK_OFFSET_BUG = BUG
 
 
 @hookimpl
 def pagedllm_backend_info():
-    return BackendInfo(name="NAME", device_type="cpu", priority=-1, api_version=1, description="a v1-era backend")
+    return BackendInfo(name="NAME", device_type="cpu", priority=-1, api_version=API_VERSION - 1,
+                       description="a v1-era backend")
 
 
 @hookimpl

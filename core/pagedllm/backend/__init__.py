@@ -7,7 +7,8 @@ they only gain arguments or fields with defaults; a name that moves keeps its ol
 
 The contract (``hookspec``): ``hookimpl``, ``API_VERSION``, ``ENTRY_POINT_GROUP``, ``BackendSpec`` and the records
 hooks take and return — ``BackendInfo``, ``ProbeResult``, ``Capabilities``, ``MemoryInfo``, ``KVCacheSpec``,
-``ModelInfo``, ``RunnerContext``, ``GraphRunner``, ``QuantizedWeight``, ``QuantizedLinearKernel``.
+``MambaSpec`` (v3: the recurrent-state group), ``ModelInfo``, ``RunnerContext``, ``GraphRunner``, ``QuantizedWeight``,
+``QuantizedLinearKernel``.
 
 What hooks receive or may build on:
 
@@ -30,8 +31,9 @@ What hooks receive or may build on:
 
 Submodules: ``hookspec`` (the contract, one documented file), ``registry`` (discovery and the bound ``Backend``),
 ``builds`` (the build lock), ``reference`` and ``ref_ops`` (core's pure-torch reference ops: every optional hook's
-fallback and the conformance oracle; ``ssm_ops`` and ``delta_rule_ops`` for the Mamba2 and Gated DeltaNet state
-hooks), ``kv_quant`` (fp8 KV semantics), ``accelerator`` (the device-generic GPU runtime hooks and probe steps:
+fallback and the conformance oracle; ``conv_ops``, ``ssm_ops`` and ``delta_rule_ops`` for the state hooks: causal
+conv1d, Mamba2, Gated DeltaNet), ``kv_quant`` (fp8 KV semantics), ``accelerator`` (the device-generic GPU runtime
+hooks and probe steps:
 ``DeviceHooks``, ``probe_device``), ``triton`` (portable Triton kernels and their op hooks).
 """
 
@@ -40,7 +42,7 @@ from __future__ import annotations
 import importlib
 
 from pagedllm.backend.hookspec import (API_VERSION, ENTRY_POINT_GROUP, BackendInfo, BackendSpec, Capabilities,
-                                       GraphRunner, KVCacheSpec, MemoryInfo, ModelInfo, ProbeResult,
+                                       GraphRunner, KVCacheSpec, MambaSpec, MemoryInfo, ModelInfo, ProbeResult,
                                        QuantizedLinearKernel, QuantizedWeight, RunnerContext, hookimpl)
 from pagedllm.errors import ParamError, UserError
 
@@ -81,8 +83,8 @@ _LAZY = {
 _RENAMED = {"add_lora_reference": ("pagedllm.lora.ops", "add_lora")}
 
 __all__ = ["API_VERSION", "ENTRY_POINT_GROUP", "BackendInfo", "BackendSpec", "Capabilities", "GraphRunner",
-           "KVCacheSpec", "MemoryInfo", "ModelInfo", "ProbeResult", "QuantizedLinearKernel", "QuantizedWeight",
-           "RunnerContext", "hookimpl", "ParamError", "UserError", *_LAZY, *_RENAMED]
+           "KVCacheSpec", "MambaSpec", "MemoryInfo", "ModelInfo", "ProbeResult", "QuantizedLinearKernel",
+           "QuantizedWeight", "RunnerContext", "hookimpl", "ParamError", "UserError", *_LAZY, *_RENAMED]
 
 
 def __getattr__(name: str):

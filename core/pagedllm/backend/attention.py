@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -15,8 +15,9 @@ class AttentionMetadata:
     Device tensors are what kernels read; the ``*_cpu`` lists mirror them for backends that plan on the host.
 
     Inside a captured graph (what must live in persistent buffers): the model itself reads only ``slot_mapping``
-    (handed to ``write_kv`` / ``write_mla_kv``) and ``lora_mapping`` (``None`` whenever graphs run: LoRA steps run
-    eager), besides its ``input_ids`` and ``positions``; it hands this object unchanged to ``paged_attention`` /
+    (handed to ``write_kv`` / ``write_mla_kv``), ``state_indices`` / ``has_initial_state`` (models with recurrent
+    state, which core runs eager) and ``lora_mapping`` (``None`` whenever graphs run: LoRA steps run eager), besides
+    its ``input_ids`` and ``positions``; it hands this object unchanged to ``paged_attention`` /
     ``mla_attention``, so every other field a graph reads is one the backend's attention kernel reads — typically
     ``query_start_loc``, ``seq_lens``, ``block_tables``, which core's graph runners (``StaticGraphRunner``,
     ``DecodeGraphRunner``) keep persistent with ``slot_mapping``. The host fields (``max_query_len``,
@@ -37,6 +38,11 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # backend-private per-step precomputation
     lora_mapping: Any = None  # pagedllm.lora.ops.LoRAMapping when the step runs LoRA adapters, else None
+    # Models with recurrent state (contract v3, ``hookspec.MambaSpec``), else None: each sequence's state slot
+    # (int32 [B], -1 = padding) and whether its chunk continues the sequence (bool [B]: num_computed_tokens > 0)
+    # or starts it fresh (the slot's old contents are never read then).
+    state_indices: Optional[torch.Tensor] = None
+    has_initial_state: Optional[torch.Tensor] = None
 
     @property
     def num_seqs(self) -> int:

@@ -36,6 +36,14 @@ MLA models (DeepSeek-V2/V3) cache one compressed latent row per token instead of
 ``KVCacheSpec.mla`` is set, ``num_kv_heads`` is 1 and ``head_size`` is the latent width (``kv_lora_rank +
 qk_rope_head_dim``); the canonical layout is ``[1, num_blocks, block_size, 1, head_size]`` (so the block swap and
 gather hooks work unchanged on it), written by ``pagedllm_write_mla_kv`` and read by ``pagedllm_mla_attention``.
+
+Version 3 added recurrent state beside paged K/V (issue 28: LFM2's short convolutions; Mamba2 / gated-delta-rule
+layers use the same group): a :class:`MambaSpec` (vLLM's name) describes the state group — per layer, a few state
+tensors of fixed shapes and dtypes, one *slot* per running request, the slot index handed to the model in
+``AttentionMetadata.state_indices`` — allocated by ``pagedllm_allocate_state_cache``, and the kernel hooks
+``pagedllm_causal_conv1d_fn`` (a prefill chunk with initial state, writing the final state) and
+``pagedllm_causal_conv1d_update`` (one token). A v2 plugin implements none of them: core's reference
+(``pagedllm.backend.conv_ops``) serves them on its own allocator's layout, so v2 plugins load and run these models.
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pagedllm.config import EngineConfig
 
 PROJECT = "pagedllm"
-API_VERSION = 2
+API_VERSION = 3
 ENTRY_POINT_GROUP = "pagedllm.backends"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -152,6 +160,33 @@ class KVCacheSpec:
 
         elem = torch.empty((), dtype=self.dtype).element_size()
         return (1 if self.mla else 2) * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """The recurrent-state group of a hybrid model (vLLM's ``MambaSpec``), beside the paged :class:`KVCacheSpec`:
+    ``num_layers`` layers, each holding one tensor per entry of ``shapes`` / ``dtypes``, with ``num_slots`` slots
+    (one per running request; ``AttentionMetadata.state_indices`` names each sequence's) on ``device``.
+
+    LFM2's short convolution: one tensor per layer, ``(hidden_size, conv_kernel - 1)`` (the last ``kernel - 1``
+    inputs, vLLM's conv-state shape). The per-layer tensors keep the logical shape ``[num_slots, *shapes[i]]``;
+    strides and memory placement are the backend's (vLLM stores the conv state transposed and views it)."""
+
+    num_layers: int
+    num_slots: int
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]  # torch.dtype per entry of ``shapes``
+    device: Any  # torch.device
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """What one slot costs over all layers."""
+        import math
+
+        import torch  # heavy: torch
+
+        return self.num_layers * sum(math.prod(s) * torch.empty((), dtype=d).element_size()
+                                     for s, d in zip(self.shapes, self.dtypes))
 
 
 @dataclass(frozen=True)
@@ -330,6 +365,42 @@ class BackendSpec:
         page-locked when ``pin_memory`` (core passes ``MemoryInfo.pinned_host``). Default: canonical layout; for a
         backend with its own ``pagedllm_allocate_kv_cache``, that allocator on the host spec, or no swap (preemption
         recomputes) where it cannot serve ``pagedllm_swap_kv_blocks`` (``registry.SwapUnsupported``)."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_allocate_state_cache(self, spec: MambaSpec) -> list:
+        """v3. Allocate the recurrent-state group: one entry per layer, each a tuple of tensors of logical shape
+        ``[spec.num_slots, *spec.shapes[i]]`` and dtype ``spec.dtypes[i]`` on ``spec.device``, in this backend's
+        memory layout. Core never reads a slot's contents: a request starting fresh is flagged to the kernels
+        (``has_initial_state`` false), so slots need no clearing. Default: contiguous zeros
+        (``pagedllm.backend.conv_ops.allocate_state_cache``)."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_causal_conv1d_fn(
+        self, x: "torch.Tensor", weight: "torch.Tensor", bias: Optional["torch.Tensor"], conv_states: "torch.Tensor",
+        query_start_loc: "torch.Tensor", state_indices: "torch.Tensor", has_initial_state: "torch.Tensor",
+        activation: Optional[str],
+    ) -> "torch.Tensor":
+        """v3. Depthwise causal conv1d over prefill chunks (vLLM's ``causal_conv1d_fn``, token-major).
+
+        ``x`` ``[T, dim]``: sequence i owns rows ``query_start_loc[i]:query_start_loc[i+1]`` (int32 ``[B+1]``);
+        ``weight`` ``[dim, width]``; ``bias`` ``[dim]`` or None; ``conv_states`` ``[num_slots, dim, width - 1]`` from
+        ``pagedllm_allocate_state_cache``. Sequence i reads and writes slot ``state_indices[i]`` (int32 ``[B]``; -1:
+        a padding sequence, skipped). Its input is the slot's ``width - 1`` previous inputs when
+        ``has_initial_state[i]`` (bool ``[B]``: the chunk continues the sequence), else ``width - 1`` zeros, then its
+        rows; ``out[t, c] = act(bias[c] + sum_k weight[c, k] * in[t + k, c])`` over that padded input, ``act`` silu
+        for ``activation="silu"``, identity for None. Afterwards the slot holds the last ``width - 1`` inputs of that
+        padded input (the chunk's last rows, preceded by the old state when the chunk is shorter). Returns ``[T, dim]``
+        in x's dtype. Reference: ``pagedllm.backend.conv_ops.causal_conv1d_fn``."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_causal_conv1d_update(
+        self, x: "torch.Tensor", conv_states: "torch.Tensor", weight: "torch.Tensor", bias: Optional["torch.Tensor"],
+        activation: Optional[str], state_indices: "torch.Tensor",
+    ) -> "torch.Tensor":
+        """v3. One decode token per sequence (vLLM's ``causal_conv1d_update``): ``x`` ``[B, dim]``, row i continuing
+        slot ``state_indices[i]`` (-1: padding, skipped): output as ``pagedllm_causal_conv1d_fn`` on a one-token chunk
+        with initial state, and the slot shifted left by one with ``x[i]`` appended. Returns ``[B, dim]``.
+        Reference: ``pagedllm.backend.conv_ops.causal_conv1d_update``."""
 
     @hookspec(firstresult=True)
     def pagedllm_write_kv(

@@ -6,9 +6,10 @@ from typing import Any, Optional
 
 import torch
 
-from pagedllm.backend import ref_ops
+from pagedllm.backend import conv_ops, ref_ops
 from pagedllm.backend.batch_policy import BatchPolicy
-from pagedllm.backend.hookspec import Capabilities, GraphRunner, KVCacheSpec, ModelInfo, RunnerContext, hookimpl
+from pagedllm.backend.hookspec import (Capabilities, GraphRunner, KVCacheSpec, MambaSpec, ModelInfo, RunnerContext,
+                                       hookimpl)
 from pagedllm.lora import ops as lora_ops
 
 
@@ -70,6 +71,23 @@ def pagedllm_allocate_kv_cache(spec: KVCacheSpec) -> list:
 def pagedllm_allocate_host_kv_cache(spec: KVCacheSpec, pin_memory: bool) -> list:
     caches = pagedllm_allocate_kv_cache(spec)
     return [c.pin_memory() for c in caches] if pin_memory else caches
+
+
+@hookimpl(trylast=True)
+def pagedllm_allocate_state_cache(spec: MambaSpec) -> list:
+    return conv_ops.allocate_state_cache(spec)
+
+
+@hookimpl(trylast=True)
+def pagedllm_causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, state_indices, has_initial_state,
+                              activation):
+    return conv_ops.causal_conv1d_fn(x, weight, bias, conv_states, query_start_loc, state_indices,
+                                     has_initial_state, activation)
+
+
+@hookimpl(trylast=True)
+def pagedllm_causal_conv1d_update(x, conv_states, weight, bias, activation, state_indices):
+    return conv_ops.causal_conv1d_update(x, conv_states, weight, bias, activation, state_indices)
 
 
 @hookimpl(trylast=True)

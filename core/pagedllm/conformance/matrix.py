@@ -9,7 +9,7 @@ from typing import Iterable, Sequence
 
 from pagedllm.conformance.report import FAIL, HARDWARE, NOT_VERIFIED, REFERENCE_FALLBACK, SIMULATION, Report
 
-FEATURES = ("memory", "kv_cache", "attention", "fused_ops", "graph", "e2e", "static_shapes")
+FEATURES = ("memory", "kv_cache", "attention", "fused_ops", "state", "graph", "e2e", "static_shapes")
 MARK = {HARDWARE: "verified on hardware", SIMULATION: "verified on CPU simulation", NOT_VERIFIED: "not verified",
         REFERENCE_FALLBACK: "reference fallback"}
 

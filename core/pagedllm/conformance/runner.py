@@ -14,8 +14,8 @@ import torch
 
 import pagedllm
 from pagedllm.backend.registry import Backend, BackendError, get_backend
-from pagedllm.conformance import checks_e2e, checks_kernels as K, checks_layout, checks_runtime as R, checks_static
-from pagedllm.conformance import checks_state
+from pagedllm.conformance import (checks_e2e, checks_kernels as K, checks_layout, checks_runtime as R, checks_ssm,
+                                  checks_state, checks_static)
 from pagedllm.conformance.evidence import device_evidence
 from pagedllm.conformance.harness import CaseContext, CheckFailed, NotApplicable, Untested, case_seed
 from pagedllm.conformance.report import NOT_VERIFIED, SIMULATION, CaseResult, Report, case_id
@@ -83,8 +83,12 @@ CHECK_HOOKS = {
     checks_layout.check_layout_ownership: ("pagedllm_allocate_kv_cache",),
     R.check_graph_replay: ("pagedllm_graph_runner",),
     checks_e2e.check_e2e: OP_HOOKS,
+    checks_state.check_causal_conv1d: ("pagedllm_causal_conv1d_fn", "pagedllm_allocate_state_cache"),
+    checks_state.check_causal_conv1d_update: ("pagedllm_causal_conv1d_update", "pagedllm_allocate_state_cache"),
+    checks_state.check_state_carry_e2e: OP_HOOKS + ("pagedllm_causal_conv1d_fn", "pagedllm_causal_conv1d_update",
+                                                    "pagedllm_allocate_state_cache"),
     checks_static.check_static_shapes: ("pagedllm_batch_policy",),
-    **checks_state.CHECK_HOOKS,
+    **checks_ssm.CHECK_HOOKS,
 }
 
 
@@ -158,8 +162,16 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                           K.check_mla_attention, dict(kv_lora_rank=40, rope=16, heads=5,
                                                       block_size=caps.block_sizes[0]),
                           untested="" if caps.mla else "capabilities do not declare mla"))
-        for kernel, model, check, params in checks_state.cases():  # Mamba2 and Gated DeltaNet state ops
-            cases.append(Case("fused_ops", kernel, model, dt, check, params))
+        for kernel, model, check, params in checks_ssm.cases():  # Mamba2 and Gated DeltaNet state ops
+            cases.append(Case("state", kernel, model, dt, check, params))
+        for activation in (None, "silu"):  # recurrent state (v3): LFM2's kernel 3, Mamba2's 4
+            act = activation or "identity"
+            for scenario, width in product(checks_state.CONV_BATCHES, (3, 4)):
+                cases.append(Case("state", f"causal_conv1d_fn.{scenario}", f"dim64-w{width}-{act}", dt,
+                                  checks_state.check_causal_conv1d,
+                                  dict(scenario=scenario, dim=64, width=width, activation=activation)))
+            cases.append(Case("state", "causal_conv1d_update", f"dim64-w4-{act}", dt,
+                              checks_state.check_causal_conv1d_update, dict(dim=64, width=4, activation=activation)))
         for hs in head_sizes:
             for rot in (hs, hs // 2):
                 cases.append(Case("fused_ops", "rotary", f"hs{hs}-rot{rot}", dt, K.check_rotary,
@@ -189,6 +201,10 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
         cases.append(Case("e2e", "greedy_parity_vs_hf", f"tiny-llama-hs{hs_e2e}-bs{bs}", "float32",
                           checks_e2e.check_e2e, dict(head_size=hs_e2e, block_size=bs),
                           untested=no_f32 and f"capabilities do not declare float32: end-to-end parity {no_f32}"))
+    bs_min = min(caps.block_sizes)  # prompts over several blocks, cut by the budget off block boundaries
+    cases.append(Case("state", "state_carry_vs_hf", f"tiny-lfm2-hs{hs_e2e}-bs{bs_min}-budget7", "float32",
+                      checks_state.check_state_carry_e2e, dict(head_size=hs_e2e, block_size=bs_min, budget=7),
+                      untested=no_f32 and f"capabilities do not declare float32: end-to-end parity {no_f32}"))
     if _static(backend, bs_max):
         cases.append(Case("static_shapes", "buckets_only_and_equal_to_dynamic", f"tiny-llama-hs{hs_e2e}-bs{bs_max}",
                           "float32", checks_static.check_static_shapes, dict(head_size=hs_e2e, block_size=bs_max),

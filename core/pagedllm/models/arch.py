@@ -29,7 +29,7 @@ class ArchSpec:
     rope_interleaved: bool = False  # GLM: rotary over (x0, x1), (x2, x3)... pairs of the rotary dims
     glm4_norms: bool = False  # Glm4: post_self_attn_layernorm and post_mlp_layernorm around the sub-blocks
     # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms) | stablelm (models/stablelm.py)
-    # | bert (models/bert.py: encoder-only BERT / RoBERTa / XLM-R)
+    # | bert (models/bert.py: encoder-only BERT / RoBERTa / XLM-R) | lfm2 (models/lfm2.py: short convs + attention)
     module: str = "decoder"
 
 
@@ -67,6 +67,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
                                   sinks=True),
     "FalconForCausalLM": ArchSpec(lambda c: bool(c.bias), lambda c: bool(c.bias), module="falcon"),
     "StableLmForCausalLM": ArchSpec(lambda c: bool(c.use_qkv_bias), lambda c: False, module="stablelm"),
+    "Lfm2ForCausalLM": ArchSpec(lambda c: False, lambda c: False, qk_norm=True, module="lfm2"),
 }
 # Pooling architectures (docs/pooling.md): the same decoder with a classification head (``score``) or none (the
 # base ``*Model``, an embedding checkpoint); models/sequence_classification.py adds the head.

@@ -47,6 +47,8 @@ VERIFIED: dict[str, str] = {
     "Glm4ForCausalLM": "tests/models/test_glm.py; GGUF: test_gguf_glm_baichuan_deepseek.py",
     "ChatGLMModel": "tests/models/test_glm.py (vs HF Glm on the same weights; every tensor name mapped); GGUF: "
                     "test_gguf_glm_baichuan_deepseek.py",
+    "Lfm2ForCausalLM": "tests/models/test_lfm2.py (logits vs HF through the state slots, chunked prefill, "
+                       "preemption, n=2 seeded, abort mid-prefill); conv ops: tests/core/test_state_slots.py",
     "Olmo2ForCausalLM": "tests/models/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/models/test_transformers_fallback.py",
     **{name: "tests/models/test_bert_encoder.py (hidden states, CLS row, classifier logits vs HF; varlen batch)"
@@ -99,7 +101,8 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "DeepseekV2ForCausalLM": "DeepSeek-V2", "DeepseekV3ForCausalLM": "DeepSeek-V3", "GlmForCausalLM": "GLM",
             "Glm4ForCausalLM": "GLM-4", "FalconForCausalLM": "Falcon", "ChatGLMModel": "ChatGLM2/3, GLM-4",
             "BaiChuanForCausalLM": "Baichuan-7B", "BaichuanForCausalLM": "Baichuan2, 13B",
-            "StableLmForCausalLM": "StableLM", "Olmo2ForCausalLM": "OLMo 2", "Starcoder2ForCausalLM": "StarCoder2",
+            "StableLmForCausalLM": "StableLM", "Lfm2ForCausalLM": "LFM2", "Olmo2ForCausalLM": "OLMo 2",
+            "Starcoder2ForCausalLM": "StarCoder2",
             "BertModel": "BERT (embeddings)", "BertForSequenceClassification": "BERT (cross-encoder, classifier)",
             "RobertaModel": "RoBERTa (embeddings)",
             "RobertaForSequenceClassification": "RoBERTa (cross-encoder, classifier)",
@@ -114,7 +117,7 @@ _POOLING_TESTED = {
     **{f"{f}Model": "tests/models/test_pooling_models.py (base checkpoint embeddings vs HF)" for f in ("Llama", "Qwen3")},
 }
 #: Native architectures the transformers fallback refuses (``models/fallback_support.py``), and why.
-_FALLBACK_REFUSES = {"GptOssForCausalLM": "attention sinks"}
+_FALLBACK_REFUSES = {"GptOssForCausalLM": "attention sinks", "Lfm2ForCausalLM": "convolution state"}
 #: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
 _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
           "FalconForCausalLM": ("alibi Falcon-RW",)}
@@ -179,6 +182,9 @@ def _features(name: str) -> str:
         out.append("parallel attn+MLP, MQA/grouped KV, LayerNorm, ALiBi (alibi=True, Falcon-RW)")
     if spec.module == "stablelm":
         out.append("LayerNorm, partial rotary, parallel residual (optional), per-head q/k LayerNorm (optional)")
+    if spec.module == "lfm2":
+        out.append("short convolutions with recurrent state per request (state slots, contract v3; prefix caching "
+                   "off, preemption by recompute), GQA attention layers")
     if spec.module == "bert":
         out.append("encoder-only: bidirectional `encoder_attention`, no KV cache, pooling runner (CLS default)")
     if spec.sliding != "none":
@@ -222,7 +228,9 @@ def rows() -> list[dict[str, Any]]:
     out = []
     for name in ARCHITECTURES:
         spec = ARCHITECTURES[name]
-        out.append({"family": family(name), "architecture": name, "backends": backends_for(name),
+        static = " (dynamic shapes only: static-shape backends such as cpu-static refuse its state at start-up)"
+        out.append({"family": family(name), "architecture": name,
+                    "backends": backends_for(name) + (static if spec.module == "lfm2" else ""),
                     "path": "native" + (f" (the transformers fallback refuses it: {_FALLBACK_REFUSES[name]})"
                                         if name in _FALLBACK_REFUSES else
                                         " (transformers via --model-impl)" if name in fallback else ""),

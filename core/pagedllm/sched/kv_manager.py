@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import array
 import hashlib
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from pagedllm.sched.request import Request
+from pagedllm.sched.state_slots import StateSlotPool
+
+logger = logging.getLogger(__name__)
 
 
 def hash_block(parent: Optional[bytes], token_ids: Sequence[int], extra: object = None) -> bytes:
@@ -123,6 +127,18 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[bytes]] = {}
         self.req_registered: dict[str, int] = {}  # leading blocks already published to the prefix cache
         self.stats = PrefixCacheStats()
+        #: Recurrent-state slots (models with state, ``sched/state_slots.py``), else None
+        self.state_slots: Optional[StateSlotPool] = None
+
+    def use_state_slots(self, num_slots: int) -> None:
+        """Give every running request a recurrent-state slot (taken with its first blocks, freed with them), and turn
+        prefix caching off: a cached block's K/V is reusable, but the state after its tokens is not kept (vLLM's
+        "align" mode, which snapshots state at block boundaries, is the alternative). Before any request runs."""
+        self.state_slots = StateSlotPool(num_slots)
+        if self.enable_caching:
+            logger.info("prefix caching off: the model keeps recurrent state per request, which the prefix cache "
+                        "does not snapshot at block boundaries")
+        self.enable_caching = self.pool.enable_caching = False
 
     # ---- queries ---------------------------------------------------------------------------------
     @property
@@ -193,6 +209,10 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(computed_blocks) * bs
         total = num_computed + num_new_tokens
         need = -(-total // bs) - len(blocks) - len(computed_blocks)
+        slots = self.state_slots
+        new_slot = slots is not None and not slots.has_slot(rid)  # a stateful request starts: it needs a slot too
+        if new_slot and slots.num_free == 0:
+            return False
         if need > 0 or computed_blocks:  # (a decode step usually fits its last block: skip all of this)
             idle_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)  # these leave the free queue too
             if need + idle_hits > self.pool.num_free:
@@ -203,6 +223,8 @@ class KVCacheManager:
             if need > 0:
                 blocks = blocks + self.pool.take(need)
         self.req_blocks[rid] = blocks
+        if new_slot:
+            slots.take(rid)
         if self.enable_caching:  # publish blocks that will be full once this step's tokens are written
             full = min(total, req.num_tokens) // bs
             done = self.req_registered.get(rid, 0)
@@ -229,6 +251,8 @@ class KVCacheManager:
         self.pool.release(list(reversed(blocks)))
         self.req_hashes.pop(req.request_id, None)
         self.req_registered.pop(req.request_id, None)
+        if self.state_slots is not None:
+            self.state_slots.free(req.request_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block identity; only possible when no block is in use (like vLLM's)."""

@@ -112,6 +112,12 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
             lora_mapping=lora_mapping,
         )
+        state = self.kv.state_slots
+        if state is not None:  # recurrent state: each sequence's slot, and whether its chunk continues the sequence
+            idx = [state.slot_of(s.request.request_id) for s in batch] + [-1] * (shape.num_seqs - real.num_seqs)
+            meta.state_indices = torch.tensor(idx, dtype=torch.int32).to(dev)
+            meta.has_initial_state = torch.from_numpy(np.concatenate(
+                [starts > 0, np.zeros(shape.num_seqs - real.num_seqs, dtype=bool)])).to(dev)
         input_ids = torch.tensor(tokens, dtype=torch.long).to(dev)
         positions = torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64)).to(dev)
         return input_ids, positions, meta

@@ -21,7 +21,7 @@ from pagedllm.backend.batch_policy import BatchPolicy, BatchShape
 from pagedllm.config import DTYPES, EngineConfig
 from pagedllm.backend.device_sampler import SamplingTensors
 from pagedllm.distributed.parallel_state import get_parallel_state
-from pagedllm.backend.hookspec import KVCacheSpec, ModelInfo, RunnerContext
+from pagedllm.backend.hookspec import KVCacheSpec, MambaSpec, ModelInfo, RunnerContext
 from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.backend.kv_quant import kv_torch_dtype
 from pagedllm.backend.registry import SwapUnsupported
@@ -30,7 +30,7 @@ from pagedllm.worker.model_runner import ModelRunner, PendingStep, StepOutput
 from pagedllm.models import load_config, load_model, resolve_model_path
 from pagedllm.pooling import Pooler, PoolingSpec, classifier_of, resolve_pooling
 from pagedllm.sample.sampler import Sampler, SamplerOutput
-from pagedllm.errors import ParamError
+from pagedllm.errors import ParamError, UnsupportedModelError
 from pagedllm.sched.scheduler import ScheduledRequest
 from pagedllm.spec_decode.config import MODEL_METHODS
 from pagedllm.spec_decode.verify import sample_rows, verified_spans, verify
@@ -109,6 +109,12 @@ class Worker:
         spec = self._kv_spec(self.num_blocks + (self.sink_block is not None)) if self.requires_kv_cache else None
         self.kv_caches = backend.allocate_kv_cache(spec) if spec is not None else []
         self.model.kv_caches = self.kv_caches
+        #: The recurrent-state group (LFM2's conv state...), one slot per schedulable sequence; None: no state
+        self.state_spec = self._state_spec()
+        if self.state_spec is not None:
+            self.model.state_caches = backend.allocate_state_cache(self.state_spec)
+            stage("state cache: %d slots of %.1f KiB (%s)", self.state_spec.num_slots,
+                  self.state_spec.bytes_per_slot / 1024, info.architecture)
         self.host_caches: Optional[list] = None
         self.draft_host_caches: Optional[list] = None
         draft_spec = self._draft_kv_spec(self.num_blocks)
@@ -116,6 +122,9 @@ class Worker:
             self.draft_model.kv_caches = backend.allocate_kv_cache(draft_spec)
         self.num_host_blocks = (int(config.swap_space * (1 << 30) // self._bytes_per_block())
                                 if self.requires_kv_cache else 0)
+        if self.state_spec is not None and self.num_host_blocks:  # swap would have to carry the state slots too
+            logger.info("%s keeps recurrent state: preemption recomputes (no swap space)", info.architecture)
+            self.num_host_blocks = 0
         if self.num_host_blocks > 0:
             pinned = backend.memory_info(self.device).pinned_host
             host_spec = replace(spec, num_blocks=self.num_host_blocks, device=torch.device("cpu"))
@@ -170,6 +179,34 @@ class Worker:
         """Bytes one block id costs: the target's K/V plus the draft's (which lives at the same block ids)."""
         draft = self._draft_kv_spec(1)
         return self._kv_spec(1).bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
+
+    def _state_bytes(self) -> int:
+        """What the state group will cost (one slot per sequence a step may hold); 0 for models without state."""
+        m = self.model
+        shapes = getattr(m, "state_shapes", None)
+        if not shapes:
+            return 0
+        spec = MambaSpec(m.num_state_layers, self.max_num_seqs, tuple(shapes), tuple(m.state_dtypes), self.device)
+        return spec.bytes_per_slot * spec.num_slots
+
+    def _state_spec(self) -> Optional[MambaSpec]:
+        """The model's state group (``state_shapes`` / ``state_dtypes`` per layer), with one slot per sequence a step
+        may hold; refused where the step cannot hand the model its slots (static shapes keep no per-step slot
+        indices in their persistent buffers; speculative tokens would have to roll state back)."""
+        m = self.model
+        shapes = getattr(m, "state_shapes", None)
+        if not shapes:
+            return None
+        arch, name = self.info.architecture, self.backend.name
+        if self.policy.static:
+            raise UnsupportedModelError(f"{arch} keeps recurrent state per request, which backend "
+                                        f"{name!r}'s static batch shapes do not carry (no state slots in its "
+                                        "persistent buffers); run it on a dynamic backend (--device cpu)")
+        if self.config.speculative_config is not None:
+            raise ParamError("speculative_config", f"{arch} keeps recurrent state per request, which rejected "
+                                                   "speculative tokens would have to roll back; serve it without "
+                                                   "speculative decoding")
+        return MambaSpec(m.num_state_layers, self.max_num_seqs, tuple(shapes), tuple(m.state_dtypes), self.device)
 
     def _context(self, policy: BatchPolicy) -> RunnerContext:
         return RunnerContext(self.config, self.info, self.max_model_len, self.block_size, self.max_num_seqs,
@@ -242,6 +279,7 @@ class Worker:
                 logger.info("KV budget %.2f GiB: %.0f%% of %.2f GiB, %.2f GiB in use after load, %s GiB activation "
                             "peak", budget / 2**30, 100 * util, mem.total_bytes / 2**30, used / 2**30,
                             f"{peak / 2**30:.2f}" if peak is not None else "unmeasured")
+            budget -= self._state_bytes()  # a hybrid model's state slots come out of the same budget
             # More blocks than every sequence at full length can use only feed the prefix cache; cap there x2.
             n = min(int(max(budget, 0) // bpb), 2 * self.max_num_seqs * per_seq)
         if n < per_seq:
@@ -259,6 +297,12 @@ class Worker:
         if what:
             stage("warming up on %s: %s", self.backend.name, ", ".join(what))
         own = self.backend.model_runner(self.ctx, self.model, kv)
+        if self.state_spec is not None:
+            if own is not None:
+                raise UnsupportedModelError(f"{self.info.architecture} keeps recurrent state per request; backend "
+                                            f"{self.backend.name!r} runs its own model runner, which does not hand "
+                                            "the model its state slots")
+            kv.use_state_slots(self.state_spec.num_slots)
         if self.config.speculative_config is not None and (own is not None or self.policy.static):
             raise ParamError("speculative_config", f"backend {self.backend.name!r} runs "
                                                    f"{'its own model runner' if own is not None else 'static batch shapes'}"
@@ -276,8 +320,12 @@ class Worker:
         if own is not None:  # the backend owns the step, warm-up included
             self.runner, self.graph_level = own, getattr(own, "level", "custom")
             return
-        graph = (self.backend.graph_runner(self.model, self.max_num_seqs, self.device, self.ctx)
-                 if not self.config.enforce_eager else None)
+        eager = self.config.enforce_eager
+        if self.state_spec is not None and capture != "none" and not eager:
+            logger.info("%s keeps recurrent state: running eager (graph runners keep no state slots)",
+                        self.info.architecture)
+            eager = True
+        graph = self.backend.graph_runner(self.model, self.max_num_seqs, self.device, self.ctx) if not eager else None
         if graph is not None:
             self.graph_level, self.graph_stats = graph.level, graph.stats
         self.runner = ModelRunner(self.model, graph.run if graph is not None else self.model, kv, self.device,
