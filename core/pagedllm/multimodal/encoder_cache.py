@@ -43,8 +43,8 @@ class EncoderCacheManager:
         refs = self.cached.get(mm_hash)
         if refs is None:
             return False
-        if not refs:  # it was freeable: referenced again
-            self.num_free_slots -= self.freeable.pop(mm_hash)
+        if not refs:  # it was freeable: referenced again (its space was never free, now it is not evictable)
+            self.num_freeable_slots -= self.freeable.pop(mm_hash)
         refs.add(request.request_id)
         return True
 
