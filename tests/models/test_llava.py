@@ -213,6 +213,28 @@ def test_encoder_budget_of_one_image_per_step_and_abort_leaves_nothing(model_pat
         assert engine.scheduler.encoder_cache.num_referenced_tokens == 0
 
 
+@pytest.mark.parametrize("swap_space", [0.0, 0.01])
+def test_preemption_with_images_recompute_or_swap(model_path, hf, swap_space):
+    """A KV pool too small for three image prompts at once: requests are preempted (recomputed, or swapped out and
+    back in the middle of an image) and still match HF; nothing is left referenced."""
+    model, processor = hf
+    cases = [(PROMPT_1, [IMAGES["wide"]]), (PROMPT_1, [IMAGES["tall"]]), (PROMPT_2, [IMAGES["small"], IMAGES["wide"]])]
+    want = []
+    for text, images in cases:
+        inputs = processor(text=text, images=images, return_tensors="pt")
+        want.append(model.generate(**inputs, max_new_tokens=20, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+                    .tolist())
+    with LLM(model_path, device="cpu", dtype="float32", block_size=BLOCK, max_model_len=112,
+             max_num_batched_tokens=24, num_gpu_blocks_override=7, swap_space=swap_space) as llm:
+        outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": im}} for t, im in cases], greedy(20),
+                            use_tqdm=False)
+        engine = llm.llm_engine
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert engine.scheduler.num_preemptions > 0
+        assert (engine.scheduler.num_swaps > 0) is (swap_space > 0)
+        assert engine.kv.num_used_blocks == 0 and engine.scheduler.encoder_cache.num_referenced_tokens == 0
+
+
 def test_bad_image_inputs_are_refused_naming_the_field(llm, tmp_path):
     engine = llm.llm_engine
     with pytest.raises(ParamError, match="multi_modal_data.image"):
