@@ -89,6 +89,11 @@ def test_registry_lists_llava_and_processor_matches_hf(model_path, hf):
     assert hash_image(copy) == hash_image(images[0])
     copy.putpixel((0, 0), (1, 2, 3))
     assert hash_image(copy) != hash_image(images[0])
+    # palette images: the same indices under another palette are other pixels
+    p1 = images[0].convert("P", palette=Image.Palette.ADAPTIVE, colors=8)
+    p2 = p1.copy()
+    p2.putpalette([255 - v for v in p1.getpalette()])
+    assert p1.tobytes() == p2.tobytes() and hash_image(p1) != hash_image(p2)
 
 
 @pytest.mark.parametrize("names", [("square",), ("wide", "tall", "small")])

@@ -18,10 +18,13 @@ from pagedllm.multimodal.registry import supported_modalities
 
 
 def hash_image(image: Any) -> str:
-    """sha256 of an image's pixels (mode, size and raw bytes): equal pixels share an encoder output and prefix-cache
-    blocks, whatever file or URL they came from."""
+    """sha256 of an image's pixels (mode, size, palette and raw bytes): equal pixels share an encoder output and
+    prefix-cache blocks, whatever file or URL they came from."""
     h = hashlib.sha256()
     h.update(f"{image.mode}:{image.size[0]}x{image.size[1]}:".encode())
+    palette = image.getpalette() if image.mode in ("P", "PA") else None
+    if palette:  # palette images: the same indices under another palette are other pixels
+        h.update(bytes(palette))
     h.update(image.tobytes())
     return h.hexdigest()
 
