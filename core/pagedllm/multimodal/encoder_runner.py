@@ -9,11 +9,14 @@ starts or ends inside an image takes just its slice of that image's output rows.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+import logging
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from pagedllm.multimodal.encoder_cache import features_of
+
+logger = logging.getLogger(__name__)
 
 
 class EncoderRunner:
@@ -22,6 +25,7 @@ class EncoderRunner:
         self.device = device
         self.cache: dict[str, torch.Tensor] = {}  # mm hash -> encoder output (the embeddings of its placeholders)
         self.num_encoded = 0  # items run through the encoder (tests count re-encodes with it)
+        self.warned_eager = False
 
     def free(self, mm_hashes: Iterable[str]) -> None:
         """Drop the outputs the scheduler's encoder cache evicted."""
@@ -75,9 +79,27 @@ class EncoderRunner:
             return None
         return torch.cat(rows).to(self.device), torch.cat(embeds)
 
-    def prepare(self, batch: list, meta: Any) -> None:
-        """Encode what this step needs and put its embedding rows in ``meta.extra`` for the model."""
+    def prepare(self, batch: list, meta: Any) -> bool:
+        """Encode what this step needs and put its embedding rows in ``meta.extra`` for the model; True when the
+        step has image rows."""
         self.execute(batch)
         mm = self.gather(batch, meta.query_start_loc_cpu)
         if mm is not None:
             meta.extra["mm_embeds"] = mm
+        return mm is not None
+
+    def eager(self, runner: Any, step: Callable[[], Any]) -> Any:
+        """Run ``step`` with the model called directly instead of the backend's graph runner: captured decode graphs
+        and static-shape buckets replay programs over their own metadata, without ``meta.extra``'s image rows (a
+        one-token chunk of an image would replay a decode graph). Text-only steps keep the graph runner."""
+        if runner.run is runner.model and runner.sample is None:
+            return step()
+        if not self.warned_eager:
+            self.warned_eager = True
+            logger.info("steps that carry image embeddings run eagerly (the graph runner does not carry them)")
+        run, sample = runner.run, runner.sample
+        runner.run, runner.sample = runner.model, None
+        try:
+            return step()
+        finally:
+            runner.run, runner.sample = run, sample

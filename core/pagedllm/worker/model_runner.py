@@ -146,8 +146,13 @@ class ModelRunner:
         else:
             batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(batch)
-        if self.encoder_runner is not None:  # images this step reaches: encoded, their rows in meta.extra
-            self.encoder_runner.prepare(batch, meta)
+        if self.encoder_runner is not None and self.encoder_runner.prepare(batch, meta):
+            # image rows ride in meta.extra, which graph and static runners do not carry: this step runs eagerly
+            return self.encoder_runner.eager(self, lambda: self._submit_prepared(batch, input_ids, positions, meta))
+        return self._submit_prepared(batch, input_ids, positions, meta)
+
+    def _submit_prepared(self, batch: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+                         meta: AttentionMetadata) -> "PendingStep":
         out = StepOutput()
         if self.pooler is not None and any(s.request.pooling_params is not None for s in batch):
             return self._pool(batch, input_ids, positions, meta, out)
