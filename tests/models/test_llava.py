@@ -161,7 +161,7 @@ def test_batch_of_image_and_text_prompts_in_one_engine(hf, llm):
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
-def test_prefix_cache_reuses_an_images_blocks_and_never_another_images(model_path):
+def test_prefix_cache_reuses_an_images_blocks_and_never_another_images(model_path, hf):
     with LLM(model_path, device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=64,
              num_gpu_blocks_override=64) as llm:
         engine = llm.llm_engine
@@ -183,6 +183,15 @@ def test_prefix_cache_reuses_an_images_blocks_and_never_another_images(model_pat
         assert other.prompt_token_ids == first.prompt_token_ids
         assert other.num_cached_tokens == offset // BLOCK * BLOCK
         assert runner.num_encoded == 2
+        # A's pixels again, other text after the image: the hit ends inside the image; A's output was evicted from
+        # the 64-token encoder cache by B's, so A is encoded again, and the tokens still match HF
+        model, processor = hf
+        text = PROMPT_1.replace("What is in the picture?", "Describe the colours, please.")
+        inputs = processor(text=text, images=[a], return_tensors="pt")
+        want = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+        mid = llm.generate({"prompt": text, "multi_modal_data": {"image": a}}, greedy(4), use_tqdm=False)[0]
+        assert offset < mid.num_cached_tokens < offset + TOKENS_PER_IMAGE
+        assert runner.num_encoded == 3 and mid.outputs[0].token_ids == want
         # nothing referenced, nothing held once all finished
         assert engine.kv.num_used_blocks == 0
         assert engine.scheduler.encoder_cache.num_referenced_tokens == 0
