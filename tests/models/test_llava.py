@@ -109,6 +109,40 @@ def test_image_features_match_hf(model_path, hf, llm, names):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("overrides", [dict(vision_feature_layer=[-3, -1], vision_feature_select_strategy="full"),
+                                       dict(vision_feature_layer=1, projector_hidden_act="silu")])
+def test_feature_layers_and_strategies_match_hf(hf, tmp_path, overrides):
+    """Several feature layers concatenated (with the CLS row kept), and the first layer's output alone."""
+    from pagedllm.backend.registry import get_backend
+    from pagedllm.models import load_model
+    from transformers import LlavaForConditionalGeneration
+    from tiny_vlm import make_llava_variant
+
+    path = make_llava_variant(tmp_path / "variant", **overrides)
+    ours = load_model(path, backend=get_backend("cpu"), dtype=torch.float32, device="cpu")
+    theirs = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    pixels = hf[1].image_processor([IMAGES["wide"], IMAGES["small"]], return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        want = theirs.model.get_image_features(pixel_values=pixels).pooler_output
+    got = ours.embed_multimodal([{"pixel_values": pixels[i:i + 1]} for i in range(2)])
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    ids = torch.tensor([[1, 7, 9]])
+    with torch.no_grad():  # the decoder's logits on a text prompt too (the mapped text weights)
+        ref = theirs(input_ids=ids).logits[0]
+    from pagedllm.backend.attention import AttentionMetadata
+    from pagedllm.backend.hookspec import KVCacheSpec
+
+    ours.kv_caches = get_backend("cpu").allocate_kv_cache(KVCacheSpec(ours.num_layers, 2, 16, ours.num_kv_heads,
+                                                                      ours.head_size, torch.float32,
+                                                                      torch.device("cpu")))
+    meta = AttentionMetadata.build([3], [3], [[1]], 16)
+    with torch.inference_mode():
+        logits = ours.compute_logits(ours(ids[0], torch.arange(3), meta))
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
 def hf_logprobs(model, inputs, tokens: list[int]) -> torch.Tensor:
     """HF's log-probability of each token of ``tokens`` (the processed prompt plus the generated ones) given those
     before it, under the same pixel values."""

@@ -36,6 +36,34 @@ def _randomize(model, seed: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
 
 
+def llava_config(vocab_size: int, image_token_id: int, **overrides):
+    """The tiny LLaVA config (``overrides``: LlavaConfig fields such as ``vision_feature_layer``)."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32, hidden_act="quick_gelu")
+    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, vocab_size=vocab_size, max_position_embeddings=512,
+                       tie_word_embeddings=False, initializer_range=0.15, rms_norm_eps=1e-6, bos_token_id=1,
+                       eos_token_id=2, pad_token_id=0)
+    kwargs = dict(image_token_index=image_token_id, image_seq_length=TOKENS_PER_IMAGE, vision_feature_layer=-2,
+                  vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    return LlavaConfig(vision_config=vision, text_config=text, **{**kwargs, **overrides})
+
+
+def make_llava_variant(out_dir, seed: int = 0, **overrides) -> str:
+    """A tiny random LLaVA without tokenizer or processor (vocabulary 512, image token 500): weights and config
+    only, for feature-layer variants."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(llava_config(512, 500, **overrides)).to(torch.float32)
+    _randomize(model, seed + 1)
+    model.save_pretrained(out_dir)
+    return str(out_dir)
+
+
 def tiny_llava_model() -> str:
     """Path of the tiny random LLaVA folder (config, safetensors, tokenizer, processor, chat template)."""
     root = Path(os.environ.get("PAGEDLLM_TEST_CACHE", Path(tempfile.gettempdir()) / "pagedllm-test-cache"))
@@ -43,22 +71,14 @@ def tiny_llava_model() -> str:
     if (out / "config.json").is_file():
         return str(out)
     import torch
-    from transformers import (AutoTokenizer, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                              LlavaForConditionalGeneration, LlavaProcessor)
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration, LlavaProcessor
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     tok = AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    image_token_id = tok.convert_tokens_to_ids("<image>")
-    vision = CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-                              image_size=IMAGE_SIZE, patch_size=PATCH, projection_dim=32, hidden_act="quick_gelu")
-    text = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, vocab_size=len(tok), max_position_embeddings=512,
-                       tie_word_embeddings=False, initializer_range=0.15, rms_norm_eps=1e-6,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cfg = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token_id,
-                      image_seq_length=TOKENS_PER_IMAGE, vision_feature_layer=-2,
-                      vision_feature_select_strategy="default", projector_hidden_act="gelu")
+    cfg = llava_config(len(tok), tok.convert_tokens_to_ids("<image>"))
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(cfg.text_config, name, getattr(tok, name))
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(cfg).to(torch.float32)
     _randomize(model, 1)
