@@ -309,6 +309,14 @@ def test_bad_image_inputs_are_refused_naming_the_field(llm, tmp_path):
         engine.add_request(None, PROMPT_1, greedy(1), multi_modal_data={"image": [IMAGES["wide"]] * 2})
     with pytest.raises(ParamError, match="^prompt:"):  # a placeholder without its image
         engine.add_request(None, PROMPT_2, greedy(1), multi_modal_data={"image": IMAGES["wide"]})
+    with pytest.raises(ParamError, match="truncate_prompt_tokens"):
+        engine.add_request(None, PROMPT_1, greedy(1, truncate_prompt_tokens=8),
+                           multi_modal_data={"image": IMAGES["wide"]})
+    from pagedllm.sampling_params import BeamSearchParams
+
+    with pytest.raises(ParamError, match="^multi_modal_data:"):  # beam search takes text: refused, never dropped
+        llm.beam_search([{"prompt": PROMPT_1, "multi_modal_data": {"image": IMAGES["wide"]}}],
+                        BeamSearchParams(beam_width=2, max_tokens=2))
     assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks == 0
 
 

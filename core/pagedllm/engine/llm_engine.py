@@ -205,6 +205,9 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType, check_length: bool = True) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict) and as_image_list(prompt.get("multi_modal_data")):  # never dropped silently
+            raise ParamError("multi_modal_data", "images are taken by generation requests (add_request, generate) "
+                                                 "only, not by this path (tokenize, beam search, pooling)")
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]

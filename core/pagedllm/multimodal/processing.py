@@ -31,10 +31,10 @@ def hash_image(image: Any) -> str:
 
 def as_image_list(mm_data: Any) -> list:
     """``multi_modal_data`` as vLLM takes it (``{"image": Image | [Image, ...]}``) -> the images, checked."""
-    from PIL import Image  # heavy: PIL
-
     if mm_data is None:
         return []
+    from PIL import Image  # heavy: PIL (text-only requests never import it)
+
     if not isinstance(mm_data, dict):
         raise ParamError("multi_modal_data", f"must be a dict such as {{'image': [images]}}, got "
                                              f"{type(mm_data).__name__}")
