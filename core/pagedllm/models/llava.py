@@ -28,8 +28,8 @@ from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.clip import CLIPVisionModel
 
 def text_config_of(config: Any) -> Any:
-    """The decoder's HF config of a LLaVA config (its ``text_config``), with its architecture named when the
-    checkpoint leaves it out (``architecture_of`` then maps its ``model_type``)."""
+    """The decoder's HF config of a LLaVA config (its ``text_config``; when it names no architecture,
+    ``architecture_of`` maps its ``model_type``)."""
     return config.text_config
 
 
@@ -61,7 +61,7 @@ class LlavaForConditionalGeneration(CausalLM):
     def __init__(self, config: Any, backend: Any):
         text = text_config_of(config)
         _, spec = architecture_of(text)
-        if spec.module != "decoder" or spec.attention != "mha":
+        if spec.module != "decoder" or spec.attention != "mha" or spec.gemma:  # (Gemma scales inputs_embeds too)
             raise UnsupportedModelError(f"LLaVA with a {text.model_type} decoder is not supported (a native "
                                         "Llama-style decoder only)")
         super().__init__(text, spec, backend)
