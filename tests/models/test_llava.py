@@ -239,6 +239,9 @@ def test_encoder_budget_of_one_image_per_step_and_abort_leaves_nothing(model_pat
              max_num_encoder_input_tokens=TOKENS_PER_IMAGE, num_gpu_blocks_override=64) as llm:
         engine = llm.llm_engine
         assert engine.scheduler.encoder_cache.cache_size == TOKENS_PER_IMAGE
+        calls: list[int] = []  # images per encoder call (the real method, recorded)
+        encode = engine.model.embed_multimodal
+        engine.model.embed_multimodal = lambda items: (calls.append(len(items)), encode(items))[1]
         images = [IMAGES["square"], IMAGES["small"]]
         want = []
         for im in images:
@@ -248,6 +251,7 @@ def test_encoder_budget_of_one_image_per_step_and_abort_leaves_nothing(model_pat
         outs = llm.generate([{"prompt": PROMPT_1, "multi_modal_data": {"image": im}} for im in images], greedy(5),
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
+        assert calls == [1, 1]  # both reached their image in the first step; the budget took one per step
         # abort mid-image: 24-token chunks stop inside the image
         engine.scheduler.max_num_batched_tokens = 24
         engine.add_request("cut", {"prompt": PROMPT_2, "multi_modal_data": {"image": [IMAGES["tall"],
