@@ -39,6 +39,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_seqs: Optional[int] = None  # None: DEFAULT_MAX_NUM_SEQS, after the backend's update_config
     max_num_batched_tokens: Optional[int] = None  # default: max(2048, max_model_len) capped at 8192
+    # vision-language models: encoder output tokens (image placeholders) one step may encode, and the encoder
+    # cache's size; default max_num_batched_tokens, at least one image (docs/multimodal.md)
+    max_num_encoder_input_tokens: Optional[int] = None
     kv_cache_memory: Optional[int] = None  # bytes for the KV pool
     gpu_memory_utilization: Optional[float] = None  # fraction of free device memory for the KV pool
     num_gpu_blocks_override: Optional[int] = None  # exact pool size (tests)
@@ -104,6 +107,10 @@ class EngineConfig:
             raise ParamError("max_model_len", f"must be an integer >= 2, got {self.max_model_len!r}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ParamError("max_num_batched_tokens", f"must be >= 1, got {self.max_num_batched_tokens!r}")
+        if self.max_num_encoder_input_tokens is not None and (not isinstance(self.max_num_encoder_input_tokens, int)
+                                                              or self.max_num_encoder_input_tokens < 1):
+            raise ParamError("max_num_encoder_input_tokens", f"must be an integer >= 1, got "
+                                                             f"{self.max_num_encoder_input_tokens!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ParamError("kv_cache_memory", f"must be a positive number of bytes, got {self.kv_cache_memory!r}")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:

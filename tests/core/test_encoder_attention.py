@@ -109,6 +109,6 @@ def test_cpu_conformance_cases_cover_both_directions_gqa_and_padding():
     report = run_conformance("cpu", allow=["encoder_attention*|float32]"], gqa_ratios=(1, 3))
     rows = [r for r in report.results if r.kernel.startswith("encoder_attention") and r.status != "untested"]
     assert {r.kernel for r in rows} == {"encoder_attention.bidirectional", "encoder_attention.causal"}
-    assert {r.model.split("-")[0] for r in rows} == {"single", "varlen", "many_short", "padded"}
+    assert {r.model.split("-")[0] for r in rows} == {"single", "varlen", "many_short", "padded", "images"}
     assert {r.model.rsplit("-", 1)[1] for r in rows} == {"gqa1", "gqa3"}
     assert all(r.status == "passing" and not r.fallback for r in rows), [(r.id, r.status, r.error) for r in rows]

@@ -115,9 +115,10 @@ def check_attention(ctx: CaseContext) -> None:
 
 
 #: Sequence lengths of the encoder-attention batches: one sequence; several of different lengths (one token, one
-#: over 64 rows); many short ones; and a varlen batch followed by padding rows (static shapes pad the token count).
+#: over 64 rows); many short ones; a varlen batch followed by padding rows (static shapes pad the token count); and
+#: a vision tower's images: CLIP ViT-L/14 at 336 px (577 rows: 24 x 24 patches + CLS) beside one at 224 px (257).
 ENCODER_BATCHES = {"single": ([37], 0), "varlen": ([1, 17, 70, 5, 33], 0), "many_short": ([3, 8, 2, 6] * 4, 0),
-                   "padded": ([9, 24, 4], 11)}
+                   "padded": ([9, 24, 4], 11), "images": ([577, 257, 577], 0)}
 
 
 def check_encoder_attention(ctx: CaseContext) -> None:

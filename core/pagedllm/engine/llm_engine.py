@@ -20,6 +20,9 @@ from pagedllm.lora.request import LoRARequest
 from pagedllm.models import load_config, load_tokenizer, resolve_model_path
 from pagedllm.worker.model_runner import PendingStep, StepOutput
 from pagedllm.models.info import read_model_info
+from pagedllm.multimodal.encoder_cache import EncoderCacheManager
+from pagedllm.multimodal.processing import MultiModalProcessor, as_image_list, prompt_parts
+from pagedllm.multimodal.registry import supported_modalities
 from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling import check_request
 from pagedllm.pooling_params import PoolingParams
@@ -129,6 +132,8 @@ class LLMEngine:
             #: The pooling runner's spec (docs/pooling.md); None: this engine generates
             self.pooling = w.pooling
             w.start(self.kv)
+            #: The model's HF processor when it takes images (docs/multimodal.md); None: text only
+            self.mm_processor = self._start_multimodal(hf_config)
             if self.executor is not None:
                 self.executor.attach(w.runner)
             self.spec = build_spec_decoder(config.speculative_config, self.max_model_len, w.draft_proposer)
@@ -152,6 +157,20 @@ class LLMEngine:
         stage("engine ready in %.2fs: backend=%s dtype=%s block_size=%d blocks=%d max_model_len=%d graph=%s",
               self.init_seconds, self.backend.name, config.dtype, config.block_size, self.num_blocks,
               self.max_model_len, w.graph_level)
+
+    def _start_multimodal(self, hf_config: Any) -> Optional[MultiModalProcessor]:
+        """A vision-language model: its processor, and the scheduler's encoder cache and per-step encoder budget
+        (``max_num_encoder_input_tokens``, default the token budget; never less than one image)."""
+        if not supported_modalities(hf_config) or not hasattr(self.model, "embed_multimodal"):
+            return None
+        if getattr(self.worker.runner, "encoder_runner", None) is None:
+            raise ParamError("model", f"backend {self.backend.name!r} runs its own model runner, which does not run "
+                                      "a vision encoder; serve vision-language models on a backend without one")
+        budget = max(self.config.max_num_encoder_input_tokens or self.scheduler.max_num_batched_tokens,
+                     self.model.num_image_tokens)
+        self.scheduler.encoder_cache = EncoderCacheManager(budget)
+        self.scheduler.max_num_encoder_input_tokens = budget
+        return MultiModalProcessor(self.model_path, hf_config)
 
     def shutdown(self) -> None:
         """Release everything this engine holds (idempotent): the other ranks of a distributed engine and the
@@ -186,6 +205,9 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType, check_length: bool = True) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, dict) and as_image_list(prompt.get("multi_modal_data")):  # never dropped silently
+            raise ParamError("multi_modal_data", "images are taken by generation requests (add_request, generate) "
+                                                 "only, not by this path (tokenize, beam search, pooling)")
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -240,14 +262,23 @@ class LLMEngine:
     def add_request(self, request_id: Optional[str], prompt: PromptType,
                     params: Union[SamplingParams, PoolingParams, None] = None,
                     arrival_time: Optional[float] = None, priority: Optional[int] = None,
-                    lora_request: Optional[LoRARequest] = None, structured_prefix: Sequence[int] = ()) -> str:
+                    lora_request: Optional[LoRARequest] = None, structured_prefix: Sequence[int] = (),
+                    multi_modal_data: Optional[dict] = None) -> str:
         """Validate and queue a request (``n`` child samples; a PoolingParams: one pooling request, which
         finishes once its prompt ran). Raises ParamError naming the bad field.
+
+        ``multi_modal_data`` (or the prompt dict's ``"multi_modal_data"``, as vLLM takes it): ``{"image": Image or
+        [Image, ...]}`` for a vision-language model, one image placeholder in the prompt per image.
 
         ``structured_prefix``: the prompt's last tokens were generated under ``params.structured_outputs`` (beam
         search continuing a beam); the grammar starts after them."""
         self._check_open()
+        if multi_modal_data is None and isinstance(prompt, dict):
+            multi_modal_data = prompt.get("multi_modal_data")
+        images = as_image_list(multi_modal_data)
         if isinstance(params, PoolingParams):
+            if images:
+                raise ParamError("multi_modal_data", "pooling requests take text only")
             return self._add_pooling_request(request_id, prompt, params, arrival_time, priority, lora_request)
         if self.pooling is not None and not self.worker.can_generate:
             raise ParamError("runner", f"model {self.config.model} was started with the pooling runner "
@@ -263,8 +294,10 @@ class LLMEngine:
             request_id = str(next(self._ids))
         if request_id in self.parents:
             raise ParamError("request_id", f"{request_id!r} is already in use")
-        text, ids = self.tokenize(prompt)
+        text, ids, mm_features = self._process_images(prompt, images) if images else (*self.tokenize(prompt), [])
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            if mm_features:
+                raise ParamError("truncate_prompt_tokens", "would cut a prompt with images (their placeholders)")
             ids = ids[-params.truncate_prompt_tokens:]
         bad_words = self._check_token_params(params)
         grammar = (self.structured.new_request(params.structured_outputs, structured_prefix, ids)
@@ -282,6 +315,7 @@ class LLMEngine:
                           max_tokens=max_tokens, index=i, lora_request=lora_request, parent_id=request_id)
             req.eos_token_ids = set(self.model.eos_token_ids)
             req.bad_words_token_ids = bad_words
+            req.mm_features = mm_features
             if grammar is not None:  # each sample follows the grammar with its own matcher (shared compile)
                 req.structured = grammar if i == 0 else grammar.sibling()
             parent.children.append(req)
@@ -293,6 +327,17 @@ class LLMEngine:
             self.scheduler.add_request(req)
             self.stats.prompt_tokens += len(ids)
         return request_id
+
+    def _process_images(self, prompt: PromptType, images: list) -> tuple[Optional[str], list[int], list]:
+        """A prompt with images through the model's HF processor: (text, expanded token ids, one
+        ``MultiModalFeatureSpec`` per image); refused for a model that takes no images."""
+        if self.mm_processor is None:
+            raise ParamError("multi_modal_data", f"model {self.config.model} ({self.worker.info.architecture}) takes "
+                                                 "no images: it is a text-only model here")
+        text, ids = prompt_parts(prompt)
+        processed = self.mm_processor(text, ids, images)
+        _, ids = self.tokenize({"prompt": text, "prompt_token_ids": processed.prompt_token_ids})  # vocab, length
+        return text, ids, processed.mm_features
 
     def _add_pooling_request(self, request_id: Optional[str], prompt: PromptType, params: PoolingParams,
                              arrival_time: Optional[float], priority: Optional[int],
@@ -435,6 +480,8 @@ class LLMEngine:
         if self.spec is not None:
             self.spec.plan(self.scheduler.running)
         sched = self.scheduler.schedule(max_seqs)
+        if self.scheduler.encoder_cache is not None:  # encoder outputs the cache evicted: the worker drops them
+            self.worker.runner.encoder_runner.free(self.scheduler.encoder_cache.get_freed_mm_hashes())
         if failed or not sched:
             outputs = [p.output() for p in failed]
             for p in failed:

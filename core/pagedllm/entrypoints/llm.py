@@ -69,7 +69,9 @@ class LLM:
                  lora_request: Union[LoRARequest, Sequence[Optional[LoRARequest]], None] = None
                  ) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs come back in prompt order.
-        ``lora_request``: one adapter for every prompt, or one (or None for the base model) per prompt."""
+        ``lora_request``: one adapter for every prompt, or one (or None for the base model) per prompt.
+        A prompt is a string, token ids, or vLLM's dict (``prompt`` / ``prompt_token_ids``, and for a
+        vision-language model ``multi_modal_data={"image": Image or [Image, ...]}``: docs/multimodal.md)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)

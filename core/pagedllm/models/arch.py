@@ -30,6 +30,7 @@ class ArchSpec:
     glm4_norms: bool = False  # Glm4: post_self_attn_layernorm and post_mlp_layernorm around the sub-blocks
     # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms) | stablelm (models/stablelm.py)
     # | bert (models/bert.py: encoder-only BERT / RoBERTa / XLM-R) | lfm2 (models/lfm2.py: short convs + attention)
+    # | llava (models/llava.py: CLIP tower + projector + the decoder of its text_config)
     module: str = "decoder"
 
 
@@ -88,6 +89,8 @@ _BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", 
 # Encoder-only (models/bert.py): bidirectional attention, no KV cache, the pooling runner only.
 ARCHITECTURES.update({name: ArchSpec(lambda c: True, lambda c: True, module="bert")
                       for name in ENCODER_ARCHITECTURES})
+# Vision-language (models/llava.py): the flags of its decoder come from its text_config.
+ARCHITECTURES["LlavaForConditionalGeneration"] = ArchSpec(lambda c: False, lambda c: False, module="llava")
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

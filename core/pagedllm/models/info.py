@@ -11,6 +11,7 @@ from pagedllm.models.alibi import uses_alibi
 from pagedllm.models.bert import encoder_max_positions
 from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
 from pagedllm.models.gpt_oss import is_mxfp4_checkpoint
+from pagedllm.models.llava import llava_model_info, text_config_of
 from pagedllm.models.paths import is_gguf
 from pagedllm.models.transformers_impl import num_kv_heads_of
 from pagedllm.quantization.config import checkpoint_quantization
@@ -30,6 +31,8 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
     """Shapes, dtype and attention features of the checkpoint at ``model_path`` (its HF ``config``), for the
     implementation ``model_impl`` picks."""
     name, impl = resolve_model_impl(config, model_impl)
+    if impl == "native" and architecture_of(config)[1].module == "llava":  # a VLM: its decoder's shapes
+        return llava_model_info(config, read_model_info(model_path, text_config_of(config), "native"))
     if impl == "native":
         windows = [w for w in layer_sliding_windows(config, architecture_of(config)[1]) if w is not None]
     else:

@@ -21,6 +21,7 @@ from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
 from pagedllm.models.lfm2 import Lfm2CausalLM
+from pagedllm.models.llava import build_llava_model
 from pagedllm.models.stablelm import StableLmCausalLM
 from pagedllm.models.gguf_moe import complete_moe_config
 from pagedllm.models.gpt_oss import Mxfp4Weights, is_mxfp4_checkpoint
@@ -135,6 +136,13 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         if get_parallel_state() is not None or quantization is not None or is_gguf(path):
             raise UnsupportedModelError(f"{shown}: encoder models load unquantized safetensors on one rank only")
         model = build_encoder_model(path, config, arch_name, backend, dtype, device)
+        stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
+        return model
+    if spec.module == "llava":  # vision tower + projector + the native decoder (models/llava.py)
+        if get_parallel_state() is not None or quantization is not None or is_gguf(path):
+            raise UnsupportedModelError(f"{shown}: vision-language models load unquantized safetensors on one "
+                                        "rank only")
+        model = build_llava_model(path, config, backend, dtype, device)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
     if spec.moe == "gpt_oss" and is_gguf(path):

@@ -53,6 +53,9 @@ VERIFIED: dict[str, str] = {
     "Starcoder2ForCausalLM": "tests/models/test_transformers_fallback.py",
     **{name: "tests/models/test_bert_encoder.py (hidden states, CLS row, classifier logits vs HF; varlen batch)"
        for name in ENCODER_ARCHITECTURES},
+    "LlavaForConditionalGeneration": "tests/models/test_llava.py (processor output, image features, greedy tokens "
+                                     "and log-probs vs HF; one and two images per prompt, chunks splitting an image, prefix-cache "
+                                     "hits by image hash); tests/core/test_encoder_cache.py",
 }
 # SmolLM2-135M Q4_1 (tests/models/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
 # (tests/models/test_gguf_families.py); Mistral,
@@ -107,7 +110,8 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "RobertaModel": "RoBERTa (embeddings)",
             "RobertaForSequenceClassification": "RoBERTa (cross-encoder, classifier)",
             "XLMRobertaModel": "XLM-RoBERTa (embeddings)",
-            "XLMRobertaForSequenceClassification": "XLM-RoBERTa (cross-encoder, classifier)"}
+            "XLMRobertaForSequenceClassification": "XLM-RoBERTa (cross-encoder, classifier)",
+            "LlavaForConditionalGeneration": "LLaVA (1.5-style: CLIP + projector + Llama-family decoder)"}
 #: The decoders' pooling forms checked against HF (tests/models/test_pooling_models.py)
 _POOLING_TESTED = {
     "LlamaForSequenceClassification": "tests/models/test_pooling_models.py (probabilities, logits, per-token "
@@ -187,6 +191,9 @@ def _features(name: str) -> str:
                    "off, preemption by recompute), GQA attention layers")
     if spec.module == "bert":
         out.append("encoder-only: bidirectional `encoder_attention`, no KV cache, pooling runner (CLS default)")
+    if spec.module == "llava":
+        out.append("images (docs/multimodal.md): CLIP tower on `encoder_attention`, encoder cache, image-hashed "
+                   "prefix blocks")
     if spec.sliding != "none":
         out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
     if spec.qk_norm:

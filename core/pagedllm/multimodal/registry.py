@@ -9,7 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 # HF architecture name -> the modalities its native implementation takes besides text
-MULTIMODAL_ARCHITECTURES: dict[str, frozenset[str]] = {}
+MULTIMODAL_ARCHITECTURES: dict[str, frozenset[str]] = {
+    "LlavaForConditionalGeneration": frozenset({"image"}),  # models/llava.py: CLIP tower + projector + decoder
+}
 
 
 def supported_modalities(hf_config: Any) -> frozenset[str]:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from pagedllm.multimodal.inputs import mm_hashes_in
 from pagedllm.sched.request import Request
 from pagedllm.sched.state_slots import StateSlotPool
 
@@ -178,6 +179,10 @@ class KVCacheManager:
             i = len(hashes)
             # The adapter changes every block's K/V: keyed into the first hash, it chains into all later ones.
             extra = (getattr(req, "lora_int_id", 0) or None) if i == 0 else None
+            mm = getattr(req, "mm_features", None)
+            images = mm_hashes_in(mm, i * bs, (i + 1) * bs) if mm else ()
+            if images:  # the pixels behind the block's image tokens: different images never share K/V
+                extra = (extra, images)
             hashes.append(hash_block(hashes[-1] if hashes else None, req.all_token_ids[i * bs:(i + 1) * bs], extra))
         return hashes
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Optional
 
+from pagedllm.multimodal.encoder_cache import EncoderCacheManager, free_computed_inputs, schedule_encoder_inputs
 from pagedllm.sched.kv_manager import BlockPool, KVCacheManager
 from pagedllm.sched.request import Request, RequestStatus
 
@@ -28,6 +29,7 @@ class ScheduledRequest:
     samples: bool = False  # this step reaches the request's last token, so its logits are sampled
     num_lookahead: int = 0  # speculative slots reserved after the last token (num_new_tokens includes them)
     spec_token_ids: list[int] = field(default_factory=list)  # proposals filling those slots (<= num_lookahead)
+    encoder_inputs: list[int] = field(default_factory=list)  # indices of request.mm_features to encode this step
 
     def __post_init__(self) -> None:
         r = self.request
@@ -80,6 +82,11 @@ class Scheduler:
         # Requests of batches still in flight (pipeline parallel: the engine's batch queue). They are not scheduled
         # again, nor preempted, until their batch's output returns (vLLM: batches of disjoint requests).
         self.in_flight: set[str] = set()
+        # Multimodal models (pagedllm.multimodal): the encoder cache's accounting, and the encoder output tokens one
+        # step may compute (vLLM's max_num_encoder_input_tokens); the engine sets both for a vision model.
+        self.encoder_cache: Optional[EncoderCacheManager] = None
+        self.max_num_encoder_input_tokens = max_num_batched_tokens
+        self.encoder_budget = 0  # left in the step being scheduled
 
     # ---- queue -----------------------------------------------------------------------------------
     def _rank(self, req: Request) -> tuple:
@@ -137,6 +144,8 @@ class Scheduler:
             if req.pooling_state is not None:  # its prompt is pooled again from the start
                 req.pooling_state.reset()
         self.kv.free(req)
+        if self.encoder_cache is not None:
+            self.encoder_cache.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -147,14 +156,16 @@ class Scheduler:
 
     def _admit(self, req: Request, out: SchedulerOutput, budget: int) -> int:
         """Try to start (or resume) the head waiting request; returns the tokens scheduled (0 = could not)."""
+        enc: list[int] = []  # images to encode (multimodal)
         if not self.requires_kv_cache:  # the whole prompt in this step or not yet (the engine refused longer ones)
             n = req.num_tokens - req.num_computed_tokens
             if n > budget:
                 return 0
         elif req.swapped_blocks is not None:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n):
-                return 0
+            enc, n = self._encoder_inputs(req, req.num_computed_tokens, n)
+            if n == 0 or not self.kv.allocate_slots(req, n):
+                return self._unref_encoder_inputs(req)
             out.swap_in.extend(zip(req.swapped_blocks, self.kv.block_ids(req.request_id)))
             self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = None
@@ -162,22 +173,44 @@ class Scheduler:
             # Prompt logprobs (and MEAN/CLS/ALL pooling) need every prompt position, so they skip the prefix cache.
             hits, num_hit = self.kv.get_computed_blocks(req) if not req.skip_prefix_cache else ([], 0)
             n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
-                return 0
+            enc, n = self._encoder_inputs(req, num_hit, n)
+            if n == 0 or not self.kv.allocate_slots(req, n, hits):
+                return self._unref_encoder_inputs(req)
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             req.num_computed_tokens = num_hit
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_hit
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        out.scheduled.append(ScheduledRequest(req, n))
+        out.scheduled.append(ScheduledRequest(req, n, encoder_inputs=self._allocate_encoder_inputs(req, enc)))
         return n
+
+    # ---- multimodal: the encoder's share of a step (pagedllm.multimodal.encoder_cache) ------------------------
+    def _encoder_inputs(self, req: Request, num_computed: int, n: int) -> tuple[list[int], int]:
+        """The request's images this step must encode, and its tokens cut before an image that does not fit."""
+        if self.encoder_cache is None or not req.mm_features:
+            return [], n
+        enc, n, self.encoder_budget = schedule_encoder_inputs(req, num_computed, n, self.encoder_cache,
+                                                              self.encoder_budget)
+        return enc, n
+
+    def _allocate_encoder_inputs(self, req: Request, enc: list[int]) -> list[int]:
+        for i in enc:
+            self.encoder_cache.allocate(req, i)
+        return enc
+
+    def _unref_encoder_inputs(self, req: Request) -> int:
+        """The request was not scheduled after all: drop the cache references its planning took; returns 0."""
+        if self.encoder_cache is not None:
+            self.encoder_cache.free(req)
+        return 0
 
     def schedule(self, max_seqs: Optional[int] = None) -> SchedulerOutput:
         """The next step: at most ``max_seqs`` requests (the batch queue's share), skipping those in flight."""
         out = SchedulerOutput()
         max_seqs = max_seqs if max_seqs is not None else 1 << 62  # (no share: max_num_seqs bounds running alone)
         budget = self.max_num_batched_tokens
+        self.encoder_budget = self.max_num_encoder_input_tokens
         if self.policy == "priority":
             self.running.sort(key=self._rank)
         rows = self._row_shares()
@@ -188,6 +221,10 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            enc, n = self._encoder_inputs(req, req.num_computed_tokens, n)
+            if n == 0:  # its next image does not fit this step's encoder budget or cache
+                i += 1
+                continue
             # Speculation: a decoding request reserves its lookahead slots too (spec_decode plans num_lookahead).
             la = min(req.num_lookahead, budget - 1) if n == 1 and req.num_lookahead > 0 else 0
             n += la
@@ -203,7 +240,8 @@ class Scheduler:
                     i -= 1
             if req.status != RequestStatus.RUNNING:
                 continue  # req itself was preempted: self.running shrank, i now points past the end
-            out.scheduled.append(ScheduledRequest(req, n, num_lookahead=la))
+            out.scheduled.append(ScheduledRequest(req, n, num_lookahead=la,
+                                                  encoder_inputs=self._allocate_encoder_inputs(req, enc)))
             rows.take(req)
             budget -= n
             i += 1
@@ -254,6 +292,8 @@ class Scheduler:
         """Advance computed-token counts once the model ran the step (before new tokens are appended)."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            if self.encoder_cache is not None and s.request.mm_features:  # images whose tokens are all computed
+                free_computed_inputs(s.request, self.encoder_cache)
 
     def rollback(self, req: Request, num_rejected: int) -> None:
         """Forget the K/V of rejected speculative tokens: they are recomputed (overwritten) if ever needed, and
@@ -274,6 +314,8 @@ class Scheduler:
                 pass
         req.status = status
         self.kv.free(req)
+        if self.encoder_cache is not None:
+            self.encoder_cache.free(req)
         if req.swapped_blocks is not None:
             self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = None

@@ -19,6 +19,7 @@ from pagedllm.backend.batch_policy import BatchPolicy, BatchShape
 from pagedllm.backend.device_sampler import SamplingTensors, on_device_eligible
 from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.lora.ops import LoRAMapping
+from pagedllm.multimodal.encoder_runner import EncoderRunner
 from pagedllm.sched.request import Request
 from pagedllm.sample.sampler import SamplerOutput
 from pagedllm.sched.scheduler import ScheduledRequest
@@ -59,6 +60,8 @@ class ModelRunner:
         self.pooler: Any = None
         # False: an encoder-only model (no KV cache): no blocks, no slots (its attention is the unpaged varlen hook)
         self.requires_kv_cache = bool(getattr(model, "requires_kv_cache", True))
+        # A vision-language model: its encoder runs here, outputs kept by image hash (pagedllm.multimodal)
+        self.encoder_runner = EncoderRunner(model, device) if hasattr(model, "embed_multimodal") else None
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -149,6 +152,13 @@ class ModelRunner:
         else:
             batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         input_ids, positions, meta = self.prepare(batch)
+        if self.encoder_runner is not None and self.encoder_runner.prepare(batch, meta):
+            # image rows ride in meta.extra, which graph and static runners do not carry: this step runs eagerly
+            return self.encoder_runner.eager(self, lambda: self._submit_prepared(batch, input_ids, positions, meta))
+        return self._submit_prepared(batch, input_ids, positions, meta)
+
+    def _submit_prepared(self, batch: list[ScheduledRequest], input_ids: torch.Tensor, positions: torch.Tensor,
+                         meta: AttentionMetadata) -> "PendingStep":
         out = StepOutput()
         if self.pooler is not None and any(s.request.pooling_params is not None for s in batch):
             return self._pool(batch, input_ids, positions, meta, out)
