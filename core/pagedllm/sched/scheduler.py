@@ -80,6 +80,9 @@ class Scheduler:
         # Requests of batches still in flight (pipeline parallel: the engine's batch queue). They are not scheduled
         # again, nor preempted, until their batch's output returns (vLLM: batches of disjoint requests).
         self.in_flight: set[str] = set()
+        # A KV connector (kv_transfer.runtime.KVTransfer): loads prefix blocks the device cache lost, may keep a
+        # finished request's blocks while it sends them (docs/kv-offload.md)
+        self.connector = None
 
     # ---- queue -----------------------------------------------------------------------------------
     def _rank(self, req: Request) -> tuple:
@@ -161,13 +164,17 @@ class Scheduler:
         else:
             # Prompt logprobs (and MEAN/CLS/ALL pooling) need every prompt position, so they skip the prefix cache.
             hits, num_hit = self.kv.get_computed_blocks(req) if not req.skip_prefix_cache else ([], 0)
-            n = min(req.num_tokens - num_hit, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            ext = (self.connector.get_num_new_matched_tokens(req, num_hit)
+                   if self.connector is not None and not req.skip_prefix_cache else 0)
+            n = min(req.num_tokens - num_hit - ext, budget)
+            if not self.kv.allocate_slots(req, n, hits, ext):
                 return 0
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), ext)
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + ext
             if req.num_preemptions == 0:
-                req.num_cached_tokens = num_hit
+                req.num_cached_tokens = num_hit + ext
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.scheduled.append(ScheduledRequest(req, n))
@@ -273,7 +280,8 @@ class Scheduler:
             except ValueError:
                 pass
         req.status = status
-        self.kv.free(req)
+        if self.connector is None or not self.connector.request_finished(req, self.kv.block_ids(req.request_id)):
+            self.kv.free(req)  # (else the connector keeps them until its transfer is done)
         if req.swapped_blocks is not None:
             self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = None
