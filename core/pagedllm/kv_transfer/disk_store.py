@@ -36,7 +36,7 @@ class DiskStore:
     """Files of one model identity; ``read`` fills a one-block staging cache, ``write`` reads one."""
 
     def __init__(self, root: str, identity: str, max_bytes: int, layout: Optional[list] = None):
-        self.dir = os.path.join(root, identity[:32])
+        self.dir = os.path.join(root, hashlib.sha256(identity.encode()).hexdigest()[:32])
         self.identity = identity
         self.max_bytes = max_bytes
         self.layout = layout

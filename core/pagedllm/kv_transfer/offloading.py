@@ -93,8 +93,9 @@ class OffloadingConnector(KVConnectorBase_V1):
             where = self._where(hashes[i], self._tokens(request, i))
             if where is None:
                 break
-            if where == "host":
-                self.host.move_to_end(hashes[i])  # most recently used: the last a later eviction reuses
+            if where == "host":  # kept for this step: the request's own allocation may evict blocks to host
+                self.host.move_to_end(hashes[i])
+                self.pinned.add(self.host[hashes[i]][0])
             n += 1
         self.starts[request.request_id] = start
         return n * self.context.block_size, False
@@ -111,7 +112,7 @@ class OffloadingConnector(KVConnectorBase_V1):
             where = self._where(hashes[i], tokens)  # again: this allocation's evictions may have moved it
             if where == "host":
                 slot = self.host[hashes[i]][0]
-                self.pinned.add(slot)
+                self.pinned.add(slot)  # (already, unless a later lookup's eviction moved it)
                 ops.append(("host", slot, block_ids[i]))
             elif where == "disk":
                 ops.append(("disk", hashes[i], tokens, block_ids[i]))
@@ -167,7 +168,7 @@ class OffloadingConnector(KVConnectorBase_V1):
             self.stats[k] = self.stats.get(k, 0) + v
         self.stats["pending_loads"] = 0
         if connector_output.get("disk_off") and self.disk is not None:
-            self.disk.disable("the worker could not write")
+            self.disk.enabled = False  # (the worker side warned)
 
     def get_stats(self) -> dict[str, float]:
         return dict(self.stats)

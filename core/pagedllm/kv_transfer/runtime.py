@@ -121,10 +121,11 @@ class KVTransfer:
             for name in self.layer_names:
                 w.wait_for_layer_load(name)
             failed = set(w.get_block_ids_with_load_errors())
-        except Exception:  # noqa: BLE001 - a connector's failure costs a recompute, never the engine
-            logger.exception("KV connector %s: loading failed; recomputing this step's loads",
-                             type(w).__name__)
+        except Exception as e:  # noqa: BLE001 - a connector's failure costs a recompute, never the engine
             failed = set(self.kv.pending_load)
+            if failed:
+                logger.warning("KV connector %s: loading failed (%s: %s); recomputing this step's loads",
+                               type(w).__name__, type(e).__name__, e)
         if failed:
             self._recompute(sched, failed)
         self.kv.pending_load.clear()
