@@ -198,11 +198,14 @@ def test_disk_bound_deletes_least_recently_used_and_zero_or_full_disk_turn_the_t
     assert not [f for _, _, fs in os.walk(tmp_path / "c") for f in fs]  # no temporary left behind
 
 
-def test_full_disk_degrades_to_no_disk_tier_with_identical_outputs(tiny_llama, baseline, tmp_path, caplog,
-                                                                    monkeypatch):
-    monkeypatch.setattr(disk_store, "open", enospc, raising=False)
+@pytest.mark.parametrize("why", ["ENOSPC", "bound of 0"])
+def test_full_disk_or_zero_bound_degrades_to_no_disk_tier_with_identical_outputs(tiny_llama, baseline, tmp_path,
+                                                                                  caplog, monkeypatch, why):
+    if why == "ENOSPC":
+        monkeypatch.setattr(disk_store, "open", enospc, raising=False)
     with caplog.at_level(logging.WARNING):
-        llm = engine(tiny_llama, kv_offload_gib=2 * BLOCK_BYTES / 2**30, kv_offload_dir=str(tmp_path))
+        llm = engine(tiny_llama, kv_offload_gib=2 * BLOCK_BYTES / 2**30, kv_offload_dir=str(tmp_path),
+                     kv_offload_disk_gib=0 if why != "ENOSPC" else 1)
         assert run_each(llm, WORKLOAD) == baseline
     st = llm.llm_engine.get_stats().kv_offload
     assert st["disk_hits"] == 0 and st["host_hits"] == 2 and st["load_errors"] == 0

@@ -35,12 +35,14 @@ def layout_signature(tensors: Sequence[torch.Tensor]) -> list[list]:
 class DiskStore:
     """Files of one model identity; ``read`` fills a one-block staging cache, ``write`` reads one."""
 
-    def __init__(self, root: str, identity: str, max_bytes: int, layout: Optional[list] = None):
+    def __init__(self, root: str, identity: str, max_bytes: int, layout: Optional[list] = None,
+                 quiet: bool = False):
         self.dir = os.path.join(root, hashlib.sha256(identity.encode()).hexdigest()[:32])
         self.identity = identity
         self.max_bytes = max_bytes
         self.layout = layout
         self.enabled = True
+        self.quiet = quiet  # (a scheduler-side index: the writer warns)
         self.used_bytes: Optional[int] = None  # scanned lazily by the writer
         if max_bytes <= 0:
             self.disable("its size bound is 0 bytes")
@@ -51,7 +53,7 @@ class DiskStore:
             self.disable(f"cannot create {self.dir}: {e}")
 
     def disable(self, why: str) -> None:
-        if self.enabled:
+        if self.enabled and not self.quiet:
             logger.warning("KV offload disk tier off (%s); the host tier and recompute serve instead", why)
         self.enabled = False
 

@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 
+from pagedllm.backend.registry import SwapUnsupported
 from pagedllm.kv_transfer.base import (KVConnectorBase_V1, KVConnectorContext, KVConnectorMetadata,
                                        KVConnectorRole)
 from pagedllm.kv_transfer.disk_store import DiskStore, layout_signature
@@ -57,7 +58,7 @@ class OffloadingConnector(KVConnectorBase_V1):
             self.starts: dict[str, int] = {}  # request id -> first block index the connector may load
             self.meta = OffloadMetadata()
             if self.disk_path:
-                self.disk = DiskStore(self.disk_path, context.model_identity, self.disk_bytes)
+                self.disk = DiskStore(self.disk_path, context.model_identity, self.disk_bytes, quiet=True)
         else:
             self.device_caches: list = []
             self.host_caches: list = []
@@ -169,6 +170,9 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.stats["pending_loads"] = 0
         if connector_output.get("disk_off") and self.disk is not None:
             self.disk.enabled = False  # (the worker side warned)
+        if connector_output.get("host_off") and self.num_host_blocks:
+            self.num_host_blocks, self.free_slots = 0, []
+            self.host.clear()
 
     def get_stats(self) -> dict[str, float]:
         return dict(self.stats)
@@ -179,10 +183,15 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.device_caches = list(kv_caches.values())
         host_spec = lambda n: ctx.kv_spec.__class__(**{**ctx.kv_spec.__dict__, "num_blocks": n,  # noqa: E731
                                                         "device": torch.device("cpu")})
-        if self.num_host_blocks:
-            self.host_caches = ctx.allocate_host_kv_cache(host_spec(self.num_host_blocks), ctx.pin_memory)
+        try:
+            if self.num_host_blocks:
+                self.host_caches = ctx.allocate_host_kv_cache(host_spec(self.num_host_blocks), ctx.pin_memory)
+            if self.disk_path:
+                self.staging = ctx.allocate_host_kv_cache(host_spec(1), False)
+        except SwapUnsupported as e:  # the backend's layout has no host copy: no tier (every lookup then fails)
+            logger.warning("KV offload tiers off: %s", e)
+            self.host_caches, self.staging, self.disk_path = [], [], None
         if self.disk_path:
-            self.staging = ctx.allocate_host_kv_cache(host_spec(1), False)
             if not all(isinstance(t, torch.Tensor) for t in self.staging):
                 logger.warning("KV offload disk tier off: the backend's host caches are not tensors")
                 self.staging = []
@@ -205,8 +214,9 @@ class OffloadingConnector(KVConnectorBase_V1):
         bpb = self.context.bytes_per_block
         for op in connector_metadata.saves:
             if op[0] == "d2h":
-                self._copy(dev, host, op[1], op[2])
-                self._stat("host_bytes_saved", bpb)
+                if host:
+                    self._copy(dev, host, op[1], op[2])
+                    self._stat("host_bytes_saved", bpb)
             elif self._disk_on():  # h2disk / d2disk, through the one-block staging cache
                 self._copy(host if op[0] == "h2disk" else dev, st, op[1], 0)
                 self._save_disk(op[2], op[3])
@@ -222,7 +232,7 @@ class OffloadingConnector(KVConnectorBase_V1):
                 if failed:
                     self.load_errors.add(target)
                     continue
-                if op[0] == "host":
+                if op[0] == "host" and self.host_caches:
                     self._copy(self.host_caches, self.device_caches, op[1], target)
                     self._stat("host_hits", 1)
                     self._stat("host_bytes_loaded", bpb)
@@ -253,7 +263,8 @@ class OffloadingConnector(KVConnectorBase_V1):
         return set(self.load_errors)
 
     def build_connector_worker_meta(self) -> Optional[dict]:
-        out = {"stats": self.step_stats, "disk_off": self.disk is not None and not self.disk.enabled}
+        out = {"stats": self.step_stats, "disk_off": self.disk is None or not self.disk.enabled,
+               "host_off": not self.host_caches}
         self.step_stats = {}
         return out
 
