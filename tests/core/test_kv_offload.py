@@ -107,6 +107,9 @@ def test_host_tier_never_exceeds_its_bound(tiny_llama, baseline):
             sched_side = eng.kv_transfer.scheduler_side
             assert len(sched_side.host) <= 2 and len(sched_side.free_slots) + len(sched_side.host) == 2
     assert eng.kv.num_used_blocks == 0 and eng.get_stats().kv_offload["host_hits"] > 0
+    worker_side = eng.kv_transfer.worker_side
+    llm.shutdown()
+    assert worker_side.host_caches == [] and worker_side.device_caches == []  # host memory released
 
 
 SECOND_ENGINE = textwrap.dedent("""

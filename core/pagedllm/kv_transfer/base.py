@@ -119,7 +119,9 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
 
     @abstractmethod
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until ``layer_name``'s loads are in the device cache."""
+        """Block until ``layer_name``'s loads are in the device cache. Bound the wait (a remote peer may be gone):
+        a load that times out goes into ``get_block_ids_with_load_errors`` and its request is recomputed; core
+        cannot interrupt a call that never returns."""
 
     @abstractmethod
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
