@@ -5,7 +5,7 @@ released through ``get_finished``), and serves later prefix matches from there."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -70,8 +70,7 @@ class ExampleStoreConnector(KVConnectorBase_V1):
         self.caches = list(kv_caches.values())
 
     def _one_block(self):
-        spec = self.context.kv_spec
-        host = spec.__class__(**{**spec.__dict__, "num_blocks": 1, "device": torch.device("cpu")})
+        host = replace(self.context.kv_spec, num_blocks=1, device=torch.device("cpu"))
         return self.context.allocate_host_kv_cache(host, False)
 
     def start_load_kv(self, **kwargs):

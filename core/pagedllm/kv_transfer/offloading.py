@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -86,6 +86,7 @@ class OffloadingConnector(KVConnectorBase_V1):
         return tuple(request.all_token_ids[i * bs:(i + 1) * bs])
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
+        self.starts[request.request_id] = num_computed_tokens // self.context.block_size
         if not self.host and self.disk is None:
             return 0, False
         start, hashes = self._blocks(request, num_computed_tokens)
@@ -98,7 +99,6 @@ class OffloadingConnector(KVConnectorBase_V1):
                 self.host.move_to_end(hashes[i])
                 self.pinned.add(self.host[hashes[i]][0])
             n += 1
-        self.starts[request.request_id] = start
         return n * self.context.block_size, False
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
@@ -181,8 +181,8 @@ class OffloadingConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         ctx = self.context
         self.device_caches = list(kv_caches.values())
-        host_spec = lambda n: ctx.kv_spec.__class__(**{**ctx.kv_spec.__dict__, "num_blocks": n,  # noqa: E731
-                                                        "device": torch.device("cpu")})
+        def host_spec(n: int) -> Any:
+            return replace(ctx.kv_spec, num_blocks=n, device=torch.device("cpu"))
         try:
             if self.num_host_blocks:
                 self.host_caches = ctx.allocate_host_kv_cache(host_spec(self.num_host_blocks), ctx.pin_memory)
