@@ -273,3 +273,16 @@ def test_third_party_connector_through_its_entry_point(tiny_llama, baseline, thi
 def test_offloading_connector_conformance(extra):
     report = check_connector("OffloadingConnector", extra)
     assert report.loaded_tokens > 0 and report.recomputed_requests > 0, report
+
+
+def test_a_model_with_recurrent_state_refuses_a_connector(tmp_path):
+    from tiny_models import save_random_model
+    path = save_random_model(dict(model_type="lfm2", vocab_size=128, hidden_size=48, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                  max_position_embeddings=128, norm_eps=1e-5, conv_L_cache=3, conv_bias=True,
+                                  block_multiple_of=32, layer_types=["conv", "full_attention"],
+                                  tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                             tmp_path / "lfm2")
+    with pytest.raises(ParamError, match="recurrent state") as e:
+        LLM(path, device="cpu", dtype="float32", max_model_len=128, kv_offload_gib=0.01)
+    assert e.value.field == "kv_offload_gib"

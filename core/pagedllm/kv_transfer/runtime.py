@@ -44,6 +44,9 @@ def build_kv_transfer(config: Any, worker: Any, kv: Any, scheduler: Any, backend
     field = "kv_offload_gib" if (config.kv_offload_gib or config.kv_offload_dir) else "kv_transfer_config"
     if not worker.requires_kv_cache:
         raise ParamError(field, "the model keeps no KV cache (encoder-only): nothing to transfer")
+    if getattr(worker, "state_spec", None) is not None:
+        raise ParamError(field, f"{worker.info.architecture} keeps recurrent state per request, which a connector's "
+                                "blocks do not carry (only K/V): serve it without one")
     if config.speculative_config is not None:
         raise ParamError(field, "is not supported with speculative decoding yet (the draft's K/V shares the blocks)")
     if tc.kv_connector == OFFLOADING_CONNECTOR and not config.enable_prefix_caching:
