@@ -125,7 +125,9 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
 
     @abstractmethod
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Start saving what the bound metadata asks of ``layer_name`` (called after the forward wrote it)."""
+        """Start saving what the bound metadata asks of ``layer_name`` (called after the forward wrote it).
+        pagedllm passes ``attn_metadata=None`` and the step's ``ScheduledRequest`` list as ``scheduled``: the block
+        ids to save come from the connector's own metadata."""
 
     @abstractmethod
     def wait_for_save(self) -> None:
