@@ -8,6 +8,7 @@ document."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ from pagedllm.backend.kv_quant import KV_CACHE_DTYPES, canonical_kv_dtype
 from pagedllm.quantization.config import resolve_quantization, validate_quantization
 from pagedllm.errors import ParamError
 from pagedllm.generation_defaults import check_generation_config
+from pagedllm.kv_transfer.config import DEFAULT_DISK_GIB, KVTransferConfig, offload_config
 from pagedllm.pooling.config import PoolerConfig
 from pagedllm.pooling.spec import CONVERTS, RUNNERS, runner_type
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -82,6 +84,12 @@ class EngineConfig:
     convert: str = "auto"
     pooler_config: Any = None
     hf_overrides: Optional[dict] = None
+    # KV beyond the device pool (docs/kv-offload.md): a connector in vLLM's shape (dict / JSON / KVTransferConfig),
+    # or the built-in prefix-cache tiers: GiB of host memory, a folder for the disk tier and its bound in GiB
+    kv_transfer_config: Any = None
+    kv_offload_gib: float = 0.0
+    kv_offload_dir: Optional[str] = None
+    kv_offload_disk_gib: float = DEFAULT_DISK_GIB
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -125,6 +133,20 @@ class EngineConfig:
         if self.model_impl not in ("auto", "native", "transformers"):
             raise ParamError("model_impl", f"must be 'auto', 'native' or 'transformers', got {self.model_impl!r}")
         validate_quantization(self.quantization)
+        self.kv_transfer_config = KVTransferConfig.parse(self.kv_transfer_config)
+        for name in ("kv_offload_gib", "kv_offload_disk_gib"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ParamError(name, f"must be a number of GiB >= 0, got {v!r}")
+        if self.kv_offload_dir is not None and (not isinstance(self.kv_offload_dir, (str, os.PathLike))
+                                                or not str(self.kv_offload_dir)):
+            raise ParamError("kv_offload_dir", f"must be a folder path, got {self.kv_offload_dir!r}")
+        if self.kv_offload_gib > 0 or self.kv_offload_dir:
+            offload = offload_config(self.kv_offload_gib, self.kv_offload_dir, self.kv_offload_disk_gib)
+            if self.kv_transfer_config not in (None, offload):
+                raise ParamError("kv_offload_gib", "kv_offload_gib / kv_offload_dir choose the OffloadingConnector; "
+                                                   "give them or kv_transfer_config, not both")
+            self.kv_transfer_config = offload
         check_generation_config(self.generation_config)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             v = getattr(self, name)
@@ -248,7 +270,8 @@ def check_distributed(config: EngineConfig, backend: Any, info: Any) -> None:
     """What a multi-rank engine does not run yet is refused by name; graph capture is turned off (the step crosses
     processes through collectives that captured graphs do not replay)."""
     for name, on in (("enable_lora", config.enable_lora), ("speculative_config", config.speculative_config),
-                     ("swap_space", config.swap_space > 0), ("quantization", config.quantization)):
+                     ("swap_space", config.swap_space > 0), ("quantization", config.quantization),
+                     ("kv_transfer_config", config.kv_transfer_config)):
         if on:
             raise ParamError(name, "is not supported with tensor_parallel_size / pipeline_parallel_size > 1 yet")
     if config.model_impl == "transformers":

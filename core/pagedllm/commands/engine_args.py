@@ -85,6 +85,17 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help="ranks that each run a slice of the layers (docs/distributed.md)")
     p.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
                    help="how the ranks start: worker processes on this host (mp, default) or Ray actors (ray)")
+    p.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='a KV connector in vLLM\'s shape, e.g. \'{"kv_connector": "OffloadingConnector", "kv_role": '
+                        '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 4294967296}}\' '
+                        "(entry points pagedllm.kv_connectors; docs/kv-offload.md)")
+    p.add_argument("--kv-offload-gib", type=float, default=0.0,
+                   help="GiB of host memory that keeps prefix-cache blocks evicted from the device (docs/kv-offload.md)")
+    p.add_argument("--kv-offload-dir", default=None, metavar="DIR",
+                   help="folder of the disk tier under the host tier: checksummed block files a restarted (or a "
+                        "second) engine on the same model finds")
+    p.add_argument("--kv-offload-disk-gib", type=float, default=16.0,
+                   help="size bound of --kv-offload-dir in GiB (least recently used files go first); default 16")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: split the experts across the tensor-parallel ranks, or with serve "
                         "--data-parallel-size N across the N replicas (vLLM's DP+EP; docs/distributed.md)")
@@ -114,7 +125,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         generation_config=getattr(args, "generation_config", "auto"),
         runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
-        pooler_config=getattr(args, "pooler_config", None), hf_overrides=getattr(args, "hf_overrides", None))
+        pooler_config=getattr(args, "pooler_config", None), hf_overrides=getattr(args, "hf_overrides", None),
+        kv_transfer_config=getattr(args, "kv_transfer_config", None),
+        kv_offload_gib=getattr(args, "kv_offload_gib", 0.0), kv_offload_dir=getattr(args, "kv_offload_dir", None),
+        kv_offload_disk_gib=getattr(args, "kv_offload_disk_gib", 16.0))
 
 
 def _json_object(text: str) -> dict:

@@ -7,7 +7,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 
@@ -15,6 +15,7 @@ from pagedllm.backend.registry import get_backend
 from pagedllm.config import EngineConfig, resolve_config
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.executor.base import make_executor
+from pagedllm.kv_transfer.runtime import KVTransfer, build_kv_transfer
 from pagedllm.sched.kv_manager import BlockPool, KVCacheManager
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models import load_config, load_tokenizer, resolve_model_path
@@ -97,6 +98,8 @@ class EngineStats:
     dp_steps: int = 0
     dp_dummy_steps: int = 0
     dp_waves: int = 0
+    # KV connector counters (docs/kv-offload.md): per tier hits / misses / bytes, load errors, recomputes...
+    kv_offload: dict = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -129,6 +132,8 @@ class LLMEngine:
                                        config.scheduling_policy, swap=swap_pool,
                                        max_loras=config.max_loras if config.enable_lora else 0,
                                        requires_kv_cache=w.requires_kv_cache)
+            self.kv_transfer: Optional[KVTransfer] = build_kv_transfer(config, w, self.kv, self.scheduler,
+                                                                       self.backend, self.model_path)
             #: The pooling runner's spec (docs/pooling.md); None: this engine generates
             self.pooling = w.pooling
             w.start(self.kv)
@@ -185,6 +190,8 @@ class LLMEngine:
             if hasattr(self, "batch_queue"):  # (absent if the start failed before it, the last one made)
                 self.abort_request(list(self.parents))
                 self.batch_queue.clear()
+            if getattr(self, "kv_transfer", None) is not None:
+                self.kv_transfer.shutdown()
             self.worker = self.model = self.spec = None  # what holds tensors (a draft model too)
 
     @property
@@ -428,7 +435,8 @@ class LLMEngine:
         return (*self.pooling.tasks, "generate") if self.worker.can_generate else self.pooling.tasks
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.batch_queue)  # (a batch of aborted requests drains)
+        return (self.scheduler.has_unfinished() or bool(self.batch_queue)  # (a batch of aborted requests drains)
+                or (self.kv_transfer is not None and self.kv_transfer.has_pending()))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.parents)
@@ -482,6 +490,8 @@ class LLMEngine:
         sched = self.scheduler.schedule(max_seqs)
         if self.scheduler.encoder_cache is not None:  # encoder outputs the cache evicted: the worker drops them
             self.worker.runner.encoder_runner.free(self.scheduler.encoder_cache.get_freed_mm_hashes())
+        if self.kv_transfer is not None:  # evicted blocks saved, external prefix blocks loaded (or recomputed)
+            self.kv_transfer.before_forward(sched)
         if failed or not sched:
             outputs = [p.output() for p in failed]
             for p in failed:
@@ -514,6 +524,8 @@ class LLMEngine:
         aborted while its batch was in flight is skipped (its blocks were freed at the abort)."""
         generated = self.stats.generation_tokens
         self.stats.num_steps += 1
+        if self.kv_transfer is not None:
+            self.kv_transfer.after_forward(sched)
         self.scheduler.update(sched)
         for req, first, plogits in step.prompt_logits:
             if not req.is_finished:
@@ -631,6 +643,8 @@ class LLMEngine:
             s.spec_decode_num_accepted_tokens = sp.num_accepted_tokens
             s.spec_decode_acceptance_rate, s.spec_decode_mean_accepted_length = (sp.acceptance_rate,
                                                                                  sp.mean_accepted_length)
+        if self.kv_transfer is not None:
+            s.kv_offload = self.kv_transfer.stats()
         s.live_token_slots = sum(r.num_computed_tokens for r in self.scheduler.running)
         s.allocated_token_slots = sum(kv.num_blocks_of(r.request_id) for r in self.scheduler.running) * kv.block_size
         return s

@@ -13,7 +13,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from pagedllm.multimodal.inputs import mm_hashes_in
 from pagedllm.sched.request import Request
@@ -55,6 +55,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
+        # Told of a cached block about to be reused, while its K/V is intact (the KV connector's host/disk tier)
+        self.on_evict: Optional[Callable[[KVBlock], None]] = None
 
     @property
     def num_free(self) -> int:
@@ -73,6 +75,8 @@ class BlockPool:
             if block.block_hash is not None:  # evict its cached identity
                 if self.cached.get(block.block_hash) is block:
                     del self.cached[block.block_hash]
+                    if self.on_evict is not None:
+                        self.on_evict(block)
                 block.block_hash = block.token_ids = None
             block.ref_cnt = 1
             out.append(block)
@@ -130,6 +134,7 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         #: Recurrent-state slots (models with state, ``sched/state_slots.py``), else None
         self.state_slots: Optional[StateSlotPool] = None
+        self.pending_load: set[int] = set()  # blocks a KV connector fills before this step's forward: no hit yet
 
     def use_state_slots(self, num_slots: int) -> None:
         """Give every running request a recurrent-state slot (taken with its first blocks, freed with them), and turn
@@ -195,10 +200,14 @@ class KVCacheManager:
         hits: list[KVBlock] = []
         for i, h in enumerate(self._block_hashes(req, max_hit)):
             block = self.pool.lookup(h, tuple(req.all_token_ids[i * bs:(i + 1) * bs]))
-            if block is None:
+            if block is None or block.block_id in self.pending_load:
                 break
             hits.append(block)
         return hits, len(hits) * bs
+
+    def block_hashes(self, req: Request, upto: int) -> list[bytes]:
+        """The prefix-cache keys of the request's full blocks among its first ``upto`` tokens (KV connectors')."""
+        return self._block_hashes(req, upto)[:upto // self.block_size]
 
     def record_prefix_lookup(self, num_tokens: int, num_hit: int) -> None:
         """Count a lookup once, when the request is admitted (a refused admission retries next step)."""
@@ -206,12 +215,13 @@ class KVCacheManager:
         self.stats.hits += num_hit
 
     # ---- allocation ------------------------------------------------------------------------------
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: Sequence[KVBlock] = ()) -> bool:
-        """Ensure blocks for ``num_computed_tokens + num_new_tokens`` tokens; False (and no change) if short."""
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: Sequence[KVBlock] = (),
+                       num_external_tokens: int = 0) -> bool:
+        """Ensure blocks for ``num_computed_tokens + num_new_tokens`` tokens; False (and no change) if short.
+        ``num_external_tokens`` (whole blocks after the cache hits) get fresh blocks a KV connector loads."""
         rid, bs = req.request_id, self.block_size
         blocks = self.req_blocks.get(rid, [])
-        num_computed = req.num_computed_tokens + len(computed_blocks) * bs
+        num_computed = req.num_computed_tokens + len(computed_blocks) * bs + num_external_tokens
         total = num_computed + num_new_tokens
         need = -(-total // bs) - len(blocks) - len(computed_blocks)
         slots = self.state_slots
@@ -227,6 +237,9 @@ class KVCacheManager:
                 blocks = blocks + list(computed_blocks)
             if need > 0:
                 blocks = blocks + self.pool.take(need)
+        if num_external_tokens:
+            first = len(computed_blocks) + req.num_computed_tokens // bs
+            self.pending_load.update(b.block_id for b in blocks[first:first + num_external_tokens // bs])
         self.req_blocks[rid] = blocks
         if new_slot:
             slots.take(rid)
@@ -250,6 +263,15 @@ class KVCacheManager:
         assert keep >= self.req_registered.get(req.request_id, 0), "trim would drop a published block"
         self.pool.release(list(reversed(blocks[keep:])))
         del blocks[keep:]
+
+    def forget_from(self, req: Request, index: int) -> None:
+        """The request's blocks from ``index`` on hold no valid K/V (a KV connector's load failed): drop them from the
+        prefix cache; they are published again once recomputed."""
+        for block in self.req_blocks.get(req.request_id, [])[index:]:
+            if block.block_hash is not None and self.pool.cached.get(block.block_hash) is block:
+                del self.pool.cached[block.block_hash]
+            block.block_hash = block.token_ids = None
+        self.req_registered[req.request_id] = min(self.req_registered.get(req.request_id, 0), index)
 
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])

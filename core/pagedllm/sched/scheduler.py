@@ -87,6 +87,9 @@ class Scheduler:
         self.encoder_cache: Optional[EncoderCacheManager] = None
         self.max_num_encoder_input_tokens = max_num_batched_tokens
         self.encoder_budget = 0  # left in the step being scheduled
+        # A KV connector (kv_transfer.runtime.KVTransfer): loads prefix blocks the device cache lost, may keep a
+        # finished request's blocks while it sends them (docs/kv-offload.md)
+        self.connector = None
 
     # ---- queue -----------------------------------------------------------------------------------
     def _rank(self, req: Request) -> tuple:
@@ -172,14 +175,18 @@ class Scheduler:
         else:
             # Prompt logprobs (and MEAN/CLS/ALL pooling) need every prompt position, so they skip the prefix cache.
             hits, num_hit = self.kv.get_computed_blocks(req) if not req.skip_prefix_cache else ([], 0)
-            n = min(req.num_tokens - num_hit, budget)
-            enc, n = self._encoder_inputs(req, num_hit, n)
-            if n == 0 or not self.kv.allocate_slots(req, n, hits):
+            ext = (self.connector.get_num_new_matched_tokens(req, num_hit)
+                   if self.connector is not None and not req.skip_prefix_cache else 0)
+            n = min(req.num_tokens - num_hit - ext, budget)
+            enc, n = self._encoder_inputs(req, num_hit + ext, n)
+            if n == 0 or not self.kv.allocate_slots(req, n, hits, ext):
                 return self._unref_encoder_inputs(req)
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), ext)
             self.kv.record_prefix_lookup(req.num_tokens, num_hit)
-            req.num_computed_tokens = num_hit
+            req.num_computed_tokens = num_hit + ext
             if req.num_preemptions == 0:
-                req.num_cached_tokens = num_hit
+                req.num_cached_tokens = num_hit + ext
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.scheduled.append(ScheduledRequest(req, n, encoder_inputs=self._allocate_encoder_inputs(req, enc)))
@@ -313,7 +320,8 @@ class Scheduler:
             except ValueError:
                 pass
         req.status = status
-        self.kv.free(req)
+        if self.connector is None or not self.connector.request_finished(req, self.kv.block_ids(req.request_id)):
+            self.kv.free(req)  # (else the connector keeps them until its transfer is done)
         if self.encoder_cache is not None:
             self.encoder_cache.free(req)
         if req.swapped_blocks is not None:

@@ -108,6 +108,7 @@ class Worker:
             self.sink_block, self.pad_slot = None, -1
         spec = self._kv_spec(self.num_blocks + (self.sink_block is not None)) if self.requires_kv_cache else None
         self.kv_caches = backend.allocate_kv_cache(spec) if spec is not None else []
+        self.kv_spec: Optional[KVCacheSpec] = spec  # (what the KV connector's host copies are shaped after)
         self.model.kv_caches = self.kv_caches
         #: The recurrent-state group (LFM2's conv state...), one slot per schedulable sequence; None: no state
         self.state_spec = self._state_spec()

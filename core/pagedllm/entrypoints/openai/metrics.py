@@ -62,6 +62,8 @@ class _EngineCollector(Collector):
         if stats[0].spec_decode_enabled:
             for kind, name, doc in _SPEC_METRICS:
                 yield family(kind, name, doc, [getattr(s, name) for s in stats])
+        if stats[0].kv_offload:  # a KV connector runs (docs/kv-offload.md)
+            yield from _kv_offload_metrics(self.model_name, stats)
 
 
 class _RoutingCollector(Collector):
@@ -122,6 +124,36 @@ _SPEC_METRICS = (
     ("gauge", "spec_decode_acceptance_rate", "Accepted / proposed draft tokens, since start."),
     ("gauge", "spec_decode_mean_accepted_length", "Tokens emitted per verification (1 + accepted / drafts)."),
 )
+
+
+#: KV offload tiers (only with a KV connector): (kind, name after ``pagedllm:kv_offload_``, help); a ``tier`` label.
+_KV_OFFLOAD_TIER_METRICS = (
+    ("counter", "hits", "Prefix-cache blocks loaded back from this tier."),
+    ("counter", "misses", "Prefix lookups that found no further block in this tier."),
+    ("counter", "bytes_loaded", "Bytes copied from this tier into the device KV cache."),
+    ("counter", "bytes_saved", "Bytes of evicted prefix-cache blocks written to this tier."),
+)
+_KV_OFFLOAD_METRICS = (
+    ("gauge", "host_blocks", "Blocks the host tier holds."),
+    ("counter", "load_errors", "Blocks a KV connector failed to load (their requests were recomputed)."),
+    ("counter", "recomputes", "Requests recomputed from a failed KV load."),
+    ("gauge", "delayed_frees", "Finished requests whose blocks a KV connector still holds."),
+)
+
+
+def _kv_offload_metrics(model_name: str, stats: Sequence[EngineStats]) -> Iterable[Metric]:
+    for kind, name, doc in _KV_OFFLOAD_TIER_METRICS:
+        f = CounterMetricFamily(f"pagedllm:kv_offload_{name}", doc, labels=["model_name", "engine", "tier"])
+        for i, s in enumerate(stats):
+            for tier in ("host", "disk"):
+                f.add_metric([model_name, str(i), tier], s.kv_offload.get(f"{tier}_{name}", 0))
+        yield f
+    for kind, name, doc in _KV_OFFLOAD_METRICS:
+        f = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(f"pagedllm:kv_offload_{name}", doc,
+                                                                           labels=["model_name", "engine"])
+        for i, s in enumerate(stats):
+            f.add_metric([model_name, str(i)], s.kv_offload.get(name, 0))
+        yield f
 
 
 class ServerMetrics:
