@@ -229,7 +229,7 @@ class Scheduler:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             enc, n = self._encoder_inputs(req, req.num_computed_tokens, n)
-            if n == 0:  # its next image does not fit this step's encoder budget or cache
+            if n == 0 and req.mm_features:  # its next image does not fit this step's encoder budget or cache
                 i += 1
                 continue
             # Speculation: a decoding request reserves its lookahead slots too (spec_decode plans num_lookahead).
