@@ -31,6 +31,7 @@ class ArchSpec:
     # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms) | stablelm (models/stablelm.py)
     # | bert (models/bert.py: encoder-only BERT / RoBERTa / XLM-R) | lfm2 (models/lfm2.py: short convs + attention)
     # | llava (models/llava.py: CLIP tower + projector + the decoder of its text_config)
+    # | qwen3_next (models/qwen3_next.py: Gated DeltaNet + gated attention + MoE)
     module: str = "decoder"
 
 
@@ -69,6 +70,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "FalconForCausalLM": ArchSpec(lambda c: bool(c.bias), lambda c: bool(c.bias), module="falcon"),
     "StableLmForCausalLM": ArchSpec(lambda c: bool(c.use_qkv_bias), lambda c: False, module="stablelm"),
     "Lfm2ForCausalLM": ArchSpec(lambda c: False, lambda c: False, qk_norm=True, module="lfm2"),
+    "Qwen3NextForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True, moe="shared",
+                                     module="qwen3_next"),
 }
 # Pooling architectures (docs/pooling.md): the same decoder with a classification head (``score``) or none (the
 # base ``*Model``, an embedding checkpoint); models/sequence_classification.py adds the head.
