@@ -32,15 +32,28 @@ CONFIG = dict(model_type="qwen3_next", vocab_size=VOCAB, hidden_size=64, interme
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
               linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
               moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-              mlp_only_layers=[2], max_position_embeddings=256, initializer_range=0.1, rms_norm_eps=1e-6,
+              mlp_only_layers=[2], max_position_embeddings=256, initializer_range=0.05, rms_norm_eps=1e-6,
               layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
                            "full_attention"],
               bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
+# Qwen3.5 text: the same layers, the linear attention's projections split (in_proj_qkv / _z / _b / _a); the dense
+# form has no experts, the MoE form no mlp_only_layers field.
+_MOE_FIELDS = ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok")
+QWEN3_5 = {"qwen3_5_text": {k: v for k, v in CONFIG.items() if k not in ("mlp_only_layers", *_MOE_FIELDS)},
+           "qwen3_5_moe_text": {k: v for k, v in CONFIG.items() if k != "mlp_only_layers"}}
+
+
 @pytest.fixture(scope="module")
 def qwen3_next_dir(tmp_path_factory) -> str:
     return save_random_model(CONFIG, tmp_path_factory.mktemp("qwen3_next"))
+
+
+@pytest.fixture(scope="module", params=sorted(QWEN3_5))
+def qwen3_5_dir(request, tmp_path_factory) -> str:
+    return save_random_model({**QWEN3_5[request.param], "model_type": request.param},
+                             tmp_path_factory.mktemp(request.param))
 
 
 def run_stateful_schedule(model: Qwen3NextCausalLM, backend, prompts: list[list[int]],
@@ -89,6 +102,24 @@ def test_qwen3_next_logits_match_hf(qwen3_next_dir, ref_backend, backend_name):
         expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
     for schedule in (FULL_PREFILL, CHUNKED):
         assert_logits_match("qwen3_next", run_stateful_schedule(ours, backend, prompts, schedule), expected)
+
+
+def test_qwen3_5_text_logits_match_hf(qwen3_5_dir):
+    """Qwen3.5 text, dense and MoE: the split projections read by name, logits as HF's through the state slots."""
+    backend = get_backend("cpu")
+    hf = hf_eager(qwen3_5_dir)
+    ours = load_model(qwen3_5_dir, backend=backend, dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(ours, Qwen3NextCausalLM) and ours.layers[0].linear_attn.split_layout
+    moe = "moe" in hf.config.model_type
+    assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.layers] == [moe] * 5
+    prompts = parity_prompts(VOCAB)
+    with torch.inference_mode():
+        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
+    for schedule in (FULL_PREFILL, CHUNKED):
+        assert_logits_match(hf.config.model_type, run_stateful_schedule(ours, backend, prompts, schedule), expected)
+    with pytest.raises(UnsupportedModelError, match="does not route attention through AttentionInterface"):
+        load_model(qwen3_5_dir, backend=backend, dtype=torch.float32, device=torch.device("cpu"),
+                   model_impl="transformers")
 
 
 def _forgets_state(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel):
@@ -174,7 +205,8 @@ def test_qwen3_next_abort_mid_prefill_returns_slot_and_blocks(qwen3_next_dir):
 
 
 def test_qwen3_next_refused_by_the_fallback_and_static_shapes(qwen3_next_dir):
-    with pytest.raises(UnsupportedModelError, match=r"Qwen3NextForCausalLM.*(linear_attention|AttentionInterface)"):
+    with pytest.raises(UnsupportedModelError, match=r"Qwen3NextForCausalLM does not route attention "
+                                                    r"through AttentionInterface"):
         load_model(qwen3_next_dir, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"),
                    model_impl="transformers")
     with pytest.raises(UnsupportedModelError, match=r"Qwen3NextForCausalLM keeps recurrent state .*'cpu-static'.*"

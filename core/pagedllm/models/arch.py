@@ -72,6 +72,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Lfm2ForCausalLM": ArchSpec(lambda c: False, lambda c: False, qk_norm=True, module="lfm2"),
     "Qwen3NextForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True, moe="shared",
                                      module="qwen3_next"),
+    "Qwen3_5ForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True, module="qwen3_next"),
+    "Qwen3_5MoeForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True, moe="shared",
+                                      module="qwen3_next"),
 }
 # Pooling architectures (docs/pooling.md): the same decoder with a classification head (``score``) or none (the
 # base ``*Model``, an embedding checkpoint); models/sequence_classification.py adds the head.

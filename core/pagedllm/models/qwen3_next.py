@@ -35,24 +35,32 @@ from pagedllm.models.moe import SparseMoeBlock, is_moe_layer
 LAYER_KINDS = ("linear_attention", "full_attention")
 
 
+def is_qwen3_5(config: Any) -> bool:
+    """Qwen3.5 text (``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``): Qwen3-Next's layers with the linear
+    attention's projections split (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``)."""
+    return str(getattr(config, "model_type", "")).startswith("qwen3_5")
+
+
 def check_qwen3_next(config: Any) -> None:
-    """Refuse, naming the field, what this module would run differently from transformers' Qwen3-Next."""
+    """Refuse, naming the field, what this module would run differently from transformers' Qwen3-Next / 3.5 (whose
+    multimodal rotary sections are plain rotary for text, every section reading the same position)."""
+    arch = (getattr(config, "architectures", None) or ["Qwen3NextForCausalLM"])[0]
     kinds = set(config.layer_types) - set(LAYER_KINDS)
     if kinds:
-        raise UnsupportedModelError(f"Qwen3NextForCausalLM layer_types {sorted(kinds)}: only {list(LAYER_KINDS)} "
+        raise UnsupportedModelError(f"{arch} layer_types {sorted(kinds)}: only {list(LAYER_KINDS)} "
                                     "layers are known")
     if config.hidden_act not in ("silu", "swish"):
-        raise UnsupportedModelError(f"Qwen3NextForCausalLM hidden_act {config.hidden_act!r}: only silu is "
+        raise UnsupportedModelError(f"{arch} hidden_act {config.hidden_act!r}: only silu is "
                                     "implemented (the conv activation and the experts)")
     if config.num_attention_heads % config.num_key_value_heads:
-        raise UnsupportedModelError(f"Qwen3NextForCausalLM num_key_value_heads {config.num_key_value_heads} does not "
+        raise UnsupportedModelError(f"{arch} num_key_value_heads {config.num_key_value_heads} does not "
                                     f"divide num_attention_heads {config.num_attention_heads}")
     if config.linear_num_value_heads % config.linear_num_key_heads:
-        raise UnsupportedModelError(f"Qwen3NextForCausalLM linear_num_key_heads {config.linear_num_key_heads} does "
+        raise UnsupportedModelError(f"{arch} linear_num_key_heads {config.linear_num_key_heads} does "
                                     f"not divide linear_num_value_heads {config.linear_num_value_heads}")
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
-        raise UnsupportedModelError(f"Qwen3NextForCausalLM rope_type {rope.get('rope_type')!r}: only the default "
+        raise UnsupportedModelError(f"{arch} rope_type {rope.get('rope_type')!r}: only the default "
                                     "(partial) rotary is implemented for Qwen3-Next")
 
 
@@ -80,8 +88,15 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.width = config.linear_conv_kernel_dim
         h, r = config.hidden_size, self.nv // self.nk
-        self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(h, 2 * self.nv, bias=False)
+        self.split_layout = is_qwen3_5(config)
+        if self.split_layout:  # Qwen3.5: q, k, v, z, b, a each projected whole, q/k/v already in conv order
+            self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(h, self.nv, bias=False)
+            self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(h, 2 * self.nv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.width, groups=self.conv_dim, bias=False,
                                 padding=self.width - 1)
         self.dt_bias = nn.Parameter(torch.empty(self.nv), requires_grad=False)
@@ -96,8 +111,11 @@ class Qwen3NextGatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(mixed_qkv [T, conv_dim], z [T, HV, V], b [T, HV], a [T, HV])`` from the checkpoint's grouped layout
         (per key head: q, k, then its value heads' v and z; b and a likewise), as HF's
-        ``fix_query_key_value_ordering``."""
+        ``fix_query_key_value_ordering``; Qwen3.5's separate projections as they are."""
         t = x.shape[0]
+        if self.split_layout:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(t, self.nv, self.dv), self.in_proj_b(x),
+                    self.in_proj_a(x))
         q, k, v, z = self.in_proj_qkvz(x).view(t, self.nk, -1).split(self.qkvz_split, dim=-1)
         b, a = self.in_proj_ba(x).view(t, self.nk, -1).chunk(2, dim=-1)
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)

@@ -49,6 +49,12 @@ VERIFIED: dict[str, str] = {
                     "test_gguf_glm_baichuan_deepseek.py",
     "Lfm2ForCausalLM": "tests/models/test_lfm2.py (logits vs HF through the state slots, chunked prefill, "
                        "preemption, n=2 seeded, abort mid-prefill); conv ops: tests/core/test_state_slots.py",
+    "Qwen3NextForCausalLM": "tests/models/test_qwen3_next.py (logits vs HF through the state slots, chunked "
+                            "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill); delta-rule ops: "
+                            "tests/core/test_delta_rule_ops.py",
+    **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
+                    "tests/models/test_qwen3_next.py (logits vs HF through the state slots, full and chunked "
+                    "prefill; engine paths shared with Qwen3-Next)"),
     "Olmo2ForCausalLM": "tests/models/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/models/test_transformers_fallback.py",
     **{name: "tests/models/test_bert_encoder.py (hidden states, CLS row, classifier logits vs HF; varlen batch)"
@@ -91,7 +97,11 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                                          "from its metadata by pagedllm; YaRN with mscale = mscale_all_dim)",
                 "ChatGLMModel": "yes (tested; arch chatglm, config from its metadata by pagedllm, run as Glm)",
                 "GlmForCausalLM": "yes (tested; llama.cpp writes GLM as arch chatglm, which loads as Glm)",
-                "GptOssForCausalLM": "no (refused at load: its expert and sink tensors are not mapped yet)"}
+                "GptOssForCausalLM": "no (refused at load: its expert and sink tensors are not mapped yet)",
+                "Qwen3NextForCausalLM": "no (llama.cpp writes arch qwen3next, which transformers' GGUF reader "
+                                        "does not map: no config or tensor names to load it by)",
+                **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
+                                "no (transformers' GGUF reader maps no Qwen3.5 architecture)")}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 #: Which GGUF block types run packed and which are dequantized (backend/quantization kernels; docs/quantization.md).
 GGUF_FORMATS = ("GGUF formats: Q4_0 and Q4_1 linears run packed on cpu (q4_gemv), Q8_0 packed on cpu once its C++ "
@@ -104,7 +114,9 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "DeepseekV2ForCausalLM": "DeepSeek-V2", "DeepseekV3ForCausalLM": "DeepSeek-V3", "GlmForCausalLM": "GLM",
             "Glm4ForCausalLM": "GLM-4", "FalconForCausalLM": "Falcon", "ChatGLMModel": "ChatGLM2/3, GLM-4",
             "BaiChuanForCausalLM": "Baichuan-7B", "BaichuanForCausalLM": "Baichuan2, 13B",
-            "StableLmForCausalLM": "StableLM", "Lfm2ForCausalLM": "LFM2", "Olmo2ForCausalLM": "OLMo 2",
+            "StableLmForCausalLM": "StableLM", "Lfm2ForCausalLM": "LFM2",
+            "Qwen3NextForCausalLM": "Qwen3-Next", "Qwen3_5ForCausalLM": "Qwen3.5 (text)",
+            "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (text)", "Olmo2ForCausalLM": "OLMo 2",
             "Starcoder2ForCausalLM": "StarCoder2",
             "BertModel": "BERT (embeddings)", "BertForSequenceClassification": "BERT (cross-encoder, classifier)",
             "RobertaModel": "RoBERTa (embeddings)",
@@ -121,7 +133,11 @@ _POOLING_TESTED = {
     **{f"{f}Model": "tests/models/test_pooling_models.py (base checkpoint embeddings vs HF)" for f in ("Llama", "Qwen3")},
 }
 #: Native architectures the transformers fallback refuses (``models/fallback_support.py``), and why.
-_FALLBACK_REFUSES = {"GptOssForCausalLM": "attention sinks", "Lfm2ForCausalLM": "convolution state"}
+_FALLBACK_REFUSES = {"GptOssForCausalLM": "attention sinks", "Lfm2ForCausalLM": "convolution state",
+                     **dict.fromkeys(("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
+                                     "Gated DeltaNet state")}
+#: Modules that keep recurrent state per request (state slots, contract v3): dynamic-shape backends only.
+_STATEFUL_MODULES = ("lfm2", "qwen3_next")
 #: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
 _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
           "FalconForCausalLM": ("alibi Falcon-RW",)}
@@ -189,6 +205,10 @@ def _features(name: str) -> str:
     if spec.module == "lfm2":
         out.append("short convolutions with recurrent state per request (state slots, contract v3; prefix caching "
                    "off, preemption by recompute), GQA attention layers")
+    if spec.module == "qwen3_next":
+        out.append("Gated DeltaNet linear attention with conv and delta-rule state per request (state slots, "
+                   "contract v3; prefix caching off, preemption by recompute), gated attention with partial rotary, "
+                   "(1+w) norms")
     if spec.module == "bert":
         out.append("encoder-only: bidirectional `encoder_attention`, no KV cache, pooling runner (CLS default)")
     if spec.module == "llava":
@@ -237,7 +257,7 @@ def rows() -> list[dict[str, Any]]:
         spec = ARCHITECTURES[name]
         static = " (dynamic shapes only: static-shape backends such as cpu-static refuse its state at start-up)"
         out.append({"family": family(name), "architecture": name,
-                    "backends": backends_for(name) + (static if spec.module == "lfm2" else ""),
+                    "backends": backends_for(name) + (static if spec.module in _STATEFUL_MODULES else ""),
                     "path": "native" + (f" (the transformers fallback refuses it: {_FALLBACK_REFUSES[name]})"
                                         if name in _FALLBACK_REFUSES else
                                         " (transformers via --model-impl)" if name in fallback else ""),
