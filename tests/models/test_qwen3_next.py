@@ -161,12 +161,18 @@ def test_qwen3_next_greedy_parity_chunked_mixed_batches(qwen3_next_dir):
     llm = _engine(qwen3_next_dir, enable_prefix_caching=True)
     assert isinstance(llm.llm_engine.model, Qwen3NextCausalLM)
     assert not llm.llm_engine.kv.enable_caching and llm.llm_engine.scheduler.swap is None
+    steps: list[tuple[int, int, bool]] = []  # (decodes, sequences, a chunk continuing its state) per forward
+    llm.llm_engine.model.register_forward_pre_hook(lambda _m, args: steps.append(
+        (args[2].num_decodes, args[2].num_seqs, args[2].has_initial_state is not None
+         and bool(args[2].has_initial_state[args[2].num_decodes:].any()))))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 2, 7, 9, 16, 17, 23, 37)]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
         assert list(o.outputs[0].token_ids) == hf_greedy(qwen3_next_dir, p, 16), f"prompt of {len(p)} tokens"
+    assert any(0 < nd < n for nd, n, _ in steps), "no step mixed prefill and decode rows"
+    assert any(cont for *_, cont in steps), "no prefill chunk continued a state"
     _assert_released(llm)
 
 
