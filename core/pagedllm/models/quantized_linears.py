@@ -21,7 +21,8 @@ def quantize_linears(model: nn.Module, weights: Any, backend: Any, dtype: torch.
     ``QuantizedLinear`` on the backend's kernel (parts packed in different block types: a ``SplitQuantizedLinear``
     of one per part); returns how many. Other parts that cannot share one layout (partly dense, GPTQ act-order
     permuted differently) stay ``nn.Linear`` (dequantized at load, logged), and so does ``lm_head``. Biases stay
-    parameters, loaded with the rest of the state dict. ``progress(1)`` is called per linear swapped (the loader's progress bar)."""
+    parameters, loaded with the rest of the state dict. ``progress(1)`` is called per linear swapped (the loader's
+    progress bar)."""
     prefix = checkpoint_prefix(weights)
     swapped = 0
     for name, module in list(model.named_modules()):

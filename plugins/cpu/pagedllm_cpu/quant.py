@@ -1,6 +1,6 @@
 """Block-quantized linear layers on the CPU, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) on
-``csrc/q4_gemv.cpp``, GGUF Q8_0 on ``csrc/q8_gemv.cpp`` (the blocks as stored), GGUF K-quants (Q4_K, Q5_K, Q6_K: what Q4_K_M / Q5_K_M
-files are made of) on ``csrc/kquant_gemv.cpp`` (the blocks as stored),
+``csrc/q4_gemv.cpp``, GGUF Q8_0 on ``csrc/q8_gemv.cpp`` (the blocks as stored), GGUF K-quants (Q4_K, Q5_K, Q6_K:
+what Q4_K_M / Q5_K_M files are made of) on ``csrc/kquant_gemv.cpp`` (the blocks as stored),
 GPTQ / AWQ / compressed-tensors W4A16 (``GROUPED_INT4``) on torch's int4 kernel; INT8 W8A8 is in ``int8.py``.
 
 GGUF Q4_1 stores ``W = d * q + m`` per block of 32 (q in 0..15), Q4_0 ``W = d * (q - 8)``. ``q4_gemv`` reads the
@@ -226,9 +226,9 @@ FP8 = QuantizedLinearKernel(_prepare_fp8, _apply_fp8, name="cpu-fp8-dequantized"
 
 def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
     """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 on ``q4_gemv``, Q8_0 on ``q8_gemv`` and Q4_K / Q5_K /
-    Q6_K on ``kquant_gemv`` once the library is loaded (else core's reference), the 4-bit GPTQ / AWQ / compressed-tensors types on
-    the int4 kernel, W8A8 on ``int8.py``'s; fp8 dequantized at load onto the dense path; every other type is left to
-    core's reference."""
+    Q6_K on ``kquant_gemv`` once the library is loaded (else core's reference), the 4-bit GPTQ / AWQ /
+    compressed-tensors types on the int4 kernel, W8A8 on ``int8.py``'s; fp8 dequantized at load onto the dense
+    path; every other type is left to core's reference."""
     if method == "unquantized":
         from pagedllm_cpu import dense
 

@@ -123,7 +123,8 @@ PAGEDLLM_T512 void decode_avx512(Type t, const uint8_t* b, float* out) {
         const uint8_t* ql = b + 64 * n + 16 * h;
         const __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)));
         const __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32)));
-        const __m512i hv = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * n + 16 * h)));
+        const __m512i hv =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * n + 16 * h)));
         const __m512i lo[4] = {_mm512_and_si512(l0, low4), _mm512_and_si512(l1, low4), _mm512_srli_epi32(l0, 4),
                                _mm512_srli_epi32(l1, 4)};
         for (int j = 0; j < 4; ++j) {
@@ -139,8 +140,9 @@ PAGEDLLM_T512 void decode_avx512(Type t, const uint8_t* b, float* out) {
   const uint8_t* qs = b + (t == kQ5K ? 48 : 16);
   const __m512i one = _mm512_set1_epi32(1);
   for (int h = 0; h < 2; ++h) {
-    const __m512i hv = t == kQ5K ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 16 * h)))
-                                 : _mm512_setzero_si512();
+    const __m512i hv = t == kQ5K
+                           ? _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 + 16 * h)))
+                           : _mm512_setzero_si512();
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * c + 16 * h)));
       for (int s = 0; s < 2; ++s) {
@@ -156,7 +158,9 @@ PAGEDLLM_T512 void decode_avx512(Type t, const uint8_t* b, float* out) {
 
 PAGEDLLM_T256 void decode_avx2(Type t, const uint8_t* b, float* out) {
   const __m256i low4 = _mm256_set1_epi32(0xF);
-  auto load8 = [](const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); };
+  auto load8 = [](const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  };
   if (t == kQ6K) {
     float dl[16];
     scales_q6(b, dl);
@@ -273,8 +277,9 @@ PAGEDLLM_T512 void row_fused_avx512(Type t, const uint8_t* w, int64_t nsb, int64
 #undef PAGEDLLM_KQ6_STEP
         const __m512 dl = _mm512_castps256_ps512(dl8[n]);
         for (int par = 0; par < 2; ++par) {  // lane j's scale: 4 par + j / 4 of this half's 8
-          const __m512 dv = _mm512_permutexvar_ps(
-              _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm512_set1_epi32(4 * par)), dl);
+          const __m512i idx = _mm512_add_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                               _mm512_set1_epi32(4 * par));
+          const __m512 dv = _mm512_permutexvar_ps(idx, dl);
           for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(s[m][par], dv, acc[m]);
         }
       }
