@@ -16,8 +16,8 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization import QuantizedLinear, dequantize
-from pagedllm.quantization.linear import SplitQuantizedLinear
 from pagedllm.quantization.gguf import random_blocks
+from pagedllm.quantization.linear import SplitQuantizedLinear
 from pagedllm_cpu import native, quant
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K")
@@ -57,10 +57,8 @@ def test_kernel_matches_reference_on_every_isa(lib, weight_type, n, k):
 def test_isa_levels_are_detected_and_forced(lib, monkeypatch):
     """The CPU's best level is detected at run time (AVX-512 needs F/BW/VL/DQ); a level it lacks is refused by
     name; ``PAGEDLLM_CPU_KQUANT_ISA`` forces one for the engine's layers, a misspelt value names the variable."""
-    import subprocess
-
-    flags = set(subprocess.run(["grep", "-m1", "^flags", "/proc/cpuinfo"], capture_output=True,
-                               text=True).stdout.split())
+    with open("/proc/cpuinfo") as f:
+        flags = set(next(line for line in f if line.startswith("flags")).split())
     avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
     assert lib.kquant_best_isa() == (2 if avx512 else 1 if {"avx2", "fma", "f16c"} <= flags else 0)
     w = _weight("Q4_K", 16, 256)
@@ -116,7 +114,6 @@ def _write_tied_kquant_gguf(path: str, weight_type: str) -> str:
     layer 0's v and down projections in Q6_K (so its q/k/v parts differ in type), the token embedding (also the LM
     head: no ``output.weight``) in Q6_K, norms F32; random valid blocks."""
     import gguf
-
     from gguf_utils import add_model_header, finish
 
     c = SimpleNamespace(max_position_embeddings=128, hidden_size=256, num_hidden_layers=2, intermediate_size=512,
