@@ -81,11 +81,15 @@ def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, devic
     return swapped
 
 
+_BLOCK_HEAD_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
 def _block_head(model: nn.Module, backend: Any, dtype: torch.dtype, device: Any) -> Optional[tuple]:
-    """(apply, state) of a tied LM head on the backend's kernel for the embedding's own blocks (GGUF Q8_0: exact
-    dequantization, fp32 accumulation), reading them in the file's mapping: no dense copy at all. None where the
-    embedding is not such blocks or the backend has no kernel for them."""
-    if not _packed_tied_embedding(model) or model.embed_tokens.weight_type.name != "Q8_0":
+    """(apply, state) of a tied LM head on the backend's kernel for the embedding's own blocks (GGUF Q8_0 and the
+    K-quants, whose tied embedding a Q4_K_M file stores as Q6_K: exact dequantization, fp32 accumulation), reading
+    them in the file's mapping: no dense copy at all. None where the embedding is not such blocks or the backend has
+    no kernel for them."""
+    if not _packed_tied_embedding(model) or model.embed_tokens.weight_type.name not in _BLOCK_HEAD_TYPES:
         return None
     e = model.embed_tokens
     kernel = backend.quantized_linear("gguf", e.weight_type.name)

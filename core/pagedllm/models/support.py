@@ -104,9 +104,10 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                                 "no (transformers' GGUF reader maps no Qwen3.5 architecture)")}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 #: Which GGUF block types run packed and which are dequantized (backend/quantization kernels; docs/quantization.md).
-GGUF_FORMATS = ("GGUF formats: Q4_0 and Q4_1 linears run packed on cpu (q4_gemv), Q8_0 packed on cpu once its C++ "
-                "ops are built (q8_gemv, else dequantized); every other type (Q4_K, Q5_K, Q6_K, ...), and every type "
-                "on a backend without the `gguf` method, is dequantized at load (docs/quantization.md).")
+GGUF_FORMATS = ("GGUF formats: Q4_0 and Q4_1 linears run packed on cpu (q4_gemv), Q8_0 and the K-quants Q4_K, Q5_K, "
+                "Q6_K (Q4_K_M / Q5_K_M files) packed on cpu once its C++ ops are built (q8_gemv, kquant_gemv, else "
+                "dequantized); every other type (Q2_K, Q3_K, IQ*, ...), and every type on a backend without the `gguf` "
+                "method, is dequantized at load (docs/quantization.md).")
 FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mistral", "Qwen2ForCausalLM": "Qwen2",
             "Qwen3ForCausalLM": "Qwen3", "Phi3ForCausalLM": "Phi-3", "Gemma2ForCausalLM": "Gemma 2",
             "Gemma3ForCausalLM": "Gemma 3 (text)", "MixtralForCausalLM": "Mixtral", "Qwen2MoeForCausalLM": "Qwen2-MoE",

@@ -34,6 +34,21 @@ class QuantizedLinear(nn.Module):
                 f"{self.weight_type}, kernel={self.kernel_name}")
 
 
+class SplitQuantizedLinear(nn.Module):
+    """A fused linear whose checkpoint parts are packed in different block types (a Q4_K_M GGUF stores q and k as
+    Q4_K beside a Q6_K v): one ``QuantizedLinear`` per part, outputs joined, so no part is dequantized at load."""
+
+    def __init__(self, parts: list[QuantizedLinear], bias: bool):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.out_features, self.in_features = sum(p.out_features for p in parts), parts[0].in_features
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.bias is None else y.add_(self.bias)
+
+
 def make_quantized_linear(backend: Any, weight: QuantizedWeight, bias: bool, dtype: torch.dtype,
                           device: Any) -> QuantizedLinear:
     """The backend's kernel for ``weight``'s method and type, else core's reference (logged once per pair)."""

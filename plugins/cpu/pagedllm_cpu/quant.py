@@ -1,5 +1,6 @@
 """Block-quantized linear layers on the CPU, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) on
-``csrc/q4_gemv.cpp``, GGUF Q8_0 on ``csrc/q8_gemv.cpp`` (the blocks as stored),
+``csrc/q4_gemv.cpp``, GGUF Q8_0 on ``csrc/q8_gemv.cpp`` (the blocks as stored), GGUF K-quants (Q4_K, Q5_K, Q6_K:
+what Q4_K_M / Q5_K_M files are made of) on ``csrc/kquant_gemv.cpp`` (the blocks as stored),
 GPTQ / AWQ / compressed-tensors W4A16 (``GROUPED_INT4``) on torch's int4 kernel; INT8 W8A8 is in ``int8.py``.
 
 GGUF Q4_1 stores ``W = d * q + m`` per block of 32 (q in 0..15), Q4_0 ``W = d * (q - 8)``. ``q4_gemv`` reads the
@@ -15,6 +16,7 @@ kernel wants bf16 activations (fp32 ones measured 10-20x slower), so fp32 activa
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -118,6 +120,38 @@ def _apply_q8(blocks: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor
 Q8 = QuantizedLinearKernel(_prepare_q8, _apply_q8, name="cpu-q8-gemv")
 
 
+#: GGUF K-quant types ``kquant_gemv`` reads in place (super-blocks of 256 weights).
+KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+#: ``PAGEDLLM_CPU_KQUANT_ISA`` forces a SIMD level of ``kquant_gemv`` (comparisons): avx512, avx2 or portable.
+ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
+
+
+def kquant_isa() -> int:
+    """The level ``PAGEDLLM_CPU_KQUANT_ISA`` asks for, else -1 (the best the CPU runs, detected by the kernel)."""
+    name = os.environ.get("PAGEDLLM_CPU_KQUANT_ISA", "").strip().lower()
+    if name and name not in ISA_LEVELS:
+        raise ValueError(f"PAGEDLLM_CPU_KQUANT_ISA={name!r}: expected one of {', '.join(ISA_LEVELS)}")
+    return ISA_LEVELS.get(name, -1)
+
+
+def _prepare_kquant(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor, str, int]:
+    """No repack and no copy: ``kquant_gemv`` decodes the file's super-blocks where they lie (the file's mapping),
+    so a K-quant model's weights cost their file size in memory instead of 7x as fp32."""
+    return weight.data.reshape(weight.shape[0], -1), weight.weight_type, kquant_isa()
+
+
+def _apply_kquant(state: tuple[torch.Tensor, str, int], x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    blocks, weight_type, isa = state
+    y = native.lib.kquant_gemv(x, blocks, weight_type, isa)
+    if bias is not None:
+        y.add_(bias)
+    return y
+
+
+#: Offered only once the library is loaded (``quantized_linear``): it has no torch fallback.
+KQUANT = QuantizedLinearKernel(_prepare_kquant, _apply_kquant, name="cpu-kquant-gemv")
+
+
 def _int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` in x's dtype, activations cast to bf16 around the kernel: one C++ call once ``native`` is loaded
     (``csrc/int4_linear.cpp``, the same ATen ops without four Python dispatches), else those ops here."""
@@ -191,10 +225,10 @@ FP8 = QuantizedLinearKernel(_prepare_fp8, _apply_fp8, name="cpu-fp8-dequantized"
 
 
 def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearKernel]:
-    """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 on ``q4_gemv``, Q8_0 on ``q8_gemv`` once the library is
-    loaded (else core's reference), the 4-bit GPTQ / AWQ / compressed-tensors types on
-    the int4 kernel, W8A8 on ``int8.py``'s; fp8 dequantized at load onto the dense path; every other type is left to
-    core's reference."""
+    """Dense fp32/bf16 on oneDNN packed weights; Q4_0 / Q4_1 on ``q4_gemv``, Q8_0 on ``q8_gemv`` and Q4_K / Q5_K /
+    Q6_K on ``kquant_gemv`` once the library is loaded (else core's reference), the 4-bit GPTQ / AWQ /
+    compressed-tensors types on the int4 kernel, W8A8 on ``int8.py``'s; fp8 dequantized at load onto the dense
+    path; every other type is left to core's reference."""
     if method == "unquantized":
         from pagedllm_cpu import dense
 
@@ -206,6 +240,9 @@ def quantized_linear(method: str, weight_type: str) -> Optional[QuantizedLinearK
     if (method, weight_type) == ("gguf", "Q8_0"):
         native.start_build()  # a cached library loads now: every load of this process answers the same
         return Q8 if native.lib is not None else None
+    if method == "gguf" and weight_type in KQUANT_TYPES:
+        native.start_build()
+        return KQUANT if native.lib is not None else None
     if (method, weight_type) in GROUPED_TYPES:
         return GROUPED_INT4
     if (method, weight_type) == ("compressed-tensors", "W8A8"):
