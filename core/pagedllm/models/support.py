@@ -49,6 +49,10 @@ VERIFIED: dict[str, str] = {
                     "test_gguf_glm_baichuan_deepseek.py",
     "Lfm2ForCausalLM": "tests/models/test_lfm2.py (logits vs HF through the state slots, chunked prefill, "
                        "preemption, n=2 seeded, abort mid-prefill); conv ops: tests/core/test_state_slots.py",
+    "Mamba2ForCausalLM": "tests/models/test_mamba2.py (logits vs HF through the state slots, chunked prefill across "
+                         "SSD chunks, preemption, abort mid-prefill, a scan that drops the state caught)",
+    "GraniteMoeHybridForCausalLM": "tests/models/test_mamba2.py (every multiplier away from 1; logits vs HF, chunked "
+                                   "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill)",
     "Olmo2ForCausalLM": "tests/models/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/models/test_transformers_fallback.py",
     **{name: "tests/models/test_bert_encoder.py (hidden states, CLS row, classifier logits vs HF; varlen batch)"
@@ -91,7 +95,11 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                                          "from its metadata by pagedllm; YaRN with mscale = mscale_all_dim)",
                 "ChatGLMModel": "yes (tested; arch chatglm, config from its metadata by pagedllm, run as Glm)",
                 "GlmForCausalLM": "yes (tested; llama.cpp writes GLM as arch chatglm, which loads as Glm)",
-                "GptOssForCausalLM": "no (refused at load: its expert and sink tensors are not mapped yet)"}
+                "GptOssForCausalLM": "no (refused at load: its expert and sink tensors are not mapped yet)",
+                "Mamba2ForCausalLM": "no (llama.cpp writes arch mamba2, but transformers' GGUF reader, which builds "
+                                     "the config and tokenizer, does not read it)",
+                "GraniteMoeHybridForCausalLM": "no (llama.cpp writes arch granitehybrid, but transformers' GGUF "
+                                               "reader, which builds the config and tokenizer, does not read it)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 #: Which GGUF block types run packed and which are dequantized (backend/quantization kernels; docs/quantization.md).
 GGUF_FORMATS = ("GGUF formats: Q4_0 and Q4_1 linears run packed on cpu (q4_gemv), Q8_0 packed on cpu once its C++ "
@@ -105,6 +113,8 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "Glm4ForCausalLM": "GLM-4", "FalconForCausalLM": "Falcon", "ChatGLMModel": "ChatGLM2/3, GLM-4",
             "BaiChuanForCausalLM": "Baichuan-7B", "BaichuanForCausalLM": "Baichuan2, 13B",
             "StableLmForCausalLM": "StableLM", "Lfm2ForCausalLM": "LFM2", "Olmo2ForCausalLM": "OLMo 2",
+            "Mamba2ForCausalLM": "Mamba2",
+            "GraniteMoeHybridForCausalLM": "Granite-4.0-H (Mamba2 hybrid)",
             "Starcoder2ForCausalLM": "StarCoder2",
             "BertModel": "BERT (embeddings)", "BertForSequenceClassification": "BERT (cross-encoder, classifier)",
             "RobertaModel": "RoBERTa (embeddings)",
@@ -121,7 +131,11 @@ _POOLING_TESTED = {
     **{f"{f}Model": "tests/models/test_pooling_models.py (base checkpoint embeddings vs HF)" for f in ("Llama", "Qwen3")},
 }
 #: Native architectures the transformers fallback refuses (``models/fallback_support.py``), and why.
-_FALLBACK_REFUSES = {"GptOssForCausalLM": "attention sinks", "Lfm2ForCausalLM": "convolution state"}
+_FALLBACK_REFUSES = {"GptOssForCausalLM": "attention sinks", "Lfm2ForCausalLM": "convolution state",
+                     "Mamba2ForCausalLM": "no attention to page, recurrent state",
+                     "GraniteMoeHybridForCausalLM": "recurrent (Mamba2) state"}
+#: Native modules whose layers keep recurrent state per request (state slots; static-shape backends refuse them).
+_STATEFUL = ("lfm2", "mamba2", "granite_hybrid")
 #: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
 _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
           "FalconForCausalLM": ("alibi Falcon-RW",)}
@@ -189,6 +203,14 @@ def _features(name: str) -> str:
     if spec.module == "lfm2":
         out.append("short convolutions with recurrent state per request (state slots, contract v3; prefix caching "
                    "off, preemption by recompute), GQA attention layers")
+    if spec.module in ("mamba2", "granite_hybrid"):
+        out.append("Mamba2 layers (conv + SSD state per request in state slots, contract v3; prefix caching off, "
+                   "preemption by recompute)")
+    if spec.module == "mamba2":
+        out.append("no attention layer (empty KV group)")
+    if spec.module == "granite_hybrid":
+        out.append("GQA attention layers (rotary or none), top-k MoE + shared MLP, Granite's embedding / residual / "
+                   "attention multipliers and logits scaling")
     if spec.module == "bert":
         out.append("encoder-only: bidirectional `encoder_attention`, no KV cache, pooling runner (CLS default)")
     if spec.module == "llava":
@@ -237,7 +259,7 @@ def rows() -> list[dict[str, Any]]:
         spec = ARCHITECTURES[name]
         static = " (dynamic shapes only: static-shape backends such as cpu-static refuse its state at start-up)"
         out.append({"family": family(name), "architecture": name,
-                    "backends": backends_for(name) + (static if spec.module == "lfm2" else ""),
+                    "backends": backends_for(name) + (static if spec.module in _STATEFUL else ""),
                     "path": "native" + (f" (the transformers fallback refuses it: {_FALLBACK_REFUSES[name]})"
                                         if name in _FALLBACK_REFUSES else
                                         " (transformers via --model-impl)" if name in fallback else ""),
