@@ -41,12 +41,16 @@ GRANITE = dict(_COMMON, model_type="granitemoehybrid", intermediate_size=32, sha
                attention_multiplier=0.2, logits_scaling=2.5, position_embedding_type="rope",
                max_position_embeddings=256)
 FAMILIES = {"mamba2": (MAMBA2, Mamba2CausalLM, 0, 3), "granite": (GRANITE, GraniteMoeHybridCausalLM, 1, 3)}
+# Granite-4.0-H-micro's shape: no routed experts (the shared MLP only) and no rotary (NoPE), tied embeddings
+GRANITE_DENSE_NOPE = dict(GRANITE, num_local_experts=0, position_embedding_type=None, tie_word_embeddings=True,
+                          layer_types=["mamba", "attention", "mamba", "attention"])
+LOGIT_FAMILIES = {**FAMILIES, "granite_dense_nope": (GRANITE_DENSE_NOPE, GraniteMoeHybridCausalLM, 2, 2)}
 
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("mamba2")
-    return {name: save_random_model(cfg, root / name) for name, (cfg, *_rest) in FAMILIES.items()}
+    return {name: save_random_model(cfg, root / name) for name, (cfg, *_rest) in LOGIT_FAMILIES.items()}
 
 
 def hf_greedy(path: str, prompt: list[int], n: int) -> list[int]:
@@ -103,11 +107,11 @@ def run_stateful_schedule(model, backend, prompts: list[list[int]], schedule) ->
     return [torch.cat(r) for r in rows]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", LOGIT_FAMILIES)
 @pytest.mark.parametrize("backend_name", ["ref", "cpu"])
 def test_logits_match_hf(dirs, ref_backend, family, backend_name):
     backend = ref_backend if backend_name == "ref" else get_backend("cpu")
-    _, cls, attention_layers, state_layers = FAMILIES[family]
+    _, cls, attention_layers, state_layers = LOGIT_FAMILIES[family]
     hf = hf_eager(dirs[family])
     ours = load_model(dirs[family], backend=backend, dtype=torch.float32, device=torch.device("cpu"))
     assert isinstance(ours, cls) and (ours.num_layers, ours.num_state_layers) == (attention_layers, state_layers)
