@@ -32,6 +32,7 @@ class ArchSpec:
     # | bert (models/bert.py: encoder-only BERT / RoBERTa / XLM-R) | lfm2 (models/lfm2.py: short convs + attention)
     # | llava (models/llava.py: CLIP tower + projector + the decoder of its text_config)
     # | qwen3_next (models/qwen3_next.py: Gated DeltaNet + gated attention + MoE)
+    # | mamba2 (models/mamba2.py: pure Mamba2) | granite_hybrid (models/granite_hybrid.py: Mamba2 + attention + MoE)
     module: str = "decoder"
 
 
@@ -75,6 +76,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "Qwen3_5ForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True, module="qwen3_next"),
     "Qwen3_5MoeForCausalLM": ArchSpec(_attention_bias, _attention_bias, qk_norm=True, moe="shared",
                                       module="qwen3_next"),
+    "Mamba2ForCausalLM": ArchSpec(lambda c: False, lambda c: False, module="mamba2"),
+    "GraniteMoeHybridForCausalLM": ArchSpec(_attention_bias, _attention_bias, module="granite_hybrid"),
 }
 # Pooling architectures (docs/pooling.md): the same decoder with a classification head (``score``) or none (the
 # base ``*Model``, an embedding checkpoint); models/sequence_classification.py adds the head.
@@ -115,6 +118,8 @@ def architecture_of(config: Any) -> tuple[str, ArchSpec]:
 
 
 MODEL_IMPLS = ("auto", "native", "transformers")
+#: The (empty) paged KV group's head size of a model without attention layers (pure Mamba2): one every backend takes.
+EMPTY_KV_HEAD_SIZE = 64
 
 
 def resolve_model_impl(config: Any, model_impl: str = "auto") -> tuple[str, str]:
@@ -142,6 +147,8 @@ def kv_cache_shape(config: Any, spec: ArchSpec) -> tuple[int, int, bool]:
     + qk_rope_head_dim``, others a key and a value per KV head."""
     if spec.attention == "mla":
         return 1, config.kv_lora_rank + config.qk_rope_head_dim, True
+    if spec.module == "mamba2":  # no attention layer: an empty KV group (models/mamba2.py)
+        return 1, EMPTY_KV_HEAD_SIZE, False
     heads = config.num_attention_heads
     if spec.module == "falcon":
         return falcon_kv_heads(config), config.hidden_size // heads, False

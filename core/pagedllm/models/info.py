@@ -12,6 +12,7 @@ from pagedllm.models.bert import encoder_max_positions
 from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
 from pagedllm.models.gpt_oss import is_mxfp4_checkpoint
 from pagedllm.models.llava import llava_model_info, text_config_of
+from pagedllm.models.mamba2 import DEFAULT_MAX_POSITIONS
 from pagedllm.models.paths import is_gguf
 from pagedllm.models.transformers_impl import num_kv_heads_of
 from pagedllm.quantization.config import checkpoint_quantization
@@ -38,7 +39,7 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
     else:
         window = getattr(config, "sliding_window", None)
         windows = [window] if isinstance(window, int) else []
-    heads = config.num_attention_heads
+    heads = getattr(config, "num_attention_heads", None) or 1  # pure Mamba2: no attention layer
     mla, sinks = False, False
     if impl == "native":  # MLA: the cache's one latent row per token; GPT-OSS's attention sinks
         sinks = architecture_of(config)[1].sinks
@@ -54,7 +55,8 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
         head_size=head_size,
         vocab_size=config.vocab_size,
         max_model_len=(encoder_max_positions(config) if impl == "native"  # RoBERTa: 514 rows hold 512 tokens
-                       and architecture_of(config)[1].module == "bert" else config.max_position_embeddings),
+                       and architecture_of(config)[1].module == "bert"
+                       else getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS),
         sliding_window=max(windows) if windows else None,
         soft_cap=getattr(config, "attn_logit_softcapping", None),
         alibi=uses_alibi(config),

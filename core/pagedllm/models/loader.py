@@ -20,9 +20,11 @@ from pagedllm.models.bert import ENCODER_ARCHITECTURES, build_encoder_model
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
+from pagedllm.models.granite_hybrid import GraniteMoeHybridCausalLM
 from pagedllm.models.lfm2 import Lfm2CausalLM
 from pagedllm.models.llava import build_llava_model
 from pagedllm.models.qwen3_next import Qwen3NextCausalLM
+from pagedllm.models.mamba2 import Mamba2CausalLM
 from pagedllm.models.stablelm import StableLmCausalLM
 from pagedllm.models.gguf_moe import complete_moe_config
 from pagedllm.models.gpt_oss import Mxfp4Weights, is_mxfp4_checkpoint
@@ -159,7 +161,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         config = local_config(config, par)
     with torch.device("meta"):
         module = {"falcon": FalconCausalLM, "stablelm": StableLmCausalLM, "lfm2": Lfm2CausalLM,
-                  "qwen3_next": Qwen3NextCausalLM}.get(spec.module, CausalLM)
+                  "qwen3_next": Qwen3NextCausalLM,
+                  "mamba2": Mamba2CausalLM, "granite_hybrid": GraniteMoeHybridCausalLM}.get(spec.module, CausalLM)
         model = module(config, spec, backend)
         if par is not None:
             if spec.module != "decoder":

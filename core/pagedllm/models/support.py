@@ -55,6 +55,10 @@ VERIFIED: dict[str, str] = {
     **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
                     "tests/models/test_qwen3_next.py (logits vs HF through the state slots, full and chunked "
                     "prefill; engine paths shared with Qwen3-Next)"),
+    "Mamba2ForCausalLM": "tests/models/test_mamba2.py (logits vs HF through the state slots, chunked prefill across "
+                         "SSD chunks, preemption, abort mid-prefill, a scan that drops the state caught)",
+    "GraniteMoeHybridForCausalLM": "tests/models/test_mamba2.py (every multiplier away from 1; logits vs HF, chunked "
+                                   "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill)",
     "Olmo2ForCausalLM": "tests/models/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/models/test_transformers_fallback.py",
     **{name: "tests/models/test_bert_encoder.py (hidden states, CLS row, classifier logits vs HF; varlen batch)"
@@ -101,7 +105,11 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "Qwen3NextForCausalLM": "no (llama.cpp writes arch qwen3next, which transformers' GGUF reader "
                                         "does not map: no config or tensor names to load it by)",
                 **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
-                                "no (transformers' GGUF reader maps no Qwen3.5 architecture)")}
+                                "no (transformers' GGUF reader maps no Qwen3.5 architecture)"),
+                "Mamba2ForCausalLM": "no (llama.cpp writes arch mamba2, but transformers' GGUF reader, which builds "
+                                     "the config and tokenizer, does not read it)",
+                "GraniteMoeHybridForCausalLM": "no (llama.cpp writes arch granitehybrid, but transformers' GGUF "
+                                               "reader, which builds the config and tokenizer, does not read it)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 #: Which GGUF block types run packed and which are dequantized (backend/quantization kernels; docs/quantization.md).
 GGUF_FORMATS = ("GGUF formats: Q4_0 and Q4_1 linears run packed on cpu (q4_gemv), Q8_0 and the K-quants Q4_K, Q5_K, "
@@ -118,6 +126,8 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "StableLmForCausalLM": "StableLM", "Lfm2ForCausalLM": "LFM2",
             "Qwen3NextForCausalLM": "Qwen3-Next", "Qwen3_5ForCausalLM": "Qwen3.5 (text)",
             "Qwen3_5MoeForCausalLM": "Qwen3.5-MoE (text)", "Olmo2ForCausalLM": "OLMo 2",
+            "Mamba2ForCausalLM": "Mamba2",
+            "GraniteMoeHybridForCausalLM": "Granite-4.0-H (Mamba2 hybrid)",
             "Starcoder2ForCausalLM": "StarCoder2",
             "BertModel": "BERT (embeddings)", "BertForSequenceClassification": "BERT (cross-encoder, classifier)",
             "RobertaModel": "RoBERTa (embeddings)",
@@ -136,9 +146,11 @@ _POOLING_TESTED = {
 #: Native architectures the transformers fallback refuses (``models/fallback_support.py``), and why.
 _FALLBACK_REFUSES = {"GptOssForCausalLM": "attention sinks", "Lfm2ForCausalLM": "convolution state",
                      **dict.fromkeys(("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
-                                     "Gated DeltaNet state")}
-#: Modules that keep recurrent state per request (state slots, contract v3): dynamic-shape backends only.
-_STATEFUL_MODULES = ("lfm2", "qwen3_next")
+                                     "Gated DeltaNet state"),
+                     "Mamba2ForCausalLM": "no attention to page, recurrent state",
+                     "GraniteMoeHybridForCausalLM": "recurrent (Mamba2) state"}
+#: Native modules whose layers keep recurrent state per request (state slots; static-shape backends refuse them).
+_STATEFUL = ("lfm2", "qwen3_next", "mamba2", "granite_hybrid")
 #: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
 _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
           "FalconForCausalLM": ("alibi Falcon-RW",)}
@@ -210,6 +222,14 @@ def _features(name: str) -> str:
         out.append("Gated DeltaNet linear attention with conv and delta-rule state per request (state slots, "
                    "contract v3; prefix caching off, preemption by recompute), gated attention with partial rotary, "
                    "(1+w) norms")
+    if spec.module in ("mamba2", "granite_hybrid"):
+        out.append("Mamba2 layers (conv + SSD state per request in state slots, contract v3; prefix caching off, "
+                   "preemption by recompute)")
+    if spec.module == "mamba2":
+        out.append("no attention layer (empty KV group)")
+    if spec.module == "granite_hybrid":
+        out.append("GQA attention layers (rotary or none), top-k MoE + shared MLP, Granite's embedding / residual / "
+                   "attention multipliers and logits scaling")
     if spec.module == "bert":
         out.append("encoder-only: bidirectional `encoder_attention`, no KV cache, pooling runner (CLS default)")
     if spec.module == "llava":
@@ -258,7 +278,7 @@ def rows() -> list[dict[str, Any]]:
         spec = ARCHITECTURES[name]
         static = " (dynamic shapes only: static-shape backends such as cpu-static refuse its state at start-up)"
         out.append({"family": family(name), "architecture": name,
-                    "backends": backends_for(name) + (static if spec.module in _STATEFUL_MODULES else ""),
+                    "backends": backends_for(name) + (static if spec.module in _STATEFUL else ""),
                     "path": "native" + (f" (the transformers fallback refuses it: {_FALLBACK_REFUSES[name]})"
                                         if name in _FALLBACK_REFUSES else
                                         " (transformers via --model-impl)" if name in fallback else ""),

@@ -122,7 +122,7 @@ class Worker:
         if draft_spec is not None:
             self.draft_model.kv_caches = backend.allocate_kv_cache(draft_spec)
         self.num_host_blocks = (int(config.swap_space * (1 << 30) // self._bytes_per_block())
-                                if self.requires_kv_cache else 0)
+                                if self.requires_kv_cache and self.model.num_layers else 0)
         if self.state_spec is not None and self.num_host_blocks:  # swap would have to carry the state slots too
             logger.info("%s keeps recurrent state: preemption recomputes (no swap space)", info.architecture)
             self.num_host_blocks = 0
@@ -282,7 +282,9 @@ class Worker:
                             f"{peak / 2**30:.2f}" if peak is not None else "unmeasured")
             budget -= self._state_bytes()  # a hybrid model's state slots come out of the same budget
             # More blocks than every sequence at full length can use only feed the prefix cache; cap there x2.
-            n = min(int(max(budget, 0) // bpb), 2 * self.max_num_seqs * per_seq)
+            cap = 2 * self.max_num_seqs * per_seq
+            # bpb 0: no attention layer (pure Mamba2): the blocks cost nothing, the state slots must fit
+            n = min(int(max(budget, 0) // bpb), cap) if bpb else cap * (budget >= 0)
         if n < per_seq:
             raise ParamError(field_name, f"the KV pool would hold {n} blocks ({n * self.block_size} tokens), fewer "
                                          f"than one max_model_len={self.max_model_len} sequence needs ({per_seq}); "

@@ -1,0 +1,250 @@
+"""Mamba2 and Granite-4.0-H native vs HF (issue 28): Mamba2 mixers whose conv and SSM states live in per-request
+state slots (contract v3, two tensors per layer in one ``MambaSpec``), alone (``Mamba2ForCausalLM``: no attention
+layer, an empty paged KV group) and interleaved with GQA attention and MoE (``GraniteMoeHybridForCausalLM``, every
+Granite multiplier set away from 1). Tiny random configs with SSD chunks of 8 tokens and 2 B/C groups: fp32 logits
+within 1e-4 of HF through the state slots (full prefill and chunked schedules, reference and CPU backends); greedy
+parity through the engine with chunked prefill under a small token budget and mixed prefill/decode batches, under
+preemption in a tiny KV pool; n=2 with a seed equal to two single runs; an abort mid-prefill gives the slot and
+blocks back; the transformers fallback and the static-shape backend refuse both at start-up with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_parity import hf_model, mixed_prompts, run
+from logit_parity import BLOCK_SIZE, CHUNKED, FULL_PREFILL, assert_logits_match, hf_eager, parity_prompts
+from pagedllm import LLM, SamplingParams
+from pagedllm.backend import ssm_ops
+from pagedllm.backend.attention import AttentionMetadata
+from pagedllm.backend.hookspec import KVCacheSpec, MambaSpec
+from pagedllm.backend.registry import Backend, get_backend
+from pagedllm.errors import ParamError, UnsupportedModelError
+from pagedllm.models import load_model
+from pagedllm.models.granite_hybrid import GraniteMoeHybridCausalLM
+from pagedllm.models.mamba2 import Mamba2CausalLM
+from plugin_factory import make_plugin
+from tiny_models import save_random_model
+
+VOCAB = 300
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0)
+# no max_position_embeddings: Mamba2 configs name none (models/mamba2.py's default applies)
+MAMBA2 = dict(_COMMON, model_type="mamba2", num_hidden_layers=3, num_heads=8, head_dim=16, expand=2, n_groups=2,
+              state_size=16, conv_kernel=4, chunk_size=8, use_bias=True, use_conv_bias=True,
+              tie_word_embeddings=False)
+GRANITE = dict(_COMMON, model_type="granitemoehybrid", intermediate_size=32, shared_intermediate_size=48,
+               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+               layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_d_head=16,
+               mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+               num_local_experts=4, num_experts_per_tok=2, embedding_multiplier=3.0, residual_multiplier=0.5,
+               attention_multiplier=0.2, logits_scaling=2.5, position_embedding_type="rope",
+               max_position_embeddings=256)
+FAMILIES = {"mamba2": (MAMBA2, Mamba2CausalLM, 0, 3), "granite": (GRANITE, GraniteMoeHybridCausalLM, 1, 3)}
+# Granite-4.0-H-micro's shape: no routed experts (the shared MLP only) and no rotary (NoPE), tied embeddings
+GRANITE_DENSE_NOPE = dict(GRANITE, num_local_experts=0, position_embedding_type=None, tie_word_embeddings=True,
+                          layer_types=["mamba", "attention", "mamba", "attention"])
+LOGIT_FAMILIES = {**FAMILIES, "granite_dense_nope": (GRANITE_DENSE_NOPE, GraniteMoeHybridCausalLM, 2, 2)}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("mamba2")
+    return {name: save_random_model(cfg, root / name) for name, (cfg, *_rest) in LOGIT_FAMILIES.items()}
+
+
+def hf_greedy(path: str, prompt: list[int], n: int) -> list[int]:
+    """HF's greedy tokens through its own recurrent cache, passed as ``cache=`` (Mamba2's outputs and forward name
+    it so; ``hf_oracle.hf_greedy``'s ``past_key_values`` does not reach Mamba2's state, and its decode steps then
+    start from nothing)."""
+    model, ids = hf_model(path), []
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            ids.append(int(out.logits[0, -1].argmax()))
+            out = model(torch.tensor([[ids[-1]]]), cache=out.cache if hasattr(out, "cache") else out.past_key_values,
+                        use_cache=True)
+    return ids
+
+
+def test_hf_oracle_decodes_through_its_state(dirs):
+    """The oracle's cached decode equals recomputing the whole sequence each step (so it carries HF's state)."""
+    prompt, model, ids = [5, 6, 7, 8, 9], hf_model(dirs["mamba2"]), []
+    with torch.inference_mode():
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([prompt + ids])).logits[0, -1].argmax()))
+    assert hf_greedy(dirs["mamba2"], prompt, 6) == ids
+
+
+def run_stateful_schedule(model, backend, prompts: list[list[int]], schedule) -> list[torch.Tensor]:
+    """``logit_parity.run_schedule`` with state slots (as tests/models/test_lfm2.py): sequence s owns slot s + 1;
+    every slot starts as garbage, so a fresh chunk must not read it; flagged fresh on its first chunk only."""
+    blocks = [-(-len(p) // BLOCK_SIZE) for p in prompts]
+    tables = [list(range(1 + sum(blocks[:s]), 1 + sum(blocks[:s + 1]))) for s in range(len(prompts))]
+    model.kv_caches = backend.allocate_kv_cache(KVCacheSpec(model.num_layers, sum(blocks) + 1, BLOCK_SIZE,
+                                                            model.num_kv_heads, model.head_size, torch.float32,
+                                                            torch.device("cpu")))
+    spec = MambaSpec(model.num_state_layers, len(prompts) + 1, model.state_shapes, model.state_dtypes,
+                     torch.device("cpu"))
+    model.state_caches = backend.allocate_state_cache(spec)
+    for layer in model.state_caches:
+        for t in layer:
+            t.normal_()
+    done = [0] * len(prompts)
+    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
+    with torch.inference_mode():
+        for step in schedule:
+            meta = AttentionMetadata.build([n for _, n in step], [done[s] + n for s, n in step],
+                                           [tables[s] for s, _ in step], BLOCK_SIZE)
+            meta.state_indices = torch.tensor([s + 1 for s, _ in step], dtype=torch.int32)
+            meta.has_initial_state = torch.tensor([done[s] > 0 for s, _ in step])
+            tokens = [t for s, n in step for t in prompts[s][done[s]:done[s] + n]]
+            positions = [p for s, n in step for p in range(done[s], done[s] + n)]
+            logits = model.compute_logits(model(torch.tensor(tokens), torch.tensor(positions), meta))
+            for i, (s, n) in enumerate(step):
+                rows[s].append(logits[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i + 1]])
+                done[s] += n
+    return [torch.cat(r) for r in rows]
+
+
+@pytest.mark.parametrize("family", LOGIT_FAMILIES)
+@pytest.mark.parametrize("backend_name", ["ref", "cpu"])
+def test_logits_match_hf(dirs, ref_backend, family, backend_name):
+    backend = ref_backend if backend_name == "ref" else get_backend("cpu")
+    _, cls, attention_layers, state_layers = LOGIT_FAMILIES[family]
+    hf = hf_eager(dirs[family])
+    ours = load_model(dirs[family], backend=backend, dtype=torch.float32, device=torch.device("cpu"))
+    assert isinstance(ours, cls) and (ours.num_layers, ours.num_state_layers) == (attention_layers, state_layers)
+    assert ours.state_shapes == ((128 + 2 * 2 * 16, 3), (8, 16, 16))  # (conv_dim, kernel-1), (heads, p, d_state)
+    assert ours.state_dtypes == (torch.float32, torch.float32)
+    prompts = parity_prompts(VOCAB)  # 20 and 17 tokens: several blocks of 4 and SSD chunks of 8
+    with torch.inference_mode():
+        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
+    for schedule in (FULL_PREFILL, CHUNKED):
+        assert_logits_match(family, run_stateful_schedule(ours, backend, prompts, schedule), expected)
+
+
+def _forgets_ssm_state(x, dt, A, B, C, chunk_size, cu_seqlens, initial_states, D, z, dt_bias, dt_softplus,
+                       dt_limit):
+    """Every prefill chunk starts its SSM from zeros (a plausible bug: the scan never reads the initial states)."""
+    return ssm_ops.mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, cu_seqlens, None, D, z, dt_bias,
+                                             dt_softplus, dt_limit)
+
+
+def test_ssm_state_carry_matters(dirs, ref_backend):
+    """The oracle would notice a dropped SSM state: a chunk that starts fresh instead of continuing changes the
+    logits from the second chunk on."""
+    prompts = parity_prompts(VOCAB)
+    ours = load_model(dirs["mamba2"], backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
+    good = run_stateful_schedule(ours, ref_backend, prompts, CHUNKED)
+    forgetful = Backend(make_plugin("mamba2-forgetful", mamba_chunk_scan_combined=_forgets_ssm_state),
+                        "mamba2-forgetful")
+    broken = load_model(dirs["mamba2"], backend=forgetful, dtype=torch.float32, device=torch.device("cpu"))
+    bad = run_stateful_schedule(broken, forgetful, prompts, CHUNKED)
+    assert (good[0][:7] - bad[0][:7]).abs().max() < 1e-5  # the first chunk is the same
+    assert (good[0][7:] - bad[0][7:]).abs().max() > 1e-2  # later chunks lose the previous chunks' state
+
+
+def _engine(path: str, **kw) -> LLM:
+    kw = {**dict(device="cpu", dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=16,
+                 max_num_seqs=16, kv_cache_memory=8 << 20), **kw}
+    return LLM(path, **kw)
+
+
+def _assert_released(llm: LLM) -> None:
+    eng = llm.llm_engine
+    assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished_requests(), "KV blocks leaked"
+    slots = eng.kv.state_slots
+    assert slots.num_free == slots.num_slots and not slots.owner, "state slots leaked"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_parity_chunked_mixed_batches(dirs, family, caplog):
+    """6 prompts of 1..37 tokens under a 16-token budget: long prompts are cut into chunks that continue their conv
+    and SSM states while other sequences decode in the same steps; 16 greedy tokens each equal HF's. Prefix
+    caching is turned off for the stateful model, with one log line saying why."""
+    with caplog.at_level("INFO", logger="pagedllm.sched.kv_manager"):
+        llm = _engine(dirs[family], enable_prefix_caching=True)
+    assert isinstance(llm.llm_engine.model, FAMILIES[family][1])
+    assert not llm.llm_engine.kv.enable_caching and "prefix caching off" in caplog.text
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 7, 9, 17, 23, 37)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(dirs[family], p, 16), f"{family}: prompt of {len(p)}"
+    _assert_released(llm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_parity_under_preemption(dirs, family):
+    """10 blocks of 16 for 7 sequences of up to ~40 + 24 tokens: preempted (recompute: the slot is given back and
+    the states rebuilt from scratch), still HF's tokens; nothing left held. Pure Mamba2's blocks cost no memory but
+    still bound the batch."""
+    llm = LLM(dirs[family], device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=10,
+              max_num_seqs=16)
+    prompts = mixed_prompts(7, VOCAB, seed=4, max_len=40)
+    got = run(llm, prompts, max_tokens=24)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert got == [hf_greedy(dirs[family], p, 24) for p in prompts]
+    _assert_released(llm)
+
+
+def test_n2_with_seed_equals_two_single_runs(dirs):
+    llm = _engine(dirs["granite"])
+    prompt = {"prompt_token_ids": mixed_prompts(1, VOCAB, seed=3, max_len=30)[0] + [5] * 20}
+    kw = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
+    pair = llm.generate([prompt], SamplingParams(n=2, seed=11, **kw), use_tqdm=False)[0].outputs
+    single = [llm.generate([prompt], SamplingParams(seed=s, **kw), use_tqdm=False)[0].outputs[0] for s in (11, 12)]
+    assert [list(c.token_ids) for c in pair] == [list(c.token_ids) for c in single]
+    assert pair[0].token_ids != pair[1].token_ids
+    _assert_released(llm)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_abort_mid_prefill_returns_slot_and_blocks(dirs, family):
+    llm = _engine(dirs[family], max_num_batched_tokens=8)
+    eng = llm.llm_engine
+    eng.add_request("long", {"prompt_token_ids": list(range(3, 63))}, SamplingParams(max_tokens=4))
+    eng.add_request("short", {"prompt_token_ids": [7, 8, 9]}, SamplingParams(max_tokens=4, temperature=0))
+    eng.step()
+    eng.step()
+    assert eng.kv.state_slots.has_slot("long") and eng.kv.num_blocks_of("long") > 0
+    eng.abort_request("long")
+    assert not eng.kv.state_slots.has_slot("long") and eng.kv.num_blocks_of("long") == 0
+    while eng.has_unfinished_requests():
+        eng.step()
+    _assert_released(llm)
+
+
+def test_state_slots_come_out_of_the_kv_budget(dirs):
+    """Pure Mamba2's KV blocks cost nothing, but its state slots must fit the memory given: 256 slots of ~31 KiB
+    do not fit in 1 MiB, and the error names the field."""
+    with pytest.raises(ParamError, match="kv_cache_memory"):
+        _engine(dirs["mamba2"], max_num_seqs=256, kv_cache_memory=1 << 20)
+
+
+@pytest.mark.parametrize("family,arch,why", [
+    ("mamba2", "Mamba2ForCausalLM", "does not route attention through AttentionInterface"),
+    ("granite", "GraniteMoeHybridForCausalLM", "a recurrent|state")])
+def test_refused_by_the_fallback_and_static_shapes(dirs, family, arch, why):
+    with pytest.raises(UnsupportedModelError, match=f"{arch}.*({why})"):
+        load_model(dirs[family], backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"),
+                   model_impl="transformers")
+    with pytest.raises(UnsupportedModelError, match=rf"{arch} keeps recurrent state .*'cpu-static'.*static "
+                                                    r"batch shapes"):
+        LLM(dirs[family], device="cpu-static", dtype="float32", max_model_len=64, max_num_seqs=8,
+            kv_cache_memory=16 << 20)
+
+
+def test_granite_refuses_what_it_would_run_differently(tmp_path):
+    from transformers import GraniteMoeHybridConfig
+
+    from pagedllm.models.granite_hybrid import check_granite_hybrid
+
+    base = {k: v for k, v in GRANITE.items() if k != "model_type"}
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu'"):
+        check_granite_hybrid(GraniteMoeHybridConfig(**{**base, "hidden_act": "gelu"}))
+    with pytest.raises(UnsupportedModelError, match="rope_type 'linear'"):
+        check_granite_hybrid(GraniteMoeHybridConfig(**{**base, "rope_parameters": dict(
+            rope_type="linear", factor=2.0, rope_theta=10000.0)}))
