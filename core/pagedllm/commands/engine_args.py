@@ -71,6 +71,13 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help='keys merged into the HF config, e.g. a Qwen3-Reranker\'s \'{"architectures": '
                         '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
                         '"is_original_qwen3_reranker": true}\'')
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON", type=_json_object,
+                   help='most items per prompt of each modality, e.g. \'{"image": 4}\' (vLLM\'s; default 999 each; '
+                        'docs/multimodal.md)')
+    p.add_argument("--allowed-local-media-path", default=None, metavar="FOLDER",
+                   help="image file: URLs are read only from under this folder (default: file: URLs refused)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="image http(s) URLs are fetched only from these hosts, redirects included (default: any)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (docs/lora.md)")
     p.add_argument("--max-loras", type=int, default=1, help="adapters one batch may use (device slots); default 1")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted; default 16")
@@ -114,7 +121,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
         generation_config=getattr(args, "generation_config", "auto"),
         runner=getattr(args, "runner", "auto"), convert=getattr(args, "convert", "auto"),
-        pooler_config=getattr(args, "pooler_config", None), hf_overrides=getattr(args, "hf_overrides", None))
+        pooler_config=getattr(args, "pooler_config", None), hf_overrides=getattr(args, "hf_overrides", None),
+        limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
+        allowed_media_domains=getattr(args, "allowed_media_domains", None))
 
 
 def _json_object(text: str) -> dict:
