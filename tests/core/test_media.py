@@ -267,6 +267,17 @@ def test_limit_mm_per_prompt_parsing():
         assert e.value.field == "limit_mm_per_prompt"
 
 
+def test_engine_prompt_of_a_chat_with_images():
+    """What the server and LLM.chat hand the engine (vLLM's prompt dict): the rendered ids, and the images in order
+    under multi_modal_data only when there are some (a text chat's prompt is what it was)."""
+    from pagedllm.entrypoints.chat_inputs import mm_prompt
+
+    a, b = Image.new("RGB", (2, 2)), Image.new("RGB", (3, 3))
+    assert mm_prompt((1, 2, 3), []) == {"prompt_token_ids": [1, 2, 3]}
+    p = mm_prompt([5, 6], [a, b])
+    assert p["prompt_token_ids"] == [5, 6] and p["multi_modal_data"]["image"] == [a, b]
+
+
 def test_engine_flags():
     import argparse
 
