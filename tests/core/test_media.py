@@ -159,6 +159,18 @@ def test_fetch_errors_are_refusals(media):
     _refused("media_fetch_failed", lambda: _load(conn, url))  # connection refused
 
 
+def test_many_images_load_in_order(media):
+    """More images than load at once (LOADS_PER_REQUEST): all come back, in request order."""
+    from pagedllm.multimodal.content_parts import ChatInputs, ImageItem
+    from pagedllm.multimodal.media import LOADS_PER_REQUEST
+
+    colors = [(i * 20, 0, 255 - i * 20) for i in range(LOADS_PER_REQUEST + 4)]
+    items = [ImageItem(f"f{i}", url=data_url(png_bytes((2, 2), c)) if i % 3 else media.url("/img.png"))
+             for i, c in enumerate(colors)]
+    out = asyncio.run(ChatInputs([], items).load_images_async(MediaConnector()))
+    assert [im.getpixel((0, 0)) for im in out] == [c if i % 3 else (200, 30, 40) for i, c in enumerate(colors)]
+
+
 def test_one_failure_cancels_the_other_loads(media):
     """Two images, one slow and one corrupt: the corrupt one's error comes at once and the slow fetch does not
     outlive the call."""

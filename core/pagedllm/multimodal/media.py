@@ -33,6 +33,7 @@ DEFAULT_MAX_MEDIA_BYTES = 20 << 20  # an encoded image (OpenAI's limit per image
 DEFAULT_MAX_REDIRECTS = 5
 DEFAULT_MAX_IMAGE_PIXELS = 89_478_485  # PIL's Image.MAX_IMAGE_PIXELS: a 100-megapixel image is refused
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")  # what PIL may open (no EPS: it runs Ghostscript)
+LOADS_PER_REQUEST = 8  # images of one request fetched / decoded at once
 _CHUNK = 64 * 1024
 
 
@@ -99,11 +100,17 @@ class MediaConnector:
         return await asyncio.to_thread(decode_image, data, field, self.max_image_pixels)
 
     async def load_images_async(self, items: Sequence[tuple[str, str]]) -> list[Any]:
-        """The images of ``(url, field)`` items, loaded concurrently; the first failure cancels the others (no
-        fetch outlives its request) and is raised."""
+        """The images of ``(url, field)`` items, loaded concurrently (``LOADS_PER_REQUEST`` at a time); the first
+        failure cancels the others (no fetch outlives its request) and is raised."""
         if not items:
             return []
-        tasks = [asyncio.ensure_future(self.load_image_async(url, field)) for url, field in items]
+        gate = asyncio.Semaphore(LOADS_PER_REQUEST)
+
+        async def one(url: str, field: str) -> Any:
+            async with gate:
+                return await self.load_image_async(url, field)
+
+        tasks = [asyncio.ensure_future(one(url, field)) for url, field in items]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in tasks:  # in request order, so the error named is the first bad part's when several fail

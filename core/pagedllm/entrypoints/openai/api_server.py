@@ -61,8 +61,8 @@ from pagedllm.entrypoints.openai.render_pool import RenderPool, warm_up_forkserv
 from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ITEMS, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import ChatServing
 from pagedllm.entrypoints.openai.serving_completions import CompletionServing
-from pagedllm.entrypoints.openai.serving_responses import ResponsesServing
 from pagedllm.entrypoints.openai.serving_mm import MultiModalInputs, content_texts
+from pagedllm.entrypoints.openai.serving_responses import ResponsesServing
 from pagedllm.multimodal.media import MediaConnector
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError

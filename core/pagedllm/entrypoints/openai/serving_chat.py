@@ -34,11 +34,11 @@ from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.grammar_gate import gate_grammar
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
-from pagedllm.entrypoints.openai.serving_mm import MultiModalInputs, content_texts, mm_inputs
 from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_RENAME, ChoiceState, Serving, Usage,
                                                       engine_failures, json_response, merge_streams, now, random_id,
                                                       sse, sse_choice_chunk, stream_response, timeout_error,
                                                       until_disconnect)
+from pagedllm.entrypoints.openai.serving_mm import MultiModalInputs, content_texts, mm_inputs
 from pagedllm.entrypoints.openai.errors import from_param_error
 from pagedllm.errors import ParamError
 from pagedllm.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser

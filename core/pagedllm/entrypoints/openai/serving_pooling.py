@@ -26,9 +26,9 @@ from starlette.responses import Response
 from pagedllm.entrypoints.openai.errors import APIError, from_param_error
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.protocol_pooling import PoolingRequest
-from pagedllm.entrypoints.openai.serving_mm import content_texts, mm_inputs
 from pagedllm.entrypoints.openai.serving_common import (Serving, engine_failures, json_response, now, random_id,
                                                       until_disconnect)
+from pagedllm.entrypoints.openai.serving_mm import content_texts, mm_inputs
 from pagedllm.errors import ParamError
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
