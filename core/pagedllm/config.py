@@ -19,6 +19,7 @@ from pagedllm.quantization.config import resolve_quantization, validate_quantiza
 from pagedllm.errors import ParamError
 from pagedllm.generation_defaults import check_generation_config
 from pagedllm.kv_transfer.config import DEFAULT_DISK_GIB, KVTransferConfig, offload_config
+from pagedllm.multimodal.content_parts import parse_limit_mm_per_prompt
 from pagedllm.pooling.config import PoolerConfig
 from pagedllm.pooling.spec import CONVERTS, RUNNERS, runner_type
 from pagedllm.spec_decode.config import SpeculativeConfig
@@ -90,6 +91,13 @@ class EngineConfig:
     kv_offload_gib: float = 0.0
     kv_offload_dir: Optional[str] = None
     kv_offload_disk_gib: float = DEFAULT_DISK_GIB
+    # vLLM's limit_mm_per_prompt: most items per prompt of each modality ({"image": 4}; a dict or its JSON; a
+    # modality left out allows multimodal.content_parts.DEFAULT_LIMIT_PER_PROMPT)
+    limit_mm_per_prompt: Optional[dict] = None
+    # vLLM's media sources of image URLs (multimodal/media.py): file: URLs only under this folder (None: refused),
+    # http(s) URLs only from these hosts (None or empty: any)
+    allowed_local_media_path: Optional[str] = None
+    allowed_media_domains: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         if self.runner not in RUNNERS:
@@ -100,6 +108,13 @@ class EngineConfig:
             raise ParamError("convert", f"{self.convert!r} turns the model into a pooling model; it needs "
                                         "runner 'pooling' (or 'auto'), not 'generate'")
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        self.limit_mm_per_prompt = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        if self.allowed_local_media_path is not None and not isinstance(self.allowed_local_media_path, str):
+            raise ParamError("allowed_local_media_path", "must be a folder path (a string)")
+        if self.allowed_media_domains is not None and (
+                isinstance(self.allowed_media_domains, str)
+                or not all(isinstance(d, str) for d in self.allowed_media_domains)):
+            raise ParamError("allowed_media_domains", "must be a list of host names")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ParamError("hf_overrides", f"must be a dict (JSON object), got {type(self.hf_overrides).__name__}")
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)

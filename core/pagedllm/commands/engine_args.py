@@ -71,6 +71,13 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
                    help='keys merged into the HF config, e.g. a Qwen3-Reranker\'s \'{"architectures": '
                         '["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"], '
                         '"is_original_qwen3_reranker": true}\'')
+    p.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON", type=_json_object,
+                   help='most items per prompt of each modality, e.g. \'{"image": 4}\' (vLLM\'s; default 999 each; '
+                        'docs/multimodal.md)')
+    p.add_argument("--allowed-local-media-path", default=None, metavar="FOLDER",
+                   help="image file: URLs are read only from under this folder (default: file: URLs refused)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="image http(s) URLs are fetched only from these hosts, redirects included (default: any)")
     p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (docs/lora.md)")
     p.add_argument("--max-loras", type=int, default=1, help="adapters one batch may use (device slots); default 1")
     p.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted; default 16")
@@ -128,7 +135,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         pooler_config=getattr(args, "pooler_config", None), hf_overrides=getattr(args, "hf_overrides", None),
         kv_transfer_config=getattr(args, "kv_transfer_config", None),
         kv_offload_gib=getattr(args, "kv_offload_gib", 0.0), kv_offload_dir=getattr(args, "kv_offload_dir", None),
-        kv_offload_disk_gib=getattr(args, "kv_offload_disk_gib", 16.0))
+        kv_offload_disk_gib=getattr(args, "kv_offload_disk_gib", 16.0),
+        limit_mm_per_prompt=getattr(args, "limit_mm_per_prompt", None),
+        allowed_local_media_path=getattr(args, "allowed_local_media_path", None),
+        allowed_media_domains=getattr(args, "allowed_media_domains", None))
 
 
 def _json_object(text: str) -> dict:

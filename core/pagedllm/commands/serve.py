@@ -21,6 +21,8 @@ from pagedllm.entrypoints.openai.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_
 from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ITEMS
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 from pagedllm.errors import ParamError
+from pagedllm.multimodal.media import (DEFAULT_FETCH_TIMEOUT, DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_MEDIA_BYTES,
+                                       DEFAULT_MAX_REDIRECTS, MediaConnector)
 from pagedllm.reasoning import ReasoningParserManager
 
 
@@ -124,6 +126,18 @@ def add_parser(sub) -> None:
     p.add_argument("--max-stored-responses-mb", type=int, default=DEFAULT_MAX_BYTES >> 20, metavar="MIB",
                    help="/v1/responses keeps at most this many MiB of stored responses, as JSON (least recently "
                         f"used go first; default {DEFAULT_MAX_BYTES >> 20})")
+    p.add_argument("--disable-media-fetch", action="store_true",
+                   help="refuse http(s) image URLs (data: URLs, and file: URLs under --allowed-local-media-path, "
+                        "still work); docs/multimodal.md")
+    p.add_argument("--media-fetch-timeout", type=float, default=DEFAULT_FETCH_TIMEOUT, metavar="SECONDS",
+                   help=f"time limit of one image fetch, redirects included (default {DEFAULT_FETCH_TIMEOUT:g})")
+    p.add_argument("--max-media-bytes", type=int, default=DEFAULT_MAX_MEDIA_BYTES, metavar="BYTES",
+                   help=f"largest encoded image taken from any URL (default {DEFAULT_MAX_MEDIA_BYTES})")
+    p.add_argument("--media-max-redirects", type=int, default=DEFAULT_MAX_REDIRECTS, metavar="N",
+                   help=f"redirects an image fetch may follow (default {DEFAULT_MAX_REDIRECTS})")
+    p.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_IMAGE_PIXELS, metavar="N",
+                   help="images with more pixels are refused before they are decoded (default "
+                        f"{DEFAULT_MAX_IMAGE_PIXELS}, PIL's own limit)")
     p.set_defaults(func=run)
 
 
@@ -197,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
                           trust_request_chat_template=args.trust_request_chat_template,
                           max_json_depth=args.max_json_depth,
                           render_worker_max_growth_bytes=(args.render_worker_max_growth_mb << 20) or None)
+    media = MediaConnector(args.allowed_local_media_path, args.allowed_media_domains,  # checked before loading
+                           enable_fetch=not args.disable_media_fetch, fetch_timeout=args.media_fetch_timeout,
+                           max_bytes=args.max_media_bytes, max_redirects=args.media_max_redirects,
+                           max_image_pixels=args.max_image_pixels)
     cors = dict(allowed_origins=args.allowed_origins, allow_credentials=args.allow_credentials,
                 allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
@@ -218,4 +236,4 @@ def run(args: argparse.Namespace) -> int:
                  metrics_without_key=args.allow_metrics_without_key,
                  reasoning_parser=args.reasoning_parser,
                  max_stored_responses=args.max_stored_responses,
-                 max_stored_responses_bytes=args.max_stored_responses_mb << 20)
+                 max_stored_responses_bytes=args.max_stored_responses_mb << 20, media=media)

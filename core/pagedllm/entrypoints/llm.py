@@ -24,6 +24,9 @@ from pagedllm.errors import ParamError
 from pagedllm.generation_defaults import default_sampling_params, get_diff_sampling_param
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.entrypoints.beam_search import beam_search
+from pagedllm.entrypoints.chat_inputs import mm_prompt, model_modalities
+from pagedllm.multimodal.content_parts import parse_chat_messages
+from pagedllm.multimodal.media import MediaConnector
 
 
 class LLM:
@@ -258,17 +261,24 @@ class LLM:
              add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict[str, Any]] = None
              ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template (or ``chat_template``) and generate. ``chat_template_kwargs``: extra
-        template variables (e.g. ``enable_thinking``, ``reasoning_effort``), as vLLM's."""
+        template variables (e.g. ``enable_thinking``, ``reasoning_effort``), as vLLM's. Content may be OpenAI parts
+        (``text``, ``image_url``, ``input_image``, vLLM's ``image_pil``; docs/multimodal.md): an image a model cannot
+        take, or more than ``limit_mm_per_prompt`` allows, is a ``ValueError`` naming the part."""
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat: this model has no tokenizer")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        config = self.llm_engine.config
+        if getattr(self, "_modalities", None) is None:
+            self._modalities = model_modalities(self.llm_engine.model_path, config.hf_overrides)
+        media = MediaConnector(config.allowed_local_media_path, config.allowed_media_domains)
         prompts = []
         for conv in conversations:
-            ids = tok.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
+            chat = parse_chat_messages(conv, self._modalities, config.limit_mm_per_prompt)
+            ids = tok.apply_chat_template(chat.messages, chat_template=chat_template, tokenize=True,
                                           add_generation_prompt=add_generation_prompt, return_dict=False,
                                           **(chat_template_kwargs or {}))
-            prompts.append({"prompt_token_ids": list(ids)})
+            prompts.append(mm_prompt(ids, chat.load_images(media)))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def beam_search(self, prompts: Union[PromptType, Sequence[PromptType]], params: BeamSearchParams,

@@ -62,8 +62,10 @@ from pagedllm.entrypoints.openai.render_pool import RenderPool, warm_up_forkserv
 from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ITEMS, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import ChatServing
 from pagedllm.entrypoints.openai.serving_completions import CompletionServing
+from pagedllm.entrypoints.openai.serving_mm import MultiModalInputs, content_texts
 from pagedllm.entrypoints.openai.serving_responses import ResponsesServing
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
+from pagedllm.multimodal.media import MediaConnector
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
 from pagedllm.reasoning import ReasoningParserManager
@@ -126,7 +128,8 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
               tool_call_parser: Optional[str] = None, enable_auto_tool_choice: bool = False,
               allow_runtime_lora_updating: bool = False, metrics_without_key: bool = False,
               reasoning_parser: Optional[str] = None,
-              response_store: Optional[ResponseStore] = None) -> FastAPI:
+              response_store: Optional[ResponseStore] = None,
+              media: Optional[MediaConnector] = None) -> FastAPI:
     """The OpenAI-compatible app around an AsyncEngine; its lifespan binds the event loop and stops the engine.
 
     ``api_key``: one key or a list of keys (any of them is accepted). ``renderer``: the render worker pool that
@@ -136,6 +139,8 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     ``metrics_without_key``: with API keys, leave ``/metrics`` open to scrapers (``/health`` always is).
     ``reasoning_parser``: split chat output into ``reasoning_content`` and ``content`` (docs/reasoning.md).
     ``response_store``: where ``/v1/responses`` keeps stored responses (default: a store of the default bounds).
+    ``media``: where image URLs may come from and their limits (default: the engine config's allowed path and
+    domains, fetch limits at their defaults; docs/multimodal.md).
     """
     names = list(served_model_names)
     for field, value, known in (("tool_call_parser", tool_call_parser, ToolParserManager.list_registered()),
@@ -149,7 +154,9 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
     chat = ChatServing(engine, names, metrics, chat_template, limits, admission, renderer)
     chat.tool_parser, chat.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
     chat.reasoning_parser = reasoning_parser
+    chat.mm = mm = MultiModalInputs(engine, media)
     responses = ResponsesServing(engine, names, metrics, chat_template, limits, admission, renderer)
+    responses.mm = mm
     responses.tool_parser, responses.enable_auto_tool_choice = tool_call_parser, enable_auto_tool_choice
     responses.store = response_store if response_store is not None else ResponseStore()
     if reasoning_parser:  # (else: the engine config's structured_outputs_config.reasoning_parser, if any)
@@ -289,9 +296,8 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         # The limits of a completion's prompt: text no prompt that fits the model could be is refused before a
         # render worker tokenises it, and the token count must fit max_model_len.
         if body.messages is not None:
-            messages = [m.to_template_dict() for m in body.messages]
-            completions.check_text_size([m["content"] for m in messages] + [m.get("reasoning") for m in messages],
-                                        "messages")
+            messages = (await mm.parse([m.to_template_dict() for m in body.messages])).messages
+            completions.check_text_size(content_texts(messages), "messages")
         else:
             completions.check_text_size([body.prompt], "prompt")
         ticket = completions.admit(1)
@@ -374,8 +380,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
           allow_runtime_lora_updating: bool = False, data_parallel_size: int = 1,
           dp_routing: Optional[DPRoutingConfig] = None,
           metrics_without_key: bool = False, reasoning_parser: Optional[str] = None,
-          max_stored_responses: int = DEFAULT_MAX_ITEMS, max_stored_responses_bytes: int = DEFAULT_MAX_BYTES
-          ) -> int:
+          max_stored_responses: int = DEFAULT_MAX_ITEMS, max_stored_responses_bytes: int = DEFAULT_MAX_BYTES,
+          media: Optional[MediaConnector] = None) -> int:
     """Load the model, then serve until SIGTERM/SIGINT; returns the process exit code.
 
     ``engine_cpus`` (a CPU list, "0-6"): the engine process runs there and this process on the remaining CPUs.
@@ -385,6 +391,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     ``reasoning_parser``: the server splits reasoning from content, and the engine applies grammars after it
     (``structured_outputs_config.reasoning_parser``).
     ``max_stored_responses`` / ``max_stored_responses_bytes``: the bounds of /v1/responses' store (LRU).
+    ``media``: image URL sources and limits (``build_app``).
     """
     template = load_chat_template(chat_template)
     if reasoning_parser:
@@ -421,7 +428,7 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     app = build_app(engine, served_model_names, api_key, template, limits, renderer, cors, tool_call_parser,
                     enable_auto_tool_choice, allow_runtime_lora_updating, metrics_without_key,
                     reasoning_parser or None,
-                    response_store=ResponseStore(max_stored_responses, max_stored_responses_bytes))
+                    response_store=ResponseStore(max_stored_responses, max_stored_responses_bytes), media=media)
     ucfg = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                           timeout_graceful_shutdown=timeout_graceful_shutdown, timeout_keep_alive=5)
     server = uvicorn.Server(ucfg)

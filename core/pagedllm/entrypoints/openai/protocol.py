@@ -182,9 +182,21 @@ class CompletionRequest(_Sampling):
                               **self.sampling_kwargs())
 
 
+class ImageURL(_Base):
+    url: StrictStr
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
 class ContentPart(_Base):
+    """One part of a message's content; which types are taken (text, images) and for which model is decided by
+    ``multimodal.content_parts.parse_chat_messages``, which names the part it refuses."""
+
     type: StrictStr
     text: Optional[StrictStr] = None
+    refusal: Optional[StrictStr] = None
+    image_url: Optional[Union[StrictStr, ImageURL]] = None  # chat: {"url": ...}; input_image: the URL itself
+    detail: Optional[StrictStr] = None
+    file_id: Optional[StrictStr] = None
 
 
 class FunctionCall(_Base):
@@ -209,9 +221,10 @@ class ChatMessage(_Base):
     reasoning: Optional[StrictStr] = None
 
     def to_template_dict(self) -> dict[str, Any]:
-        content = self.content
-        if isinstance(content, list):  # the text parts; HF chat templates take plain strings
-            content = "".join(p.text or "" for p in content if p.type == "text")
+        """The message as a chat-template dict; a part list stays OpenAI's parts, for ``parse_chat_messages``."""
+        content: Any = self.content
+        if isinstance(content, list):
+            content = [p.model_dump(exclude_none=True) for p in content]
         d: dict[str, Any] = {"role": self.role, "content": content if content is not None else ""}
         if self.name is not None:
             d["name"] = self.name

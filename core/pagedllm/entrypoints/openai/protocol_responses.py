@@ -172,7 +172,7 @@ def _first(e: ValidationError) -> str:
 
 # ---- input items ---------------------------------------------------------------------------------------------
 _TEXT_PARTS = {"input_text", "output_text", "text"}
-_REFUSED_PARTS = {"input_image": "image input is not supported", "input_file": "file input is not supported",
+_REFUSED_PARTS = {"input_image": "image input is not supported here", "input_file": "file input is not supported",
                   "input_audio": "audio input is not supported", "refusal": None}
 
 
@@ -180,6 +180,9 @@ class MessagePart(_Item):
     type: StrictStr
     text: Optional[StrictStr] = None
     refusal: Optional[StrictStr] = None
+    image_url: Optional[StrictStr] = None  # input_image (a URL or a data: URL)
+    detail: Optional[StrictStr] = None
+    file_id: Optional[StrictStr] = None
 
 
 class MessageItem(_Item):
@@ -225,19 +228,28 @@ _KINDS: dict[str, type] = {"message": MessageItem, "function_call": FunctionCall
                            "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningItem}
 
 
+def _content_of(parts: Union[str, list[MessagePart]], where: str) -> Union[str, list[dict[str, Any]]]:
+    """A message's content: its text, or, when it holds images, chat parts (``input_image`` parts carry their
+    request path in ``_field``; ``multimodal.content_parts`` checks and loads them like chat's)."""
+    if isinstance(parts, str) or not any(p.type == "input_image" for p in parts):
+        return _text_of(parts, where)
+    return [{**p.model_dump(exclude_none=True), "_field": f"{where}.content[{j}]"} if p.type == "input_image"
+            else {"type": "text", "text": _part_text(p, f"{where}.content[{j}]")} for j, p in enumerate(parts)]
+
+
 def _text_of(parts: Union[str, list[MessagePart]], where: str) -> str:
     if isinstance(parts, str):
         return parts
-    out = []
-    for j, p in enumerate(parts):
-        if p.type in _TEXT_PARTS:
-            out.append(p.text or "")
-        elif p.type == "refusal":
-            out.append(p.refusal or "")
-        else:
-            why = _REFUSED_PARTS.get(p.type) or "only text parts are supported"
-            raise ParamError("input", f"{where}.content[{j}]: type {p.type!r}: {why}")
-    return "".join(out)
+    return "".join(_part_text(p, f"{where}.content[{j}]") for j, p in enumerate(parts))
+
+
+def _part_text(p: MessagePart, where: str) -> str:
+    if p.type in _TEXT_PARTS:
+        return p.text or ""
+    if p.type == "refusal":
+        return p.refusal or ""
+    why = _REFUSED_PARTS.get(p.type) or "only text parts are supported"
+    raise ParamError("input", f"{where}: type {p.type!r}: {why}")
 
 
 def parse_input(value: Union[str, list[dict[str, Any]]]) -> list[InputItem]:
@@ -255,8 +267,10 @@ def parse_input(value: Union[str, list[dict[str, Any]]]) -> list[InputItem]:
             item = model.model_validate(raw)
         except ValidationError as e:
             raise ParamError("input", f"input[{i}]: {_first(e)}") from None
-        if isinstance(item, (MessageItem, FunctionCallOutputItem)):
-            _text_of(item.content if isinstance(item, MessageItem) else item.output, f"input[{i}]")
+        if isinstance(item, MessageItem):
+            _content_of(item.content, f"input[{i}]")
+        elif isinstance(item, FunctionCallOutputItem):
+            _text_of(item.output, f"input[{i}]")
         items.append(item)
     return items
 
@@ -267,13 +281,13 @@ def to_chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     item becomes the next assistant message's ``reasoning_content``."""
     out: list[dict[str, Any]] = []
     reasoning: Optional[str] = None
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, ReasoningItem):
             parts = item.content or item.summary
             reasoning = "".join(p.text for p in parts)
             continue
         if isinstance(item, MessageItem):
-            msg: dict[str, Any] = {"role": item.role, "content": _text_of(item.content, "input")}
+            msg: dict[str, Any] = {"role": item.role, "content": _content_of(item.content, f"input[{i}]")}
             if item.role == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
             out.append(msg)

@@ -28,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
+from pagedllm.entrypoints.chat_inputs import mm_prompt
 from pagedllm.entrypoints.openai import tool_calling as tc
 from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
@@ -37,6 +38,7 @@ from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_REN
                                                       engine_failures, json_response, merge_streams, now, random_id,
                                                       sse, sse_choice_chunk, stream_response, timeout_error,
                                                       until_disconnect)
+from pagedllm.entrypoints.openai.serving_mm import MultiModalInputs, content_texts, mm_inputs
 from pagedllm.entrypoints.openai.errors import from_param_error
 from pagedllm.errors import ParamError
 from pagedllm.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
@@ -49,6 +51,7 @@ class ChatServing(Serving):
     tool_parser: Optional[str] = None  # --tool-call-parser
     enable_auto_tool_choice = False  # --enable-auto-tool-choice
     reasoning_parser: Optional[str] = None  # --reasoning-parser
+    mm: Optional[MultiModalInputs] = None  # content parts, images (serving_mm.py)
 
     def _reasoner(self, req: ChatCompletionRequest) -> Optional[ReasoningParser]:
         """A parser for this request (it may read the request's chat_template_kwargs, as Qwen3's does)."""
@@ -90,10 +93,13 @@ class ChatServing(Serving):
                                 {k: "tools" for k in STRUCTURED_RENAME})}
         params = await gate_grammar(self, params, rename, raw, start)
         tools = tc.tools_for_template(req.tools) if req.tools and choice != "none" else None
-        messages = [m.to_template_dict() for m in req.messages]
-        self.check_text_size([m["content"] for m in messages] + [m.get("reasoning") for m in messages], "messages")
+        mm = mm_inputs(self)
+        chat_inputs = await mm.parse([m.to_template_dict() for m in req.messages])
+        messages = chat_inputs.messages
+        self.check_text_size(content_texts(messages), "messages")
         ticket = self.admit(params.best_of)
         try:
+            images = await mm.load(chat_inputs)
             ids = await self.render_chat(messages,
                                          req.chat_template or self.chat_template, req.add_generation_prompt,
                                          req.continue_final_message, req.template_kwargs(), start,
@@ -103,8 +109,7 @@ class ChatServing(Serving):
             field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             self.check_lengths(len(ids), req.max_new_tokens, field, prompt_field="messages")
             rid = random_id("chatcmpl")
-            streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, rename, start,
-                                            lora)
+            streams = await self.submit_all(rid, [mm_prompt(ids, images)], params, arrival, rename, start, lora)
             if req.stream:
                 resp = stream_response(self._stream(rid, req, params, streams, choice, reasoner, ids), streams,
                                        self.metrics, ticket)

@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
 from pagedllm.entrypoints.openai.protocol_pooling import PoolingRequest
 from pagedllm.entrypoints.openai.serving_common import (Serving, engine_failures, json_response, now, random_id,
                                                       until_disconnect)
+from pagedllm.entrypoints.openai.serving_mm import content_texts, mm_inputs
 from pagedllm.errors import ParamError
 from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
@@ -158,8 +159,8 @@ class PoolingServing(Serving):
         if req.chat_template is not None and not self.limits.trust_request_chat_template:
             raise APIError(400, "chat_template: a request's own chat template is refused unless the server runs "
                                 "with --trust-request-chat-template", param="chat_template")
-        messages = [m.to_template_dict() for m in req.messages]
-        self.check_text_size([m["content"] for m in messages], "messages")
+        messages = (await mm_inputs(self).parse([m.to_template_dict() for m in req.messages])).messages
+        self.check_text_size(content_texts(messages), "messages")
         ids = await self.render_chat(messages, req.chat_template or self.chat_template, req.add_generation_prompt,
                                      req.continue_final_message, req.chat_template_kwargs, start,
                                      request_template=req.chat_template is not None)

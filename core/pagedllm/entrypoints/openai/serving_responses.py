@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
+from pagedllm.entrypoints.chat_inputs import mm_prompt
 from pagedllm.entrypoints.openai import tool_calling as tc
 from pagedllm.entrypoints.openai.errors import APIError, from_param_error
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
@@ -33,6 +34,7 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (ResponsesRequest, parse_input, to_chat_messages,
                                                             unsupported_fields)
 from pagedllm.entrypoints.openai.response_store import ResponseStore
+from pagedllm.entrypoints.openai.serving_mm import MultiModalInputs, content_texts, mm_inputs
 from pagedllm.entrypoints.openai.serving_common import (ChoiceState, Serving, engine_failures, merge_streams,
                                                       stream_response, timeout_error, until_disconnect)
 from pagedllm.errors import ParamError
@@ -67,10 +69,17 @@ def function_call_item(name: str, arguments: str, fid: Optional[str] = None, cal
             "call_id": call_id or f"call_{uuid.uuid4().hex[:24]}", "name": name, "arguments": arguments}
 
 
+def _as_input(e: APIError) -> APIError:
+    """A content-part error names ``input`` as this endpoint's other errors do (the part's path is in the message)."""
+    e.param = "input"
+    return e
+
+
 class ResponsesServing(Serving):
     tool_parser: Optional[str] = None  # --tool-call-parser
     enable_auto_tool_choice = False  # --enable-auto-tool-choice
     store: ResponseStore
+    mm: Optional[MultiModalInputs] = None  # content parts, images (serving_mm.py)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -123,7 +132,13 @@ class ResponsesServing(Serving):
             raise from_param_error(e) from None
         check_extra_fields(req, "/v1/responses")
         conversation = self._conversation(req)
-        messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + conversation
+        mm = mm_inputs(self)
+        try:  # images: checked (and below loaded) as chat's; the path goes in the message, param stays "input"
+            chat_inputs = await mm.parse(([{"role": "system", "content": req.instructions}] if req.instructions
+                                          else []) + conversation, "input")
+        except APIError as e:
+            raise _as_input(e) from None
+        messages = chat_inputs.messages
         chat_req = self.chat_request(req, chat_tools, choice)
         forced = tc.forced_grammar(chat_tools, choice, req.parallel_tool_calls)
         params = self._params(req, forced if forced is not None else structured, chat_req.skip_special_tokens)
@@ -132,9 +147,13 @@ class ResponsesServing(Serving):
         params = await gate_grammar(self, params, rename, raw, start)
         template_tools = tc.tools_for_template(chat_tools) if chat_tools and choice != "none" else None
         kwargs = {"reasoning_effort": req.reasoning.effort} if req.reasoning and req.reasoning.effort else None
-        self.check_text_size([m["content"] for m in messages], "input")
+        self.check_text_size(content_texts(messages), "input")
         ticket = self.admit(1)
         try:
+            try:
+                images = await mm.load(chat_inputs)
+            except APIError as e:
+                raise _as_input(e) from None
             try:
                 ids = await self.render_chat(messages, self.chat_template, True, False, kwargs, start,
                                              tools=template_tools,
@@ -146,7 +165,7 @@ class ResponsesServing(Serving):
                 raise
             self.check_lengths(len(ids), req.max_output_tokens, "max_output_tokens", prompt_field="input")
             rid = item_id("resp")
-            streams = await self.submit_all(rid, [{"prompt_token_ids": ids}], params, arrival, rename, start, lora)
+            streams = await self.submit_all(rid, [mm_prompt(ids, images)], params, arrival, rename, start, lora)
             turn = _Turn(self, rid, req, chat_req, params, choice, conversation, ids)
             if req.stream:
                 resp = stream_response(turn.events(streams), streams, self.metrics, ticket)
