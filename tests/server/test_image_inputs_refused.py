@@ -1,20 +1,21 @@
-"""Image content parts on the server (issue 29): every refusal is a 400 in OpenAI's shape naming the part, sent
-through the official ``openai`` client to real ``pagedllm serve`` processes; nothing stuck or leaked afterwards.
+"""Image content parts on the server (issue 29), sent through the official ``openai`` client to real ``pagedllm
+serve`` processes: every refusal is a 400 in OpenAI's shape naming the part, nothing stuck or leaked afterwards, and
+an accepted image gives the text the offline API gives.
 
-Two servers on the tiny text model, started together by one fixture:
+Two servers, started together by one fixture:
 
-* ``text``: as deployed. Before this issue it answered 200 and silently dropped an image part (even a corrupt
-  one); now an image sent to it is refused before anything is fetched, as are audio/video and unknown part types.
-* ``images``: the same model with its architecture registered as taking images in that server's processes (a
-  ``sitecustomize`` on its PYTHONPATH), so the refusals that need an image to be fetched or decoded (limits,
-  timeouts, sizes, redirects, domains, ``file:`` paths, corrupt data) are reached. No native vision family exists
-  on this branch; every request here is refused before the engine would see an image.
+* ``text``: the tiny text model, as deployed. Before this issue it answered 200 and silently dropped an image part
+  (even a corrupt one); now an image sent to it is refused before anything is fetched, as are audio/video and
+  unknown part types.
+* ``images``: the tiny random LLaVA (``tests/support/tiny_vlm.py``), with tight limits, so the refusals that need
+  an image to be fetched or decoded (limits, timeouts, sizes, redirects, domains, ``file:`` paths, corrupt data)
+  are reached, and images it accepts (a data URL, a URL served on 127.0.0.1) run through its vision tower.
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import threading
 import time
 
@@ -24,11 +25,10 @@ import psutil
 import pytest
 from media_server import MediaServer, data_url, huge_png_header, png_bytes
 from server_utils import API_KEY, ServerProcess, tiny_chat_model, wait_idle
+from tiny_vlm import tiny_llava_model
 
 LIMIT = 2  # --limit-mm-per-prompt
 TEXT = {"type": "text", "text": "What is in this image?"}
-SHIM = ('from pagedllm.multimodal import registry\n'
-        'registry.MULTIMODAL_ARCHITECTURES["LlamaForCausalLM"] = frozenset({"image"})\n')
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +39,7 @@ def media():
 
 @pytest.fixture(scope="module")
 def servers(media, tmp_path_factory):
-    model = tiny_chat_model()
-    shim = tmp_path_factory.mktemp("mm-shim")
-    (shim / "sitecustomize.py").write_text(SHIM)
+    model, vlm = tiny_chat_model(), tiny_llava_model()
     folder = tmp_path_factory.mktemp("media")
     (folder / "ok.png").write_bytes(png_bytes())
     (folder.parent / "outside.png").write_bytes(png_bytes())
@@ -49,17 +47,16 @@ def servers(media, tmp_path_factory):
     image_args = (*common, "--limit-mm-per-prompt", json.dumps({"image": LIMIT}), "--media-fetch-timeout", "3",
                   "--max-media-bytes", "100000", "--media-max-redirects", "2", "--max-image-pixels", "1000000",
                   "--allowed-local-media-path", str(folder), "--allowed-media-domains", "127.0.0.1")
-    env = {"PYTHONPATH": os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")])}
     started: dict = {}
 
-    def start(name, *args, **kw):
+    def start(name, path, *args):
         try:
-            started[name] = ServerProcess(model, *args, **kw)
+            started[name] = ServerProcess(path, *args)
         except BaseException as e:  # noqa: BLE001 - raised below, after both tried
             started[name] = e
 
-    threads = [threading.Thread(target=start, args=("text", *common)),
-               threading.Thread(target=start, args=("images", *image_args), kwargs={"env": env})]
+    threads = [threading.Thread(target=start, args=("text", model, *common)),
+               threading.Thread(target=start, args=("images", vlm, *image_args))]
     for t in threads:
         t.start()
     for t in threads:
@@ -235,6 +232,36 @@ def test_responses_input_image(images, media):
     body = e.value.body
     assert (body["param"], body["code"]) == ("input", "invalid_image")
     assert body["message"].startswith("input[0].content[1].image_url: "), body
+
+
+def _offline_text(images_: list, prompt: str) -> str:
+    """``LLM.chat``'s greedy text for one user message of ``images_`` then ``prompt`` (the offline API)."""
+    from pagedllm import LLM, SamplingParams
+
+    with LLM(tiny_llava_model(), device="cpu", dtype="float32", max_model_len=512) as llm:
+        parts = [{"type": "image_pil", "image_pil": im} for im in images_] + [{"type": "text", "text": prompt}]
+        out = llm.chat([{"role": "user", "content": parts}], SamplingParams(max_tokens=8, temperature=0))
+    return out[0].outputs[0].text
+
+
+def test_accepted_images_give_the_offline_text(images, media):
+    """One image as a data URL and as a URL served on 127.0.0.1, and two images in one message: the server's greedy
+    text equals ``LLM.chat``'s on the same pictures."""
+    from PIL import Image
+
+    red, blue = png_bytes(), png_bytes((20, 12), color=(10, 40, 220))
+    pil = [Image.open(io.BytesIO(b)).convert("RGB") for b in (red, blue)]
+    c = _client(images)
+    kw = dict(model="test-model", max_tokens=8, temperature=0)
+
+    def served(*parts) -> str:
+        return c.chat.completions.create(messages=[{"role": "user", "content": [*parts, TEXT]}],
+                                         **kw).choices[0].message.content
+
+    one, two = _offline_text(pil[:1], TEXT["text"]), _offline_text(pil, TEXT["text"])
+    assert served(_image(data_url(red))) == one
+    assert served(_image(media.url("/img.png"))) == one  # /img.png serves png_bytes(): the red picture
+    assert served(_image(data_url(red)), _image(data_url(blue))) == two
 
 
 # ---- afterwards ---------------------------------------------------------------------------------------------------

@@ -15,10 +15,20 @@ from pathlib import Path
 
 from server_utils import _smollm2_dir
 
-_VERSION = "v1"
+_VERSION = "v2"
 IMAGE_SIZE = 84
 PATCH = 14
 TOKENS_PER_IMAGE = (IMAGE_SIZE // PATCH) ** 2
+
+
+# ChatML with image parts (HF's convention, as llava-hf templates take them): each {"type": "image"} entry renders one
+# ``<image>`` placeholder, which the processor expands to TOKENS_PER_IMAGE tokens.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>\n{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 def _randomize(model, seed: int) -> None:
@@ -65,7 +75,8 @@ def make_llava_variant(out_dir, seed: int = 0, **overrides) -> str:
 
 
 def tiny_llava_model() -> str:
-    """Path of the tiny random LLaVA folder (config, safetensors, tokenizer, processor, chat template)."""
+    """Path of the tiny random LLaVA folder (config, safetensors, tokenizer, processor, a chat template taking image
+    parts)."""
     root = Path(os.environ.get("PAGEDLLM_TEST_CACHE", Path(tempfile.gettempdir()) / "pagedllm-test-cache"))
     out = root / f"tiny-llava-{_VERSION}"
     if (out / "config.json").is_file():
@@ -76,6 +87,7 @@ def tiny_llava_model() -> str:
 
     tok = AutoTokenizer.from_pretrained(_smollm2_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = CHAT_TEMPLATE
     cfg = llava_config(len(tok), tok.convert_tokens_to_ids("<image>"))
     for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(cfg.text_config, name, getattr(tok, name))
@@ -86,7 +98,7 @@ def tiny_llava_model() -> str:
                                             crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=PATCH,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
-                               chat_template=tok.chat_template)
+                               chat_template=CHAT_TEMPLATE)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="tiny-llava-", dir=root))
     model.save_pretrained(tmp)
