@@ -217,11 +217,22 @@ def test_abort_mid_prefill_returns_slot_and_blocks(dirs, family):
     _assert_released(llm)
 
 
-def test_state_slots_come_out_of_the_kv_budget(dirs):
-    """Pure Mamba2's KV blocks cost nothing, but its state slots must fit the memory given: 256 slots of ~31 KiB
-    do not fit in 1 MiB, and the error names the field."""
-    with pytest.raises(ParamError, match="kv_cache_memory"):
-        _engine(dirs["mamba2"], max_num_seqs=256, kv_cache_memory=1 << 20)
+def test_state_slots_come_out_of_the_kv_budget(dirs, caplog):
+    """Pure Mamba2's KV blocks cost nothing, but its state slots must fit the memory given: 256 slots of ~31 KiB do
+    not fit in half of 1 MiB, so max_num_seqs is lowered until they do (logged), and the engine still generates; a
+    budget too small for one slot is refused naming the field and the state."""
+    with caplog.at_level("WARNING"):
+        llm = _engine(dirs["mamba2"], max_num_seqs=256, kv_cache_memory=1 << 20)
+    with llm:
+        per_slot = llm.llm_engine.worker.state_spec.bytes_per_slot
+        slots = llm.llm_engine.kv.state_slots.num_slots
+        assert slots == (1 << 19) // per_slot < 256 and llm.llm_engine.worker.max_num_seqs == slots
+        assert f"max_num_seqs 256 -> {slots}" in caplog.text
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, SamplingParams(max_tokens=4, temperature=0))
+        assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4]
+        _assert_released(llm)
+    with pytest.raises(ParamError, match="kv_cache_memory.*recurrent state of 1 sequences"):
+        _engine(dirs["mamba2"], max_num_seqs=256, kv_cache_memory=1 << 10)
 
 
 @pytest.mark.parametrize("family,arch,why", [

@@ -190,6 +190,19 @@ class Worker:
         spec = MambaSpec(m.num_state_layers, self.max_num_seqs, tuple(shapes), tuple(m.state_dtypes), self.device)
         return spec.bytes_per_slot * spec.num_slots
 
+    def _fit_state_slots(self, budget: float) -> None:
+        """Recurrent state costs a whole slot per schedulable sequence (e.g. 19 MiB for a mamba2-130m-shaped model):
+        at the default ``max_num_seqs`` it may exceed the KV budget. Like vLLM, lower ``max_num_seqs`` until the
+        slots take at most half the budget (the rest holds the attention layers' blocks), with one log line."""
+        per_slot = self._state_bytes() / self.max_num_seqs
+        if not per_slot or self.max_num_seqs * per_slot <= budget / 2:
+            return
+        fit = max(1, int(max(budget, 0) / 2 // per_slot))
+        logger.warning("%s keeps %.1f MiB of recurrent state per sequence: max_num_seqs %d -> %d so that its state "
+                       "slots take at most half of the %.2f GiB KV budget (set max_num_seqs or the KV memory to "
+                       "choose)", self.info.architecture, per_slot / 2**20, self.max_num_seqs, fit, budget / 2**30)
+        self.max_num_seqs = fit
+
     def _state_spec(self) -> Optional[MambaSpec]:
         """The model's state group (``state_shapes`` / ``state_dtypes`` per layer), with one slot per sequence a step
         may hold; refused where the step cannot hand the model its slots (static shapes keep no per-step slot
@@ -280,6 +293,7 @@ class Worker:
                 logger.info("KV budget %.2f GiB: %.0f%% of %.2f GiB, %.2f GiB in use after load, %s GiB activation "
                             "peak", budget / 2**30, 100 * util, mem.total_bytes / 2**30, used / 2**30,
                             f"{peak / 2**30:.2f}" if peak is not None else "unmeasured")
+            self._fit_state_slots(budget)
             budget -= self._state_bytes()  # a hybrid model's state slots come out of the same budget
             # More blocks than every sequence at full length can use only feed the prefix cache; cap there x2.
             cap = 2 * self.max_num_seqs * per_seq
@@ -288,7 +302,10 @@ class Worker:
         if n < per_seq:
             raise ParamError(field_name, f"the KV pool would hold {n} blocks ({n * self.block_size} tokens), fewer "
                                          f"than one max_model_len={self.max_model_len} sequence needs ({per_seq}); "
-                                         f"give more KV memory or lower max_model_len")
+                                         f"give more KV memory or lower max_model_len"
+                                         + (f" (recurrent state of {self.max_num_seqs} sequences takes "
+                                            f"{self._state_bytes() / 2**30:.2f} GiB of it; lower max_num_seqs)"
+                                            if self._state_bytes() else ""))
         return n
 
     # ---- runners ---------------------------------------------------------------------------------------------
