@@ -100,6 +100,9 @@ ARCHITECTURES.update({name: ArchSpec(lambda c: True, lambda c: True, module="ber
                       for name in ENCODER_ARCHITECTURES})
 # Vision-language (models/llava.py): the flags of its decoder come from its text_config.
 ARCHITECTURES["LlavaForConditionalGeneration"] = ArchSpec(lambda c: False, lambda c: False, module="llava")
+# Idefics3 / SmolVLM (models/idefics3.py): SigLIP tower + pixel-shuffle connector + the decoder of its text_config.
+ARCHITECTURES.update({name: ArchSpec(lambda c: False, lambda c: False, module="idefics3")
+                      for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")})
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:
