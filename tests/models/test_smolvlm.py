@@ -206,3 +206,33 @@ def test_smolvlm_architecture_loads_and_matches_hf(hf, tmp_path):
     with torch.inference_mode():
         logits = ours.compute_logits(ours(ids[0], torch.arange(4), meta))
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_chat_with_images_in_two_turns_matches_hf(hf, llm):
+    """``LLM.chat`` with ``image_url`` data-URL parts in two user turns: the chat template's one ``<image>`` per part
+    becomes each image's tiles and markers (the rendered token ids expanded here), and the tokens are HF's on the
+    same rendered text."""
+    import base64
+    import io
+
+    model, processor = hf
+
+    def data_url(im) -> str:
+        buf = io.BytesIO()
+        im.save(buf, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    a, b = IMAGES["tall"], IMAGES["wide"]
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(a)}},
+                                             {"type": "text", "text": "What is this?"}]},
+                {"role": "assistant", "content": "A gradient."},
+                {"role": "user", "content": [{"type": "text", "text": "And this one?"},
+                                             {"type": "image_url", "image_url": {"url": data_url(b)}}]}]
+    out = llm.chat(messages, greedy(6), use_tqdm=False)[0]
+    hf_messages = [{**m, "content": [{"type": "image"} if p["type"] == "image_url" else p for p in m["content"]]}
+                   if isinstance(m["content"], list) else m for m in messages]
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=text, images=[a, b], return_tensors="pt", add_special_tokens=False)
+    want = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == want
