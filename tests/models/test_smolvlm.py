@@ -236,3 +236,23 @@ def test_chat_with_images_in_two_turns_matches_hf(hf, llm):
     want = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
     assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert out.outputs[0].token_ids == want
+
+
+def test_placeholders_and_images_that_do_not_match_are_refused(llm, hf):
+    from pagedllm.errors import ParamError
+
+    engine = llm.llm_engine
+    tok = hf[1].tokenizer
+    with pytest.raises(ParamError, match="^prompt:"):  # two images, one placeholder
+        engine.add_request(None, PROMPT_1, greedy(1), multi_modal_data={"image": [IMAGES["wide"]] * 2})
+    with pytest.raises(ParamError, match="^prompt:"):  # a placeholder without its image
+        engine.add_request(None, PROMPT_2, greedy(1), multi_modal_data={"image": IMAGES["wide"]})
+    with pytest.raises(ParamError, match="^prompt_token_ids:"):  # token ids: one image token for two images
+        engine.add_request(None, {"prompt_token_ids": tok.encode(PROMPT_1)}, greedy(1),
+                           multi_modal_data={"image": [IMAGES["wide"], IMAGES["tall"]]})
+    with pytest.raises(ParamError, match="^prompt_token_ids:"):  # token ids: the image's span cut short
+        got = engine.mm_processor(PROMPT_1, None, [IMAGES["wide"]])
+        ids, cut = got.prompt_token_ids, got.mm_features[0].mm_position.offset + 20
+        engine.add_request(None, {"prompt_token_ids": ids[:cut] + ids[cut + 1:]}, greedy(1),
+                           multi_modal_data={"image": IMAGES["wide"]})
+    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks == 0
