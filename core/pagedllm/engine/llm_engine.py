@@ -23,7 +23,7 @@ from pagedllm.worker.model_runner import PendingStep, StepOutput
 from pagedllm.models.info import read_model_info
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 from pagedllm.multimodal.processing import MultiModalProcessor, as_image_list, prompt_parts
-from pagedllm.multimodal.registry import supported_modalities
+from pagedllm.multimodal.registry import processor_class, supported_modalities
 from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling import check_request
 from pagedllm.pooling_params import PoolingParams
@@ -175,7 +175,7 @@ class LLMEngine:
                      self.model.num_image_tokens)
         self.scheduler.encoder_cache = EncoderCacheManager(budget)
         self.scheduler.max_num_encoder_input_tokens = budget
-        return MultiModalProcessor(self.model_path, hf_config)
+        return processor_class(hf_config)(self.model_path, hf_config)
 
     def shutdown(self) -> None:
         """Release everything this engine holds (idempotent): the other ranks of a distributed engine and the

@@ -31,6 +31,7 @@ class ArchSpec:
     # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms) | stablelm (models/stablelm.py)
     # | bert (models/bert.py: encoder-only BERT / RoBERTa / XLM-R) | lfm2 (models/lfm2.py: short convs + attention)
     # | llava (models/llava.py: CLIP tower + projector + the decoder of its text_config)
+    # | idefics3 (models/idefics3.py: SigLIP tower + pixel-shuffle connector + the decoder of its text_config)
     # | qwen3_next (models/qwen3_next.py: Gated DeltaNet + gated attention + MoE)
     # | mamba2 (models/mamba2.py: pure Mamba2) | granite_hybrid (models/granite_hybrid.py: Mamba2 + attention + MoE)
     module: str = "decoder"
@@ -100,6 +101,9 @@ ARCHITECTURES.update({name: ArchSpec(lambda c: True, lambda c: True, module="ber
                       for name in ENCODER_ARCHITECTURES})
 # Vision-language (models/llava.py): the flags of its decoder come from its text_config.
 ARCHITECTURES["LlavaForConditionalGeneration"] = ArchSpec(lambda c: False, lambda c: False, module="llava")
+# Idefics3 / SmolVLM (models/idefics3.py): SigLIP tower + pixel-shuffle connector + the decoder of its text_config.
+ARCHITECTURES.update({name: ArchSpec(lambda c: False, lambda c: False, module="idefics3")
+                      for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")})
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

@@ -32,7 +32,7 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
     """Shapes, dtype and attention features of the checkpoint at ``model_path`` (its HF ``config``), for the
     implementation ``model_impl`` picks."""
     name, impl = resolve_model_impl(config, model_impl)
-    if impl == "native" and architecture_of(config)[1].module == "llava":  # a VLM: its decoder's shapes
+    if impl == "native" and architecture_of(config)[1].module in ("llava", "idefics3"):  # a VLM: its decoder's shapes
         return llava_model_info(config, read_model_info(model_path, text_config_of(config), "native"))
     if impl == "native":
         windows = [w for w in layer_sliding_windows(config, architecture_of(config)[1]) if w is not None]

@@ -66,6 +66,10 @@ VERIFIED: dict[str, str] = {
     "LlavaForConditionalGeneration": "tests/models/test_llava.py (processor output, image features, greedy tokens "
                                      "and log-probs vs HF; one and two images per prompt, chunks splitting an image, prefix-cache "
                                      "hits by image hash); tests/core/test_encoder_cache.py",
+    **dict.fromkeys(("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
+                    "tests/models/test_smolvlm.py (processor spans and tiles, image features, greedy tokens and "
+                    "log-probs vs HF; tiled images, two images per prompt, chunks splitting an image, prefix-cache "
+                    "hits by image hash)"),
 }
 # SmolLM2-135M Q4_1 (tests/models/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
 # (tests/models/test_gguf_families.py); Mistral,
@@ -134,7 +138,9 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "RobertaForSequenceClassification": "RoBERTa (cross-encoder, classifier)",
             "XLMRobertaModel": "XLM-RoBERTa (embeddings)",
             "XLMRobertaForSequenceClassification": "XLM-RoBERTa (cross-encoder, classifier)",
-            "LlavaForConditionalGeneration": "LLaVA (1.5-style: CLIP + projector + Llama-family decoder)"}
+            "LlavaForConditionalGeneration": "LLaVA (1.5-style: CLIP + projector + Llama-family decoder)",
+            "Idefics3ForConditionalGeneration": "Idefics3 / SmolVLM (SigLIP + pixel-shuffle connector + Llama)",
+            "SmolVLMForConditionalGeneration": "SmolVLM2 (SigLIP + pixel-shuffle connector + Llama)"}
 #: The decoders' pooling forms checked against HF (tests/models/test_pooling_models.py)
 _POOLING_TESTED = {
     "LlamaForSequenceClassification": "tests/models/test_pooling_models.py (probabilities, logits, per-token "
@@ -235,6 +241,9 @@ def _features(name: str) -> str:
     if spec.module == "llava":
         out.append("images (docs/multimodal.md): CLIP tower on `encoder_attention`, encoder cache, image-hashed "
                    "prefix blocks")
+    if spec.module == "idefics3":
+        out.append("images (docs/multimodal.md): tiles + global view, SigLIP tower on `encoder_attention`, encoder "
+                   "cache, image-hashed prefix blocks")
     if spec.sliding != "none":
         out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
     if spec.qk_norm:

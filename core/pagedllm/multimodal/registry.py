@@ -11,7 +11,27 @@ from typing import Any
 # HF architecture name -> the modalities its native implementation takes besides text
 MULTIMODAL_ARCHITECTURES: dict[str, frozenset[str]] = {
     "LlavaForConditionalGeneration": frozenset({"image"}),  # models/llava.py: CLIP tower + projector + decoder
+    **dict.fromkeys(("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
+                    frozenset({"image"})),  # models/idefics3.py: SigLIP tower + pixel-shuffle connector + decoder
 }
+
+# HF architecture name -> its prompt processor when the generic one (contiguous image-token runs) does not fit
+MULTIMODAL_PROCESSORS: dict[str, str] = dict.fromkeys(
+    ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
+    "pagedllm.multimodal.idefics3_processing:Idefics3MultiModalProcessor")
+
+
+def processor_class(hf_config: Any) -> type:
+    """The :class:`MultiModalProcessor` (sub)class that expands the prompts of the model of ``hf_config``."""
+    import importlib
+
+    for arch in getattr(hf_config, "architectures", None) or ():
+        if arch in MULTIMODAL_PROCESSORS:
+            module, _, name = MULTIMODAL_PROCESSORS[arch].partition(":")
+            return getattr(importlib.import_module(module), name)
+    from pagedllm.multimodal.processing import MultiModalProcessor
+
+    return MultiModalProcessor
 
 
 def supported_modalities(hf_config: Any) -> frozenset[str]:
