@@ -36,6 +36,19 @@ def tiny_llama(tiny_model_dirs) -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf():
+    """HF transformers' float32 model of the embedded SmolLM2 GGUF (transformers dequantizes the file: ~12 s of CPU),
+    loaded once for every test that takes it as its oracle. Read-only: forwards, ``generate`` and ``state_dict``."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.models import resolve_model_path
+
+    path = resolve_model_path(None)
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def bench_llama(tmp_path_factory) -> str:
     """DESIGN.md's ~19M-parameter benchmark Llama."""
     return tiny_models.make_bench_llama(tmp_path_factory.mktemp("bench_llama"))

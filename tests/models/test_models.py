@@ -88,14 +88,12 @@ def test_sharded_safetensors(tmp_path, tiny_model_dirs, ref_backend):
 
 
 @pytest.fixture(scope="module")
-def smollm2(ref_backend):
-    """(path, tokenizer, our model, HF model) for the embedded SmolLM2 GGUF, loaded once (~30 s)."""
+def smollm2(ref_backend, smollm2_hf):
+    """(path, tokenizer, our model, HF model) for the embedded SmolLM2 GGUF, loaded once (HF's: once per session)."""
     path = resolve_model_path(None)
     tok = load_tokenizer(path)
     ours = load_model(path, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32).eval()
-    return path, tok, ours, hf
+    return path, tok, ours, smollm2_hf
 
 
 def test_gguf_logits_match_hf(smollm2, ref_backend):

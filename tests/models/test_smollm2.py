@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from hf_oracle import hf_greedy
 from pagedllm import LLM, SamplingParams
-from pagedllm.models import resolve_model_path
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
@@ -21,10 +16,9 @@ def llm():
 
 
 @pytest.fixture(scope="module")
-def hf():
-    path = resolve_model_path(None)
-    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                dtype=torch.float32).eval()
+def hf(smollm2_hf):
+    """HF transformers' float32 model of the same GGUF (conftest: loaded once per session)."""
+    return smollm2_hf
 
 
 def test_greedy_32_tokens_equal_hf_from_same_gguf(llm, hf):

@@ -44,9 +44,10 @@ def test_pagedllm_conformance_passes_and_writes_support_matrix(tmp_path, device)
 
 def test_support_matrix_from_cpu_reports(tmp_path):
     """``--simulated`` marks a run verified-on-CPU-simulation; the matrix shows it, and lists backends without a
-    report as not verified."""
-    a = conformance("--device", "cpu", "--report", str(tmp_path), "-q", "--allow", "fused_ops", "e2e")
-    b = conformance("--device", "cpu-static", "--report", str(tmp_path), "-q", "--allow", "static_shapes",
+    report as not verified. The runs are partial on purpose: one cheap feature each (the full runs, end to end
+    included, are the test above)."""
+    a = conformance("--device", "cpu", "--report", str(tmp_path), "-q", "--allow", "fused_ops")
+    b = conformance("--device", "cpu-static", "--report", str(tmp_path), "-q", "--allow", "fused_ops",
                     "--simulated", "test: pretend simulated layer")
     assert a.returncode == b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
     out = tmp_path / "matrix.md"
