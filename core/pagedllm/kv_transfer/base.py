@@ -81,6 +81,7 @@ class KVConnectorContext:
     kv_spec: Any = None  # pagedllm.backend.KVCacheSpec of the device caches
     layer_names: list[str] = field(default_factory=list)
     block_hashes: Optional[Callable[[Any, int], list[bytes]]] = None
+    block_ids: Optional[Callable[[str], list[int]]] = None  # request id -> its device block table (scheduler side)
     allocate_host_kv_cache: Optional[Callable[[Any, bool], list]] = None  # (spec, pin_memory) -> host caches
     swap_kv_blocks: Optional[Callable[..., None]] = None  # (src caches, dst caches, src ids, dst ids)
     gather_kv_blocks: Optional[Callable[..., Any]] = None  # (cache, block ids) -> canonical [2, n, bs, h, d]
