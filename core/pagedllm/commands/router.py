@@ -7,7 +7,8 @@ import argparse
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("router", help="proxy that runs each request's prefill on one instance and its decode on another")
+    p = sub.add_parser("router",
+                       help="proxy that runs each request's prefill on one instance, its decode on another")
     p.add_argument("--prefill", required=True, help="base URL of the kv_producer instance (http://127.0.0.1:8100)")
     p.add_argument("--decode", required=True, help="base URL of the kv_consumer instance (http://127.0.0.1:8200)")
     p.add_argument("--host", default="127.0.0.1")

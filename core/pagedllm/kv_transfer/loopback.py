@@ -117,9 +117,10 @@ class LoopbackConnector(KVConnectorBase_V1):
         for s in getattr(scheduler_output, "scheduled", ()):
             req = s.request
             p = req.num_prompt_tokens
-            if not (s.num_computed_tokens < p <= s.num_computed_tokens + s.num_new_tokens) or not self._wants_save(req):
+            completes = s.num_computed_tokens < p <= s.num_computed_tokens + s.num_new_tokens
+            if not completes or not self._wants_save(req):
                 continue
-            hashes = self.context.block_hashes(req, (p - 1) // bs * bs)  # what a consumer loads: its last token computes
+            hashes = self.context.block_hashes(req, (p - 1) // bs * bs)  # what a consumer loads (not the last token)
             ids = self.context.block_ids(req.request_id)
             self.meta.saves[req.request_id] = [(h, self._tokens(req, i), ids[i]) for i, h in enumerate(hashes)
                                                if not self.store.contains(h)]
@@ -180,6 +181,7 @@ class LoopbackConnector(KVConnectorBase_V1):
                 n = 0 if failed else self.store.read(h, tokens, self.staging)
                 if not n:  # missing, corrupt or truncated (read deleted it): recomputed from here
                     self._stat("load_failures", 0 if failed else 1)
+                    self._unlink(self.store.path(h))  # the rest of a broken transfer is nobody's
                     failed = True
                     self.load_errors.add(target)
                     continue
