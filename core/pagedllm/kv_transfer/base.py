@@ -2,8 +2,8 @@
 
 A connector moves KV-cache blocks between the engine's device pool and something outside it: host memory, disk, a
 remote instance (a transfer engine over RDMA, HCCS, ICI...). It is found by name through the
-``pagedllm.kv_connectors`` entry-point group (:data:`ENTRY_POINT_GROUP`; built-ins: ``OffloadingConnector``) and
-selected with ``--kv-transfer-config`` / ``LLM(kv_transfer_config=...)`` in vLLM's shape::
+``pagedllm.kv_connectors`` entry-point group (:data:`ENTRY_POINT_GROUP`; built-ins: ``OffloadingConnector``,
+``LoopbackConnector``) and selected with ``--kv-transfer-config`` / ``LLM(kv_transfer_config=...)`` in vLLM's shape::
 
     {"kv_connector": "MyConnector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}
 
