@@ -254,3 +254,26 @@ def test_decode_killed_mid_request_is_a_503_and_nothing_leaks(pd):
         time.sleep(0.5)
     assert files(store) == []
     assert httpx.get(f"{router.url}/health", timeout=15).status_code == 200
+
+
+def test_offline_hand_off_with_a_shared_prefix_loads_once_per_request(colocated, tmp_path):
+    """``LLM(kv_transfer_config=...)``: two requests sharing a prefix are decoded in one step on D, both load."""
+    def engine(role: str) -> LLM:
+        return LLM(tiny_chat_model(), device="cpu", max_model_len=512, kv_transfer_config={
+            "kv_connector": "LoopbackConnector", "kv_role": role,
+            "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
+    prefix = ids(40, 48)
+    prompts = [prefix + ids(41, 20), prefix + ids(42, 25)]
+    p = engine("kv_producer")
+    one = SamplingParams(temperature=0, max_tokens=1)
+    params = [o.kv_transfer_params for o in p.generate([{"prompt_token_ids": q} for q in prompts], one, use_tqdm=False)]
+    p.llm_engine.shutdown()
+    assert [len(x["block_hashes"]) for x in params] == [4, 4] and len(files(str(tmp_path))) == 5
+    d = engine("kv_consumer")
+    outs = d.generate([{"prompt_token_ids": q} for q in prompts],
+                      [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                      extra_args={"kv_transfer_params": x}) for x in params], use_tqdm=False)
+    st = d.llm_engine.get_stats().kv_offload
+    d.llm_engine.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [colocated(q, 6) for q in prompts]
+    assert st["load_failures"] == 0 and st["loaded_tokens"] == 8 * BS and files(str(tmp_path)) == []

@@ -175,13 +175,14 @@ class LoopbackConnector(KVConnectorBase_V1):
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self.get_connector_metadata()
         self.load_errors = set()
+        done: set[str] = set()  # deleted after the step's loads: two requests may load one shared prefix block
         for ops in meta.loads.values():
             failed = False
             for h, tokens, target in ops:
                 n = 0 if failed else self.store.read(h, tokens, self.staging)
                 if not n:  # missing, corrupt or truncated (read deleted it): recomputed from here
                     self._stat("load_failures", 0 if failed else 1)
-                    self._unlink(self.store.path(h))  # the rest of a broken transfer is nobody's
+                    done.add(self.store.path(h))  # the rest of a broken transfer is nobody's
                     failed = True
                     self.load_errors.add(target)
                     continue
@@ -189,7 +190,9 @@ class LoopbackConnector(KVConnectorBase_V1):
                 self._stat("disk_hits", 1)
                 self._stat("disk_bytes_loaded", n)
                 self._stat("loaded_tokens", len(tokens))
-                self._stat("consumed_files", self._unlink(self.store.path(h)))  # one transfer, one reader
+                done.add(self.store.path(h))  # one transfer, one reader
+        for path in done:
+            self._stat("consumed_files", self._unlink(path))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are synchronous copies
