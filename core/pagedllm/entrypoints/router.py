@@ -92,7 +92,10 @@ class Router:
                 if pre.status_code < 500:
                     return Response(pre.content, status_code=pre.status_code, media_type="application/json")
                 raise BackendDown("prefill", f"HTTP {pre.status_code}: {pre.text[:300]}")
-            params = pre.json().get("kv_transfer_params")
+            try:
+                params = pre.json().get("kv_transfer_params")
+            except (ValueError, AttributeError):
+                raise BackendDown("prefill", f"not a JSON object: {pre.text[:200]!r}") from None
             dbody = dict(body, kv_transfer_params=params) if params else body
             if not body.get("stream"):
                 dec = await self.send("decode", "POST", path, headers, dbody)
