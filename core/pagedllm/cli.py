@@ -27,6 +27,7 @@ COMMANDS = (
     "pagedllm.commands.models",
     "pagedllm.commands.bench",
     "pagedllm.commands.serve",
+    "pagedllm.commands.router",
     "pagedllm.conformance.cli",
 )
 

@@ -44,6 +44,7 @@ class RequestOutput:
     prompt_logprobs: Optional[list] = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    kv_transfer_params: Optional[dict] = None  # a KV connector's, for the next instance (P/D disaggregation)
 
 
 # ---- pooling (embed / classify / score / reward / encode), vLLM's classes -------------------------------------------

@@ -95,6 +95,7 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None  # only these tokens may be sampled
     bad_words: Optional[list[str]] = None  # word sequences that may never be generated (vLLM)
     truncate_prompt_tokens: Optional[int] = None  # keep only the last k prompt tokens
+    extra_args: Optional[dict] = None  # vLLM's: e.g. {"kv_transfer_params": {...}} for a KV connector
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

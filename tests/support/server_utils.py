@@ -71,8 +71,8 @@ class ServerProcess:
 
     def __init__(self, model: Optional[str], *extra: str, api_key: Optional[str] = API_KEY,
                  served_name: Optional[str] = "test-model", startup_timeout: float = 120.0,
-                 env: Optional[dict] = None):
-        self.port = free_port()
+                 env: Optional[dict] = None, port: Optional[int] = None):
+        self.port = port or free_port()  # a fixed port: a server restarted where a proxy expects it
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.served_name = served_name

@@ -58,11 +58,12 @@ class ParentRequest:
                    "last_token_time": max((c.last_token_time or 0.0) for c in self.children) or None}
         if delta and self.prompt_sent:
             return RequestOutput(self.request_id, None, [], outs, self.finished,
-                                 num_cached_tokens=first.num_cached_tokens, metrics=metrics)
+                                 num_cached_tokens=first.num_cached_tokens, metrics=metrics,
+                                 kv_transfer_params=first.kv_transfer_params if self.finished else None)
         self.prompt_sent = True
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
                              prompt_logprobs=first.prompt_logprobs, num_cached_tokens=first.num_cached_tokens,
-                             metrics=metrics)
+                             metrics=metrics, kv_transfer_params=first.kv_transfer_params if self.finished else None)
 
 
 class OutputProcessor:

@@ -2,8 +2,8 @@
 
 A connector moves KV-cache blocks between the engine's device pool and something outside it: host memory, disk, a
 remote instance (a transfer engine over RDMA, HCCS, ICI...). It is found by name through the
-``pagedllm.kv_connectors`` entry-point group (:data:`ENTRY_POINT_GROUP`; built-ins: ``OffloadingConnector``) and
-selected with ``--kv-transfer-config`` / ``LLM(kv_transfer_config=...)`` in vLLM's shape::
+``pagedllm.kv_connectors`` entry-point group (:data:`ENTRY_POINT_GROUP`; built-ins: ``OffloadingConnector``,
+``LoopbackConnector``) and selected with ``--kv-transfer-config`` / ``LLM(kv_transfer_config=...)`` in vLLM's shape::
 
     {"kv_connector": "MyConnector", "kv_role": "kv_both", "kv_connector_extra_config": {...}}
 
@@ -81,6 +81,7 @@ class KVConnectorContext:
     kv_spec: Any = None  # pagedllm.backend.KVCacheSpec of the device caches
     layer_names: list[str] = field(default_factory=list)
     block_hashes: Optional[Callable[[Any, int], list[bytes]]] = None
+    block_ids: Optional[Callable[[str], list[int]]] = None  # request id -> its device block table (scheduler side)
     allocate_host_kv_cache: Optional[Callable[[Any, bool], list]] = None  # (spec, pin_memory) -> host caches
     swap_kv_blocks: Optional[Callable[..., None]] = None  # (src caches, dst caches, src ids, dst ids)
     gather_kv_blocks: Optional[Callable[..., Any]] = None  # (cache, block ids) -> canonical [2, n, bs, h, d]

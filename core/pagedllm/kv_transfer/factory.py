@@ -8,7 +8,8 @@ import importlib.metadata as md
 from pagedllm.errors import ParamError
 from pagedllm.kv_transfer.base import ENTRY_POINT_GROUP, KVConnectorBase_V1
 
-BUILTIN_CONNECTORS = {"OffloadingConnector": "pagedllm.kv_transfer.offloading:OffloadingConnector"}
+BUILTIN_CONNECTORS = {"OffloadingConnector": "pagedllm.kv_transfer.offloading:OffloadingConnector",
+                      "LoopbackConnector": "pagedllm.kv_transfer.loopback:LoopbackConnector"}
 
 
 def available_connectors() -> list[str]:

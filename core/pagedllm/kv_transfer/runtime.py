@@ -56,7 +56,8 @@ def build_kv_transfer(config: Any, worker: Any, kv: Any, scheduler: Any, backend
     ctx = KVConnectorContext(
         model_identity=model_identity(model_path, config, worker.kv_dtype), block_size=kv.block_size,
         num_device_blocks=kv.num_blocks, bytes_per_block=worker.kv_spec.bytes_per_block, kv_spec=worker.kv_spec,
-        layer_names=names, block_hashes=kv.block_hashes, allocate_host_kv_cache=backend.allocate_host_kv_cache,
+        layer_names=names, block_hashes=kv.block_hashes, block_ids=kv.block_ids,
+        allocate_host_kv_cache=backend.allocate_host_kv_cache,
         swap_kv_blocks=backend.swap_kv_blocks, gather_kv_blocks=backend.gather_kv_blocks,
         pin_memory=backend.memory_info(worker.device).pinned_host)
     rt = KVTransfer(cls(tc, KVConnectorRole.SCHEDULER, ctx), cls(tc, KVConnectorRole.WORKER, ctx), kv,

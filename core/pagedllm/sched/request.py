@@ -60,6 +60,8 @@ class Request:
         self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0  # 0: the base model
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        # In: a KV connector's params from the client (vLLM's); out: the connector's request_finished params.
+        self.kv_transfer_params: Optional[dict] = (params.extra_args or {}).get("kv_transfer_params")
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first schedule
         self.status = RequestStatus.WAITING

@@ -113,6 +113,7 @@ class _Sampling(_Request):
     guided_regex: Optional[StrictStr] = None
     guided_choice: Optional[list[StrictStr]] = None
     guided_grammar: Optional[StrictStr] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None  # vLLM's: a KV connector's P/D hand-off (docs/kv-offload.md)
 
     def structured(self) -> tuple[Optional[StructuredOutputsParams], Optional[str]]:
         """The request's constraint and the field that set it (None, None when unconstrained)."""
@@ -161,6 +162,8 @@ class _Sampling(_Request):
                                   logit_bias=bias, allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
                                   truncate_prompt_tokens=self.truncate_prompt_tokens,
                                   structured_outputs=self.structured()[0])
+        if self.kv_transfer_params is not None:
+            kw["extra_args"] = {"kv_transfer_params": self.kv_transfer_params}
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)

@@ -205,8 +205,9 @@ class ChatServing(Serving):
                     "finish_reason": self._finish(c.finish_reason, has_calls, choice), "stop_reason": c.stop_reason,
                     **({"token_ids": list(c.token_ids)} if req.return_token_ids else {})}
 
+        kvt = final.kv_transfer_params  # a KV connector's P/D hand-off (vLLM's field)
         return await json_response({"id": rid, "object": "chat.completion", "created": now(),
-                                    "model": self.response_model(req)},
+                                    "model": self.response_model(req), **({"kv_transfer_params": kvt} if kvt else {})},
                                    [partial(build, c) for c in sorted(final.outputs, key=lambda c: c.index)],
                                    usage.as_dict())
 

@@ -137,8 +137,9 @@ class CompletionServing(Serving):
                 usage.completion_tokens += len(c.token_ids)
                 todo.append((i * params.n + c.index, i, c))
         todo.sort(key=lambda t: t[0])
+        kvt = final[0].kv_transfer_params if final else None  # a KV connector's P/D hand-off (vLLM's field)
         return await json_response({"id": rid, "object": "text_completion", "created": now(),
-                                    "model": self.response_model(req)},
+                                    "model": self.response_model(req), **({"kv_transfer_params": kvt} if kvt else {})},
                                    [partial(self._choice, req, params, i, c, prompts[i]) for _, i, c in todo],
                                    usage.as_dict())
 
