@@ -23,6 +23,7 @@ from pagedllm.worker.model_runner import PendingStep, StepOutput
 from pagedllm.models.info import read_model_info
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 from pagedllm.multimodal.processing import MultiModalProcessor, as_image_list, prompt_parts
+from pagedllm.multimodal.qwen_vl import QwenVLProcessor
 from pagedllm.multimodal.registry import supported_modalities
 from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling import check_request
@@ -175,6 +176,8 @@ class LLMEngine:
                      self.model.num_image_tokens)
         self.scheduler.encoder_cache = EncoderCacheManager(budget)
         self.scheduler.max_num_encoder_input_tokens = budget
+        if getattr(self.model, "uses_mrope", False):  # Qwen-VL: its processor's image part, M-RoPE positions
+            return QwenVLProcessor(self.model_path, hf_config)
         return MultiModalProcessor(self.model_path, hf_config)
 
     def shutdown(self) -> None:
@@ -323,6 +326,8 @@ class LLMEngine:
             req.eos_token_ids = set(self.model.eos_token_ids)
             req.bad_words_token_ids = bad_words
             req.mm_features = mm_features
+            if mm_features and hasattr(self.mm_processor, "mrope_positions"):  # computed once, read per step
+                req.mrope_positions = self.mm_processor.mrope_positions(len(ids), mm_features)
             if grammar is not None:  # each sample follows the grammar with its own matcher (shared compile)
                 req.structured = grammar if i == 0 else grammar.sibling()
             parent.children.append(req)

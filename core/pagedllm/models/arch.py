@@ -31,6 +31,7 @@ class ArchSpec:
     # decoder (causal_lm.CausalLM) | falcon (models/falcon.py: its own layout and norms) | stablelm (models/stablelm.py)
     # | bert (models/bert.py: encoder-only BERT / RoBERTa / XLM-R) | lfm2 (models/lfm2.py: short convs + attention)
     # | llava (models/llava.py: CLIP tower + projector + the decoder of its text_config)
+    # | qwen2_vl (models/qwen2_vl.py: ViT + Qwen2 decoder with M-RoPE)
     # | qwen3_next (models/qwen3_next.py: Gated DeltaNet + gated attention + MoE)
     # | mamba2 (models/mamba2.py: pure Mamba2) | granite_hybrid (models/granite_hybrid.py: Mamba2 + attention + MoE)
     module: str = "decoder"
@@ -100,6 +101,8 @@ ARCHITECTURES.update({name: ArchSpec(lambda c: True, lambda c: True, module="ber
                       for name in ENCODER_ARCHITECTURES})
 # Vision-language (models/llava.py): the flags of its decoder come from its text_config.
 ARCHITECTURES["LlavaForConditionalGeneration"] = ArchSpec(lambda c: False, lambda c: False, module="llava")
+# models/qwen2_vl.py: its ViT and the Qwen2 decoder of its text_config with M-RoPE.
+ARCHITECTURES["Qwen2VLForConditionalGeneration"] = ArchSpec(lambda c: True, lambda c: False, module="qwen2_vl")
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

@@ -23,6 +23,7 @@ from pagedllm.models.falcon import FalconCausalLM
 from pagedllm.models.granite_hybrid import GraniteMoeHybridCausalLM
 from pagedllm.models.lfm2 import Lfm2CausalLM
 from pagedllm.models.llava import build_llava_model
+from pagedllm.models.qwen2_vl import build_qwen2_vl_model
 from pagedllm.models.qwen3_next import Qwen3NextCausalLM
 from pagedllm.models.mamba2 import Mamba2CausalLM
 from pagedllm.models.stablelm import StableLmCausalLM
@@ -141,11 +142,12 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model = build_encoder_model(path, config, arch_name, backend, dtype, device)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
-    if spec.module == "llava":  # vision tower + projector + the native decoder (models/llava.py)
+    if spec.module in ("llava", "qwen2_vl"):  # vision tower + the native decoder (models/llava.py, qwen2_vl.py)
         if get_parallel_state() is not None or quantization is not None or is_gguf(path):
             raise UnsupportedModelError(f"{shown}: vision-language models load unquantized safetensors on one "
                                         "rank only")
-        model = build_llava_model(path, config, backend, dtype, device)
+        build = build_qwen2_vl_model if spec.module == "qwen2_vl" else build_llava_model
+        model = build(path, config, backend, dtype, device)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
     if spec.moe == "gpt_oss" and is_gguf(path):

@@ -66,6 +66,9 @@ VERIFIED: dict[str, str] = {
     "LlavaForConditionalGeneration": "tests/models/test_llava.py (processor output, image features, greedy tokens "
                                      "and log-probs vs HF; one and two images per prompt, chunks splitting an image, prefix-cache "
                                      "hits by image hash); tests/core/test_encoder_cache.py",
+    "Qwen2VLForConditionalGeneration": "tests/models/test_qwen_vl.py (image processor output, M-RoPE positions, "
+                                       "greedy tokens and log-probs vs HF; one and two images of different sizes, "
+                                       "chunks splitting an image, prefix-cache hits by image hash)",
 }
 # SmolLM2-135M Q4_1 (tests/models/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
 # (tests/models/test_gguf_families.py); Mistral,
@@ -134,7 +137,8 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "RobertaForSequenceClassification": "RoBERTa (cross-encoder, classifier)",
             "XLMRobertaModel": "XLM-RoBERTa (embeddings)",
             "XLMRobertaForSequenceClassification": "XLM-RoBERTa (cross-encoder, classifier)",
-            "LlavaForConditionalGeneration": "LLaVA (1.5-style: CLIP + projector + Llama-family decoder)"}
+            "LlavaForConditionalGeneration": "LLaVA (1.5-style: CLIP + projector + Llama-family decoder)",
+            "Qwen2VLForConditionalGeneration": "Qwen2-VL"}
 #: The decoders' pooling forms checked against HF (tests/models/test_pooling_models.py)
 _POOLING_TESTED = {
     "LlamaForSequenceClassification": "tests/models/test_pooling_models.py (probabilities, logits, per-token "
@@ -235,6 +239,9 @@ def _features(name: str) -> str:
     if spec.module == "llava":
         out.append("images (docs/multimodal.md): CLIP tower on `encoder_attention`, encoder cache, image-hashed "
                    "prefix blocks")
+    if spec.module == "qwen2_vl":
+        out.append("images (docs/multimodal.md): ViT with 2-D rotary on `encoder_attention`, M-RoPE, encoder cache, "
+                   "image-hashed prefix blocks")
     if spec.sliding != "none":
         out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
     if spec.qk_norm:

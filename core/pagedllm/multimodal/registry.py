@@ -11,6 +11,7 @@ from typing import Any
 # HF architecture name -> the modalities its native implementation takes besides text
 MULTIMODAL_ARCHITECTURES: dict[str, frozenset[str]] = {
     "LlavaForConditionalGeneration": frozenset({"image"}),  # models/llava.py: CLIP tower + projector + decoder
+    "Qwen2VLForConditionalGeneration": frozenset({"image"}),  # models/qwen2_vl.py: ViT + Qwen2 decoder, M-RoPE
 }
 
 
