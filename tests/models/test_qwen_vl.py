@@ -1,5 +1,5 @@
-"""Qwen2-VL natively (ViT with 2-D rotary + patch merger, Qwen2 decoder with M-RoPE) against HF transformers on a
-tiny random checkpoint with SmolLM2's tokenizer and HF's PIL image processor (tests/support/tiny_qwen_vl.py), images
+"""Qwen2-VL and Qwen2.5-VL natively (ViT with 2-D rotary + patch merger, 2.5's with window attention; Qwen2 decoder
+with M-RoPE) against HF transformers on tiny random checkpoints with SmolLM2's tokenizer and HF's PIL image processor (tests/support/tiny_qwen_vl.py), images
 made here with PIL in several sizes and aspect ratios (each keeps its aspect: 4 to 36 placeholder tokens).
 
 Oracles: HF's ``Qwen2VLImageProcessorPil`` tensors and ``Qwen2VLProcessor``'s placeholder expansion (the text with
@@ -23,7 +23,7 @@ from pagedllm.multimodal.mrope import step_mrope_positions
 from pagedllm.multimodal.processing import hash_image
 from pagedllm.multimodal.qwen_vl import QwenVLProcessor
 from pagedllm.multimodal.registry import supported_modalities
-from tiny_qwen_vl import image_processor, tiny_qwen2_vl_model
+from tiny_qwen_vl import image_processor, tiny_qwen_vl_model
 
 BLOCK = 16
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -44,16 +44,16 @@ IMAGES = {"wide": image(100, 260, 1), "tall": image(200, 90, 2), "small": image(
           "big": image(300, 310, 4), "wide2": image(100, 260, 5)}
 
 
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    return tiny_qwen2_vl_model()
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def model_path(request) -> str:
+    return tiny_qwen_vl_model(request.param)
 
 
 @pytest.fixture(scope="module")
 def hf(model_path):
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    model = Qwen2VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(model_path)
 
 

@@ -103,6 +103,7 @@ ARCHITECTURES.update({name: ArchSpec(lambda c: True, lambda c: True, module="ber
 ARCHITECTURES["LlavaForConditionalGeneration"] = ArchSpec(lambda c: False, lambda c: False, module="llava")
 # models/qwen2_vl.py: its ViT and the Qwen2 decoder of its text_config with M-RoPE.
 ARCHITECTURES["Qwen2VLForConditionalGeneration"] = ArchSpec(lambda c: True, lambda c: False, module="qwen2_vl")
+ARCHITECTURES["Qwen2_5_VLForConditionalGeneration"] = ArchSpec(lambda c: True, lambda c: False, module="qwen2_vl")
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

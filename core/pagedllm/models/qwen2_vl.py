@@ -1,5 +1,6 @@
-"""Qwen2-VL (HF ``Qwen2VLForConditionalGeneration``): the vision transformer of ``models/qwen2_vl_vision.py`` and
-the native Qwen2 decoder (``causal_lm.CausalLM``) with M-RoPE.
+"""Qwen2-VL and Qwen2.5-VL (HF ``Qwen2VLForConditionalGeneration``, ``Qwen2_5_VLForConditionalGeneration``): the
+vision transformer of ``models/qwen2_vl_vision.py`` (2.5's with window attention) and the native Qwen2 decoder
+(``causal_lm.CausalLM``) with M-RoPE.
 
 Images reach the decoder as in ``models/llava.py``: the engine encodes each image once (``embed_multimodal``),
 keeps the output in its encoder cache and hands each step the rows its chunk covers in ``meta.extra["mm_embeds"]``.
@@ -49,6 +50,7 @@ class Qwen2VLForConditionalGeneration(CausalLM):
     """The Qwen2 decoder of ``config.text_config`` plus ``visual``."""
 
     uses_mrope = True
+    vision_v2_5 = False
 
     def __init__(self, config: Any, backend: Any):
         text = qwen2_vl_text_config(config)
@@ -57,7 +59,7 @@ class Qwen2VLForConditionalGeneration(CausalLM):
         if params.get("rope_type", "default") != "default":
             raise UnsupportedModelError(f"Qwen2-VL with rope_type {params.get('rope_type')!r} is not supported")
         self.mrope_section = list(params.get("mrope_section", [16, 24, 24]))
-        self.visual = Qwen2VisionTransformer(config.vision_config, backend)
+        self.visual = Qwen2VisionTransformer(config.vision_config, backend, self.vision_v2_5)
         self.merge = config.vision_config.spatial_merge_size
         self.image_token_id = int(config.image_token_id)
         self.num_image_tokens = 1  # the largest image's tokens (the encoder budget's floor); set by the loader
@@ -87,6 +89,12 @@ class Qwen2VLForConditionalGeneration(CausalLM):
         for i in range(self.num_layers):
             h = self.layers[i](h, rows, self.kv_caches[i], meta, cos_sin)
         return self.norm(h)
+
+
+class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen2.5-VL: the same decoder and M-RoPE; the tower with RMSNorms, a gated MLP and window attention."""
+
+    vision_v2_5 = True
 
 
 class Qwen2VLWeights:
@@ -138,8 +146,10 @@ def build_qwen2_vl_model(path: str, config: Any, backend: Any, dtype: torch.dtyp
     from pagedllm.models.rope import build_cos_sin_cache
     from pagedllm.models.weights import SafetensorsWeights, fused_state_dict
 
+    cls = (Qwen2_5_VLForConditionalGeneration if config.architectures[0] == "Qwen2_5_VLForConditionalGeneration"
+           else Qwen2VLForConditionalGeneration)
     with torch.device("meta"):
-        model = Qwen2VLForConditionalGeneration(config, backend)
+        model = cls(config, backend)
     weights = Qwen2VLWeights(SafetensorsWeights(path))
     sd = fused_state_dict(model, weights, dtype, device)
     model.load_state_dict(sd, strict=True, assign=True)

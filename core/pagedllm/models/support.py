@@ -66,9 +66,10 @@ VERIFIED: dict[str, str] = {
     "LlavaForConditionalGeneration": "tests/models/test_llava.py (processor output, image features, greedy tokens "
                                      "and log-probs vs HF; one and two images per prompt, chunks splitting an image, prefix-cache "
                                      "hits by image hash); tests/core/test_encoder_cache.py",
-    "Qwen2VLForConditionalGeneration": "tests/models/test_qwen_vl.py (image processor output, M-RoPE positions, "
-                                       "greedy tokens and log-probs vs HF; one and two images of different sizes, "
-                                       "chunks splitting an image, prefix-cache hits by image hash)",
+    **dict.fromkeys(("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"),
+                    "tests/models/test_qwen_vl.py (image processor output, M-RoPE positions, image features, greedy "
+                    "tokens and log-probs vs HF; one and two images of different sizes, chunks splitting an image, "
+                    "prefix-cache hits by image hash)"),
 }
 # SmolLM2-135M Q4_1 (tests/models/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
 # (tests/models/test_gguf_families.py); Mistral,
@@ -138,7 +139,8 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "XLMRobertaModel": "XLM-RoBERTa (embeddings)",
             "XLMRobertaForSequenceClassification": "XLM-RoBERTa (cross-encoder, classifier)",
             "LlavaForConditionalGeneration": "LLaVA (1.5-style: CLIP + projector + Llama-family decoder)",
-            "Qwen2VLForConditionalGeneration": "Qwen2-VL"}
+            "Qwen2VLForConditionalGeneration": "Qwen2-VL",
+            "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL"}
 #: The decoders' pooling forms checked against HF (tests/models/test_pooling_models.py)
 _POOLING_TESTED = {
     "LlamaForSequenceClassification": "tests/models/test_pooling_models.py (probabilities, logits, per-token "

@@ -12,6 +12,7 @@ from typing import Any
 MULTIMODAL_ARCHITECTURES: dict[str, frozenset[str]] = {
     "LlavaForConditionalGeneration": frozenset({"image"}),  # models/llava.py: CLIP tower + projector + decoder
     "Qwen2VLForConditionalGeneration": frozenset({"image"}),  # models/qwen2_vl.py: ViT + Qwen2 decoder, M-RoPE
+    "Qwen2_5_VLForConditionalGeneration": frozenset({"image"}),  # models/qwen2_vl.py: + window attention
 }
 
 
