@@ -6,8 +6,10 @@ Oracles: HF's ``Qwen2VLImageProcessorPil`` tensors and ``Qwen2VLProcessor``'s pl
 each ``<|image_pad|>`` repeated, tokenized), HF's ``get_rope_index`` (3-D positions and decode delta), HF's
 ``get_image_features``, HF's ``generate`` (greedy tokens) and HF's forward (log-probabilities of every prompt and
 output token). Engine paths: one and two images of different sizes, chunked prefill splitting an image
-(``max_num_batched_tokens`` below an image's token count), images beside a text-only prompt in one batch, and
-prefix-cache hits over an image's blocks (the same pixels) and none past the image's first block for other pixels.
+(``max_num_batched_tokens`` below an image's token count), images beside a text-only prompt in one batch,
+prefix-cache hits over an image's blocks (the same pixels) and none past the image's first block for other pixels,
+``LLM.chat`` with image parts, the static-shape backend (decodes replay buckets at diagonal positions), preemption
+by recompute, and placeholder errors naming the field.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from PIL import Image
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.errors import ParamError
 from pagedllm.models import load_config
 from pagedllm.multimodal.mrope import step_mrope_positions
 from pagedllm.multimodal.processing import hash_image
@@ -217,3 +220,57 @@ def test_prefix_cache_reuses_an_images_blocks_and_never_another_images(model_pat
         assert other.outputs[0].token_ids == hf_generate(hf, hf_inputs(hf, PROMPT_1, [b]), 4)
         assert engine.kv.num_used_blocks == 0
         assert engine.scheduler.encoder_cache.num_referenced_tokens == 0
+
+
+def test_chat_with_image_parts_matches_generate_and_hf(hf, llm):
+    """``LLM.chat`` with an image part: the chat template renders Qwen's placeholder, the engine expands it; the
+    tokens are HF's."""
+    messages = [{"role": "user", "content": [{"type": "image_pil", "image_pil": IMAGES["tall"]},
+                                             {"type": "text", "text": "What is shown?"}]}]
+    out = llm.chat(messages, greedy(6), use_tqdm=False)[0]
+    text = hf[1].apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                   {"type": "text", "text": "What is shown?"}]}],
+                                     tokenize=False, add_generation_prompt=True)
+    inputs = hf_inputs(hf, text, [IMAGES["tall"]])
+    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
+    assert out.outputs[0].token_ids == hf_generate(hf, inputs, 6)
+
+
+def test_static_shape_backend_runs_image_steps_eagerly(model_path, hf):
+    """``cpu-static``: steps with image rows (and 3-D positions) run eagerly, the decodes replay the buckets at
+    their diagonal positions (``index + delta``); tokens match HF."""
+    images = [IMAGES["wide"], IMAGES["small"]]
+    want = hf_generate(hf, hf_inputs(hf, PROMPT_2, images), 8)
+    with LLM(model_path, device="cpu-static", dtype="float32", max_model_len=128, max_num_seqs=2,
+             max_num_batched_tokens=32) as llm:
+        stats = llm.llm_engine.worker.graph_stats
+        replays = stats["replays"]
+        out = llm.generate({"prompt": PROMPT_2, "multi_modal_data": {"image": images}}, greedy(8),
+                           use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == want
+        assert stats["replays"] > replays
+
+
+def test_bad_placeholders_are_refused_naming_the_field(llm):
+    engine = llm.llm_engine
+    with pytest.raises(ParamError, match="^prompt:"):  # two images, one placeholder
+        engine.add_request(None, PROMPT_1, greedy(1), multi_modal_data={"image": [IMAGES["wide"]] * 2})
+    with pytest.raises(ParamError, match="^prompt_token_ids:"):  # a placeholder without its image
+        engine.add_request(None, {"prompt_token_ids": llm.get_tokenizer()(PROMPT_2)["input_ids"]}, greedy(1),
+                           multi_modal_data={"image": IMAGES["wide"]})
+    assert not engine.has_unfinished_requests() and engine.kv.num_used_blocks == 0
+
+
+def test_preemption_recomputes_with_the_same_positions(model_path, hf):
+    """A KV pool too small for three image prompts at once: requests are preempted and recomputed (their 3-D
+    positions and decode delta are the request's, so the recompute is exact); nothing is left referenced."""
+    cases = [(PROMPT_1, [IMAGES["wide"]]), (PROMPT_1, [IMAGES["tall"]]), (PROMPT_2, [IMAGES["small"], IMAGES["wide"]])]
+    want = [hf_generate(hf, hf_inputs(hf, t, im), 20) for t, im in cases]
+    with LLM(model_path, device="cpu", dtype="float32", block_size=BLOCK, max_model_len=112,
+             max_num_batched_tokens=24, num_gpu_blocks_override=7) as llm:
+        outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": im}} for t, im in cases], greedy(20),
+                            use_tqdm=False)
+        engine = llm.llm_engine
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.kv.num_used_blocks == 0 and engine.scheduler.encoder_cache.num_referenced_tokens == 0
