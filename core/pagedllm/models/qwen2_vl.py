@@ -128,14 +128,15 @@ class Qwen2VLWeights:
 
 
 def max_image_tokens(path: str, config: Any) -> int:
-    """Placeholder tokens of the largest image the checkpoint's image processor makes (``longest_edge`` pixels)."""
+    """Placeholder tokens of the largest image the checkpoint's image processor makes (``longest_edge`` pixels;
+    HF's default cap when the folder names none)."""
     try:
         with open(os.path.join(path, "preprocessor_config.json")) as f:
             pre = json.load(f)
     except OSError:
         pre = {}
-    size = pre.get("size") or {}
-    pixels = size.get("longest_edge") or pre.get("max_pixels") or 28 * 28 * 1280
+    size = pre.get("size") or {}  # transformers 5 saves size.longest_edge; Hub configs have max_pixels
+    pixels = size.get("longest_edge") or size.get("max_pixels") or pre.get("max_pixels") or 12845056
     v = config.vision_config
     return max(1, int(pixels) // (v.patch_size * v.spatial_merge_size) ** 2)
 
