@@ -323,6 +323,8 @@ class LLMEngine:
             req.eos_token_ids = set(self.model.eos_token_ids)
             req.bad_words_token_ids = bad_words
             req.mm_features = mm_features
+            if mm_features and hasattr(self.mm_processor, "mrope_positions"):  # computed once, read per step
+                req.mrope_positions = self.mm_processor.mrope_positions(len(ids), mm_features)
             if grammar is not None:  # each sample follows the grammar with its own matcher (shared compile)
                 req.structured = grammar if i == 0 else grammar.sibling()
             parent.children.append(req)

@@ -32,6 +32,7 @@ class ArchSpec:
     # | bert (models/bert.py: encoder-only BERT / RoBERTa / XLM-R) | lfm2 (models/lfm2.py: short convs + attention)
     # | llava (models/llava.py: CLIP tower + projector + the decoder of its text_config)
     # | idefics3 (models/idefics3.py: SigLIP tower + pixel-shuffle connector + the decoder of its text_config)
+    # | qwen2_vl (models/qwen2_vl.py: ViT + Qwen2 decoder with M-RoPE)
     # | qwen3_next (models/qwen3_next.py: Gated DeltaNet + gated attention + MoE)
     # | mamba2 (models/mamba2.py: pure Mamba2) | granite_hybrid (models/granite_hybrid.py: Mamba2 + attention + MoE)
     module: str = "decoder"
@@ -104,6 +105,9 @@ ARCHITECTURES["LlavaForConditionalGeneration"] = ArchSpec(lambda c: False, lambd
 # Idefics3 / SmolVLM (models/idefics3.py): SigLIP tower + pixel-shuffle connector + the decoder of its text_config.
 ARCHITECTURES.update({name: ArchSpec(lambda c: False, lambda c: False, module="idefics3")
                       for name in ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")})
+# models/qwen2_vl.py: its ViT and the Qwen2 decoder of its text_config with M-RoPE.
+ARCHITECTURES["Qwen2VLForConditionalGeneration"] = ArchSpec(lambda c: True, lambda c: False, module="qwen2_vl")
+ARCHITECTURES["Qwen2_5_VLForConditionalGeneration"] = ArchSpec(lambda c: True, lambda c: False, module="qwen2_vl")
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

@@ -12,6 +12,7 @@ from pagedllm.models.bert import encoder_max_positions
 from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
 from pagedllm.models.gpt_oss import is_mxfp4_checkpoint
 from pagedllm.models.llava import llava_model_info, text_config_of
+from pagedllm.models.qwen2_vl import qwen2_vl_model_info, qwen2_vl_text_config
 from pagedllm.models.mamba2 import DEFAULT_MAX_POSITIONS
 from pagedllm.models.paths import is_gguf
 from pagedllm.models.transformers_impl import num_kv_heads_of
@@ -34,6 +35,8 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
     name, impl = resolve_model_impl(config, model_impl)
     if impl == "native" and architecture_of(config)[1].module in ("llava", "idefics3"):  # a VLM: its decoder's shapes
         return llava_model_info(config, read_model_info(model_path, text_config_of(config), "native"))
+    if impl == "native" and architecture_of(config)[1].module == "qwen2_vl":  # a VLM: its decoder's shapes
+        return qwen2_vl_model_info(config, read_model_info(model_path, qwen2_vl_text_config(config), "native"))
     if impl == "native":
         windows = [w for w in layer_sliding_windows(config, architecture_of(config)[1]) if w is not None]
     else:

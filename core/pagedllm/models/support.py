@@ -70,6 +70,10 @@ VERIFIED: dict[str, str] = {
                     "tests/models/test_smolvlm.py (processor spans and tiles, image features, greedy tokens and "
                     "log-probs vs HF; tiled images, two images per prompt, chunks splitting an image, prefix-cache "
                     "hits by image hash)"),
+    **dict.fromkeys(("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"),
+                    "tests/models/test_qwen_vl.py (image processor output, M-RoPE positions, image features, greedy "
+                    "tokens and log-probs vs HF; one and two images of different sizes, chunks splitting an image, "
+                    "prefix-cache hits by image hash)"),
 }
 # SmolLM2-135M Q4_1 (tests/models/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
 # (tests/models/test_gguf_families.py); Mistral,
@@ -140,7 +144,9 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "XLMRobertaForSequenceClassification": "XLM-RoBERTa (cross-encoder, classifier)",
             "LlavaForConditionalGeneration": "LLaVA (1.5-style: CLIP + projector + Llama-family decoder)",
             "Idefics3ForConditionalGeneration": "Idefics3 / SmolVLM (SigLIP + pixel-shuffle connector + Llama)",
-            "SmolVLMForConditionalGeneration": "SmolVLM2 (SigLIP + pixel-shuffle connector + Llama)"}
+            "SmolVLMForConditionalGeneration": "SmolVLM2 (SigLIP + pixel-shuffle connector + Llama)",
+            "Qwen2VLForConditionalGeneration": "Qwen2-VL",
+            "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL"}
 #: The decoders' pooling forms checked against HF (tests/models/test_pooling_models.py)
 _POOLING_TESTED = {
     "LlamaForSequenceClassification": "tests/models/test_pooling_models.py (probabilities, logits, per-token "
@@ -244,6 +250,9 @@ def _features(name: str) -> str:
     if spec.module == "idefics3":
         out.append("images (docs/multimodal.md): tiles + global view, SigLIP tower on `encoder_attention`, encoder "
                    "cache, image-hashed prefix blocks")
+    if spec.module == "qwen2_vl":
+        out.append("images (docs/multimodal.md): ViT with 2-D rotary on `encoder_attention`, M-RoPE, encoder cache, "
+                   "image-hashed prefix blocks")
     if spec.sliding != "none":
         out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
     if spec.qk_norm:

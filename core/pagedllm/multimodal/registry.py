@@ -13,12 +13,16 @@ MULTIMODAL_ARCHITECTURES: dict[str, frozenset[str]] = {
     "LlavaForConditionalGeneration": frozenset({"image"}),  # models/llava.py: CLIP tower + projector + decoder
     **dict.fromkeys(("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
                     frozenset({"image"})),  # models/idefics3.py: SigLIP tower + pixel-shuffle connector + decoder
+    "Qwen2VLForConditionalGeneration": frozenset({"image"}),  # models/qwen2_vl.py: ViT + Qwen2 decoder, M-RoPE
+    "Qwen2_5_VLForConditionalGeneration": frozenset({"image"}),  # models/qwen2_vl.py: + window attention
 }
 
 # HF architecture name -> its prompt processor when the generic one (contiguous image-token runs) does not fit
-MULTIMODAL_PROCESSORS: dict[str, str] = dict.fromkeys(
-    ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
-    "pagedllm.multimodal.idefics3_processing:Idefics3MultiModalProcessor")
+MULTIMODAL_PROCESSORS: dict[str, str] = {
+    **dict.fromkeys(("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
+                    "pagedllm.multimodal.idefics3_processing:Idefics3MultiModalProcessor"),
+    **dict.fromkeys(("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"),
+                    "pagedllm.multimodal.qwen_vl:QwenVLProcessor")}
 
 
 def processor_class(hf_config: Any) -> type:

@@ -94,6 +94,7 @@ class Request:
         self.pooling_state: Any = None
         self.token_type_ids: Optional[list[int]] = None  # BERT-style segment ids (a cross-encoder's pair), per token
         self.mm_features: list = []  # multimodal.inputs.MultiModalFeatureSpec per image, in prompt order
+        self.mrope_positions: Optional[tuple] = None  # M-RoPE: ([3, prompt] positions, decode delta) (mrope.py)
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

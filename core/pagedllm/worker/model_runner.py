@@ -20,6 +20,7 @@ from pagedllm.backend.device_sampler import SamplingTensors, on_device_eligible
 from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.lora.ops import LoRAMapping
 from pagedllm.multimodal.encoder_runner import EncoderRunner
+from pagedllm.multimodal.mrope import step_mrope_positions
 from pagedllm.sched.request import Request
 from pagedllm.sample.sampler import SamplerOutput
 from pagedllm.sched.scheduler import ScheduledRequest
@@ -62,6 +63,7 @@ class ModelRunner:
         self.requires_kv_cache = bool(getattr(model, "requires_kv_cache", True))
         # A vision-language model: its encoder runs here, outputs kept by image hash (pagedllm.multimodal)
         self.encoder_runner = EncoderRunner(model, device) if hasattr(model, "embed_multimodal") else None
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))  # Qwen-VL's 3-D positions (multimodal/mrope.py)
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -90,6 +92,9 @@ class ModelRunner:
             pos = np.arange(int(qlens.sum())) - np.repeat(np.cumsum(qlens) - qlens, qlens) + starts[row]
         slots = (bt[row, pos // bs].astype(np.int64) * bs + pos % bs if self.requires_kv_cache
                  else np.full(len(tokens), self.pad_slot, dtype=np.int64))
+        mpos = None
+        if self.uses_mrope:  # M-RoPE: the model's positions run behind token indices after an image
+            pos, mpos = step_mrope_positions([s.request for s in batch], pos, row)
         qsl = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(qlens, out=qsl[1:])
         num_decodes = int(np.argmax(qlens != 1)) if (qlens != 1).any() else len(batch)
@@ -115,6 +120,9 @@ class ModelRunner:
             seq_lens_cpu=seq_lens.tolist(),
             lora_mapping=lora_mapping,
         )
+        if mpos is not None:  # a step with image tokens: their 3-D positions (padding rows at 0)
+            meta.extra["mrope_positions"] = torch.from_numpy(
+                np.pad(mpos, ((0, 0), (0, shape.num_tokens - mpos.shape[1])))).to(dev)
         state = self.kv.state_slots
         if state is not None:  # recurrent state: each sequence's slot, and whether its chunk continues the sequence
             idx = [state.slot_of(s.request.request_id) for s in batch] + [-1] * (shape.num_seqs - real.num_seqs)
