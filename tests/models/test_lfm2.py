@@ -24,14 +24,8 @@ from pagedllm.errors import ParamError, UnsupportedModelError
 from pagedllm.models import load_model
 from pagedllm.models.lfm2 import Lfm2CausalLM
 from plugin_factory import make_plugin
+from stateful import LFM2 as CONFIG, LFM2_VOCAB as VOCAB
 from tiny_models import save_random_model
-
-VOCAB = 500
-CONFIG = dict(model_type="lfm2", vocab_size=VOCAB, hidden_size=96, intermediate_size=144, num_hidden_layers=5,
-              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15,
-              norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, conv_L_cache=3, conv_bias=True,
-              block_multiple_of=32, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
-              tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")

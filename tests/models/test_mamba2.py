@@ -24,15 +24,13 @@ from pagedllm.models import load_model
 from pagedllm.models.granite_hybrid import GraniteMoeHybridCausalLM
 from pagedllm.models.mamba2 import Mamba2CausalLM
 from plugin_factory import make_plugin
+from stateful import MAMBA2 as STATEFUL_MAMBA2
 from tiny_models import save_random_model
 
 VOCAB = 300
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
                pad_token_id=0)
-# no max_position_embeddings: Mamba2 configs name none (models/mamba2.py's default applies)
-MAMBA2 = dict(_COMMON, model_type="mamba2", num_hidden_layers=3, num_heads=8, head_dim=16, expand=2, n_groups=2,
-              state_size=16, conv_kernel=4, chunk_size=8, use_bias=True, use_conv_bias=True,
-              tie_word_embeddings=False)
+MAMBA2 = dict(STATEFUL_MAMBA2)  # no max_position_embeddings: Mamba2 configs name none (models/mamba2.py's default)
 GRANITE = dict(_COMMON, model_type="granitemoehybrid", intermediate_size=32, shared_intermediate_size=48,
                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_d_head=16,

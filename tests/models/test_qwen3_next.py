@@ -25,17 +25,8 @@ from pagedllm.models import load_model
 from pagedllm.models.moe import SparseMoeBlock
 from pagedllm.models.qwen3_next import Qwen3NextCausalLM
 from plugin_factory import make_plugin
+from stateful import QWEN3_NEXT as CONFIG, QWEN3_NEXT_VOCAB as VOCAB
 from tiny_models import save_random_model
-
-VOCAB = 500
-CONFIG = dict(model_type="qwen3_next", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
-              linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
-              moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-              mlp_only_layers=[2], max_position_embeddings=256, initializer_range=0.05, rms_norm_eps=1e-6,
-              layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
-                           "full_attention"],
-              bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
 # Qwen3.5 text: the same layers, the linear attention's projections split (in_proj_qkv / _z / _b / _a); the dense
