@@ -4,8 +4,9 @@ attention; kernel 3, conv biases, GQA 3:1, vocab 500): fp32 logits within 1e-4 o
 state slots (full prefill and chunked schedules, reference and CPU backends); greedy parity through the engine with
 chunked prefill under a small token budget and mixed prefill/decode batches, under preemption in a tiny KV pool;
 n=2 with a seed equal to two single runs; an abort mid-prefill gives the slot and blocks back; the transformers
-fallback and the static-shape backend refuse it at start-up with the reason; and conformance catches a backend whose
-conv drops the state between chunks, kernel case and end to end."""
+fallback refuses it at start-up with the reason (the static-shape backend runs it:
+tests/plugins/cpu/test_static_state.py); and conformance catches a backend whose conv drops the state between
+chunks, kernel case and end to end."""
 
 from __future__ import annotations
 
@@ -156,13 +157,10 @@ def test_lfm2_abort_mid_prefill_returns_slot_and_blocks(lfm2_dir):
     _assert_released(llm)
 
 
-def test_lfm2_refused_by_the_fallback_static_shapes_and_speculation(lfm2_dir):
+def test_lfm2_refused_by_the_fallback_and_speculation(lfm2_dir):
     with pytest.raises(UnsupportedModelError, match="conv"):
         load_model(lfm2_dir, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"),
                    model_impl="transformers")
-    with pytest.raises(UnsupportedModelError, match=r"Lfm2ForCausalLM keeps recurrent state .*'cpu-static'.*static "
-                                                    r"batch shapes"):
-        LLM(lfm2_dir, device="cpu-static", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
     with pytest.raises(ParamError, match=r"speculative_config: Lfm2ForCausalLM keeps recurrent state"):
         LLM(lfm2_dir, device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})

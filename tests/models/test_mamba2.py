@@ -5,7 +5,8 @@ Granite multiplier set away from 1). Tiny random configs with SSD chunks of 8 to
 within 1e-4 of HF through the state slots (full prefill and chunked schedules, reference and CPU backends); greedy
 parity through the engine with chunked prefill under a small token budget and mixed prefill/decode batches, under
 preemption in a tiny KV pool; n=2 with a seed equal to two single runs; an abort mid-prefill gives the slot and
-blocks back; the transformers fallback and the static-shape backend refuse both at start-up with the reason."""
+blocks back; the transformers fallback refuses both at start-up with the reason, and the static-shape backend
+(``cpu-static``) gives HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -236,14 +237,15 @@ def test_state_slots_come_out_of_the_kv_budget(dirs, caplog):
 @pytest.mark.parametrize("family,arch,why", [
     ("mamba2", "Mamba2ForCausalLM", "does not route attention through AttentionInterface"),
     ("granite", "GraniteMoeHybridForCausalLM", "a recurrent|state")])
-def test_refused_by_the_fallback_and_static_shapes(dirs, family, arch, why):
+def test_refused_by_the_fallback_served_by_static_shapes(dirs, family, arch, why):
     with pytest.raises(UnsupportedModelError, match=f"{arch}.*({why})"):
         load_model(dirs[family], backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"),
                    model_impl="transformers")
-    with pytest.raises(UnsupportedModelError, match=rf"{arch} keeps recurrent state .*'cpu-static'.*static "
-                                                    r"batch shapes"):
-        LLM(dirs[family], device="cpu-static", dtype="float32", max_model_len=64, max_num_seqs=8,
-            kv_cache_memory=16 << 20)
+    # cpu-static carries the state slots in its bucket buffers (tests/plugins/cpu/test_static_state.py)
+    llm = LLM(dirs[family], device="cpu-static", dtype="float32", max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=8, kv_cache_memory=16 << 20)
+    prompts = mixed_prompts(3, VOCAB, seed=5, max_len=20)
+    assert run(llm, prompts, max_tokens=6) == [hf_greedy(dirs[family], p, 6) for p in prompts]
 
 
 def test_granite_refuses_what_it_would_run_differently(tmp_path):

@@ -5,8 +5,8 @@ norms), a sparse MoE with a shared expert and one dense MLP layer (``mlp_only_la
 logits within 1e-4 of HF through the paged cache and the state slots (full prefill and chunked schedules, reference
 and CPU backends); greedy parity through the engine with chunked prefill under a small token budget and mixed
 prefill/decode batches, under preemption in a tiny KV pool; n=2 with a seed equal to two single runs; an abort
-mid-prefill gives the slot and blocks back; the transformers fallback and the static-shape backend refuse it at
-start-up with the reason."""
+mid-prefill gives the slot and blocks back; the transformers fallback refuses it at start-up with the reason (the
+static-shape backend runs it: tests/plugins/cpu/test_static_state.py)."""
 
 from __future__ import annotations
 
@@ -201,11 +201,8 @@ def test_qwen3_next_abort_mid_prefill_returns_slot_and_blocks(qwen3_next_dir):
     _assert_released(llm)
 
 
-def test_qwen3_next_refused_by_the_fallback_and_static_shapes(qwen3_next_dir):
+def test_qwen3_next_refused_by_the_fallback(qwen3_next_dir):
     with pytest.raises(UnsupportedModelError, match=r"Qwen3NextForCausalLM does not route attention "
                                                     r"through AttentionInterface"):
         load_model(qwen3_next_dir, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"),
                    model_impl="transformers")
-    with pytest.raises(UnsupportedModelError, match=r"Qwen3NextForCausalLM keeps recurrent state .*'cpu-static'.*"
-                                                    r"static batch shapes"):
-        LLM(qwen3_next_dir, device="cpu-static", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)

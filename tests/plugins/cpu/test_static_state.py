@@ -163,3 +163,29 @@ def test_uncapturable_state_steps_run_eagerly_over_the_bucket_buffers(tmp_path, 
         for t in layer:
             assert bool((t[1] == 7.0).all())
     assert runner.stats["captures"] == 1 and runner.buckets[(8, 2, 2)].meta.state_indices.tolist() == [0, -1]
+
+
+def test_fresh_one_token_chunk_is_a_prefill_on_the_dynamic_backend(model_dir, request):
+    """The same schedule on ``cpu`` (dynamic shapes): a request whose first chunk is one token, scheduled beside
+    decodes into a slot an earlier request used, is a prefill (fresh state), not a decode reading the slot's old
+    state — greedy tokens equal HF's argmax."""
+    _, vocab = FAMILIES[request.node.callspec.params["model_dir"]]
+    llm = _engine(model_dir, device="cpu")
+    runner, fresh_one = llm.llm_engine.worker.runner, []
+    prepare = runner.prepare
+
+    def recorded(batch):
+        out = prepare(batch)
+        fresh_one.extend(len(batch) > 1 for s in batch if s.num_computed_tokens == 0 and s.num_new_tokens == 1)
+        return out
+    runner.prepare = recorded
+    g = torch.Generator().manual_seed(7)
+    lens, news = (3, 5, 7, 30, 41, 9, 17), (4, 6, 5, 24, 10, 8, 12)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in news], use_tqdm=False)
+    assert any(fresh_one), "no fresh one-token chunk beside other sequences"
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        got = list(o.outputs[0].token_ids)
+        assert got == _hf_logprobs(model_dir, p + got)[len(p) - 1:-1].argmax(-1).tolist(), f"prompt {i}"
+    _assert_released(llm)
