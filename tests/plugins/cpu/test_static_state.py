@@ -16,8 +16,10 @@ from engine_parity import hf_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.backend.batch_policy import BucketPolicy
-from pagedllm.backend.hookspec import RunnerContext
+from pagedllm.backend.hookspec import KVCacheSpec, MambaSpec, RunnerContext
+from pagedllm.backend.registry import get_backend
 from pagedllm.backend.static_runner import StaticGraphRunner
+from pagedllm.models import load_model
 from stateful import LFM2, LFM2_VOCAB, MAMBA2, MAMBA2_VOCAB, QWEN3_NEXT, QWEN3_NEXT_VOCAB
 from tiny_models import save_random_model
 
@@ -124,11 +126,8 @@ def test_abort_mid_prefill_returns_slot_and_blocks(model_dir):
 def test_uncapturable_state_steps_run_eagerly_over_the_bucket_buffers(tmp_path, caplog):
     """A capture other than the identity (here one that refuses to be used) would freeze the state ops' host
     planning: the runner never calls it for a model with state, logs why once, and still runs each bucket from its
-    persistent buffers, padded rows (-1) left alone."""
-    from pagedllm.backend.registry import get_backend
-    from pagedllm.models import load_model
-
-    path = save_random_model(LFM2, tmp_path / "lfm2")
+    persistent buffers, padded rows (-1) left alone (Qwen3-Next: its prefill writes final delta-rule states back)."""
+    path = save_random_model(QWEN3_NEXT, tmp_path / "qwen3_next")
     model = load_model(path, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"))
     policy = BucketPolicy(token_buckets=(8,), seq_buckets=(2,), block_buckets=(2,), block_size=8)
 
@@ -139,7 +138,6 @@ def test_uncapturable_state_steps_run_eagerly_over_the_bucket_buffers(tmp_path, 
     with caplog.at_level("INFO", logger="pagedllm.backend.static_runner"):
         runner = StaticGraphRunner(model, ctx, capture)
     assert "run eagerly over the bucket buffers" in caplog.text and runner.stats["state_steps"] == "eager"
-    from pagedllm.backend.hookspec import KVCacheSpec, MambaSpec
     backend = get_backend("cpu")
     model.kv_caches = backend.allocate_kv_cache(KVCacheSpec(model.num_layers, 4, 8, model.num_kv_heads,
                                                             model.head_size, torch.float32, torch.device("cpu")))
