@@ -4,8 +4,9 @@ attention; kernel 3, conv biases, GQA 3:1, vocab 500): fp32 logits within 1e-4 o
 state slots (full prefill and chunked schedules, reference and CPU backends); greedy parity through the engine with
 chunked prefill under a small token budget and mixed prefill/decode batches, under preemption in a tiny KV pool;
 n=2 with a seed equal to two single runs; an abort mid-prefill gives the slot and blocks back; the transformers
-fallback and the static-shape backend refuse it at start-up with the reason; and conformance catches a backend whose
-conv drops the state between chunks, kernel case and end to end."""
+fallback refuses it at start-up with the reason (the static-shape backend runs it:
+tests/plugins/cpu/test_static_state.py); and conformance catches a backend whose conv drops the state between
+chunks, kernel case and end to end."""
 
 from __future__ import annotations
 
@@ -24,14 +25,8 @@ from pagedllm.errors import ParamError, UnsupportedModelError
 from pagedllm.models import load_model
 from pagedllm.models.lfm2 import Lfm2CausalLM
 from plugin_factory import make_plugin
+from stateful import LFM2 as CONFIG, LFM2_VOCAB as VOCAB
 from tiny_models import save_random_model
-
-VOCAB = 500
-CONFIG = dict(model_type="lfm2", vocab_size=VOCAB, hidden_size=96, intermediate_size=144, num_hidden_layers=5,
-              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.15,
-              norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0, conv_L_cache=3, conv_bias=True,
-              block_multiple_of=32, layer_types=["conv", "full_attention", "conv", "conv", "full_attention"],
-              tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
@@ -162,13 +157,10 @@ def test_lfm2_abort_mid_prefill_returns_slot_and_blocks(lfm2_dir):
     _assert_released(llm)
 
 
-def test_lfm2_refused_by_the_fallback_static_shapes_and_speculation(lfm2_dir):
+def test_lfm2_refused_by_the_fallback_and_speculation(lfm2_dir):
     with pytest.raises(UnsupportedModelError, match="conv"):
         load_model(lfm2_dir, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"),
                    model_impl="transformers")
-    with pytest.raises(UnsupportedModelError, match=r"Lfm2ForCausalLM keeps recurrent state .*'cpu-static'.*static "
-                                                    r"batch shapes"):
-        LLM(lfm2_dir, device="cpu-static", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)
     with pytest.raises(ParamError, match=r"speculative_config: Lfm2ForCausalLM keeps recurrent state"):
         LLM(lfm2_dir, device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})

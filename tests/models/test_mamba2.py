@@ -5,7 +5,8 @@ Granite multiplier set away from 1). Tiny random configs with SSD chunks of 8 to
 within 1e-4 of HF through the state slots (full prefill and chunked schedules, reference and CPU backends); greedy
 parity through the engine with chunked prefill under a small token budget and mixed prefill/decode batches, under
 preemption in a tiny KV pool; n=2 with a seed equal to two single runs; an abort mid-prefill gives the slot and
-blocks back; the transformers fallback and the static-shape backend refuse both at start-up with the reason."""
+blocks back; the transformers fallback refuses both at start-up with the reason, and the static-shape backend
+(``cpu-static``) gives HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -24,15 +25,13 @@ from pagedllm.models import load_model
 from pagedllm.models.granite_hybrid import GraniteMoeHybridCausalLM
 from pagedllm.models.mamba2 import Mamba2CausalLM
 from plugin_factory import make_plugin
+from stateful import MAMBA2 as STATEFUL_MAMBA2
 from tiny_models import save_random_model
 
 VOCAB = 300
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, initializer_range=0.15, bos_token_id=1, eos_token_id=2,
                pad_token_id=0)
-# no max_position_embeddings: Mamba2 configs name none (models/mamba2.py's default applies)
-MAMBA2 = dict(_COMMON, model_type="mamba2", num_hidden_layers=3, num_heads=8, head_dim=16, expand=2, n_groups=2,
-              state_size=16, conv_kernel=4, chunk_size=8, use_bias=True, use_conv_bias=True,
-              tie_word_embeddings=False)
+MAMBA2 = dict(STATEFUL_MAMBA2)  # no max_position_embeddings: Mamba2 configs name none (models/mamba2.py's default)
 GRANITE = dict(_COMMON, model_type="granitemoehybrid", intermediate_size=32, shared_intermediate_size=48,
                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=8, mamba_d_head=16,
@@ -238,14 +237,15 @@ def test_state_slots_come_out_of_the_kv_budget(dirs, caplog):
 @pytest.mark.parametrize("family,arch,why", [
     ("mamba2", "Mamba2ForCausalLM", "does not route attention through AttentionInterface"),
     ("granite", "GraniteMoeHybridForCausalLM", "a recurrent|state")])
-def test_refused_by_the_fallback_and_static_shapes(dirs, family, arch, why):
+def test_refused_by_the_fallback_served_by_static_shapes(dirs, family, arch, why):
     with pytest.raises(UnsupportedModelError, match=f"{arch}.*({why})"):
         load_model(dirs[family], backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"),
                    model_impl="transformers")
-    with pytest.raises(UnsupportedModelError, match=rf"{arch} keeps recurrent state .*'cpu-static'.*static "
-                                                    r"batch shapes"):
-        LLM(dirs[family], device="cpu-static", dtype="float32", max_model_len=64, max_num_seqs=8,
-            kv_cache_memory=16 << 20)
+    # cpu-static carries the state slots in its bucket buffers (tests/plugins/cpu/test_static_state.py)
+    llm = LLM(dirs[family], device="cpu-static", dtype="float32", max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=8, kv_cache_memory=16 << 20)
+    prompts = mixed_prompts(3, VOCAB, seed=5, max_len=20)
+    assert run(llm, prompts, max_tokens=6) == [hf_greedy(dirs[family], p, 6) for p in prompts]
 
 
 def test_granite_refuses_what_it_would_run_differently(tmp_path):

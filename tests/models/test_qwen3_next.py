@@ -5,8 +5,8 @@ norms), a sparse MoE with a shared expert and one dense MLP layer (``mlp_only_la
 logits within 1e-4 of HF through the paged cache and the state slots (full prefill and chunked schedules, reference
 and CPU backends); greedy parity through the engine with chunked prefill under a small token budget and mixed
 prefill/decode batches, under preemption in a tiny KV pool; n=2 with a seed equal to two single runs; an abort
-mid-prefill gives the slot and blocks back; the transformers fallback and the static-shape backend refuse it at
-start-up with the reason."""
+mid-prefill gives the slot and blocks back; the transformers fallback refuses it at start-up with the reason (the
+static-shape backend runs it: tests/plugins/cpu/test_static_state.py)."""
 
 from __future__ import annotations
 
@@ -25,17 +25,8 @@ from pagedllm.models import load_model
 from pagedllm.models.moe import SparseMoeBlock
 from pagedllm.models.qwen3_next import Qwen3NextCausalLM
 from plugin_factory import make_plugin
+from stateful import QWEN3_NEXT as CONFIG, QWEN3_NEXT_VOCAB as VOCAB
 from tiny_models import save_random_model
-
-VOCAB = 500
-CONFIG = dict(model_type="qwen3_next", vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
-              linear_key_head_dim=8, linear_value_head_dim=12, linear_num_key_heads=2, linear_num_value_heads=4,
-              moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-              mlp_only_layers=[2], max_position_embeddings=256, initializer_range=0.05, rms_norm_eps=1e-6,
-              layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention",
-                           "full_attention"],
-              bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
 # Qwen3.5 text: the same layers, the linear attention's projections split (in_proj_qkv / _z / _b / _a); the dense
@@ -210,11 +201,8 @@ def test_qwen3_next_abort_mid_prefill_returns_slot_and_blocks(qwen3_next_dir):
     _assert_released(llm)
 
 
-def test_qwen3_next_refused_by_the_fallback_and_static_shapes(qwen3_next_dir):
+def test_qwen3_next_refused_by_the_fallback(qwen3_next_dir):
     with pytest.raises(UnsupportedModelError, match=r"Qwen3NextForCausalLM does not route attention "
                                                     r"through AttentionInterface"):
         load_model(qwen3_next_dir, backend=get_backend("cpu"), dtype=torch.float32, device=torch.device("cpu"),
                    model_impl="transformers")
-    with pytest.raises(UnsupportedModelError, match=r"Qwen3NextForCausalLM keeps recurrent state .*'cpu-static'.*"
-                                                    r"static batch shapes"):
-        LLM(qwen3_next_dir, device="cpu-static", dtype="float32", max_model_len=64, kv_cache_memory=4 << 20)

@@ -16,8 +16,9 @@ class AttentionMetadata:
 
     Inside a captured graph (what must live in persistent buffers): the model itself reads only ``slot_mapping``
     (handed to ``write_kv`` / ``write_mla_kv``), ``state_indices`` / ``has_initial_state`` (models with recurrent
-    state, which core runs eager) and ``lora_mapping`` (``None`` whenever graphs run: LoRA steps run eager), besides
-    its ``input_ids`` and ``positions``; it hands this object unchanged to ``paged_attention`` /
+    state: decode graphs run them eager, ``StaticGraphRunner`` keeps both in its bucket buffers) and
+    ``lora_mapping`` (``None`` whenever graphs run: LoRA steps run eager), besides its ``input_ids`` and
+    ``positions``; it hands this object unchanged to ``paged_attention`` /
     ``mla_attention``, so every other field a graph reads is one the backend's attention kernel reads — typically
     ``query_start_loc``, ``seq_lens``, ``block_tables``, which core's graph runners (``StaticGraphRunner``,
     ``DecodeGraphRunner``) keep persistent with ``slot_mapping``. The host fields (``max_query_len``,

@@ -18,6 +18,14 @@ object: closures sharing one code object would recompile for every bucket and, p
 silently run eagerly. Graph breaks inside the model still resume in frames every bucket shares, so compile with
 ``fullgraph=True`` (or raise ``torch._dynamo.config.recompile_limit`` to the bucket count).
 
+Models with recurrent state (contract v3: ``model.state_shapes``) get two more persistent buffers per bucket,
+``state_indices`` and ``has_initial_state``: the model runner pads them with slot -1 (and ``False``), which every
+state op skips (neither read nor written), and warm-up, whose metadata names no slot, fills them that way too. The
+state ops plan on host values (each sequence's span and slot: ``tolist()``, ``nonzero()``), so a capture other than
+:func:`eager_capture` would freeze them: unless the backend says its capture takes them (``capture_state``), the
+steps of such a model run eagerly over the bucket's buffers — same shapes, same buffers, no captured program — with
+one log line, as steps carrying image embeddings do.
+
 Host-side metadata (``query_start_loc_cpu``, ``seq_lens_cpu``, ``num_decodes``...) is refreshed on the persistent
 metadata object every step for kernels that plan on the host; a kernel that runs inside a real captured graph must
 read only the device tensors (``AttentionMetadata`` lists which ones the model reads).
@@ -25,6 +33,7 @@ read only the device tensors (``AttentionMetadata`` lists which ones the model r
 
 from __future__ import annotations
 
+import logging
 import types
 from collections import Counter
 from typing import Any, Callable, Optional
@@ -35,6 +44,8 @@ from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.backend.batch_policy import BatchShape
 from pagedllm.backend.device_sampler import SamplingTensors, sample as device_sample
 from pagedllm.backend.hookspec import GraphRunner, RunnerContext
+
+logger = logging.getLogger(__name__)
 
 Capture = Callable[[Callable[[], Any]], Callable[[], Any]]
 
@@ -74,7 +85,7 @@ def bucket_callable(program: Callable[..., Any], shape: BatchShape, *inputs: Any
 class _Bucket:
     """Persistent tensors of one shape and the program captured over them."""
 
-    def __init__(self, shape: BatchShape, block_size: int, device: torch.device):
+    def __init__(self, shape: BatchShape, block_size: int, device: torch.device, state: bool = False):
         self.shape = shape
         t, s, w = shape
         self.ids = torch.zeros(t, dtype=torch.long, device=device)
@@ -87,6 +98,9 @@ class _Bucket:
             block_tables=torch.zeros((s, w), dtype=torch.int32, device=device),
             slot_mapping=torch.zeros(t, dtype=torch.int64, device=device),
             max_query_len=0, max_seq_len=0, num_decodes=0, block_size=block_size)
+        if state:  # recurrent state: each row's slot (-1: padding, skipped by every state op) and continuation flag
+            self.meta.state_indices = torch.full((s,), -1, dtype=torch.int32, device=device)
+            self.meta.has_initial_state = torch.zeros(s, dtype=torch.bool, device=device)
         self.forward: Optional[Callable[[], torch.Tensor]] = None
         self.forward_sample: Optional[Callable[[], torch.Tensor]] = None
 
@@ -98,6 +112,13 @@ class _Bucket:
         m.seq_lens.copy_(meta.seq_lens)
         m.block_tables.copy_(meta.block_tables)
         m.slot_mapping.copy_(meta.slot_mapping)
+        if m.state_indices is not None:
+            if meta.state_indices is None:  # warm-up / profiling metadata names no slot: every row is padding
+                m.state_indices.fill_(-1)
+                m.has_initial_state.fill_(False)
+            else:
+                m.state_indices.copy_(meta.state_indices)
+                m.has_initial_state.copy_(meta.has_initial_state)
         m.max_query_len, m.max_seq_len, m.num_decodes = meta.max_query_len, meta.max_seq_len, meta.num_decodes
         m.query_start_loc_cpu, m.seq_lens_cpu = meta.query_start_loc_cpu, meta.seq_lens_cpu
         m.extra = {}  # kernels cache per-step plans here
@@ -106,12 +127,21 @@ class _Bucket:
 class StaticGraphRunner:
     """``run(input_ids, positions, meta)`` / ``sample(...)`` over the bucket shapes of ``ctx.policy``."""
 
-    def __init__(self, model: Any, ctx: RunnerContext, capture: Capture = eager_capture):
-        self.model, self.ctx, self.capture = model, ctx, capture
+    def __init__(self, model: Any, ctx: RunnerContext, capture: Capture = eager_capture, capture_state: bool = False):
+        self.model, self.ctx = model, ctx
+        self.state = bool(getattr(model, "state_shapes", None))  # a model with recurrent state (state slots)
         self.shapes = frozenset(ctx.policy.warmup_shapes())
         self.buckets: dict[BatchShape, _Bucket] = {}
         self.shapes_seen: Counter = Counter()
-        self.stats: dict = {"buckets": len(self.shapes), "captures": 0, "replays": 0, "shapes_seen": self.shapes_seen}
+        # carries_state: the worker hands stateful models to this runner (state slots ride in the bucket buffers)
+        self.stats: dict = {"buckets": len(self.shapes), "captures": 0, "replays": 0, "shapes_seen": self.shapes_seen,
+                            "carries_state": True}
+        if self.state and capture is not eager_capture and not capture_state:
+            logger.info("%s keeps recurrent state, whose ops plan on host values a captured graph would freeze: its "
+                        "steps run eagerly over the bucket buffers (no captured program)", type(model).__name__)
+            capture = eager_capture
+            self.stats["state_steps"] = "eager"
+        self.capture = capture
 
     def _bucket(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> _Bucket:
         shape = batch_shape(input_ids, meta)
@@ -121,7 +151,7 @@ class StaticGraphRunner:
         self.shapes_seen[shape] += 1
         b = self.buckets.get(shape)
         if b is None:
-            b = self.buckets[shape] = _Bucket(shape, self.ctx.block_size, self.ctx.device)
+            b = self.buckets[shape] = _Bucket(shape, self.ctx.block_size, self.ctx.device, self.state)
         return b
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -152,7 +182,7 @@ class StaticGraphRunner:
 
 
 def make_static_runner(model: Any, ctx: RunnerContext, capture: Capture = eager_capture, level: str = "full",
-                       on_device_sampling: bool = True) -> GraphRunner:
+                       on_device_sampling: bool = True, capture_state: bool = False) -> GraphRunner:
     """A ``GraphRunner`` for ``pagedllm_graph_runner`` on a static-shape device: one program per bucket shape of
     ``ctx.policy``, captured at warm-up over persistent buffers and replayed every step.
 
@@ -160,7 +190,9 @@ def make_static_runner(model: Any, ctx: RunnerContext, capture: Capture = eager_
     arguments: the bucket's buffers are bound inside ``fn``); the default re-runs ``fn`` eagerly, a device passes its
     graph capture or e.g. ``functools.partial(torch.compile, dynamic=False, fullgraph=True)``. ``level`` is reported
     as ``GraphRunner.level``. ``on_device_sampling`` also captures forward + logits + sampling per bucket
-    (``GraphRunner.sample``; declare ``Capabilities.on_device_sampling``)."""
-    runner = StaticGraphRunner(model, ctx, capture)
+    (``GraphRunner.sample``; declare ``Capabilities.on_device_sampling``). ``capture_state``: ``capture`` takes the
+    recurrent-state ops of a model with state (their kernels read only device tensors); otherwise such a model's
+    steps run eagerly over the bucket buffers (module docstring)."""
+    runner = StaticGraphRunner(model, ctx, capture, capture_state)
     return GraphRunner(run=runner.run, level=level, stats=runner.stats,
                        sample=runner.sample if on_device_sampling else None)

@@ -129,7 +129,7 @@ def check_state_carry_e2e(ctx: CaseContext) -> None:
     try:
         got = generate(ctx.backend, path, prompts, bs, max_num_batched_tokens=budget)
     except Exception as e:
-        if "recurrent state" in str(e):  # refused at start-up with its reason (e.g. static batch shapes)
+        if "recurrent state" in str(e):  # refused at start-up with its reason (e.g. a backend's own model runner)
             raise NotApplicable(f"the backend refuses models with recurrent state: {e}") from e
         raise
     ref = generate(reference_backend(bs), path, prompts, bs, max_num_batched_tokens=budget)

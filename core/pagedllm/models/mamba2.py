@@ -159,7 +159,8 @@ class Mamba2Mixer(nn.Module):
             lo = int(qsl[nd])
             y[lo:], final = self.chunk_scan(x[lo:], dt[lo:], A, B[lo:], C[lo:], d.chunk_size, qsl[nd:] - lo, init, D,
                                             None, bias, True, limit)
-            ssm_states[slots] = final.to(ssm_states.dtype)
+            live = slots >= 0  # -1: a padding row of a static batch shape, whose state is never written
+            ssm_states[slots[live]] = final[live].to(ssm_states.dtype)
         return y
 
     def forward(self, h: torch.Tensor, state: Optional[tuple], meta: AttentionMetadata) -> torch.Tensor:

@@ -151,7 +151,8 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         keep = meta.has_initial_state[nd:].to(states.device).view(-1, 1, 1, 1)
         init = torch.where(keep, states[slots].float(), 0.0)  # a fresh sequence never reads its slot
         out, final = self.chunk_rule(q, k, v, g, beta, None, init, qsl - qsl[0], True)
-        states[slots] = final.to(states.dtype)
+        live = slots >= 0  # -1: a padding row of a static batch shape, whose state is never written
+        states[slots[live]] = final[live].to(states.dtype)
         return out
 
     def forward(self, x: torch.Tensor, state: Optional[tuple], meta: AttentionMetadata) -> torch.Tensor:

@@ -48,17 +48,20 @@ VERIFIED: dict[str, str] = {
     "ChatGLMModel": "tests/models/test_glm.py (vs HF Glm on the same weights; every tensor name mapped); GGUF: "
                     "test_gguf_glm_baichuan_deepseek.py",
     "Lfm2ForCausalLM": "tests/models/test_lfm2.py (logits vs HF through the state slots, chunked prefill, "
-                       "preemption, n=2 seeded, abort mid-prefill); conv ops: tests/core/test_state_slots.py",
+                       "preemption, n=2 seeded, abort mid-prefill); conv ops: tests/core/test_state_slots.py; "
+                       "cpu-static: tests/plugins/cpu/test_static_state.py",
     "Qwen3NextForCausalLM": "tests/models/test_qwen3_next.py (logits vs HF through the state slots, chunked "
                             "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill); delta-rule ops: "
-                            "tests/core/test_delta_rule_ops.py",
+                            "tests/core/test_delta_rule_ops.py; cpu-static: tests/plugins/cpu/test_static_state.py",
     **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
                     "tests/models/test_qwen3_next.py (logits vs HF through the state slots, full and chunked "
                     "prefill; engine paths shared with Qwen3-Next)"),
     "Mamba2ForCausalLM": "tests/models/test_mamba2.py (logits vs HF through the state slots, chunked prefill across "
-                         "SSD chunks, preemption, abort mid-prefill, a scan that drops the state caught)",
+                         "SSD chunks, preemption, abort mid-prefill, a scan that drops the state caught); "
+                         "cpu-static: tests/plugins/cpu/test_static_state.py",
     "GraniteMoeHybridForCausalLM": "tests/models/test_mamba2.py (every multiplier away from 1; logits vs HF, chunked "
-                                   "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill)",
+                                   "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill; greedy on "
+                                   "cpu-static)",
     "Olmo2ForCausalLM": "tests/models/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/models/test_transformers_fallback.py",
     **{name: "tests/models/test_bert_encoder.py (hidden states, CLS row, classifier logits vs HF; varlen batch)"
@@ -161,7 +164,8 @@ _FALLBACK_REFUSES = {"GptOssForCausalLM": "attention sinks", "Lfm2ForCausalLM": 
                                      "Gated DeltaNet state"),
                      "Mamba2ForCausalLM": "no attention to page, recurrent state",
                      "GraniteMoeHybridForCausalLM": "recurrent (Mamba2) state"}
-#: Native modules whose layers keep recurrent state per request (state slots; static-shape backends refuse them).
+#: Native modules whose layers keep recurrent state per request (state slots: core's model runner hands them to the
+#: model, static shapes included; a backend running its own model runner refuses them).
 _STATEFUL = ("lfm2", "qwen3_next", "mamba2", "granite_hybrid")
 #: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
 _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
@@ -294,7 +298,8 @@ def rows() -> list[dict[str, Any]]:
     out = []
     for name in ARCHITECTURES:
         spec = ARCHITECTURES[name]
-        static = " (dynamic shapes only: static-shape backends such as cpu-static refuse its state at start-up)"
+        static = (" (static shapes too: cpu-static keeps its state slots in the bucket buffers; a backend with its "
+                  "own model runner, such as tpu, refuses it at start-up)")
         out.append({"family": family(name), "architecture": name,
                     "backends": backends_for(name) + (static if spec.module in _STATEFUL else ""),
                     "path": "native" + (f" (the transformers fallback refuses it: {_FALLBACK_REFUSES[name]})"

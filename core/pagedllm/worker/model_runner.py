@@ -41,6 +41,11 @@ def prompt_logit_spans(batch: list, query_start_loc_cpu: list) -> Iterator[tuple
             base = query_start_loc_cpu[i] - s.num_computed_tokens
             yield r, lo, base + lo, base + hi
 
+def _not_decode(s: ScheduledRequest, fresh_is_prefill: bool) -> bool:
+    """Sort key putting decodes first: one new token, continuing the sequence where ``fresh_is_prefill``."""
+    return s.num_new_tokens != 1 or (fresh_is_prefill and s.num_computed_tokens == 0)
+
+
 class ModelRunner:
     def __init__(self, model: Any, run: Any, kv: KVCacheManager, device: torch.device,
                  policy: BatchPolicy = BatchPolicy(), pad_slot: int = -1, sample: Any = None, lora: Any = None):
@@ -97,7 +102,8 @@ class ModelRunner:
             pos, mpos = step_mrope_positions([s.request for s in batch], pos, row)
         qsl = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(qlens, out=qsl[1:])
-        num_decodes = int(np.argmax(qlens != 1)) if (qlens != 1).any() else len(batch)
+        not_decode = (qlens != 1) | (starts == 0) if self.kv.state_slots is not None else qlens != 1
+        num_decodes = int(np.argmax(not_decode)) if not_decode.any() else len(batch)
         if shape != real:
             pad_t, pad_s = shape.num_tokens - real.num_tokens, shape.num_seqs - real.num_seqs
             tokens = list(tokens) + [0] * pad_t
@@ -154,11 +160,13 @@ class ModelRunner:
         left the logits in flight)."""
         # Decodes first (stable); with LoRA, then by adapter slot, so an adapter's tokens are contiguous runs in
         # slot order (the LoRA op can then slice its slot stacks instead of gathering them).
+        # With recurrent state a fresh one-token chunk is a prefill: a decode op would read its slot's stale state.
+        fresh = self.kv.state_slots is not None
         if self.lora is not None:
             slot_of = self.lora.activate(s.request.lora_int_id for s in scheduled if s.request.lora_int_id)
-            batch = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1, slot_of.get(s.request.lora_int_id, -1)))
+            batch = sorted(scheduled, key=lambda s: (_not_decode(s, fresh), slot_of.get(s.request.lora_int_id, -1)))
         else:
-            batch = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+            batch = sorted(scheduled, key=lambda s: _not_decode(s, fresh))
         input_ids, positions, meta = self.prepare(batch)
         if self.encoder_runner is not None and self.encoder_runner.prepare(batch, meta):
             # image rows ride in meta.extra, which graph and static runners do not carry: this step runs eagerly

@@ -205,17 +205,13 @@ class Worker:
 
     def _state_spec(self) -> Optional[MambaSpec]:
         """The model's state group (``state_shapes`` / ``state_dtypes`` per layer), with one slot per sequence a step
-        may hold; refused where the step cannot hand the model its slots (static shapes keep no per-step slot
-        indices in their persistent buffers; speculative tokens would have to roll state back)."""
+        may hold; refused where the step cannot hand the model its slots (speculative tokens would have to roll
+        state back). Static batch shapes pad the slot indices with -1, which every state op skips."""
         m = self.model
         shapes = getattr(m, "state_shapes", None)
         if not shapes:
             return None
-        arch, name = self.info.architecture, self.backend.name
-        if self.policy.static:
-            raise UnsupportedModelError(f"{arch} keeps recurrent state per request, which backend "
-                                        f"{name!r}'s static batch shapes do not carry (no state slots in its "
-                                        "persistent buffers); run it on a dynamic backend (--device cpu)")
+        arch = self.info.architecture
         if self.config.speculative_config is not None:
             raise ParamError("speculative_config", f"{arch} keeps recurrent state per request, which rejected "
                                                    "speculative tokens would have to roll back; serve it without "
@@ -341,11 +337,16 @@ class Worker:
             self.runner, self.graph_level = own, getattr(own, "level", "custom")
             return
         eager = self.config.enforce_eager
-        if self.state_spec is not None and capture != "none" and not eager:
+        if self.state_spec is not None and capture != "none" and not eager and not self.policy.static:
             logger.info("%s keeps recurrent state: running eager (graph runners keep no state slots)",
                         self.info.architecture)
             eager = True
         graph = self.backend.graph_runner(self.model, self.max_num_seqs, self.device, self.ctx) if not eager else None
+        if graph is not None and self.state_spec is not None and not graph.stats.get("carries_state"):
+            # a static backend's own graph runner: only core's StaticGraphRunner keeps the slots in its buffers
+            logger.info("%s keeps recurrent state: running eager (backend %s's graph runner keeps no state slots)",
+                        self.info.architecture, self.backend.name)
+            graph = None
         if graph is not None:
             self.graph_level, self.graph_stats = graph.level, graph.stats
         self.runner = ModelRunner(self.model, graph.run if graph is not None else self.model, kv, self.device,

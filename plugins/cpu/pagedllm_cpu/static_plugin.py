@@ -4,8 +4,9 @@ Same kernels, allocator and memory as ``cpu``; what changes is the engine's shap
 or Ascend backend would set it: every step padded to power-of-two buckets (capped at the budgets) of tokens,
 sequences and block-table width (``BucketPolicy``), padding written to a sink block, every bucket warmed up before
 serving, the forward, logits and sampling replayed per bucket from persistent buffers (``StaticGraphRunner``, eager
-capture). It exists so the static path of core and the conformance suite run for real on any machine; it is slower
-than ``cpu`` by the padding (docs/benchmarks.md) and is not meant for serving.
+capture). Models with recurrent state run too: their slot indices ride in the bucket buffers, padding rows as
+slot -1 (``pagedllm.backend.static_runner``). It exists so the static path of core and the conformance suite run
+for real on any machine; it is slower than ``cpu`` by the padding (docs/benchmarks.md) and is not meant for serving.
 """
 
 from __future__ import annotations
