@@ -97,20 +97,24 @@ def hf_fp32_model(model_path: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
 
 
-def run_hf(model_path: str, prompts: list[list[int]], output_len: int, repeats: int) -> list[float]:
-    """HF transformers ``generate`` on the same prompts in one batch (equal lengths: no padding), fp32 greedy."""
-    model = hf_fp32_model(model_path)
-    ids = torch.tensor(prompts)
-    kw = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
-    with torch.inference_mode():
-        warm = ids[:2]
-        model.generate(warm, attention_mask=torch.ones_like(warm), **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-        times = []
-        for _ in range(repeats):
+class HFPeer:
+    """HF transformers ``generate`` on the same prompts in one batch (equal lengths: no padding), fp32 greedy, warmed
+    up once; ``generate()`` times one run, so the caller alternates it with its own repeats."""
+
+    def __init__(self, model_path: str, prompts: list[list[int]], output_len: int):
+        self.model = hf_fp32_model(model_path)
+        self.ids = torch.tensor(prompts)
+        self.kw = dict(do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
+        warm = self.ids[:2]
+        with torch.inference_mode():
+            self.model.generate(warm, attention_mask=torch.ones_like(warm),
+                                **{**self.kw, "max_new_tokens": 2, "min_new_tokens": 2})
+
+    def generate(self) -> float:
+        with torch.inference_mode():
             t = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), **kw)
-            times.append(time.perf_counter() - t)
-    return times
+            self.model.generate(self.ids, attention_mask=torch.ones_like(self.ids), **self.kw)
+            return time.perf_counter() - t
 
 
 def run(args) -> ThroughputResult:
@@ -162,6 +166,7 @@ def run(args) -> ThroughputResult:
     if args.compare_vllm:
         peer = VLLMPeer(args.compare_vllm, engine.model_path, res.dtype, cfg.max_model_len, cfg.seed)
         res.vllm_init_s = peer.init_s
+    hf = HFPeer(engine.model_path, prompts, args.output_len) if args.compare_hf else None
     prefill, plain_tok, json_tok = [], [], []
     for _ in range(args.repeats):
         engine.kv.reset_prefix_cache()
@@ -175,6 +180,8 @@ def run(args) -> ThroughputResult:
         res.elapsed_s.append(time.perf_counter() - t)
         assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
         plain_tok.append(sum(len(o.outputs[0].token_ids) for o in outs) / res.elapsed_s[-1])
+        if hf is not None:  # the same prompts on HF transformers right after (alternated)
+            res.hf_elapsed_s.append(hf.generate())
         if peer is not None:  # the same prompts on vLLM right after (alternated)
             t_vllm, ids = peer.generate(prompts, args.output_len)
             res.vllm_elapsed_s.append(t_vllm)
@@ -230,8 +237,7 @@ def run(args) -> ThroughputResult:
         res.json_vs_unconstrained = res.json_output_tok_s / res.unconstrained_output_tok_s
     res.quantization = engine.config.quantization
     res.peak_rss_mb = _peak_rss_mb()
-    if args.compare_hf:
-        res.hf_elapsed_s = run_hf(engine.model_path, prompts, args.output_len, args.repeats)
+    if hf is not None:
         res.hf_output_tok_s = args.num_prompts * args.output_len / statistics.median(res.hf_elapsed_s)
         res.speedup_vs_hf = res.output_tok_s / res.hf_output_tok_s
     return res
@@ -264,7 +270,7 @@ def add_parser(sub) -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--shared-prefix-len", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate, same prompts")
+    p.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate, same prompts, alternated per repeat")
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters (with --enable-lora): each repeat also times the batch spread over them")
     p.add_argument("--num-loras", type=int, default=None,
@@ -337,7 +343,7 @@ def main(args) -> int:
               f"{res.vllm_same_tokens:.0%} of requests")
     if res.hf_output_tok_s:
         print(f"HF transformers generate: {res.hf_output_tok_s:.1f} output tok/s (median of {res.repeats}: "
-              f"{', '.join(f'{t:.2f}s' for t in res.hf_elapsed_s)})")
+              f"{', '.join(f'{t:.2f}s' for t in res.hf_elapsed_s)}, alternated)")
         print(f"speedup vs HF: {res.speedup_vs_hf:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
