@@ -299,7 +299,7 @@ def rows() -> list[dict[str, Any]]:
     for name in ARCHITECTURES:
         spec = ARCHITECTURES[name]
         static = (" (static shapes too: cpu-static keeps its state slots in the bucket buffers; a backend with its "
-                  "own model runner, such as tpu, refuses it at start-up)")
+                  "own model runner refuses it at start-up)")
         out.append({"family": family(name), "architecture": name,
                     "backends": backends_for(name) + (static if spec.module in _STATEFUL else ""),
                     "path": "native" + (f" (the transformers fallback refuses it: {_FALLBACK_REFUSES[name]})"
