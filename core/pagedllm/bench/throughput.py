@@ -147,7 +147,7 @@ def run(args) -> ThroughputResult:
     llm.generate(batch[: min(4, len(batch))], sp.clone(max_tokens=2), use_tqdm=False)  # warm up
     res = ThroughputResult(engine.model_path, engine.backend.name, str(engine.dtype).removeprefix("torch."),
                            args.num_prompts, args.input_len, args.output_len, args.shared_prefix_len,
-                           cfg.enable_prefix_caching, args.repeats, cold, engine.init_seconds,
+                           engine.kv.pool.enable_caching, args.repeats, cold, engine.init_seconds,
                            engine.worker.warmup_seconds, threads=torch.get_num_threads())
     loras = _lora_requests(args)
     res.num_loras = len(set(loras)) if loras else 0
