@@ -175,6 +175,7 @@ class LLMEngine:
                      self.model.num_image_tokens)
         self.scheduler.encoder_cache = EncoderCacheManager(budget)
         self.scheduler.max_num_encoder_input_tokens = budget
+        self.scheduler.mm_prefix_lm = bool(getattr(self.model, "mm_prefix_lm", False))  # (multimodal/prefix_lm.py)
         return processor_class(hf_config)(self.model_path, hf_config)
 
     def shutdown(self) -> None:
