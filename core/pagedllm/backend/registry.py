@@ -126,10 +126,10 @@ class Backend:
 
     @cached_property
     def capabilities(self) -> Capabilities:
-        """The backend's declared capabilities, plus what core's reference ops add where they run: ALiBi,
-        attention sinks and bidirectional image spans whenever the attention is the reference's; for a backend without ``pagedllm_capabilities``,
-        also the sliding window and soft cap of the reference attention and the reference MLA path on the canonical
-        allocator."""
+        """The backend's declared capabilities, plus what core's reference ops add where they run: ALiBi, attention
+        sinks and bidirectional image spans whenever the attention is the reference's; for a backend without
+        ``pagedllm_capabilities``, also the sliding window and soft cap of the reference attention and the reference
+        MLA path on the canonical allocator."""
         caps = self._resolve("pagedllm_capabilities")()
         reference_attention = not self.implements("pagedllm_paged_attention")
         if reference_attention and not (caps.alibi and caps.attention_sinks and caps.mm_prefix_lm):

@@ -144,8 +144,8 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model = build_encoder_model(path, config, arch_name, backend, dtype, device)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
-    if spec.module in ("llava", "idefics3", "qwen2_vl", "gemma3_mm"):  # vision tower + native decoder (llava.py, idefics3.py,
-        # qwen2_vl.py)
+    if spec.module in ("llava", "idefics3", "qwen2_vl", "gemma3_mm"):  # vision tower + native decoder (llava.py,
+        # idefics3.py, qwen2_vl.py, gemma3_mm.py)
         if get_parallel_state() is not None or quantization is not None or is_gguf(path):
             raise UnsupportedModelError(f"{shown}: vision-language models load unquantized safetensors on one "
                                         "rank only")
