@@ -174,22 +174,35 @@ def test_greedy_and_logprobs_match_hf_with_images_kept_whole(hf, llm, prompt, na
         assert not any(a < lo + k < b or a < lo < b for a, b in spans), (lo, k, spans)
 
 
-def test_an_image_longer_than_the_token_budget_extends_its_chunk(model_path, hf):
-    """A 12-token budget is shorter than an image's 16 tokens: the chunk that reaches it carries it whole."""
-    model, processor = hf
-    images = [IMAGES["large"], IMAGES["tall"]]
-    inputs = processor(text=PROMPT_2, images=images, return_tensors="pt")
-    with LLM(model_path, device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=12,
+def test_a_token_budget_shorter_than_an_image_is_refused(model_path):
+    """A 12-token budget is shorter than an image's 16 tokens, which are never split across steps: refused at
+    start-up naming the field, nothing left running."""
+    from pagedllm.errors import ParamError
+
+    with pytest.raises(ParamError, match=r"^max_num_batched_tokens: 12 is less than one image's 16 tokens"):
+        LLM(model_path, device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=12,
+            num_gpu_blocks_override=64, max_model_len=256)
+    with LLM(model_path, device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=TOKENS_PER_IMAGE,
              num_gpu_blocks_override=64, max_model_len=256) as llm:
         with ChunkRecorder(llm.llm_engine.scheduler) as rec:
-            out = llm.generate({"prompt": PROMPT_2, "multi_modal_data": {"image": images}}, greedy(6),
-                               use_tqdm=False)[0]
-    assert out.outputs[0].token_ids == hf_greedy(model, inputs, 6)
-    spans = spans_of(inputs["token_type_ids"][0])
-    whole = [(lo, k) for _, lo, k, _ in rec.chunks if (lo, lo + k) in [(a, b) for a, b in spans]
-             or any(lo <= a and b <= lo + k for a, b in spans)]
-    assert len(whole) == 2 and all(k > 12 or k == TOKENS_PER_IMAGE for _, k in whole)
-    assert all(k <= 12 for lo, k in [(lo, k) for _, lo, k, _ in rec.chunks] if (lo, k) not in whole)
+            llm.generate({"prompt": PROMPT_2, "multi_modal_data": {"image": [IMAGES["large"], IMAGES["tall"]]}},
+                         greedy(2), use_tqdm=False)
+    spans = rec.chunks[0][3]
+    assert [(lo, lo + k) for _, lo, k, _ in rec.chunks if any(a <= lo < b for a, b in spans)] == spans
+
+
+def test_cpu_static_matches_hf(model_path, hf):
+    """cpu-static (the CPU attention, static buckets): image steps run eagerly with their spans, text steps and
+    decodes on the buckets; the tokens are HF's."""
+    model, processor = hf
+    images = [IMAGES["wide"], IMAGES["tall"]]
+    inputs = processor(text=PROMPT_2, images=images, return_tensors="pt")
+    with LLM(model_path, device="cpu-static", dtype="float32", block_size=BLOCK, max_num_batched_tokens=24,
+             max_num_seqs=2, num_gpu_blocks_override=64, max_model_len=256) as llm:
+        assert llm.llm_engine.backend.capabilities.mm_prefix_lm
+        out = llm.generate([{"prompt": PROMPT_2, "multi_modal_data": {"image": images}}, "a text prompt"],
+                           greedy(6), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(model, inputs, 6)
 
 
 def test_without_the_spans_the_tokens_differ_from_hf(hf, llm):

@@ -79,7 +79,7 @@ VERIFIED: dict[str, str] = {
                     "prefix-cache hits by image hash)"),
     "Gemma3ForConditionalGeneration": "tests/models/test_gemma3_vision.py (processor output, image features, greedy "
                                       "tokens and log-probs vs HF with its token types; one and two images, images "
-                                      "kept whole in chunks, prefix hits cut back out of an image; spans off differ)",
+                                      "kept whole in chunks, prefix hits cut back out of an image; spans off differ; cpu-static)",
 }
 # SmolLM2-135M Q4_1 (tests/models/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
 # (tests/models/test_gguf_families.py); Mistral,

@@ -5,8 +5,8 @@ A span's later tokens are visible to its earlier ones, so its K/V is right only 
 forward pass. Three rules keep it so, for a model whose ``mm_prefix_lm`` is true:
 
 - scheduling (``whole_spans``): a prefill chunk never ends inside a span; it is cut back to the span's start (the
-  span runs whole in a later step), and a span longer than the whole token budget extends its chunk instead (it can
-  never fit otherwise);
+  span runs whole in a later step). The engine refuses a token budget smaller than one image
+  (``check_token_budget``): such an image could never be scheduled;
 - prefix caching (``trim_hits``): a cache hit never ends inside a span (its last tokens would be recomputed without
   the earlier ones seeing them);
 - the step (``step_prefix_ranges``): each sequence's spans go to the attention as ``meta.mm_prefix_ranges``.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from pagedllm.errors import ParamError
 from pagedllm.multimodal.encoder_cache import features_of
 
 
@@ -24,17 +25,23 @@ def image_spans(request: Any) -> list[tuple[int, int]]:
     return [(f.mm_position.offset, f.mm_position.end) for f in features_of(request) if f.modality == "image"]
 
 
-def whole_spans(request: Any, num_computed: int, num_new: int, max_num_batched_tokens: int) -> int:
-    """``num_new`` cut (or, for a span longer than the whole budget, extended) so that the chunk
-    ``[num_computed, num_computed + num_new)`` ends outside every span; 0: the request waits for a step with room."""
+def check_token_budget(max_num_batched_tokens: int, num_image_tokens: int) -> None:
+    """A step must hold one whole image: refused at start-up, naming the field, when it cannot."""
+    if max_num_batched_tokens < num_image_tokens:
+        raise ParamError("max_num_batched_tokens", f"{max_num_batched_tokens} is less than one image's "
+                                                   f"{num_image_tokens} tokens: this model attends bidirectionally "
+                                                   "within each image, so an image is never split across steps")
+
+
+def whole_spans(request: Any, num_computed: int, num_new: int) -> int:
+    """``num_new`` cut so that the chunk ``[num_computed, num_computed + num_new)`` ends outside every span; 0: the
+    request waits for a step with room for the span."""
     end = num_computed + num_new
     for lo, hi in image_spans(request):
         if lo < end < hi:
             if lo > num_computed:
                 return lo - num_computed  # the text before the span now, the span whole later
-            if hi - lo > max_num_batched_tokens or lo < num_computed:
-                return hi - num_computed  # it never fits a step (or began already): this chunk finishes it
-            return 0
+            return hi - num_computed if lo < num_computed else 0  # (began already, e.g. a connector load: finish it)
     return num_new
 
 

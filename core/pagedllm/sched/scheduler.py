@@ -204,7 +204,7 @@ class Scheduler:
         if self.encoder_cache is None or not req.mm_features:
             return [], n
         if self.mm_prefix_lm:
-            n = whole_spans(req, num_computed, n, self.max_num_batched_tokens)
+            n = whole_spans(req, num_computed, n)
         enc, n, self.encoder_budget = schedule_encoder_inputs(req, num_computed, n, self.encoder_cache,
                                                               self.encoder_budget)
         return enc, n
