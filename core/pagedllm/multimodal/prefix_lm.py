@@ -7,8 +7,9 @@ forward pass. Three rules keep it so, for a model whose ``mm_prefix_lm`` is true
 - scheduling (``whole_spans``): a prefill chunk never ends inside a span; it is cut back to the span's start (the
   span runs whole in a later step). The engine refuses a token budget smaller than one image
   (``check_token_budget``): such an image could never be scheduled;
-- prefix caching (``trim_hits``): a cache hit never ends inside a span (its last tokens would be recomputed without
-  the earlier ones seeing them);
+- prefix caching (``trim_hits``): a cache hit never ends inside a span, so a span's tokens are always computed in
+  one pass. (Conservative: a cached span prefix was itself computed with its whole span visible, so its K/V is what
+  a full recompute gives -- checked against HF with the trim off -- but the rule keeps every span one pass);
 - the step (``step_prefix_ranges``): each sequence's spans go to the attention as ``meta.mm_prefix_ranges``.
 """
 
