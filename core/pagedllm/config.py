@@ -244,6 +244,9 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
     if info.attention_sinks and not caps.attention_sinks:
         raise ParamError("model", f"{info.architecture} uses attention sinks (a learned logit in every softmax), "
                                   f"which backend {name!r} does not support (Capabilities.attention_sinks)")
+    if info.mm_prefix_lm and not caps.mm_prefix_lm:
+        raise ParamError("model", f"{info.architecture} attends bidirectionally within each image (PrefixLM image "
+                                  f"spans), which backend {name!r} does not support (Capabilities.mm_prefix_lm)")
     if config.enable_lora and caps.graph_capture != "none" and not config.enforce_eager:
         # The per-step LoRA mapping is host-built Python state that captured graphs cannot replay.
         logger.warning("--enable-lora: backend %r captures graphs (%s); LoRA runs eager, so enforce_eager is set",

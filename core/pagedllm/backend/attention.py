@@ -44,6 +44,13 @@ class AttentionMetadata:
     # or starts it fresh (the slot's old contents are never read then).
     state_indices: Optional[torch.Tensor] = None
     has_initial_state: Optional[torch.Tensor] = None
+    # PrefixLM image spans (vLLM's ``mm_prefix_range``; Gemma 3 with vision), else None: per sequence, the position
+    # ranges ``[start, end)`` (half-open, unlike vLLM's inclusive end) within which attention is bidirectional, as
+    # host lists. A query at position q in a span also sees the span's keys after q (the sliding window still bounds
+    # how far back it looks); outside spans attention stays causal. Set only for a model whose ``ModelInfo`` says
+    # ``mm_prefix_lm`` and only on backends declaring ``Capabilities.mm_prefix_lm``; a span never straddles two
+    # chunks (the scheduler keeps it whole: multimodal/prefix_lm.py).
+    mm_prefix_ranges: Optional[list[list[tuple[int, int]]]] = None
 
     @property
     def num_seqs(self) -> int:

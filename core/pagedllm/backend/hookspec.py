@@ -118,6 +118,9 @@ class Capabilities:
     alibi: bool = False
     # Attention sinks (``sinks`` of ``pagedllm_paged_attention``: GPT-OSS); models with sinks are refused without it.
     attention_sinks: bool = False
+    # Bidirectional image spans in prefill attention (``AttentionMetadata.mm_prefix_ranges``: Gemma 3 with vision);
+    # models that need them are refused without it.
+    mm_prefix_lm: bool = False
     # vLLM quantization method names this backend runs (``gguf``...); weight types without a kernel from
     # ``pagedllm_quantized_linear`` run core's reference (dequantized at load). Others are refused.
     quantization: tuple[str, ...] = ()
@@ -205,6 +208,7 @@ class ModelInfo:
     soft_cap: Optional[float] = None
     alibi: bool = False  # ALiBi position bias instead of rotary (Falcon-RW, Baichuan-13B)
     attention_sinks: bool = False  # a learned per-head sink logit in every softmax (GPT-OSS)
+    mm_prefix_lm: bool = False  # image tokens attend bidirectionally within their image (Gemma 3 with vision)
     quantization: Optional[str] = None  # e.g. "gguf"
     mla: bool = False  # the cache holds one latent row per token (num_kv_heads 1, head_size = latent width)
 
@@ -441,7 +445,10 @@ class BackendSpec:
         ``Capabilities.attention_sinks`` is set) is GPT-OSS's learned sink logit: a virtual key with a zero value that
         joins every softmax of head h with the raw logit ``sinks[h]`` (not scaled, capped or masked; window and
         causality apply to the real keys only), so ``p_s = exp(score_s) / (exp(sinks[h]) + sum_s' exp(score_s'))``
-        and the probabilities of the real keys sum to less than 1.
+        and the probabilities of the real keys sum to less than 1. ``meta.mm_prefix_ranges`` (set only for backends
+        whose ``Capabilities.mm_prefix_lm`` is set): per sequence, position ranges ``[start, end)`` within which keys
+        after the query are visible too (OR-ed with causality before the window applies: HF Gemma 3's
+        ``AND(sliding_window, OR(causal, same image))``).
         """
 
     @hookspec(firstresult=True)

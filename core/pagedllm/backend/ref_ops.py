@@ -8,7 +8,7 @@ the model dtype or fp8 (``pagedllm.backend.kv_quant``: writes store ``saturate(x
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,15 +62,28 @@ def _rows(cache: torch.Tensor, blocks: torch.Tensor, seq_len: int) -> torch.Tens
     return cache[blocks].flatten(0, 1)[:seq_len]
 
 
+def same_span(q_pos: torch.Tensor, k_pos: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """bool ``[L, S]``: query and key positions (``[L, 1]`` / ``[1, S]``) inside one of ``ranges`` (``[start, end)``
+    position spans, ``AttentionMetadata.mm_prefix_ranges`` of one sequence): the pairs a PrefixLM image span makes
+    visible in both directions (HF's ``blockwise_overlay``)."""
+    out = torch.zeros(q_pos.shape[0], k_pos.shape[1], dtype=torch.bool, device=q_pos.device)
+    for lo, hi in ranges:
+        out |= ((q_pos >= lo) & (q_pos < hi)) & ((k_pos >= lo) & (k_pos < hi))
+    return out
+
+
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
                     sliding_window: Optional[int] = None, soft_cap: Optional[float] = None, k_scale: float = 1.0,
                     v_scale: float = 1.0, alibi_slopes: Optional[torch.Tensor] = None,
                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """See ``hookspec.pagedllm_paged_attention``. One sequence at a time, scores in float32; an fp8 cache is read as
     ``stored * k_scale`` / ``stored * v_scale``. ``sinks``: transformers' GPT-OSS ``eager_attention_forward``
-    (the sink logit concatenated as one more column, softmax, the column dropped)."""
+    (the sink logit concatenated as one more column, softmax, the column dropped). ``meta.mm_prefix_ranges``: keys in
+    the query's image span are visible before the window applies (HF Gemma 3: ``AND(window, OR(causal, span))``)."""
     group = query.shape[1] // kv_cache.shape[3]
     out = torch.empty_like(query)
+    spans = ({meta.query_start_loc_cpu[i]: r for i, r in enumerate(meta.mm_prefix_ranges) if r}
+             if meta.mm_prefix_ranges else {})
     for start, end, blocks, q_pos, k_pos in _sequences(meta, kv_cache.shape[2], query.device):
         k = dequantize_kv(_rows(kv_cache[0], blocks, k_pos.shape[1]), k_scale, torch.float32)
         v = dequantize_kv(_rows(kv_cache[1], blocks, k_pos.shape[1]), v_scale, torch.float32)
@@ -83,6 +96,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         if alibi_slopes is not None:
             scores = scores + alibi_slopes.float().view(-1, 1, 1) * (k_pos - q_pos)[None]
         allowed = k_pos <= q_pos
+        if start in spans:
+            allowed = allowed | same_span(q_pos, k_pos, spans[start])
         if sliding_window is not None:
             allowed &= (q_pos - k_pos) < sliding_window
         scores = scores.masked_fill(~allowed[None], float("-inf"))

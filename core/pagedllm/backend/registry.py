@@ -126,14 +126,15 @@ class Backend:
 
     @cached_property
     def capabilities(self) -> Capabilities:
-        """The backend's declared capabilities, plus what core's reference ops add where they run: ALiBi and
-        attention sinks whenever the attention is the reference's; for a backend without ``pagedllm_capabilities``,
-        also the sliding window and soft cap of the reference attention and the reference MLA path on the canonical
-        allocator."""
+        """The backend's declared capabilities, plus what core's reference ops add where they run: ALiBi, attention
+        sinks and bidirectional image spans whenever the attention is the reference's; for a backend without
+        ``pagedllm_capabilities``, also the sliding window and soft cap of the reference attention and the reference
+        MLA path on the canonical allocator."""
         caps = self._resolve("pagedllm_capabilities")()
         reference_attention = not self.implements("pagedllm_paged_attention")
-        if reference_attention and not (caps.alibi and caps.attention_sinks):
-            caps = replace(caps, alibi=True, attention_sinks=True)  # core's reference attention runs: it does both
+        if reference_attention and not (caps.alibi and caps.attention_sinks and caps.mm_prefix_lm):
+            # core's reference attention runs: it does all three
+            caps = replace(caps, alibi=True, attention_sinks=True, mm_prefix_lm=True)
         if not self.implements("pagedllm_capabilities"):
             reference_mla = not any(self.implements(h) for h in ("pagedllm_write_mla_kv", "pagedllm_mla_attention",
                                                                  "pagedllm_allocate_kv_cache"))

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from pagedllm.backend import ref_ops
+from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.backend.registry import SwapUnsupported
 from pagedllm.conformance.harness import (CaseContext, CheckFailed, NotApplicable, PagedBatch, Untested,
                                           cache_locator, canonical_cache, make_batch, poison, poison_allocator,
@@ -89,10 +90,29 @@ def fill_context(ctx: CaseContext, batch: PagedBatch, head_size: int) -> tuple[o
                         "those first")
 
 
+def image_spans(meta: AttentionMetadata) -> list[list[tuple[int, int]]]:
+    """PrefixLM image spans (``meta.mm_prefix_ranges``) inside each prefill chunk, as the scheduler keeps them: two
+    spans in a long chunk (text around and between them), one covering a short chunk whole; none for decodes."""
+    out = []
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        ql = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
+        lo = seq_len - ql
+        if ql == 1:
+            out.append([])
+        elif ql < 6:
+            out.append([(lo, seq_len)])
+        else:
+            mid = lo + 1 + (ql - 2) // 2
+            out.append([(lo + 1, mid), (mid + 1, seq_len - 1)])
+    return out
+
+
 def check_attention(ctx: CaseContext) -> None:
     p = ctx.params
     hs, bs, heads = p["head_size"], p["block_size"], NUM_KV_HEADS * p["gqa"]
     batch = make_batch(ctx, *scenario_lengths(p["scenario"], bs), bs)
+    if p.get("mm_prefix"):  # Gemma 3 with vision: bidirectional attention within each image span
+        batch.meta.mm_prefix_ranges = image_spans(batch.meta)
     cache, ref_cache, filled = fill_context(ctx, batch, hs)
     ctx.notes.append(filled)
     query = ctx.randn(batch.meta.num_tokens, heads, hs, scale=p.get("query_scale", 1.0))

@@ -142,6 +142,15 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
                                   dict(scenario=scenario, head_size=hs0, block_size=bs, gqa=g, sinks=True,
                                        sliding_window=window),
                                   untested=f"capabilities do not declare {missing[0]}" if missing else ""))
+            for scenario, window in (("prefill", None), ("mixed", None), ("mixed", bs // 2 + 3)):
+                # Gemma 3 with vision: bidirectional image spans inside prefill chunks (meta.mm_prefix_ranges)
+                missing = [f for f, need in (("mm_prefix_lm", True), ("sliding_window", bool(window)))
+                           if need and not getattr(caps, f)]
+                cases.append(Case("attention", f"paged_attention.mm_prefix.{scenario}"
+                                  + ".sliding_window" * bool(window), f"hs{hs0}-bs{bs}-gqa{g}", dt, K.check_attention,
+                                  dict(scenario=scenario, head_size=hs0, block_size=bs, gqa=g, mm_prefix=True,
+                                       sliding_window=window),
+                                  untested=f"capabilities do not declare {missing[0]}" if missing else ""))
         for kvd in (k for k in caps.kv_cache_dtypes if k != "auto"):  # fp8 KV: scaled writes, reads, swaps
             bs = caps.block_sizes[0]
             fp8 = dict(head_size=hs0, block_size=bs, kv_cache_dtype=kvd, k_scale=0.05, v_scale=2.0)

@@ -22,6 +22,7 @@ from pagedllm.models import load_config, load_tokenizer, resolve_model_path
 from pagedllm.worker.model_runner import PendingStep, StepOutput
 from pagedllm.models.info import read_model_info
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager
+from pagedllm.multimodal.prefix_lm import check_token_budget
 from pagedllm.multimodal.processing import MultiModalProcessor, as_image_list, prompt_parts
 from pagedllm.multimodal.registry import processor_class, supported_modalities
 from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
@@ -175,6 +176,9 @@ class LLMEngine:
                      self.model.num_image_tokens)
         self.scheduler.encoder_cache = EncoderCacheManager(budget)
         self.scheduler.max_num_encoder_input_tokens = budget
+        self.scheduler.mm_prefix_lm = bool(getattr(self.model, "mm_prefix_lm", False))  # (multimodal/prefix_lm.py)
+        if self.scheduler.mm_prefix_lm:
+            check_token_budget(self.scheduler.max_num_batched_tokens, self.model.num_image_tokens)
         return processor_class(hf_config)(self.model_path, hf_config)
 
     def shutdown(self) -> None:

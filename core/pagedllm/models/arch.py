@@ -33,6 +33,7 @@ class ArchSpec:
     # | llava (models/llava.py: CLIP tower + projector + the decoder of its text_config)
     # | idefics3 (models/idefics3.py: SigLIP tower + pixel-shuffle connector + the decoder of its text_config)
     # | qwen2_vl (models/qwen2_vl.py: ViT + Qwen2 decoder with M-RoPE)
+    # | gemma3_mm (models/gemma3_mm.py: SigLIP tower + pooling projector + Gemma 3 decoder, bidirectional images)
     # | qwen3_next (models/qwen3_next.py: Gated DeltaNet + gated attention + MoE)
     # | mamba2 (models/mamba2.py: pure Mamba2) | granite_hybrid (models/granite_hybrid.py: Mamba2 + attention + MoE)
     module: str = "decoder"
@@ -108,6 +109,8 @@ ARCHITECTURES.update({name: ArchSpec(lambda c: False, lambda c: False, module="i
 # models/qwen2_vl.py: its ViT and the Qwen2 decoder of its text_config with M-RoPE.
 ARCHITECTURES["Qwen2VLForConditionalGeneration"] = ArchSpec(lambda c: True, lambda c: False, module="qwen2_vl")
 ARCHITECTURES["Qwen2_5_VLForConditionalGeneration"] = ArchSpec(lambda c: True, lambda c: False, module="qwen2_vl")
+# models/gemma3_mm.py: SigLIP tower + pooling projector + the Gemma 3 decoder of its text_config.
+ARCHITECTURES["Gemma3ForConditionalGeneration"] = ArchSpec(lambda c: False, lambda c: False, module="gemma3_mm")
 
 
 def architecture_of(config: Any) -> tuple[str, ArchSpec]:

@@ -11,6 +11,7 @@ from pagedllm.models.alibi import uses_alibi
 from pagedllm.models.bert import encoder_max_positions
 from pagedllm.models.arch import architecture_of, kv_cache_shape, layer_sliding_windows, resolve_model_impl
 from pagedllm.models.gpt_oss import is_mxfp4_checkpoint
+from pagedllm.models.gemma3_mm import gemma3_mm_model_info
 from pagedllm.models.llava import llava_model_info, text_config_of
 from pagedllm.models.qwen2_vl import qwen2_vl_model_info, qwen2_vl_text_config
 from pagedllm.models.mamba2 import DEFAULT_MAX_POSITIONS
@@ -35,6 +36,8 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
     name, impl = resolve_model_impl(config, model_impl)
     if impl == "native" and architecture_of(config)[1].module in ("llava", "idefics3"):  # a VLM: its decoder's shapes
         return llava_model_info(config, read_model_info(model_path, text_config_of(config), "native"))
+    if impl == "native" and architecture_of(config)[1].module == "gemma3_mm":  # a VLM: its decoder's shapes
+        return gemma3_mm_model_info(config, read_model_info(model_path, text_config_of(config), "native"))
     if impl == "native" and architecture_of(config)[1].module == "qwen2_vl":  # a VLM: its decoder's shapes
         return qwen2_vl_model_info(config, read_model_info(model_path, qwen2_vl_text_config(config), "native"))
     if impl == "native":

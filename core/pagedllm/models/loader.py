@@ -22,6 +22,7 @@ from pagedllm.models.dense_linears import pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
 from pagedllm.models.granite_hybrid import GraniteMoeHybridCausalLM
 from pagedllm.models.lfm2 import Lfm2CausalLM
+from pagedllm.models.gemma3_mm import build_gemma3_mm_model
 from pagedllm.models.idefics3 import build_idefics3_model
 from pagedllm.models.llava import build_llava_model
 from pagedllm.models.qwen2_vl import build_qwen2_vl_model
@@ -143,13 +144,13 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model = build_encoder_model(path, config, arch_name, backend, dtype, device)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
-    if spec.module in ("llava", "idefics3", "qwen2_vl"):  # vision tower + native decoder (llava.py, idefics3.py,
-        # qwen2_vl.py)
+    if spec.module in ("llava", "idefics3", "qwen2_vl", "gemma3_mm"):  # vision tower + native decoder (llava.py,
+        # idefics3.py, qwen2_vl.py, gemma3_mm.py)
         if get_parallel_state() is not None or quantization is not None or is_gguf(path):
             raise UnsupportedModelError(f"{shown}: vision-language models load unquantized safetensors on one "
                                         "rank only")
         build = {"llava": build_llava_model, "idefics3": build_idefics3_model,
-                 "qwen2_vl": build_qwen2_vl_model}[spec.module]
+                 "qwen2_vl": build_qwen2_vl_model, "gemma3_mm": build_gemma3_mm_model}[spec.module]
         model = build(path, config, backend, dtype, device)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model

@@ -77,6 +77,9 @@ VERIFIED: dict[str, str] = {
                     "tests/models/test_qwen_vl.py (image processor output, M-RoPE positions, image features, greedy "
                     "tokens and log-probs vs HF; one and two images of different sizes, chunks splitting an image, "
                     "prefix-cache hits by image hash)"),
+    "Gemma3ForConditionalGeneration": "tests/models/test_gemma3_vision.py (processor output, image features, greedy "
+                                      "tokens and log-probs vs HF with its token types; one and two images, images "
+                                      "kept whole in chunks, prefix hits cut back out of an image; spans off differ; cpu-static)",
 }
 # SmolLM2-135M Q4_1 (tests/models/test_smollm2.py); Falcon (Q8_0 multi-query, F32 grouped), Phi-3, Gemma 2/3 Q8_0
 # (tests/models/test_gguf_families.py); Mistral,
@@ -149,7 +152,8 @@ FAMILIES = {"LlamaForCausalLM": "Llama (Yi, SmolLM2)", "MistralForCausalLM": "Mi
             "Idefics3ForConditionalGeneration": "Idefics3 / SmolVLM (SigLIP + pixel-shuffle connector + Llama)",
             "SmolVLMForConditionalGeneration": "SmolVLM2 (SigLIP + pixel-shuffle connector + Llama)",
             "Qwen2VLForConditionalGeneration": "Qwen2-VL",
-            "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL"}
+            "Qwen2_5_VLForConditionalGeneration": "Qwen2.5-VL",
+            "Gemma3ForConditionalGeneration": "Gemma 3 (vision: SigLIP + pooling projector + Gemma 3)"}
 #: The decoders' pooling forms checked against HF (tests/models/test_pooling_models.py)
 _POOLING_TESTED = {
     "LlamaForSequenceClassification": "tests/models/test_pooling_models.py (probabilities, logits, per-token "
@@ -169,11 +173,12 @@ _FALLBACK_REFUSES = {"GptOssForCausalLM": "attention sinks", "Lfm2ForCausalLM": 
 _STATEFUL = ("lfm2", "qwen3_next", "mamba2", "granite_hybrid")
 #: Capabilities a model may need (``config.py`` refuses it on a backend without them): always, or for some variants.
 _NEEDS = {"Gemma2ForCausalLM": ("soft_cap",), "BaichuanForCausalLM": ("alibi 13B",),
-          "FalconForCausalLM": ("alibi Falcon-RW",)}
+          "FalconForCausalLM": ("alibi Falcon-RW",),
+          "Gemma3ForConditionalGeneration": ("sliding_window", "mm_prefix_lm")}  # (its text_config's windows)
 
 
 BACKENDS_NOTE = ("Backends: the installed ones whose capabilities declare what the model needs (sliding window, "
-                 "soft-capping, MLA, attention sinks, ALiBi for the variants in brackets); head sizes and dtypes are "
+                 "soft-capping, MLA, attention sinks, bidirectional image spans, ALiBi for the variants in brackets); head sizes and dtypes are "
                  "checked when the model loads (`pagedllm backends --json`).")
 
 
@@ -257,6 +262,10 @@ def _features(name: str) -> str:
     if spec.module == "qwen2_vl":
         out.append("images (docs/multimodal.md): ViT with 2-D rotary on `encoder_attention`, M-RoPE, encoder cache, "
                    "image-hashed prefix blocks")
+    if spec.module == "gemma3_mm":
+        out.append("images (docs/multimodal.md): SigLIP tower on `encoder_attention`, bidirectional image spans "
+                   "(`mm_prefix_lm`), encoder cache, image-hashed prefix blocks; the Gemma 3 decoder's per-layer "
+                   "windows and rotary bases")
     if spec.sliding != "none":
         out.append("sliding window" + (" (per layer)" if spec.sliding == "layer_types" else ""))
     if spec.qk_norm:

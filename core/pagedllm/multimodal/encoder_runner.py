@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from pagedllm.multimodal.encoder_cache import features_of
+from pagedllm.multimodal.prefix_lm import step_prefix_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ class EncoderRunner:
         mm = self.gather(batch, meta.query_start_loc_cpu)
         if mm is not None:
             meta.extra["mm_embeds"] = mm
+            if getattr(self.model, "mm_prefix_lm", False):  # Gemma 3: each image's tokens attend to each other
+                meta.mm_prefix_ranges = step_prefix_ranges(batch)
         return mm is not None
 
     def eager(self, runner: Any, step: Callable[[], Any]) -> Any:

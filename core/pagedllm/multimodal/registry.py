@@ -15,6 +15,8 @@ MULTIMODAL_ARCHITECTURES: dict[str, frozenset[str]] = {
                     frozenset({"image"})),  # models/idefics3.py: SigLIP tower + pixel-shuffle connector + decoder
     "Qwen2VLForConditionalGeneration": frozenset({"image"}),  # models/qwen2_vl.py: ViT + Qwen2 decoder, M-RoPE
     "Qwen2_5_VLForConditionalGeneration": frozenset({"image"}),  # models/qwen2_vl.py: + window attention
+    # models/gemma3_mm.py: SigLIP tower + pooling projector + Gemma 3 decoder; images attend bidirectionally
+    "Gemma3ForConditionalGeneration": frozenset({"image"}),
 }
 
 # HF architecture name -> its prompt processor when the generic one (contiguous image-token runs) does not fit
@@ -22,7 +24,8 @@ MULTIMODAL_PROCESSORS: dict[str, str] = {
     **dict.fromkeys(("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration"),
                     "pagedllm.multimodal.idefics3_processing:Idefics3MultiModalProcessor"),
     **dict.fromkeys(("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"),
-                    "pagedllm.multimodal.qwen_vl:QwenVLProcessor")}
+                    "pagedllm.multimodal.qwen_vl:QwenVLProcessor"),
+    "Gemma3ForConditionalGeneration": "pagedllm.multimodal.gemma3_processing:Gemma3MultiModalProcessor"}
 
 
 def processor_class(hf_config: Any) -> type:

@@ -14,6 +14,7 @@ from itertools import chain
 from typing import Optional
 
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager, free_computed_inputs, schedule_encoder_inputs
+from pagedllm.multimodal.prefix_lm import trim_hits, whole_spans
 from pagedllm.sched.kv_manager import BlockPool, KVCacheManager
 from pagedllm.sched.request import Request, RequestStatus
 
@@ -87,6 +88,9 @@ class Scheduler:
         self.encoder_cache: Optional[EncoderCacheManager] = None
         self.max_num_encoder_input_tokens = max_num_batched_tokens
         self.encoder_budget = 0  # left in the step being scheduled
+        # PrefixLM image spans (Gemma 3 with vision): chunks and prefix hits never end inside an image
+        # (multimodal/prefix_lm.py); the engine sets it for such a model.
+        self.mm_prefix_lm = False
         # A KV connector (kv_transfer.runtime.KVTransfer): loads prefix blocks the device cache lost, may keep a
         # finished request's blocks while it sends them (docs/kv-offload.md)
         self.connector = None
@@ -175,6 +179,8 @@ class Scheduler:
         else:
             # Prompt logprobs (and MEAN/CLS/ALL pooling) need every prompt position, so they skip the prefix cache.
             hits, num_hit = self.kv.get_computed_blocks(req) if not req.skip_prefix_cache else ([], 0)
+            if self.mm_prefix_lm and req.mm_features:
+                hits, num_hit = trim_hits(req, hits, num_hit, self.kv.block_size)
             ext = (self.connector.get_num_new_matched_tokens(req, num_hit)
                    if self.connector is not None and not req.skip_prefix_cache else 0)
             n = min(req.num_tokens - num_hit - ext, budget)
@@ -197,6 +203,8 @@ class Scheduler:
         """The request's images this step must encode, and its tokens cut before an image that does not fit."""
         if self.encoder_cache is None or not req.mm_features:
             return [], n
+        if self.mm_prefix_lm:
+            n = whole_spans(req, num_computed, n)
         enc, n, self.encoder_budget = schedule_encoder_inputs(req, num_computed, n, self.encoder_cache,
                                                               self.encoder_budget)
         return enc, n

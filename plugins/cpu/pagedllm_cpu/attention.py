@@ -10,6 +10,8 @@ it takes a float32 matmul path. An fp8 cache (``kv_cache_dtype=fp8``) is gathere
 converted to the query's dtype in the reused buffer, and its scales are folded into the softmax scale (keys) and the
 output (values), so the attention itself is unchanged. ALiBi is an additive per-head float mask
 ``slope_h * (k_pos - q_pos)`` on top of the causal one, built from the plan's relative positions (``rel``).
+PrefixLM image spans (``meta.mm_prefix_ranges``, Gemma 3 with vision) widen a prefill chunk's explicit mask: the
+tokens of one image see each other, then the window applies; decodes never fall in a span.
 
 When the C++ kernel (``native.py``) is built, decodes skip the gather altogether: it reads keys and values in
 place through the block table. The gather + SDPA path above stays for fp8 caches and until (or unless) it is built.
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.backend.kv_quant import is_fp8, quantize_kv
+from pagedllm.backend.ref_ops import same_span
 from pagedllm_cpu import native
 
 _PLAN_KEY = "pagedllm_cpu.plan"
@@ -217,10 +220,13 @@ def _plan_prefills(meta: AttentionMetadata, window: Optional[int]) -> list[_Pref
         b0, b1 = k_lo // bs, (seq_len + bs - 1) // bs
         block_ids = meta.block_tables[i, b0:b1].long()
         mask = None
-        if q_lo > 0 or (window is not None and window < qlen):
+        spans = meta.mm_prefix_ranges[i] if meta.mm_prefix_ranges and i < len(meta.mm_prefix_ranges) else None
+        if q_lo > 0 or (window is not None and window < qlen) or spans:
             q_pos = torch.arange(q_lo, seq_len)[:, None]
             k_pos = torch.arange(k_lo, seq_len)[None, :]
             mask = k_pos <= q_pos
+            if spans:  # PrefixLM image spans: their tokens see each other (then the window applies)
+                mask |= same_span(q_pos, k_pos, spans)
             if window is not None:
                 mask &= (q_pos - k_pos) < window
             mask = mask.to(block_ids.device)

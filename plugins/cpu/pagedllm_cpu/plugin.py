@@ -50,6 +50,7 @@ def pagedllm_capabilities() -> Capabilities:
         mla=True,  # canonical caches: core's reference MLA hooks run on them
         alibi=True,
         attention_sinks=True,  # attention.py: the float32 path (not SDPA, not the C++ decode kernel)
+        mm_prefix_lm=True,  # attention.py: image spans in the prefill chunks' masks
         # kernels: quant.py (gguf Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K packed; fp8: dequantized once at load onto the
         # dense path); the rest: core reference
         quantization=("gguf", "gptq", "awq", "compressed-tensors", "fp8"),
