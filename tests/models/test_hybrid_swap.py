@@ -1,0 +1,111 @@
+"""Swap preemption of recurrent state (issue 28): with ``swap_space`` a stateful request preempted under a tiny KV
+pool takes its state slot to host memory with its K/V blocks and comes back into a (possibly different) device slot
+mid-sequence, instead of recomputing. Tiny LFM2 (conv + attention), Qwen3-Next (Gated DeltaNet + attention) and pure
+Mamba2 (state only: its blocks cost nothing but still bound the batch): HF's greedy tokens, swaps counted (blocks and
+state slots), nothing left held (device and host slots, device and host blocks). Removing the state copy on swap-in
+breaks parity, so the test does see the state move."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from engine_parity import hf_model, mixed_prompts, run
+from pagedllm import LLM
+from pagedllm.worker import state_swap
+from stateful import LFM2, LFM2_VOCAB, MAMBA2, MAMBA2_VOCAB, QWEN3_NEXT, QWEN3_NEXT_VOCAB
+from tiny_models import save_random_model
+
+FAMILIES = {"lfm2": (LFM2, LFM2_VOCAB), "qwen3_next": (QWEN3_NEXT, QWEN3_NEXT_VOCAB),
+            "mamba2": (MAMBA2, MAMBA2_VOCAB)}
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("hybrid_swap")
+    return {name: save_random_model(cfg, root / name) for name, (cfg, _) in FAMILIES.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> list[int]:
+    """HF's greedy tokens, recomputing the whole sequence each step (no HF cache: its Mamba2 decode cache is not
+    reached through ``past_key_values``, see tests/models/test_mamba2.py)."""
+    model, ids = hf_model(path), []
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([list(prompt) + ids])).logits[0, -1].argmax()))
+    return ids
+
+
+def _swap_engine(path: str) -> LLM:
+    """10 blocks of 16 for 7 sequences of up to ~40 + 24 tokens, 16 MiB of host swap space."""
+    return LLM(path, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=10, max_num_seqs=8,
+               swap_space=1 / 64)
+
+
+def _record_swaps(llm: LLM) -> dict[str, list]:
+    """Spy on the worker's swaps (each call still runs): the state pairs of every swap-out and swap-in."""
+    worker, seen = llm.llm_engine.worker, {"out": [], "in": []}
+    real = worker.swap
+
+    def swap(src_to_dst, out, state=()):
+        seen["out" if out else "in"].extend(state)
+        return real(src_to_dst, out, state)
+
+    worker.swap = swap
+    return seen
+
+
+def _assert_released(llm: LLM) -> None:
+    eng = llm.llm_engine
+    assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished_requests(), "KV blocks leaked"
+    slots = eng.kv.state_slots
+    assert slots.num_free == slots.num_slots and not slots.owner, "state slots leaked"
+    host = eng.kv.state_swap.host
+    assert host.num_free == host.num_slots and not host.owner, "host state slots leaked"
+    assert eng.scheduler.swap.num_free == eng.scheduler.swap.num_blocks, "host blocks leaked"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_swap_preemption_carries_state(dirs, family):
+    path, vocab = dirs[family], FAMILIES[family][1]
+    llm = _swap_engine(path)
+    eng = llm.llm_engine
+    assert eng.scheduler.swap is not None and eng.kv.state_swap is not None
+    assert eng.worker.num_host_state_slots == eng.kv.state_slots.num_slots  # 16 MiB holds a slot per sequence
+    seen = _record_swaps(llm)
+    prompts = mixed_prompts(7, vocab, seed=4, max_len=40)
+    got = run(llm, prompts, max_tokens=24)
+    assert eng.scheduler.num_swaps > 0 and len(seen["out"]) == eng.scheduler.num_swaps
+    assert sorted(h for _, h in seen["out"]) == sorted(h for h, _ in seen["in"])  # every swapped state came back
+    assert got == [hf_greedy(path, tuple(p), 24) for p in prompts]
+    _assert_released(llm)
+
+
+def test_swap_without_the_state_copy_is_wrong(dirs, monkeypatch):
+    """The same LFM2 run with the host -> device state copy dropped (an injected bug): the resumed requests read
+    whatever their new slot holds, and greedy parity breaks."""
+    path = dirs["lfm2"]
+    real = state_swap.copy_state_slots
+
+    def out_only(src, dst, pairs):
+        if dst is llm.llm_engine.worker.host_state_caches:
+            real(src, dst, pairs)
+
+    monkeypatch.setattr("pagedllm.worker.worker.copy_state_slots", out_only)
+    llm = _swap_engine(path)
+    prompts = mixed_prompts(7, LFM2_VOCAB, seed=4, max_len=40)
+    got = run(llm, prompts, max_tokens=24)
+    assert llm.llm_engine.scheduler.num_swaps > 0
+    assert got != [hf_greedy(path, tuple(p), 24) for p in prompts]
+
+
+def test_too_little_swap_space_for_a_state_slot_recomputes(dirs, caplog):
+    """A swap space smaller than one state slot gives no host pool at all: preemption recomputes (logged)."""
+    with caplog.at_level("WARNING", logger="pagedllm.worker.state_swap"):
+        llm = LLM(dirs["mamba2"], device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=10,
+                  max_num_seqs=8, swap_space=1 / (1 << 30))
+    assert "holds no recurrent-state slot" in caplog.text
+    assert llm.llm_engine.scheduler.swap is None and llm.llm_engine.kv.state_swap is None
