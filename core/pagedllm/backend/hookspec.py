@@ -124,6 +124,14 @@ class Capabilities:
     # The graph runner samples inside its captured region (compiled-graph devices): core hands it the sampling
     # parameters of rows that need no host-side work (``SamplingTensors``) and gets token ids back.
     on_device_sampling: bool = False
+    # Recurrent state (v3; hybrid / SSM models, ``ModelInfo.state``): the state-op families the backend runs —
+    # ``conv`` (causal conv1d: LFM2's short convolutions, the Mamba2 and Gated DeltaNet input convolutions), ``ssm``
+    # (Mamba2's selective scan / state update), ``delta_rule`` (Gated DeltaNet) — and the dtype names its state caches
+    # hold. ``None`` (not stated, as every v2 plugin): core's reference ops serve whatever the backend leaves to them,
+    # so every family in any dtype. A model needing a family or state dtype outside a stated tuple is refused at
+    # start-up naming its layer type and the backend; ``state_ops=()`` refuses every model with state.
+    state_ops: Optional[tuple[str, ...]] = None
+    state_dtypes: Optional[tuple[str, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,22 @@ class MambaSpec:
                                      for s, d in zip(self.shapes, self.dtypes))
 
 
+#: The state-op families of ``Capabilities.state_ops``
+STATE_OPS = ("conv", "ssm", "delta_rule")
+
+
+@dataclass(frozen=True)
+class StateLayerInfo:
+    """One kind of recurrent-state layer of a model (``ModelInfo.state``): its ``layer_type`` (the config's name:
+    ``conv`` for LFM2, ``mamba`` for Mamba2 / Granite-4.0-H, ``linear_attention`` for Gated DeltaNet), the state-op
+    families it runs (:data:`STATE_OPS`) and the dtype name of each of its state tensors (``auto``: the engine's
+    dtype, e.g. a conv state kept in the model dtype; ``float32``: fixed, e.g. the delta-rule state)."""
+
+    layer_type: str
+    ops: tuple[str, ...]
+    dtypes: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What core reads from the checkpoint's config before loading any weight (for ``pagedllm_update_config``)."""
@@ -207,6 +231,7 @@ class ModelInfo:
     attention_sinks: bool = False  # a learned per-head sink logit in every softmax (GPT-OSS)
     quantization: Optional[str] = None  # e.g. "gguf"
     mla: bool = False  # the cache holds one latent row per token (num_kv_heads 1, head_size = latent width)
+    state: tuple[StateLayerInfo, ...] = ()  # recurrent-state layer kinds (hybrid / SSM models); () for none
 
 
 @dataclass(frozen=True)
