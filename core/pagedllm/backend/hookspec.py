@@ -44,6 +44,9 @@ tensors of fixed shapes and dtypes, one *slot* per running request, the slot ind
 ``pagedllm_causal_conv1d_fn`` (a prefill chunk with initial state, writing the final state) and
 ``pagedllm_causal_conv1d_update`` (one token). A v2 plugin implements none of them: core's reference
 (``pagedllm.backend.conv_ops``) serves them on its own allocator's layout, so v2 plugins load and run these models.
+``ModelInfo.state`` names each state layer kind's op families and dtypes; a backend that states
+``Capabilities.state_ops`` / ``state_dtypes`` (unset: the reference's coverage, everything) is refused, at start-up,
+the models needing more.
 """
 
 from __future__ import annotations
@@ -395,8 +398,9 @@ class BackendSpec:
     def pagedllm_allocate_state_cache(self, spec: MambaSpec) -> list:
         """v3. Allocate the recurrent-state group: one entry per layer, each a tuple of tensors of logical shape
         ``[spec.num_slots, *spec.shapes[i]]`` and dtype ``spec.dtypes[i]`` on ``spec.device``, in this backend's
-        memory layout. Core never reads a slot's contents: a request starting fresh is flagged to the kernels
-        (``has_initial_state`` false), so slots need no clearing. Default: contiguous zeros
+        memory layout. Core never clears a slot: a request starting fresh is flagged to the kernels
+        (``has_initial_state`` false); it only copies whole slots to host and back under swap preemption, by
+        indexing dimension 0 of each tensor. Default: contiguous zeros
         (``pagedllm.backend.conv_ops.allocate_state_cache``)."""
 
     @hookspec(firstresult=True)

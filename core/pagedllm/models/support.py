@@ -233,14 +233,14 @@ def _features(name: str) -> str:
         out.append("LayerNorm, partial rotary, parallel residual (optional), per-head q/k LayerNorm (optional)")
     if spec.module == "lfm2":
         out.append("short convolutions with recurrent state per request (state slots, contract v3; prefix caching "
-                   "off, preemption by recompute), GQA attention layers")
+                   "off, preemption by recompute or swap), GQA attention layers")
     if spec.module == "qwen3_next":
         out.append("Gated DeltaNet linear attention with conv and delta-rule state per request (state slots, "
-                   "contract v3; prefix caching off, preemption by recompute), gated attention with partial rotary, "
-                   "(1+w) norms")
+                   "contract v3; prefix caching off, preemption by recompute or swap), gated attention with partial "
+                   "rotary, (1+w) norms")
     if spec.module in ("mamba2", "granite_hybrid"):
         out.append("Mamba2 layers (conv + SSD state per request in state slots, contract v3; prefix caching off, "
-                   "preemption by recompute)")
+                   "preemption by recompute or swap)")
     if spec.module == "mamba2":
         out.append("no attention layer (empty KV group)")
     if spec.module == "granite_hybrid":
