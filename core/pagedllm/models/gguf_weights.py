@@ -187,6 +187,8 @@ class GGUFWeights:
             data = data - 1  # stored as 1 + w (llama.cpp's converter), as transformers' Gemma2TensorProcessor undoes
         if t.name.endswith("ffn_gate_inp_shexp.weight") and data.ndim == 1:
             data = data[None]  # llama.cpp stores the shared-expert gate as [hidden]; HF's is [1, hidden]
+        if t.name.endswith("shortconv.conv.weight") and data.ndim == 2:
+            data = data[:, None]  # LFM2: llama.cpp squeezes the depthwise conv's [dim, 1, L] to [dim, L]
         rows = self._rows(t.name, data.shape[0])
         if rows is not None:
             data = data[rows]

@@ -49,7 +49,7 @@ VERIFIED: dict[str, str] = {
                     "test_gguf_glm_baichuan_deepseek.py",
     "Lfm2ForCausalLM": "tests/models/test_lfm2.py (logits vs HF through the state slots, chunked prefill, "
                        "preemption, n=2 seeded, abort mid-prefill); conv ops: tests/core/test_state_slots.py; "
-                       "cpu-static: tests/plugins/cpu/test_static_state.py",
+                       "cpu-static: tests/plugins/cpu/test_static_state.py; GGUF: test_gguf_hybrid.py",
     "Qwen3NextForCausalLM": "tests/models/test_qwen3_next.py (logits vs HF through the state slots, chunked "
                             "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill); delta-rule ops: "
                             "tests/core/test_delta_rule_ops.py; cpu-static: tests/plugins/cpu/test_static_state.py",
@@ -83,7 +83,7 @@ VERIFIED: dict[str, str] = {
 # Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral F32 and Q8_0 (tests/models/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
 # DeepSeek-V2/V3 F32 and Q8_0 (tests/models/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
 # models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion); StableLM F32 and Q8_0
-# (tests/models/test_stablelm.py)
+# (tests/models/test_stablelm.py); LFM2 F32 and Q8_0 (tests/models/test_gguf_hybrid.py)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "Phi3ForCausalLM": "yes (tested; LongRoPE factors and partial rotary read from the file)",
                 "MistralForCausalLM": "yes (tested; arch llama named mistral; GGUF has no sliding window: "
@@ -113,6 +113,8 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "ChatGLMModel": "yes (tested; arch chatglm, config from its metadata by pagedllm, run as Glm)",
                 "GlmForCausalLM": "yes (tested; llama.cpp writes GLM as arch chatglm, which loads as Glm)",
                 "GptOssForCausalLM": "no (refused at load: its expert and sink tensors are not mapped yet)",
+                "Lfm2ForCausalLM": "yes (tested; arch lfm2, F32 and Q8_0: config by transformers' GGUF reader, "
+                                   "conv layers from the per-layer KV head counts)",
                 "Qwen3NextForCausalLM": "no (llama.cpp writes arch qwen3next, which transformers' GGUF reader "
                                         "does not map: no config or tensor names to load it by)",
                 **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
