@@ -1,18 +1,26 @@
-"""GGUF of a model with recurrent state (issue 28): LFM2 as llama.cpp's converter writes it (``LFM2Model`` of
-convert_hf_to_gguf.py: arch ``lfm2``, one ``attention.head_count_kv`` per layer, 0 on the conv layers, the final FFN
-width as ``feed_forward_length``, ``shortconv.l_cache``, the depthwise conv squeezed to ``[dim, L]``, no ``output``
-tensor for a tied head, a vocabulary in ``tokenizer.ggml.tokens``), loaded natively: the config through transformers'
-GGUF reader (which maps ``lfm2``), the conv weight unsqueezed back by the weight reader. F32: greedy tokens of the
-original safetensors model through chunked prefill and mixed batches, and the state slots used. Q8_0 (linear weights
-block-quantized by gguf's reference quantizer): the tokens of HF transformers reading the same file.
+"""GGUF of models with recurrent state (issue 28), written as llama.cpp's converter (convert_hf_to_gguf.py) writes
+them and loaded natively.
 
-The other stateful archs llama.cpp writes (``mamba2``, ``granitehybrid``, ``qwen3next``) are not loaded: transformers'
-GGUF reader builds no config for them (tested below), so they would need configs of our own and their tensor
-transforms (Mamba2's ``A = -exp(A_log)``, reshaped ``D`` / norm, renamed ``dt_bias``); see docs/models.md."""
+LFM2 (``LFM2Model``: arch ``lfm2``, one ``attention.head_count_kv`` per layer, 0 on the conv layers, the final FFN
+width as ``feed_forward_length``, ``shortconv.l_cache``, the depthwise conv squeezed to ``[dim, L]``, no ``output``
+tensor for a tied head, a vocabulary in ``tokenizer.ggml.tokens``): the config through transformers' GGUF reader
+(which maps ``lfm2``), the conv weight unsqueezed back by the weight reader. F32: the original safetensors model's
+greedy tokens through chunked prefill and mixed batches; Q8_0 (linear weights block-quantized by gguf's reference
+quantizer): the tokens of HF transformers reading the same file.
+
+Pure Mamba2 (``Mamba2Model``: arch ``mamba2``, ``ssm.*`` keys, ``A = -exp(A_log)`` and ``D`` as ``[heads, 1]``, the
+gated norm as ``[groups, d_inner / groups]``, ``dt_bias`` as ``ssm_dt.bias``, the conv squeezed): transformers builds
+no config for it, so pagedllm does (models/gguf_archs.py) and undoes the tensor transforms (models/gguf_ssm.py); F32
+and Q8_0 against the original model (Q8_0: with gguf's own quantize/dequantize round trip of the linear weights).
+
+``granitehybrid`` and ``qwen3next`` are not loaded: transformers builds no config for them either (tested), and
+their layouts (MoE, fused projections) are not mapped here.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -24,7 +32,9 @@ import hf_oracle
 from pagedllm import LLM
 from pagedllm.models import load_config
 from pagedllm.models.lfm2 import Lfm2CausalLM
-from stateful import LFM2, LFM2_VOCAB
+from hf_recompute import hf_greedy_recompute
+from pagedllm.models.mamba2 import Mamba2CausalLM
+from stateful import LFM2, LFM2_VOCAB, MAMBA2
 from tiny_models import save_random_model
 
 #: LFM2 as released (no conv biases: llama.cpp's lfm2 graph has none), vocabulary a multiple of the Q8_0 block
@@ -136,8 +146,8 @@ def test_lfm2_gguf_q8_0_matches_hf_reading_the_same_file(files):
 
 @pytest.mark.parametrize("arch", ["mamba2", "granitehybrid", "qwen3next"])
 def test_transformers_builds_no_config_for_the_other_stateful_archs(tmp_path, arch):
-    """Why only LFM2 loads: transformers refuses the config of a GGUF of llama.cpp's other stateful archs (a header
-    alone shows it), so there is no config or tokenizer to build the model from."""
+    """transformers refuses the config of a GGUF of llama.cpp's other stateful archs (a header alone shows it):
+    Mamba2's is built by pagedllm (below); Granite-4.0-H's and Qwen3-Next's files are not loaded."""
     import gguf
     from transformers import AutoConfig
 
@@ -151,3 +161,113 @@ def test_transformers_builds_no_config_for_the_other_stateful_archs(tmp_path, ar
     w.close()
     with pytest.raises(ValueError, match=f"architecture {arch} is not supported"):
         AutoConfig.from_pretrained(str(tmp_path), gguf_file=f"{arch}.gguf")
+
+
+#: Pure Mamba2 as released: no in/out projection biases (llama.cpp's mamba2 graph has none), conv biases, a vocabulary
+#: that is a multiple of 16 (the converter pads the token list to one), d_inner = 2 x hidden (it requires that)
+MAMBA2_GGUF = dict(MAMBA2, use_bias=False, vocab_size=320)
+
+
+def write_mamba2_gguf(hf_dir: str, path: str, qtype: str = "F32") -> tuple[str, dict]:
+    """The safetensors Mamba2 in ``hf_dir`` as llama.cpp's ``Mamba2Model`` writes it; returns (path, the HF state
+    dict the file holds: linear weights through gguf's quantize/dequantize round trip when ``qtype`` is not F32)."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(hf_dir)
+    hf = load_file(os.path.join(hf_dir, "model.safetensors"))
+    inner = int(c.expand * c.hidden_size)
+    w = gguf.GGUFWriter(path, "mamba2")
+    w.add_name("tiny-mamba2")
+    w.add_context_length(2 ** 20)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(0)
+    w.add_head_count(0)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_ssm_conv_kernel(c.conv_kernel)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_state_size(c.state_size)
+    w.add_ssm_time_step_rank(inner // c.head_dim)
+    w.add_ssm_group_count(c.n_groups)
+    w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
+    w.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MAMBA2, c.num_hidden_layers)
+    qt = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    held = {}
+    for hf_name, t in hf.items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        conv_name = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias" if hf_name.endswith(".dt_bias") else hf_name
+        gname = names.get_name(conv_name, try_suffixes=(".weight", ".bias"))
+        data = t.numpy().astype(np.float32)
+        if gname.endswith("ssm_conv1d.weight"):
+            data = data.squeeze()
+        elif gname.endswith((".ssm_a", ".ssm_d")):
+            data = data.reshape(*data.shape, 1)
+        elif gname.endswith("ssm_norm.weight"):
+            data = data.reshape(c.n_groups, inner // c.n_groups)
+        if hf_name.endswith(".A_log"):
+            data = -np.exp(data)
+        if qtype != "F32" and gname.endswith(("ssm_in.weight", "ssm_out.weight", "output.weight")) \
+                and data.shape[-1] % block == 0:
+            packed = quantize(data, qt)
+            w.add_tensor(gname, packed, raw_dtype=qt)
+            t = torch.from_numpy(dequantize(packed, qt).copy())
+        else:
+            w.add_tensor(gname, data)
+        held[hf_name] = t
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, held
+
+
+@pytest.fixture(scope="module")
+def mamba2_files(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """qtype -> (GGUF path, HF folder holding the weights the GGUF holds)."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("gguf_mamba2")
+    hf_dir = save_random_model(MAMBA2_GGUF, root / "hf")
+    out = {}
+    for qtype in ("F32", "Q8_0"):
+        os.makedirs(root / qtype)
+        path, held = write_mamba2_gguf(hf_dir, str(root / qtype / f"tiny-mamba2-{qtype}.gguf"), qtype)
+        oracle = hf_dir
+        if qtype != "F32":
+            oracle = str(root / f"oracle-{qtype}")
+            shutil.copytree(hf_dir, oracle)
+            save_file({k: v.contiguous() for k, v in held.items()}, os.path.join(oracle, "model.safetensors"))
+        out[qtype] = (path, oracle)
+    return out
+
+
+def test_mamba2_gguf_config_is_the_checkpoints(mamba2_files):
+    ours, theirs = load_config(mamba2_files["F32"][0]), load_config(mamba2_files["F32"][1])
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_heads", "head_dim", "n_groups", "state_size",
+                "conv_kernel", "use_bias", "use_conv_bias", "tie_word_embeddings"):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    assert ours.layer_norm_epsilon == pytest.approx(theirs.layer_norm_epsilon)  # (stored as float32)
+    assert int(ours.expand * ours.hidden_size) == int(theirs.expand * theirs.hidden_size)
+    assert not hasattr(ours, "max_position_embeddings") or ours.max_position_embeddings is None
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_mamba2_gguf_greedy_matches_hf(mamba2_files, qtype):
+    """A tiny pure Mamba2 GGUF through the engine (chunked prefill under a 16-token budget crossing SSD chunks of 8,
+    mixed batches): HF's greedy tokens on the weights the file holds; A comes back from -exp(A_log) within fp32."""
+    path, oracle = mamba2_files[qtype]
+    llm = _engine(path)
+    assert isinstance(llm.llm_engine.model, Mamba2CausalLM)
+    prompts = [[t % 320 for t in p] for p in _prompts()]
+    got = run(llm, prompts, max_tokens=12)
+    assert got == [hf_greedy_recompute(oracle, tuple(p), 12) for p in prompts]

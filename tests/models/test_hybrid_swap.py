@@ -2,17 +2,16 @@
 pool takes its state slot to host memory with its K/V blocks and comes back into a (possibly different) device slot
 mid-sequence, instead of recomputing. Tiny LFM2 (conv + attention), Qwen3-Next (Gated DeltaNet + attention) and pure
 Mamba2 (state only: its blocks cost nothing but still bound the batch): HF's greedy tokens, swaps counted (blocks and
-state slots), nothing left held (device and host slots, device and host blocks). Removing the state copy on swap-in
+state slots), nothing left held (device and host slots, device and host blocks); LFM2 on the static-shape backend
+(cpu-static) too. Removing the state copy on swap-in
 breaks parity, so the test does see the state move."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
-import torch
 
-from engine_parity import hf_model, mixed_prompts, run
+from engine_parity import mixed_prompts, run
+from hf_recompute import hf_greedy_recompute as hf_greedy
 from pagedllm import LLM
 from pagedllm.worker import state_swap
 from stateful import LFM2, LFM2_VOCAB, MAMBA2, MAMBA2_VOCAB, QWEN3_NEXT, QWEN3_NEXT_VOCAB
@@ -28,20 +27,9 @@ def dirs(tmp_path_factory) -> dict[str, str]:
     return {name: save_random_model(cfg, root / name) for name, (cfg, _) in FAMILIES.items()}
 
 
-@functools.lru_cache(maxsize=None)
-def hf_greedy(path: str, prompt: tuple[int, ...], n: int) -> list[int]:
-    """HF's greedy tokens, recomputing the whole sequence each step (no HF cache: its Mamba2 decode cache is not
-    reached through ``past_key_values``, see tests/models/test_mamba2.py)."""
-    model, ids = hf_model(path), []
-    with torch.inference_mode():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([list(prompt) + ids])).logits[0, -1].argmax()))
-    return ids
-
-
-def _swap_engine(path: str) -> LLM:
+def _swap_engine(path: str, device: str = "cpu") -> LLM:
     """10 blocks of 16 for 7 sequences of up to ~40 + 24 tokens, 16 MiB of host swap space."""
-    return LLM(path, device="cpu", dtype="float32", max_model_len=128, num_gpu_blocks_override=10, max_num_seqs=8,
+    return LLM(path, device=device, dtype="float32", max_model_len=128, num_gpu_blocks_override=10, max_num_seqs=8,
                swap_space=1 / 64)
 
 
@@ -68,10 +56,11 @@ def _assert_released(llm: LLM) -> None:
     assert eng.scheduler.swap.num_free == eng.scheduler.swap.num_blocks, "host blocks leaked"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_swap_preemption_carries_state(dirs, family):
+@pytest.mark.parametrize("family,device", [(f, "cpu") for f in FAMILIES] + [("lfm2", "cpu-static")])
+def test_swap_preemption_carries_state(dirs, family, device):
+    """cpu-static: the swapped-in request's new slot reaches the static runner's bucket buffers too."""
     path, vocab = dirs[family], FAMILIES[family][1]
-    llm = _swap_engine(path)
+    llm = _swap_engine(path, device)
     eng = llm.llm_engine
     assert eng.scheduler.swap is not None and eng.kv.state_swap is not None
     assert eng.worker.num_host_state_slots == eng.kv.state_slots.num_slots  # 16 MiB holds a slot per sequence

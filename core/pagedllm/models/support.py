@@ -58,7 +58,7 @@ VERIFIED: dict[str, str] = {
                     "prefill; engine paths shared with Qwen3-Next)"),
     "Mamba2ForCausalLM": "tests/models/test_mamba2.py (logits vs HF through the state slots, chunked prefill across "
                          "SSD chunks, preemption, abort mid-prefill, a scan that drops the state caught); "
-                         "cpu-static: tests/plugins/cpu/test_static_state.py",
+                         "cpu-static: tests/plugins/cpu/test_static_state.py; GGUF: test_gguf_hybrid.py",
     "GraniteMoeHybridForCausalLM": "tests/models/test_mamba2.py (every multiplier away from 1; logits vs HF, chunked "
                                    "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill; greedy on "
                                    "cpu-static)",
@@ -83,7 +83,7 @@ VERIFIED: dict[str, str] = {
 # Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral F32 and Q8_0 (tests/models/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
 # DeepSeek-V2/V3 F32 and Q8_0 (tests/models/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
 # models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion); StableLM F32 and Q8_0
-# (tests/models/test_stablelm.py); LFM2 F32 and Q8_0 (tests/models/test_gguf_hybrid.py)
+# (tests/models/test_stablelm.py); LFM2 and Mamba2 F32 and Q8_0 (tests/models/test_gguf_hybrid.py)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "Phi3ForCausalLM": "yes (tested; LongRoPE factors and partial rotary read from the file)",
                 "MistralForCausalLM": "yes (tested; arch llama named mistral; GGUF has no sliding window: "
@@ -119,8 +119,8 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                                         "does not map: no config or tensor names to load it by)",
                 **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
                                 "no (transformers' GGUF reader maps no Qwen3.5 architecture)"),
-                "Mamba2ForCausalLM": "no (llama.cpp writes arch mamba2, but transformers' GGUF reader, which builds "
-                                     "the config and tokenizer, does not read it)",
+                "Mamba2ForCausalLM": "yes (tested; arch mamba2, F32 and Q8_0: config from its metadata by pagedllm, "
+                                     "A = -exp(A_log), D, norm and conv shapes undone; tokenizer untested)",
                 "GraniteMoeHybridForCausalLM": "no (llama.cpp writes arch granitehybrid, but transformers' GGUF "
                                                "reader, which builds the config and tokenizer, does not read it)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
