@@ -12,7 +12,7 @@ import pytest
 
 from engine_parity import mixed_prompts, run
 from hf_recompute import hf_greedy_recompute as hf_greedy
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from pagedllm.worker import state_swap
 from stateful import LFM2, LFM2_VOCAB, MAMBA2, MAMBA2_VOCAB, QWEN3_NEXT, QWEN3_NEXT_VOCAB
 from tiny_models import save_random_model
@@ -98,3 +98,31 @@ def test_too_little_swap_space_for_a_state_slot_recomputes(dirs, caplog):
                   max_num_seqs=8, swap_space=1 / (1 << 30))
     assert "holds no recurrent-state slot" in caplog.text
     assert llm.llm_engine.scheduler.swap is None and llm.llm_engine.kv.state_swap is None
+
+
+def test_abort_while_swapped_out_returns_the_host_slot(dirs):
+    """A request aborted while its state sits in a host slot gives that slot and its host blocks back; the others
+    finish with HF's tokens and nothing stays held."""
+    path = dirs["lfm2"]
+    llm = _swap_engine(path)
+    eng = llm.llm_engine
+    prompts = mixed_prompts(7, LFM2_VOCAB, seed=4, max_len=40)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    swapped = None
+    while swapped is None and eng.has_unfinished_requests():
+        eng.step()
+        swapped = next((r.request_id for r in eng.scheduler.waiting if r.swapped_blocks is not None), None)
+    assert swapped is not None and eng.kv.state_swap.is_swapped(swapped)
+    eng.abort_request(swapped)
+    assert not eng.kv.state_swap.is_swapped(swapped)
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    for i, p in enumerate(prompts):
+        if f"r{i}" != swapped:
+            assert done[f"r{i}"] == hf_greedy(path, tuple(p), 24)
+    _assert_released(llm)
