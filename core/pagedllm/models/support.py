@@ -118,7 +118,8 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "Qwen3NextForCausalLM": "no (llama.cpp writes arch qwen3next, which transformers' GGUF reader "
                                         "does not map: no config or tensor names to load it by)",
                 **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
-                                "no (transformers' GGUF reader maps no Qwen3.5 architecture)"),
+                                "no (arch qwen35 / qwen35moe: transformers' GGUF reader builds the config, but "
+                                "llama.cpp's tensor transforms are not undone, so the load is refused)"),
                 "Mamba2ForCausalLM": "yes (tested; arch mamba2, F32 and Q8_0: config from its metadata by pagedllm, "
                                      "A = -exp(A_log), D, norm and conv shapes undone; tokenizer untested)",
                 "GraniteMoeHybridForCausalLM": "no (llama.cpp writes arch granitehybrid, but transformers' GGUF "
