@@ -201,7 +201,8 @@ def mamba2_config(path: str) -> Any:
                          f"{heads}")
     return Mamba2Config(vocab_size=int(shapes["token_embd.weight"][1]), hidden_size=hidden,
                         num_hidden_layers=int(k("block_count")), num_heads=heads, head_dim=inner // heads,
-                        expand=inner // hidden if inner % hidden == 0 else inner / hidden, n_groups=int(meta.get("mamba2.ssm.group_count", 1)),
+                        expand=inner // hidden if inner % hidden == 0 else inner / hidden,
+                        n_groups=int(meta.get("mamba2.ssm.group_count", 1)),
                         state_size=int(k("ssm.state_size")), conv_kernel=int(k("ssm.conv_kernel")),
                         layer_norm_epsilon=float(k("attention.layer_norm_rms_epsilon")),
                         use_bias="blk.0.ssm_in.bias" in shapes, use_conv_bias="blk.0.ssm_conv1d.bias" in shapes,
