@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from pagedllm.backend.kv_quant import KV_CACHE_DTYPES, canonical_kv_dtype
+from pagedllm.backend.state_capability import check_state_support
 from pagedllm.quantization.config import resolve_quantization, validate_quantization
 from pagedllm.errors import ParamError
 from pagedllm.generation_defaults import check_generation_config
@@ -247,6 +248,7 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
     if info.mm_prefix_lm and not caps.mm_prefix_lm:
         raise ParamError("model", f"{info.architecture} attends bidirectionally within each image (PrefixLM image "
                                   f"spans), which backend {name!r} does not support (Capabilities.mm_prefix_lm)")
+    check_state_support(info, caps, name, config.dtype)  # a hybrid / SSM model's state ops and dtypes
     if config.enable_lora and caps.graph_capture != "none" and not config.enforce_eager:
         # The per-step LoRA mapping is host-built Python state that captured graphs cannot replay.
         logger.warning("--enable-lora: backend %r captures graphs (%s); LoRA runs eager, so enforce_eager is set",

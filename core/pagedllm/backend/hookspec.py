@@ -44,6 +44,9 @@ tensors of fixed shapes and dtypes, one *slot* per running request, the slot ind
 ``pagedllm_causal_conv1d_fn`` (a prefill chunk with initial state, writing the final state) and
 ``pagedllm_causal_conv1d_update`` (one token). A v2 plugin implements none of them: core's reference
 (``pagedllm.backend.conv_ops``) serves them on its own allocator's layout, so v2 plugins load and run these models.
+``ModelInfo.state`` names each state layer kind's op families and dtypes; a backend that states
+``Capabilities.state_ops`` / ``state_dtypes`` (unset: the reference's coverage, everything) is refused, at start-up,
+the models needing more.
 """
 
 from __future__ import annotations
@@ -127,6 +130,14 @@ class Capabilities:
     # The graph runner samples inside its captured region (compiled-graph devices): core hands it the sampling
     # parameters of rows that need no host-side work (``SamplingTensors``) and gets token ids back.
     on_device_sampling: bool = False
+    # Recurrent state (v3; hybrid / SSM models, ``ModelInfo.state``): the state-op families the backend runs —
+    # ``conv`` (causal conv1d: LFM2's short convolutions, the Mamba2 and Gated DeltaNet input convolutions), ``ssm``
+    # (Mamba2's selective scan / state update), ``delta_rule`` (Gated DeltaNet) — and the dtype names its state caches
+    # hold. ``None`` (not stated, as every v2 plugin): core's reference ops serve whatever the backend leaves to them,
+    # so every family in any dtype. A model needing a family or state dtype outside a stated tuple is refused at
+    # start-up naming its layer type and the backend; ``state_ops=()`` refuses every model with state.
+    state_ops: Optional[tuple[str, ...]] = None
+    state_dtypes: Optional[tuple[str, ...]] = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +203,22 @@ class MambaSpec:
                                      for s, d in zip(self.shapes, self.dtypes))
 
 
+#: The state-op families of ``Capabilities.state_ops``
+STATE_OPS = ("conv", "ssm", "delta_rule")
+
+
+@dataclass(frozen=True)
+class StateLayerInfo:
+    """One kind of recurrent-state layer of a model (``ModelInfo.state``): its ``layer_type`` (the config's name:
+    ``conv`` for LFM2, ``mamba`` for Mamba2 / Granite-4.0-H, ``linear_attention`` for Gated DeltaNet), the state-op
+    families it runs (:data:`STATE_OPS`) and the dtype name of each of its state tensors (``auto``: the engine's
+    dtype, e.g. a conv state kept in the model dtype; ``float32``: fixed, e.g. the delta-rule state)."""
+
+    layer_type: str
+    ops: tuple[str, ...]
+    dtypes: tuple[str, ...]
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What core reads from the checkpoint's config before loading any weight (for ``pagedllm_update_config``)."""
@@ -211,6 +238,7 @@ class ModelInfo:
     mm_prefix_lm: bool = False  # image tokens attend bidirectionally within their image (Gemma 3 with vision)
     quantization: Optional[str] = None  # e.g. "gguf"
     mla: bool = False  # the cache holds one latent row per token (num_kv_heads 1, head_size = latent width)
+    state: tuple[StateLayerInfo, ...] = ()  # recurrent-state layer kinds (hybrid / SSM models); () for none
 
 
 @dataclass(frozen=True)
@@ -374,8 +402,9 @@ class BackendSpec:
     def pagedllm_allocate_state_cache(self, spec: MambaSpec) -> list:
         """v3. Allocate the recurrent-state group: one entry per layer, each a tuple of tensors of logical shape
         ``[spec.num_slots, *spec.shapes[i]]`` and dtype ``spec.dtypes[i]`` on ``spec.device``, in this backend's
-        memory layout. Core never reads a slot's contents: a request starting fresh is flagged to the kernels
-        (``has_initial_state`` false), so slots need no clearing. Default: contiguous zeros
+        memory layout. Core never clears a slot: a request starting fresh is flagged to the kernels
+        (``has_initial_state`` false); it only copies whole slots to host and back under swap preemption, by
+        indexing dimension 0 of each tensor. Default: contiguous zeros
         (``pagedllm.backend.conv_ops.allocate_state_cache``)."""
 
     @hookspec(firstresult=True)

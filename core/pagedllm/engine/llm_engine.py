@@ -513,10 +513,10 @@ class LLMEngine:
             prompt_left = r.num_prompt_tokens - s.num_computed_tokens
             if prompt_left > 0:
                 self.stats.computed_prompt_tokens += min(prompt_left, s.num_new_tokens)
-        if sched.swap_out:  # before the model: freed device blocks may be rewritten in this very step
-            self.worker.swap(sched.swap_out, out=True)
+        if sched.swap_out:  # before the model: freed device blocks (and state slots) may be rewritten in this step
+            self.worker.swap(sched.swap_out, out=True, state=sched.state_swap_out)
         if sched.swap_in:
-            self.worker.swap(sched.swap_in, out=False)
+            self.worker.swap(sched.swap_in, out=False, state=sched.state_swap_in)
         if self.spec is not None:  # after the swaps: a draft's K/V moves with its blocks
             self.spec.propose(sched.scheduled)
         self._sample_slot_usage(sched)

@@ -22,6 +22,13 @@ tensor names, so only the config is ours. Keys are those llama.cpp's ``convert_h
   ``mscale`` and ``mscale_all_dim`` are both ``yarn_log_multiplier / 0.1`` (the converter writes only the latter;
   llama.cpp's graph is HF's when the two are equal).
 
+- ``mamba2`` (pure Mamba2, llama.cpp's ``Mamba2Model``): ``ssm.inner_size`` (d_inner = 2 x hidden, which the
+  converter requires), ``ssm.time_step_rank`` (heads; head size d_inner / heads), ``ssm.group_count``,
+  ``ssm.state_size``, ``ssm.conv_kernel``; conv and in/out projection biases from the tensors the file has; no
+  ``max_position_embeddings`` (the converter writes an arbitrary 2^20; ``models/mamba2.py``'s default applies, as
+  for HF checkpoints). Its tensor transforms are undone by ``gguf_ssm``. LFM2 (``lfm2``) needs nothing here:
+  transformers' GGUF reader builds its config.
+
 Falcon goes through transformers' GGUF config, which can only say Falcon-7B's layout (multi-query, one layernorm);
 ``complete_falcon_config`` adds what a Falcon-40B/180B / Falcon 2 file means (llama.cpp's rule): a second layernorm
 tensor (``attn_norm_2``: HF ``ln_attn``) or several KV heads make it ``new_decoder_architecture``, with
@@ -54,7 +61,7 @@ from typing import Any
 from pagedllm.models.gguf_weights import read_tensors
 
 #: GGUF architectures whose config is built here (the rest go through transformers).
-OWN_CONFIG_ARCHS = ("glm4", "baichuan", "chatglm", "deepseek2")
+OWN_CONFIG_ARCHS = ("glm4", "baichuan", "chatglm", "deepseek2", "mamba2")
 
 
 def gguf_architecture(path: str) -> str:
@@ -182,6 +189,29 @@ def deepseek2_config(path: str) -> Any:
                             architectures=["DeepseekV2ForCausalLM"])
 
 
+def mamba2_config(path: str) -> Any:
+    from transformers import Mamba2Config  # heavy: transformers
+
+    st = os.stat(path)
+    meta, shapes = _metadata(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+    k = lambda key: _require(meta, f"mamba2.{key}", path)  # noqa: E731
+    hidden, inner, heads = int(k("embedding_length")), int(k("ssm.inner_size")), int(k("ssm.time_step_rank"))
+    if inner % heads:
+        raise ValueError(f"mamba2 GGUF file {path}: ssm.inner_size {inner} is not a multiple of ssm.time_step_rank "
+                         f"{heads}")
+    return Mamba2Config(vocab_size=int(shapes["token_embd.weight"][1]), hidden_size=hidden,
+                        num_hidden_layers=int(k("block_count")), num_heads=heads, head_dim=inner // heads,
+                        expand=inner // hidden if inner % hidden == 0 else inner / hidden,
+                        n_groups=int(meta.get("mamba2.ssm.group_count", 1)),
+                        state_size=int(k("ssm.state_size")), conv_kernel=int(k("ssm.conv_kernel")),
+                        layer_norm_epsilon=float(k("attention.layer_norm_rms_epsilon")),
+                        use_bias="blk.0.ssm_in.bias" in shapes, use_conv_bias="blk.0.ssm_conv1d.bias" in shapes,
+                        tie_word_embeddings="output.weight" not in shapes,
+                        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+                        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"), architectures=["Mamba2ForCausalLM"])
+
+
 def complete_falcon_config(path: str, config: Any) -> Any:
     """transformers' Falcon config of the GGUF at ``path`` with the new-decoder layout when the file has it."""
     st = os.stat(path)
@@ -264,4 +294,4 @@ def complete_gemma_config(path: str, config: Any) -> Any:
 def own_gguf_config(path: str, arch: str) -> Any:
     """The HF config of a GGUF file of an ``OWN_CONFIG_ARCHS`` architecture."""
     return {"glm4": glm4_config, "baichuan": baichuan_config, "chatglm": chatglm_config,
-            "deepseek2": deepseek2_config}[arch](path)
+            "deepseek2": deepseek2_config, "mamba2": mamba2_config}[arch](path)

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from pagedllm.backend.hookspec import QuantizedWeight
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.gguf_ssm import REFUSED_GGUF_ARCHS, converter_name, undo_converter
 from pagedllm.quantization.gguf import DENSE_TYPES
 
 
@@ -116,10 +118,12 @@ class GGUFWeights:
         import gguf  # heavy: gguf
 
         self.arch, tensors = read_tensors(path)
+        if self.arch in REFUSED_GGUF_ARCHS:
+            raise UnsupportedModelError(f"GGUF file {path} (arch {self.arch}): {REFUSED_GGUF_ARCHS[self.arch]}")
         arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
         self._map = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
         self._tensors = {t.name: t for t in tensors}
-        heads = config.num_attention_heads
+        heads = getattr(config, "num_attention_heads", None) or 1  # (pure Mamba2: no attention)
         self._heads = {"attn_q": heads, "attn_k": getattr(config, "num_key_value_heads", None) or heads}
         self._falcon_groups = (config.num_kv_heads if getattr(config, "new_decoder_architecture", False) else 1)
 
@@ -129,7 +133,7 @@ class GGUFWeights:
         s = _stacked(name)
         if s:  # one expert (or head) of a stacked tensor
             return self._map.get_name(s[0], try_suffixes=(".weight",))
-        return self._map.get_name(name, try_suffixes=(".weight", ".bias"))
+        return self._map.get_name(converter_name(self.arch, name), try_suffixes=(".weight", ".bias"))
 
     def _split_kv_b(self, name: str) -> Optional[tuple[GGUFTensor, GGUFTensor]]:
         """(attn_k_b, attn_v_b) when ``name`` is a ``kv_b_proj`` the file holds only split."""
@@ -187,6 +191,9 @@ class GGUFWeights:
             data = data - 1  # stored as 1 + w (llama.cpp's converter), as transformers' Gemma2TensorProcessor undoes
         if t.name.endswith("ffn_gate_inp_shexp.weight") and data.ndim == 1:
             data = data[None]  # llama.cpp stores the shared-expert gate as [hidden]; HF's is [1, hidden]
+        undone = undo_converter(self.arch, t.name, data)  # LFM2 / Mamba2: gguf_ssm.py
+        if undone is not None:
+            data = undone
         rows = self._rows(t.name, data.shape[0])
         if rows is not None:
             data = data[rows]

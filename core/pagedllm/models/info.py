@@ -16,6 +16,7 @@ from pagedllm.models.llava import llava_model_info, text_config_of
 from pagedllm.models.qwen2_vl import qwen2_vl_model_info, qwen2_vl_text_config
 from pagedllm.models.mamba2 import DEFAULT_MAX_POSITIONS
 from pagedllm.models.paths import is_gguf
+from pagedllm.models.state_info import state_layer_info
 from pagedllm.models.transformers_impl import num_kv_heads_of
 from pagedllm.quantization.config import checkpoint_quantization
 
@@ -71,4 +72,5 @@ def read_model_info(model_path: str, config: Any, model_impl: str = "auto") -> M
                                                            else checkpoint_quantization(config)),
         mla=bool(mla),
         attention_sinks=sinks,
+        state=state_layer_info(config) if impl == "native" else (),  # the fallback refuses stateful layers itself
     )

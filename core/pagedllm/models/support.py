@@ -49,7 +49,7 @@ VERIFIED: dict[str, str] = {
                     "test_gguf_glm_baichuan_deepseek.py",
     "Lfm2ForCausalLM": "tests/models/test_lfm2.py (logits vs HF through the state slots, chunked prefill, "
                        "preemption, n=2 seeded, abort mid-prefill); conv ops: tests/core/test_state_slots.py; "
-                       "cpu-static: tests/plugins/cpu/test_static_state.py",
+                       "cpu-static: tests/plugins/cpu/test_static_state.py; GGUF: test_gguf_hybrid.py",
     "Qwen3NextForCausalLM": "tests/models/test_qwen3_next.py (logits vs HF through the state slots, chunked "
                             "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill); delta-rule ops: "
                             "tests/core/test_delta_rule_ops.py; cpu-static: tests/plugins/cpu/test_static_state.py",
@@ -58,7 +58,7 @@ VERIFIED: dict[str, str] = {
                     "prefill; engine paths shared with Qwen3-Next)"),
     "Mamba2ForCausalLM": "tests/models/test_mamba2.py (logits vs HF through the state slots, chunked prefill across "
                          "SSD chunks, preemption, abort mid-prefill, a scan that drops the state caught); "
-                         "cpu-static: tests/plugins/cpu/test_static_state.py",
+                         "cpu-static: tests/plugins/cpu/test_static_state.py; GGUF: test_gguf_hybrid.py",
     "GraniteMoeHybridForCausalLM": "tests/models/test_mamba2.py (every multiplier away from 1; logits vs HF, chunked "
                                    "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill; greedy on "
                                    "cpu-static)",
@@ -86,7 +86,7 @@ VERIFIED: dict[str, str] = {
 # Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral F32 and Q8_0 (tests/models/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
 # DeepSeek-V2/V3 F32 and Q8_0 (tests/models/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
 # models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion); StableLM F32 and Q8_0
-# (tests/models/test_stablelm.py)
+# (tests/models/test_stablelm.py); LFM2 and Mamba2 F32 and Q8_0 (tests/models/test_gguf_hybrid.py)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "Phi3ForCausalLM": "yes (tested; LongRoPE factors and partial rotary read from the file)",
                 "MistralForCausalLM": "yes (tested; arch llama named mistral; GGUF has no sliding window: "
@@ -116,12 +116,15 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "ChatGLMModel": "yes (tested; arch chatglm, config from its metadata by pagedllm, run as Glm)",
                 "GlmForCausalLM": "yes (tested; llama.cpp writes GLM as arch chatglm, which loads as Glm)",
                 "GptOssForCausalLM": "no (refused at load: its expert and sink tensors are not mapped yet)",
+                "Lfm2ForCausalLM": "yes (tested; arch lfm2, F32 and Q8_0: config by transformers' GGUF reader, "
+                                   "conv layers from the per-layer KV head counts)",
                 "Qwen3NextForCausalLM": "no (llama.cpp writes arch qwen3next, which transformers' GGUF reader "
                                         "does not map: no config or tensor names to load it by)",
                 **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
-                                "no (transformers' GGUF reader maps no Qwen3.5 architecture)"),
-                "Mamba2ForCausalLM": "no (llama.cpp writes arch mamba2, but transformers' GGUF reader, which builds "
-                                     "the config and tokenizer, does not read it)",
+                                "no (arch qwen35 / qwen35moe: transformers' GGUF reader builds the config, but "
+                                "llama.cpp's tensor transforms are not undone, so the load is refused)"),
+                "Mamba2ForCausalLM": "yes (tested; arch mamba2, F32 and Q8_0: config from its metadata by pagedllm, "
+                                     "A = -exp(A_log), D, norm and conv shapes undone; tokenizer untested)",
                 "GraniteMoeHybridForCausalLM": "no (llama.cpp writes arch granitehybrid, but transformers' GGUF "
                                                "reader, which builds the config and tokenizer, does not read it)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
@@ -238,14 +241,14 @@ def _features(name: str) -> str:
         out.append("LayerNorm, partial rotary, parallel residual (optional), per-head q/k LayerNorm (optional)")
     if spec.module == "lfm2":
         out.append("short convolutions with recurrent state per request (state slots, contract v3; prefix caching "
-                   "off, preemption by recompute), GQA attention layers")
+                   "off, preemption by recompute or swap), GQA attention layers")
     if spec.module == "qwen3_next":
         out.append("Gated DeltaNet linear attention with conv and delta-rule state per request (state slots, "
-                   "contract v3; prefix caching off, preemption by recompute), gated attention with partial rotary, "
-                   "(1+w) norms")
+                   "contract v3; prefix caching off, preemption by recompute or swap), gated attention with partial "
+                   "rotary, (1+w) norms")
     if spec.module in ("mamba2", "granite_hybrid"):
         out.append("Mamba2 layers (conv + SSD state per request in state slots, contract v3; prefix caching off, "
-                   "preemption by recompute)")
+                   "preemption by recompute or swap)")
     if spec.module == "mamba2":
         out.append("no attention layer (empty KV group)")
     if spec.module == "granite_hybrid":

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 from pagedllm.multimodal.inputs import mm_hashes_in
 from pagedllm.sched.request import Request
-from pagedllm.sched.state_slots import StateSlotPool
+from pagedllm.sched.state_slots import StateSlotPool, StateSwapSpace
 
 logger = logging.getLogger(__name__)
 
@@ -134,13 +134,17 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         #: Recurrent-state slots (models with state, ``sched/state_slots.py``), else None
         self.state_slots: Optional[StateSlotPool] = None
+        #: Host slots of swapped-out requests' state (``swap_space`` on a model with state), else None
+        self.state_swap: Optional[StateSwapSpace] = None
         self.pending_load: set[int] = set()  # blocks a KV connector fills before this step's forward: no hit yet
 
-    def use_state_slots(self, num_slots: int) -> None:
+    def use_state_slots(self, num_slots: int, num_host_slots: int = 0) -> None:
         """Give every running request a recurrent-state slot (taken with its first blocks, freed with them), and turn
         prefix caching off: a cached block's K/V is reusable, but the state after its tokens is not kept (vLLM's
-        "align" mode, which snapshots state at block boundaries, is the alternative). Before any request runs."""
+        "align" mode, which snapshots state at block boundaries, is the alternative). ``num_host_slots``: host
+        slots for the state of requests preempted by swap (0: swap off). Before any request runs."""
         self.state_slots = StateSlotPool(num_slots)
+        self.state_swap = StateSwapSpace(self.state_slots, num_host_slots) if num_host_slots else None
         if self.enable_caching:
             logger.info("prefix caching off: the model keeps recurrent state per request, which the prefix cache "
                         "does not snapshot at block boundaries")

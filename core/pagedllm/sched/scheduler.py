@@ -50,6 +50,9 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block), run before the model
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Recurrent state of the requests swapped this step (sched/state_slots.py): (device slot, host slot) and back
+    state_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    state_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -139,8 +142,12 @@ class Scheduler:
         self.running.remove(req)
         req.spec_token_ids, req.num_lookahead = [], 0
         blocks = self.kv.block_ids(req.request_id)
+        state = self.kv.state_swap  # a model with state swaps the request's state slot with its blocks
         if (allow_swap and self.swap is not None and req.num_computed_tokens > self.kv.block_size
-                and self.swap.num_free >= len(blocks)):
+                and self.swap.num_free >= len(blocks)
+                and (self.kv.state_slots is None or state is not None and state.can_swap_out())):
+            if self.kv.state_slots is not None:
+                out.state_swap_out.append(state.swap_out(req.request_id))
             host = [b.block_id for b in self.swap.take(len(blocks))]
             out.swap_out.extend(zip(blocks, host))
             req.swapped_blocks = host
@@ -174,6 +181,8 @@ class Scheduler:
             if n == 0 or not self.kv.allocate_slots(req, n):
                 return self._unref_encoder_inputs(req)
             out.swap_in.extend(zip(req.swapped_blocks, self.kv.block_ids(req.request_id)))
+            if self.kv.state_swap is not None:  # (allocate_slots gave it a device state slot)
+                out.state_swap_in.extend(self.kv.state_swap.swap_in(req.request_id))
             self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = None
         else:
@@ -335,6 +344,8 @@ class Scheduler:
         if req.swapped_blocks is not None:
             self.swap.release([self.swap.blocks[h] for h in req.swapped_blocks])
             req.swapped_blocks = None
+            if self.kv.state_swap is not None:
+                self.kv.state_swap.release(req.request_id)
 
 
 class RowShares:

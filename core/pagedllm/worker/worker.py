@@ -27,6 +27,7 @@ from pagedllm.backend.kv_quant import kv_torch_dtype
 from pagedllm.backend.registry import SwapUnsupported
 from pagedllm.lora.slots import LoRAManager
 from pagedllm.worker.model_runner import ModelRunner, PendingStep, StepOutput
+from pagedllm.worker.state_swap import allocate_host_state_cache, copy_state_slots, split_swap_space
 from pagedllm.models import load_config, load_model, resolve_model_path
 from pagedllm.pooling import Pooler, PoolingSpec, classifier_of, resolve_pooling
 from pagedllm.sample.sampler import Sampler, SamplerOutput
@@ -123,10 +124,16 @@ class Worker:
             self.draft_model.kv_caches = backend.allocate_kv_cache(draft_spec)
         self.num_host_blocks = (int(config.swap_space * (1 << 30) // self._bytes_per_block())
                                 if self.requires_kv_cache and self.model.num_layers else 0)
-        if self.state_spec is not None and self.num_host_blocks:  # swap would have to carry the state slots too
-            logger.info("%s keeps recurrent state: preemption recomputes (no swap space)", info.architecture)
-            self.num_host_blocks = 0
-        if self.num_host_blocks > 0:
+        #: Host slots for swapped-out requests' recurrent state (worker/state_swap.py); None: no state swap
+        self.host_state_caches: Optional[list] = None
+        self.num_host_state_slots = 0
+        if self.state_spec is not None and config.swap_space > 0:  # a swapped request takes its state slot along
+            self.num_host_blocks, self.num_host_state_slots = split_swap_space(
+                int(config.swap_space * (1 << 30)), self._bytes_per_block(), self.state_spec,
+                -(-self.max_model_len // self.block_size))
+        if self.num_host_blocks > 0 and not self.model.num_layers:  # pure Mamba2: host blocks hold nothing either
+            self.host_caches = []
+        elif self.num_host_blocks > 0:
             pinned = backend.memory_info(self.device).pinned_host
             host_spec = replace(spec, num_blocks=self.num_host_blocks, device=torch.device("cpu"))
             try:
@@ -138,6 +145,10 @@ class Worker:
                 logger.warning("%s", e)
                 self.host_caches = self.draft_host_caches = None
                 self.num_host_blocks = 0
+        if self.host_caches is None:
+            self.num_host_state_slots = 0
+        if self.num_host_state_slots:
+            self.host_state_caches = allocate_host_state_cache(self.state_spec, self.num_host_state_slots)
         self.ctx = self._context(self.policy)
         self.lora: Optional[LoRAManager] = None
         if config.enable_lora:
@@ -318,7 +329,7 @@ class Worker:
                 raise UnsupportedModelError(f"{self.info.architecture} keeps recurrent state per request; backend "
                                             f"{self.backend.name!r} runs its own model runner, which does not hand "
                                             "the model its state slots")
-            kv.use_state_slots(self.state_spec.num_slots)
+            kv.use_state_slots(self.state_spec.num_slots, self.num_host_state_slots)
         if self.config.speculative_config is not None and (own is not None or self.policy.static):
             raise ParamError("speculative_config", f"backend {self.backend.name!r} runs "
                                                    f"{'its own model runner' if own is not None else 'static batch shapes'}"
@@ -427,8 +438,12 @@ class Worker:
         self.backend.apply_token_bitmask(sub, mask)
         logits.index_copy_(0, idx, sub)
 
-    def swap(self, src_to_dst: list[tuple[int, int]], out: bool) -> None:
-        """Copy blocks device -> host (``out``) or host -> device, through the backend (its layout, its copy)."""
+    def swap(self, src_to_dst: list[tuple[int, int]], out: bool, state: list[tuple[int, int]] = ()) -> None:
+        """Copy blocks device -> host (``out``) or host -> device, through the backend (its layout, its copy), and
+        the swapped requests' recurrent-state slots (``state``: (source slot, destination slot) pairs)."""
+        if state:
+            caches = (self.model.state_caches, self.host_state_caches)
+            copy_state_slots(*(caches if out else caches[::-1]), list(state))
         src, dst = zip(*src_to_dst)
         caches = (self.kv_caches, self.host_caches) if out else (self.host_caches, self.kv_caches)
         self.backend.swap_kv_blocks(caches[0], caches[1], torch.tensor(src), torch.tensor(dst))
