@@ -158,6 +158,9 @@ def test_group_views_give_each_layer_its_table_and_their_own_extra():
     cache[:, 0] = 1e4 * torch.randn(2, 4, 1, 8)
     again = paged_attention(q, cache, AttentionMetadata.build([1], [6], [[0, 5]], 4), 1.0, sliding_window=2)
     assert torch.equal(out, again)
+    cache[:, 0] = float("nan")  # a never-written block of an uninitialised pool
+    assert torch.equal(out, paged_attention(q, cache, AttentionMetadata.build([1], [6], [[0, 5]], 4), 1.0,
+                                            sliding_window=2))
 
 
 def test_free_and_trim_release_every_group():

@@ -30,6 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--preset", default="gemma3-1b", help="a random-model preset with sliding-window layers")
     p.add_argument("--tokens", type=int, default=8192, help="prompt tokens (the context measured)")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="the prefill chunk (token budget)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="write the figures as JSON here")
@@ -60,7 +61,8 @@ def kv_shape_model(preset: str, out: str, seed: int = 0) -> dict:
     return config.to_dict()
 
 
-def measure(path: str, tokens: int, block_size: int, dtype: str, device: str, grouped: bool) -> dict:
+def measure(path: str, tokens: int, block_size: int, dtype: str, device: str, grouped: bool,
+            chunk: int = 2048) -> dict:
     """One engine, one request of ``tokens`` prompt tokens and two decode steps: blocks held after each step."""
     import torch  # heavy: not at CLI start
 
@@ -68,6 +70,7 @@ def measure(path: str, tokens: int, block_size: int, dtype: str, device: str, gr
 
     max_len = tokens + 2 * block_size
     llm = LLM(path, device=device, dtype=dtype, block_size=block_size, max_model_len=max_len, max_num_seqs=1,
+              max_num_batched_tokens=chunk,
               skip_tokenizer_init=True, enable_prefix_caching=False, disable_hybrid_kv_cache_manager=not grouped)
     engine = llm.llm_engine
     kv, worker = engine.kv, engine.worker
@@ -103,23 +106,27 @@ def main(args) -> int:
     folder = tempfile.mkdtemp(prefix="pagedllm-kv-memory-")
     try:
         config = kv_shape_model(args.preset, folder)
-        rows = [measure(folder, args.tokens, args.block_size, args.dtype, args.device, grouped)
-                for grouped in (False, True)]
+        rows = [measure(folder, args.tokens, args.block_size, args.dtype, args.device, grouped,
+                        args.max_num_batched_tokens) for grouped in (False, True)]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     base = rows[0]
     ratio = expected_ratio(config, args.tokens)
     print(f"{args.preset} KV shape ({len(config['layer_types'])} layers, window {config['sliding_window']}, "
           f"{config['num_key_value_heads']} KV head(s) of {config['head_dim']}), {args.dtype}, block "
-          f"{args.block_size}, one request of {args.tokens} prompt tokens")
-    print(f"{'mode':<10} {'layout':<44} {'steady MiB':>11} {'peak MiB':>9} {'vs one table':>13}")
+          f"{args.block_size}, one request of {args.tokens} prompt tokens, prefill chunks of "
+          f"{args.max_num_batched_tokens}")
+    print(f"{'mode':<10} {'block KiB':>9} {'steady blocks':>13} {'steady MiB':>11} {'peak MiB':>9} {'vs one table':>13}")
     for r in rows:
-        print(f"{r['mode']:<10} {r['layout'][:44]:<44} {r['mib_steady']:>11.1f} {r['mib_peak']:>9.1f} "
-              f"{r['mib_steady'] / base['mib_steady']:>12.3f}x")
+        print(f"{r['mode']:<10} {r['bytes_per_block'] / 1024:>9.0f} {r['blocks_steady']:>13} {r['mib_steady']:>11.1f} "
+              f"{r['mib_peak']:>9.1f} {r['mib_steady'] / base['mib_steady']:>12.3f}x")
+    for r in rows:
+        print(f"  {r['mode']}: {r['layout']}")
     print(f"expected (global + local * W / T) / layers = {ratio:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(preset=args.preset, tokens=args.tokens, block_size=args.block_size, dtype=args.dtype,
-                           expected_ratio=ratio, rows=rows), f, indent=1)
+                           max_num_batched_tokens=args.max_num_batched_tokens, expected_ratio=ratio, rows=rows),
+                      f, indent=1)
     return 0
 
