@@ -148,5 +148,7 @@ def test_backends_that_hold_one_table_get_one_group_with_a_log_line(swa_dirs, ca
     with caplog.at_level(logging.INFO, logger="pagedllm.sched.kv_groups"):
         assert choose_kv_layout(model, config, "none", static=True) is None
         assert choose_kv_layout(model, config, "decode", static=False) is None
+        assert choose_kv_layout(model, config, "none", static=False, own_runner=True) is None
     assert "static batch shapes" in caplog.text and "captures graphs (decode)" in caplog.text
+    assert "its own model runner" in caplog.text
     assert choose_kv_layout(model, config, "none", static=False).num_groups == 2

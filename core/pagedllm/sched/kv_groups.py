@@ -98,8 +98,8 @@ def plan_kv_groups(layer_windows: Sequence[Optional[int]]) -> Optional[KVGroupLa
     return KVGroupLayout(groups, size, len(layer_windows))
 
 
-def choose_kv_layout(model: Any, config: Any, graph_capture: str, static: bool,
-                     has_draft: bool = False) -> Optional[KVGroupLayout]:
+def choose_kv_layout(model: Any, config: Any, graph_capture: str, static: bool, has_draft: bool = False,
+                     own_runner: bool = False) -> Optional[KVGroupLayout]:
     """The layout the worker allocates, or ``None`` (one table for every layer, nothing freed): models with no
     sliding layer, and every case whose step cannot hand each layer its group's table — said in one log line."""
     windows = getattr(model, "layer_sliding_windows", None)
@@ -113,6 +113,8 @@ def choose_kv_layout(model: Any, config: Any, graph_capture: str, static: bool,
         why = "the model keeps recurrent state"
     elif getattr(model, "kv_cache_mla", False):
         why = "its cache is MLA's latent"
+    elif own_runner:
+        why = "the backend runs its own model runner, which reads one block table (kv.block_ids)"
     elif static:
         why = "the backend runs static batch shapes, whose buffers hold one block table"
     elif graph_capture != "none" and not config.enforce_eager:

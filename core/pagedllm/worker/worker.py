@@ -95,7 +95,8 @@ class Worker:
         # Sliding-window KV groups (sched/kv_groups.py): a block id spans group_size layers; None: every layer
         self.kv_layout: Optional[KVGroupLayout] = (
             choose_kv_layout(self.model, config, backend.capabilities.graph_capture, self.policy.static,
-                             self.draft_model is not None) if self.requires_kv_cache else None)
+                             self.draft_model is not None, backend.implements("pagedllm_model_runner"))
+            if self.requires_kv_cache else None)
         self.num_blocks = self._num_blocks() if self.requires_kv_cache else 0
         par = get_parallel_state()
         if par is not None:  # every rank holds the same block ids: the smallest rank's pool decides
