@@ -120,10 +120,11 @@ def test_preemption_under_a_tiny_pool(swa_dirs):
     hf = hf_model(path)
     batch = prompts(hf.config.vocab_size, (9, 17, 30, 33, 40, 12), seed=5)
     # 3 groups: a 128-token sequence needs 16 full-group blocks + 2 x 4 window blocks; 30 blocks hold ~1.2 of them
-    llm = engine(path, num_gpu_blocks_override=30)
+    llm = engine(path, num_gpu_blocks_override=30, swap_space=0.01)
     assert isinstance(llm.llm_engine.kv, HybridKVCacheManager)
+    assert llm.llm_engine.worker.num_host_blocks == 0  # KV groups preempt by recompute (no swap space)
     got = greedy(llm, batch, n=40)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert llm.llm_engine.scheduler.num_preemptions > 0 and llm.llm_engine.scheduler.num_swaps == 0
     assert got == [hf_oracle.hf_greedy(hf, p, 40) for p in batch]
 
 

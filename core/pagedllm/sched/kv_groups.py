@@ -125,7 +125,8 @@ def choose_kv_layout(model: Any, config: Any, graph_capture: str, static: bool, 
         why = "a KV connector moves one block table per request"
     elif config.tensor_parallel_size * config.pipeline_parallel_size > 1:
         why = "tensor/pipeline parallel ranks are not grouped yet"
-    elif not all(hasattr(getattr(layer, "self_attn", None), "sliding_window") for layer in model.layers):
+    elif len(getattr(model, "layers", ())) != layout.num_layers or not all(
+            hasattr(getattr(layer, "self_attn", None), "kv_group") for layer in model.layers):
         why = "its layers do not read per-group metadata"
     if why is not None:
         logger.info("sliding-window KV blocks are kept (one block table for all layers): %s", why)
