@@ -5,6 +5,7 @@ pool, abort, chunked prefill with a 16-token budget."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 
 import pytest
@@ -23,7 +24,8 @@ LENS = (5, 23, 40)  # up to 70 tokens with the outputs: 9 windows
 @pytest.fixture(scope="module")
 def swa_dirs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("swa")
-    return {"gemma2": make_fallback_model("gemma2", root / "gemma2"),  # alternating sliding / global, soft-caps
+    return {"llama": make_tiny_model("llama", root / "llama"),  # full attention only
+            "gemma2": make_fallback_model("gemma2", root / "gemma2"),  # alternating sliding / global, soft-caps
             "gemma3": make_fallback_model("gemma3", root / "gemma3"),  # 2 sliding : 1 global
             "mistral": make_tiny_model("mistral", root / "mistral"),  # every layer slides
             "qwen2_swa": make_tiny_model("qwen2", root / "qwen2_swa", use_sliding_window=True, sliding_window=W,
@@ -153,3 +155,27 @@ def test_backends_that_hold_one_table_get_one_group_with_a_log_line(swa_dirs, ca
     assert "static batch shapes" in caplog.text and "captures graphs (decode)" in caplog.text
     assert "its own model runner" in caplog.text
     assert choose_kv_layout(model, config, "none", static=False).num_groups == 2
+
+
+def test_full_attention_models_keep_one_table_and_todays_path(swa_dirs):
+    llm = engine(swa_dirs["llama"])
+    eng = llm.llm_engine
+    assert type(eng.kv).__name__ == "KVCacheManager" and eng.worker.kv_layout is None
+    assert not eng.worker.runner.kv_groups
+    assert all(layer.self_attn.kv_group == 0 for layer in eng.model.layers)
+    eng.add_request("x", {"prompt_token_ids": prompts(500, (20,))[0]}, SamplingParams(max_tokens=2))
+    out = eng.scheduler.schedule()
+    meta = eng.worker.runner.prepare(out.scheduled)[2]
+    assert meta.kv_group_tables is None and meta.for_kv_group(0) is meta
+    eng.abort_request("x")
+    assert eng.kv.num_used_blocks == 0
+
+
+def test_the_cli_flag_turns_groups_off(swa_dirs):
+    from pagedllm.commands.engine_args import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", swa_dirs["gemma2"], "--disable-hybrid-kv-cache-manager"])
+    assert engine_config(args).disable_hybrid_kv_cache_manager
+    assert not engine_config(parser.parse_args(["--model", swa_dirs["gemma2"]])).disable_hybrid_kv_cache_manager
