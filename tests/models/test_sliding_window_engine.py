@@ -6,7 +6,12 @@ pool, abort, chunked prefill with a 16-token budget."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,3 +184,39 @@ def test_the_cli_flag_turns_groups_off(swa_dirs):
     args = parser.parse_args(["--model", swa_dirs["gemma2"], "--disable-hybrid-kv-cache-manager"])
     assert engine_config(args).disable_hybrid_kv_cache_manager
     assert not engine_config(parser.parse_args(["--model", swa_dirs["gemma2"]])).disable_hybrid_kv_cache_manager
+
+
+ASCEND_SIM = """
+import json
+import torch_npu
+assert torch_npu.__pagedllm_simulation__, "not the simulated torch_npu"
+from pagedllm import LLM, SamplingParams
+prompts = [list(range(3, 303)), [7] * 40 + [11, 12]]
+out = {}
+for off in (False, True):
+    llm = LLM(model=MODEL, device="ascend", dtype="float16", skip_tokenizer_init=True, max_model_len=512, max_num_seqs=4,
+              enforce_eager=True, disable_hybrid_kv_cache_manager=off, max_num_batched_tokens=128)
+    res = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
+                       use_tqdm=False)
+    kv = llm.llm_engine.kv
+    out[str(off)] = dict(tokens=[list(o.outputs[0].token_ids) for o in res], used=kv.num_used_blocks,
+                         freed=getattr(kv, "num_freed_by_window", None))
+print("RESULT", json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_simulated_vendor_kernels_take_per_group_tables(swa_dirs, tmp_path):
+    """The ascend plugin's own kernels (a simulated torch-npu, eager: its decode graphs hold one table) on Mistral's
+    window with 128-token blocks: a 300-token prompt frees window blocks, and the tokens equal the one-table run."""
+    sim = Path(__file__).resolve().parents[1] / "support" / "sim"
+    (tmp_path / "cann").mkdir()
+    env = dict(os.environ, PYTHONPATH=str(sim) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               ASCEND_HOME_PATH=str(tmp_path / "cann"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    res = subprocess.run([sys.executable, "-c", ASCEND_SIM.replace("MODEL", repr(swa_dirs["mistral"]))],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-5000:]
+    got = json.loads(res.stdout.split("RESULT ", 1)[1])
+    assert got["False"]["freed"] > 0 and got["True"]["freed"] is None
+    assert got["False"]["tokens"] == got["True"]["tokens"]
+    assert got["False"]["used"] == got["True"]["used"] == 0
