@@ -3,11 +3,16 @@ admission and prefix-cache hits of the hybrid KV manager (pure accounting, no mo
 
 import pytest
 import torch
-
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.backend.ref_ops import paged_attention
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sched.kv_groups import NULL_BLOCK_ID, HybridKVCacheManager, KVGroupLayout, KVGroupSpec, plan_kv_groups
+from pagedllm.sched.kv_groups import (
+    NULL_BLOCK_ID,
+    HybridKVCacheManager,
+    KVGroupLayout,
+    KVGroupSpec,
+    plan_kv_groups,
+)
 from pagedllm.sched.request import Request
 
 GEMMA3_1B = [None if i % 6 == 5 else 512 for i in range(26)]  # 5 local : 1 global, 26 layers

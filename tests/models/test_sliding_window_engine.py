@@ -13,10 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hf_oracle
 import pytest
 import torch
-
-import hf_oracle
 from engine_parity import hf_model
 from pagedllm import LLM, SamplingParams
 from pagedllm.sched.kv_groups import HybridKVCacheManager, choose_kv_layout
@@ -194,8 +193,8 @@ from pagedllm import LLM, SamplingParams
 prompts = [list(range(3, 303)), [7] * 40 + [11, 12]]
 out = {}
 for off in (False, True):
-    llm = LLM(model=MODEL, device="ascend", dtype="float16", skip_tokenizer_init=True, max_model_len=512, max_num_seqs=4,
-              enforce_eager=True, disable_hybrid_kv_cache_manager=off, max_num_batched_tokens=128)
+    llm = LLM(model=MODEL, device="ascend", dtype="float16", skip_tokenizer_init=True, max_model_len=512,
+              max_num_seqs=4, enforce_eager=True, disable_hybrid_kv_cache_manager=off, max_num_batched_tokens=128)
     res = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=20),
                        use_tqdm=False)
     kv = llm.llm_engine.kv

@@ -116,7 +116,8 @@ def main(args) -> int:
           f"{config['num_key_value_heads']} KV head(s) of {config['head_dim']}), {args.dtype}, block "
           f"{args.block_size}, one request of {args.tokens} prompt tokens, prefill chunks of "
           f"{args.max_num_batched_tokens}")
-    print(f"{'mode':<10} {'block KiB':>9} {'steady blocks':>13} {'steady MiB':>11} {'peak MiB':>9} {'vs one table':>13}")
+    print(f"{'mode':<10} {'block KiB':>9} {'steady blocks':>13} {'steady MiB':>11} {'peak MiB':>9} "
+          f"{'vs one table':>13}")
     for r in rows:
         print(f"{r['mode']:<10} {r['bytes_per_block'] / 1024:>9.0f} {r['blocks_steady']:>13} {r['mib_steady']:>11.1f} "
               f"{r['mib_peak']:>9.1f} {r['mib_steady'] / base['mib_steady']:>12.3f}x")
