@@ -219,3 +219,18 @@ def test_simulated_vendor_kernels_take_per_group_tables(swa_dirs, tmp_path):
     assert got["False"]["freed"] > 0 and got["True"]["freed"] is None
     assert got["False"]["tokens"] == got["True"]["tokens"]
     assert got["False"]["used"] == got["True"]["used"] == 0
+
+
+def test_kv_memory_bench_reads_the_engines_blocks(swa_dirs):
+    """``pagedllm bench kv-memory``'s measurement on the tiny Gemma 3 (2 sliding layers, window 8, 1 global): at 64
+    tokens the full group holds 9 blocks, each sliding group the 2 its window reaches, one layer per block."""
+    from pagedllm.bench.kv_memory import expected_ratio, measure
+
+    one = measure(swa_dirs["gemma3"], 64, BS, "float32", "cpu", grouped=False, chunk=16)
+    groups = measure(swa_dirs["gemma3"], 64, BS, "float32", "cpu", grouped=True, chunk=16)
+    assert (one["blocks_steady"], groups["blocks_steady"]) == (9, 9 + 2 * 2)
+    assert one["bytes_per_block"] == 3 * groups["bytes_per_block"]
+    assert groups["mib_steady"] / one["mib_steady"] == pytest.approx(13 / 27)
+    assert groups["freed_by_window"] > 0 and one["freed_by_window"] == 0
+    config = hf_model(swa_dirs["gemma3"]).config.to_dict()
+    assert expected_ratio(config, 64) == pytest.approx((1 + 2 * 8 / 64) / 3)
