@@ -234,3 +234,18 @@ def test_kv_memory_bench_reads_the_engines_blocks(swa_dirs):
     assert groups["freed_by_window"] > 0 and one["freed_by_window"] == 0
     config = hf_model(swa_dirs["gemma3"]).config.to_dict()
     assert expected_ratio(config, 64) == pytest.approx((1 + 2 * 8 / 64) / 3)
+
+
+@pytest.mark.slow
+def test_cpu_static_pads_every_groups_table_when_eager_and_keeps_one_under_its_graphs(swa_dirs):
+    """cpu-static's bucket shapes: eager, the model runner pads each group's table and slots to the bucket (groups
+    on); with its captured buckets, whose buffers hold one table, the engine keeps one table. Both equal HF."""
+    path = swa_dirs["gemma2"]
+    hf = hf_model(path)
+    batch = prompts(hf.config.vocab_size)
+    want = [hf_oracle.hf_greedy(hf, p, NEW) for p in batch]
+    for eager in (True, False):
+        llm = engine(path, device="cpu-static", enforce_eager=eager, max_num_seqs=4)
+        assert isinstance(llm.llm_engine.kv, HybridKVCacheManager) == eager
+        assert greedy(llm, batch) == want
+        assert getattr(llm.llm_engine.kv, "num_freed_by_window", 0) > 0 or not eager

@@ -115,7 +115,7 @@ def choose_kv_layout(model: Any, config: Any, graph_capture: str, static: bool, 
         why = "its cache is MLA's latent"
     elif own_runner:
         why = "the backend runs its own model runner, which reads one block table (kv.block_ids)"
-    elif static:
+    elif static and not config.enforce_eager:
         why = "the backend runs static batch shapes, whose buffers hold one block table"
     elif graph_capture != "none" and not config.enforce_eager:
         why = f"the backend captures graphs ({graph_capture}), whose buffers hold one block table"
