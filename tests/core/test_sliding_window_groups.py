@@ -179,3 +179,23 @@ def test_free_and_trim_release_every_group():
     assert kv.num_used_blocks == 0 and kv.num_blocks_of("a") == 0
     with pytest.raises(RuntimeError, match="connector"):
         kv.allocate_slots(req("b", range(9)), 1, (), num_external_tokens=4)
+
+
+@pytest.mark.parametrize("segments", [1, 2])
+def test_triton_attention_never_reads_a_freed_window_block(segments):
+    """The portable Triton kernel (interpreted on the CPU; the cuda/rocm/xpu plugins run it) with null entries
+    (block 0, here never written: NaN) before the window: a tile that starts before the window must not load them."""
+    pytest.importorskip("triton")
+    from pagedllm.backend.triton.attention import paged_attention as triton_attention
+
+    bs, w = 8, 9
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, 8, bs, 1, 32, generator=gen)
+    cache[:, 0] = float("nan")
+    # a decode at 40 tokens (keys from 31: blocks 3, 4) and a 12-token chunk after 28 (keys from 20: blocks 2-4)
+    meta = AttentionMetadata.build([1, 12], [40, 40], [[0, 0, 0, 3, 4], [0, 0, 5, 6, 7]], bs)
+    q = torch.randn(13, 2, 32, generator=gen)
+    want = paged_attention(q, cache, meta, 32 ** -0.5, sliding_window=w)
+    got = triton_attention(q, cache, meta, 32 ** -0.5, w, num_segments=segments)
+    assert not torch.isnan(want).any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
