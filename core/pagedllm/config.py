@@ -50,6 +50,8 @@ class EngineConfig:
     gpu_memory_utilization: Optional[float] = None  # fraction of free device memory for the KV pool
     num_gpu_blocks_override: Optional[int] = None  # exact pool size (tests)
     swap_space: float = 0.0  # GiB of host memory for swapped-out KV blocks
+    # vLLM's name: one block table for every layer, so sliding-window layers keep every block (sched/kv_groups.py)
+    disable_hybrid_kv_cache_manager: bool = False
     scheduling_policy: str = "fcfs"  # fcfs | priority
     seed: int = 0
     skip_tokenizer_init: bool = False

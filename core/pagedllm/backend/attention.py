@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
@@ -51,6 +51,23 @@ class AttentionMetadata:
     # ``mm_prefix_lm`` and only on backends declaring ``Capabilities.mm_prefix_lm``; a span never straddles two
     # chunks (the scheduler keeps it whole: multimodal/prefix_lm.py).
     mm_prefix_ranges: Optional[list[list[tuple[int, int]]]] = None
+
+    # Sliding-window KV groups (``sched/kv_groups.py``), else None: each group's ``(block_tables, slot_mapping)``
+    # (a freed block reads as block 0, outside the window). A layer runs on ``for_kv_group(its group)``.
+    kv_group_tables: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+
+    def for_kv_group(self, group: int) -> "AttentionMetadata":
+        """This step as one KV group's layers see it: its block table and slots, its own ``extra`` (a backend's
+        per-step plans depend on the table); made once per step and group, on first use. Without groups: self."""
+        if self.kv_group_tables is None:
+            return self
+        views = self.__dict__.setdefault("_kv_group_views", {})
+        view = views.get(group)
+        if view is None:
+            bt, slots = self.kv_group_tables[group]
+            view = views[group] = replace(self, block_tables=bt, slot_mapping=slots, extra=dict(self.extra),
+                                          kv_group_tables=None)
+        return view
 
     @property
     def num_seqs(self) -> int:

@@ -101,6 +101,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: Attention
         if sliding_window is not None:
             allowed &= (q_pos - k_pos) < sliding_window
         scores = scores.masked_fill(~allowed[None], float("-inf"))
+        if sliding_window is not None:  # keys no query reads (a freed window block: sched/kv_groups.py) may hold
+            v = v.masked_fill(~allowed.any(0)[:, None, None], 0.0)  # anything, NaN too: 0 * NaN would be NaN
         if sinks is not None:
             sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
             probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]

@@ -21,6 +21,12 @@ _LLAMA_1_7B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192,
 #: name -> (what its shape is, HF config fields)
 PRESETS: dict[str, tuple[str, dict]] = {
     "smollm2-1.7b": ("SmolLM2-1.7B's shape (issue 32's workload)", _LLAMA_1_7B),
+    "gemma3-1b": ("Gemma-3-1B's shape (26 layers: 5 sliding-window (512) per global, 1 KV head of 256)",
+                  dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                       query_pre_attn_scalar=256, max_position_embeddings=32768, rms_norm_eps=1e-6,
+                       layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 4 + ["sliding_attention"] * 2,
+                       tie_word_embeddings=True)),
     "lfm2-350m": ("LFM2-350M's shape (10 conv + 6 attention layers)",
                   dict(model_type="lfm2", hidden_size=1024, intermediate_size=6656, num_hidden_layers=16,
                        num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=32768,

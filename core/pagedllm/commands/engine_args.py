@@ -34,6 +34,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of host memory for swapped KV blocks")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for every layer: sliding-window layers keep every block (vLLM's flag)")
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--enforce-eager", action="store_true", default=None,
@@ -119,7 +121,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
-        swap_space=args.swap_space, scheduling_policy=args.scheduling_policy, seed=args.seed,
+        swap_space=args.swap_space,
+        disable_hybrid_kv_cache_manager=getattr(args, "disable_hybrid_kv_cache_manager", False),
+        scheduling_policy=args.scheduling_policy, seed=args.seed,
         enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
         structured_outputs_backend=args.structured_outputs_backend,
         structured_outputs_config=structured_outputs_config(args), enable_lora=args.enable_lora,

@@ -16,6 +16,7 @@ from pagedllm.config import EngineConfig, resolve_config
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.executor.base import make_executor
 from pagedllm.kv_transfer.runtime import KVTransfer, build_kv_transfer
+from pagedllm.sched.kv_groups import HybridKVCacheManager
 from pagedllm.sched.kv_manager import BlockPool, KVCacheManager
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models import load_config, load_tokenizer, resolve_model_path
@@ -127,7 +128,10 @@ class LLMEngine:
             self.model, self.device, self.dtype, self.max_model_len = w.model, w.device, w.dtype, w.max_model_len
             self.num_blocks = w.num_blocks
             # (an encoder-only model holds no KV: a one-block manager nothing allocates from)
-            self.kv = KVCacheManager(max(1, self.num_blocks), config.block_size, config.enable_prefix_caching)
+            layout = getattr(w, "kv_layout", None)  # sliding-window KV groups (sched/kv_groups.py)
+            self.kv = (KVCacheManager(max(1, self.num_blocks), config.block_size, config.enable_prefix_caching)
+                       if layout is None else
+                       HybridKVCacheManager(self.num_blocks, config.block_size, layout, config.enable_prefix_caching))
             swap_pool = BlockPool(w.num_host_blocks, enable_caching=False) if w.host_caches is not None else None
             self.scheduler = Scheduler(self.kv, w.max_num_seqs, w.max_num_batched_tokens, self.max_model_len,
                                        config.scheduling_policy, swap=swap_pool,

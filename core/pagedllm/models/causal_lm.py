@@ -80,6 +80,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.scale = (getattr(config, "query_pre_attn_scalar", None) or self.head_size) ** -0.5
         self.sliding_window = sliding_window
+        self.kv_group = 0  # its KV group (sched/kv_groups.py): which block table of the step's metadata it reads
         # GLM rotates interleaved pairs of the rotary dims: de-interleaving q and k alike (dot products unchanged)
         # makes that the neox rotation of the backend's rotary hook.
         self.rope_interleaved_dim = rotary_dim(config, self.head_size) if spec.rope_interleaved else 0
@@ -99,6 +100,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: Any, meta: AttentionMetadata,
                 cos_sin_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
+        if meta.kv_group_tables is not None:
+            meta = meta.for_kv_group(self.kv_group)
         lora = getattr(meta, "lora_mapping", None)
         qkv = self.qkv_proj(x)
         if lora is not None:

@@ -41,6 +41,22 @@ def prompt_logit_spans(batch: list, query_start_loc_cpu: list) -> Iterator[tuple
             base = query_start_loc_cpu[i] - s.num_computed_tokens
             yield r, lo, base + lo, base + hi
 
+def group_tables(groups: list[list[list[int]]], shape: BatchShape, row: np.ndarray, pos: np.ndarray, bs: int,
+                 pad_slot: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per KV group: the block table ``[seqs, blocks]`` of the step's shape and each token's slot (padding tokens
+    at ``pad_slot``), from ``groups[seq][group]`` (each sequence's tables, all of one length)."""
+    bts, slots = [], []
+    for g in range(len(groups[0])):
+        bt = np.zeros((shape.num_seqs, shape.num_blocks), dtype=np.int32)
+        for i, t in enumerate(groups):
+            bt[i, :len(t[g])] = t[g]
+        s = np.full(shape.num_tokens, pad_slot, dtype=np.int64)
+        s[:len(pos)] = bt[row, pos // bs].astype(np.int64) * bs + pos % bs
+        bts.append(bt)
+        slots.append(s)
+    return bts, slots
+
+
 def _not_decode(s: ScheduledRequest, fresh_is_prefill: bool) -> bool:
     """Sort key putting decodes first: one new token, continuing the sequence where ``fresh_is_prefill``."""
     return s.num_new_tokens != 1 or (fresh_is_prefill and s.num_computed_tokens == 0)
@@ -69,14 +85,17 @@ class ModelRunner:
         # A vision-language model: its encoder runs here, outputs kept by image hash (pagedllm.multimodal)
         self.encoder_runner = EncoderRunner(model, device) if hasattr(model, "embed_multimodal") else None
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))  # Qwen-VL's 3-D positions (multimodal/mrope.py)
+        # Sliding-window KV groups (sched/kv_groups.py): one block table per group, a metadata view each
+        self.kv_groups = getattr(kv, "layout", None) is not None and self.requires_kv_cache
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
         qlens = np.fromiter((s.num_new_tokens for s in batch), dtype=np.int64, count=len(batch))
         starts = np.fromiter((s.num_computed_tokens for s in batch), dtype=np.int64, count=len(batch))
         seq_lens = starts + qlens
-        tables = ([self.kv.block_ids(s.request.request_id) for s in batch] if self.requires_kv_cache
-                  else [[] for _ in batch])
+        groups = [self.kv.group_block_ids(s.request.request_id) for s in batch] if self.kv_groups else None
+        tables = ([self.kv.block_ids(s.request.request_id) for s in batch] if groups is None and self.requires_kv_cache
+                  else [g[0] for g in groups] if groups is not None else [[] for _ in batch])
         width = max(1, max(len(t) for t in tables))
         real = BatchShape(int(qlens.sum()), len(batch), width)
         shape = self.policy.pad(real)
@@ -97,6 +116,8 @@ class ModelRunner:
             pos = np.arange(int(qlens.sum())) - np.repeat(np.cumsum(qlens) - qlens, qlens) + starts[row]
         slots = (bt[row, pos // bs].astype(np.int64) * bs + pos % bs if self.requires_kv_cache
                  else np.full(len(tokens), self.pad_slot, dtype=np.int64))
+        if groups is not None:  # every group's table and slots (sliding groups: null entries read as block 0)
+            group_bt, group_slots = group_tables(groups, shape, row, pos, bs, self.pad_slot)
         mpos = None
         if self.uses_mrope:  # M-RoPE: the model's positions run behind token indices after an image
             pos, mpos = step_mrope_positions([s.request for s in batch], pos, row)
@@ -135,6 +156,9 @@ class ModelRunner:
             meta.state_indices = torch.tensor(idx, dtype=torch.int32).to(dev)
             meta.has_initial_state = torch.from_numpy(np.concatenate(
                 [starts > 0, np.zeros(shape.num_seqs - real.num_seqs, dtype=bool)])).to(dev)
+        if groups is not None:
+            meta.kv_group_tables = [(torch.from_numpy(b).to(dev), torch.from_numpy(m).to(dev))
+                                    for b, m in zip(group_bt, group_slots)]
         input_ids = torch.tensor(tokens, dtype=torch.long).to(dev)
         positions = torch.from_numpy(np.ascontiguousarray(pos, dtype=np.int64)).to(dev)
         return input_ids, positions, meta

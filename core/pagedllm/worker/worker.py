@@ -22,6 +22,7 @@ from pagedllm.config import DTYPES, EngineConfig
 from pagedllm.backend.device_sampler import SamplingTensors
 from pagedllm.distributed.parallel_state import get_parallel_state
 from pagedllm.backend.hookspec import KVCacheSpec, MambaSpec, ModelInfo, RunnerContext
+from pagedllm.sched.kv_groups import KVGroupLayout, choose_kv_layout
 from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.backend.kv_quant import kv_torch_dtype
 from pagedllm.backend.registry import SwapUnsupported
@@ -92,6 +93,11 @@ class Worker:
         spec = config.speculative_config
         if spec is not None and spec.method in MODEL_METHODS:
             self.draft_model = self._load_draft(spec.model, spec.method)
+        # Sliding-window KV groups (sched/kv_groups.py): a block id spans group_size layers; None: every layer
+        self.kv_layout: Optional[KVGroupLayout] = (
+            choose_kv_layout(self.model, config, backend.capabilities.graph_capture, self.policy.static,
+                             self.draft_model is not None, backend.implements("pagedllm_model_runner"))
+            if self.requires_kv_cache else None)
         self.num_blocks = self._num_blocks() if self.requires_kv_cache else 0
         par = get_parallel_state()
         if par is not None:  # every rank holds the same block ids: the smallest rank's pool decides
@@ -110,7 +116,7 @@ class Worker:
         spec = self._kv_spec(self.num_blocks + (self.sink_block is not None)) if self.requires_kv_cache else None
         self.kv_caches = backend.allocate_kv_cache(spec) if spec is not None else []
         self.kv_spec: Optional[KVCacheSpec] = spec  # (what the KV connector's host copies are shaped after)
-        self.model.kv_caches = self.kv_caches
+        self.model.kv_caches = self._layer_caches(self.kv_caches)
         #: The recurrent-state group (LFM2's conv state...), one slot per schedulable sequence; None: no state
         self.state_spec = self._state_spec()
         if self.state_spec is not None:
@@ -131,6 +137,9 @@ class Worker:
             self.num_host_blocks, self.num_host_state_slots = split_swap_space(
                 int(config.swap_space * (1 << 30)), self._bytes_per_block(), self.state_spec,
                 -(-self.max_model_len // self.block_size))
+        if self.kv_layout is not None and self.num_host_blocks:  # (swap moves one block table per request)
+            logger.info("%s: preemption recomputes (no swap space for KV groups)", self.kv_layout.describe())
+            self.num_host_blocks = 0
         if self.num_host_blocks > 0 and not self.model.num_layers:  # pure Mamba2: host blocks hold nothing either
             self.host_caches = []
         elif self.num_host_blocks > 0:
@@ -235,8 +244,13 @@ class Worker:
 
     def _kv_spec(self, num_blocks: int) -> KVCacheSpec:
         m = self.model
-        return KVCacheSpec(m.num_layers, num_blocks, self.block_size, m.num_kv_heads, m.head_size, self.kv_dtype,
+        layers = self.kv_layout.group_size if getattr(self, "kv_layout", None) is not None else m.num_layers
+        return KVCacheSpec(layers, num_blocks, self.block_size, m.num_kv_heads, m.head_size, self.kv_dtype,
                            self.device, mla=getattr(m, "kv_cache_mla", False))
+
+    def _layer_caches(self, caches: list) -> list:
+        """What each layer reads: its own cache, or with KV groups its tensor among the group size's."""
+        return self.kv_layout.layer_caches(caches) if self.kv_layout is not None else caches
 
     def _fit_budget_to_policy(self) -> None:
         """A static policy bounds every dimension: the scheduler's budget must stay inside the largest shape."""
@@ -265,7 +279,7 @@ class Worker:
             return None
         n = self.max_num_batched_tokens
         scratch = self.backend.allocate_kv_cache(self._kv_spec(1))
-        self.model.kv_caches = scratch
+        self.model.kv_caches = self._layer_caches(scratch)
         meta = dummy_metadata(BatchShape(n, 1, -(-n // self.block_size)), self.block_size, self.device,
                               pad_slot=0, block=0)
         with torch.inference_mode():
@@ -280,7 +294,8 @@ class Worker:
     def _num_blocks(self) -> int:
         c = self.config
         bpb = self._bytes_per_block()
-        per_seq = -(-self.max_model_len // self.block_size)
+        per_seq = (-(-self.max_model_len // self.block_size) if self.kv_layout is None else
+                   self.kv_layout.blocks_per_seq(self.max_model_len, self.block_size, self.max_num_batched_tokens))
         if c.num_gpu_blocks_override is not None:
             n, field_name = c.num_gpu_blocks_override, "num_gpu_blocks_override"
         else:
@@ -306,6 +321,11 @@ class Worker:
             cap = 2 * self.max_num_seqs * per_seq
             # bpb 0: no attention layer (pure Mamba2): the blocks cost nothing, the state slots must fit
             n = min(int(max(budget, 0) // bpb), cap) if bpb else cap * (budget >= 0)
+        one_table = -(-self.max_model_len // self.block_size)
+        if c.num_gpu_blocks_override is not None and self.kv_layout is not None and one_table <= n < per_seq:
+            logger.info("KV groups kept off: %s = %d blocks hold one max_model_len sequence in one block table, "
+                        "not in %s (%d)", field_name, n, self.kv_layout.describe(), per_seq)
+            self.kv_layout, per_seq = None, one_table
         if n < per_seq:
             raise ParamError(field_name, f"the KV pool would hold {n} blocks ({n * self.block_size} tokens), fewer "
                                          f"than one max_model_len={self.max_model_len} sequence needs ({per_seq}); "

@@ -97,7 +97,8 @@ def _paged_attention_kernel(
     bt_base = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for tile in range(seg_lo, seg_hi):
         k_pos = tile * TILE + tl.arange(0, TILE)
-        k_ok = k_pos < k_hi
+        # (k_lo: a tile may start before the window, where a freed block's table entry names block 0)
+        k_ok = (k_pos < k_hi) & (k_pos >= k_lo)
         blk = tl.load(bt_base + k_pos // block_size, mask=k_ok, other=0).to(tl.int64)
         slot_off = blk * stride_blk + (k_pos % block_size) * stride_slot
         # Masked loads: slots past the context may hold NaN (never-written blocks), and 0 * NaN is NaN.
