@@ -24,7 +24,7 @@ _DEFAULT_KV_FRACTION = 0.4
 def pagedllm_backend_info() -> BackendInfo:
     return BackendInfo(name="cpu", device_type="cpu", priority=10, api_version=API_VERSION, extra="cpu",
                        description="host CPU: decodes on an in-place paged kernel, prefill on torch SDPA "
-                                   "(fp32 fast path)")
+                                   "(bf16 where the CPU has bf16 instructions, else fp32)")
 
 
 @hookimpl
