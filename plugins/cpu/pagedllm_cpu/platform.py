@@ -33,10 +33,16 @@ def cpu_model() -> str:
     return info.get("model name") or info.get("Processor") or _platform.processor() or _platform.machine() or "cpu"
 
 
+def cpu_flags() -> frozenset[str]:
+    """Every feature flag the first processor reports in /proc/cpuinfo (x86 ``flags``, Arm ``Features``); empty
+    where there is no /proc."""
+    info = _cpuinfo()
+    return frozenset((info.get("flags") or info.get("Features") or "").split())
+
+
 def isa_features() -> list[str]:
     """The notable SIMD features this CPU reports, in :data:`_ISA_FLAGS` order."""
-    info = _cpuinfo()
-    flags = set((info.get("flags") or info.get("Features") or "").split())
+    flags = cpu_flags()
     found = [f for f in _ISA_FLAGS if f in flags]
     if not found:  # no /proc (macOS, Windows): ask torch what kernels it dispatches to
         try:

@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.backend.hookspec import (API_VERSION, BackendInfo, Capabilities, GraphRunner, KVCacheSpec, MemoryInfo,
                                ModelInfo, ProbeResult, QuantizedLinearKernel, hookimpl)
-from pagedllm_cpu import attention, encoder, graph, lora, moe, native, ops, platform, quant, state_ops
+from pagedllm_cpu import attention, auto_dtype, encoder, graph, lora, moe, native, ops, platform, quant, state_ops
 
 #: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
 _DEFAULT_KV_BYTES = 4 << 30
@@ -24,7 +24,7 @@ _DEFAULT_KV_FRACTION = 0.4
 def pagedllm_backend_info() -> BackendInfo:
     return BackendInfo(name="cpu", device_type="cpu", priority=10, api_version=API_VERSION, extra="cpu",
                        description="host CPU: decodes on an in-place paged kernel, prefill on torch SDPA "
-                                   "(fp32 fast path)")
+                                   "(bf16 where the CPU has bf16 instructions, else fp32)")
 
 
 @hookimpl
@@ -59,10 +59,12 @@ def pagedllm_capabilities() -> Capabilities:
 
 @hookimpl
 def pagedllm_update_config(config: Any, model_info: ModelInfo) -> Optional[dict]:
-    """``dtype="auto"`` runs float32 whatever the checkpoint's dtype: it is the exact path on every x86 kind and the
-    fast one without AMX (bf16 is opt-in: ``--dtype bfloat16``, 1.9x faster on AMX machines; docs/benchmarks.md)."""
+    """``dtype="auto"``: bfloat16 for a dense bf16/fp16 checkpoint on a CPU with bf16 instructions, float32
+    otherwise (``auto_dtype.py``; one log line says which and why)."""
     native.start_build()  # engine start: the C++ ops load (or build) while the model loads
-    return {"dtype": "float32"} if config.dtype == "auto" else None
+    if config.dtype != "auto":
+        return None
+    return {"dtype": auto_dtype.choose(model_info.dtype, model_info.quantization)}
 
 
 @hookimpl

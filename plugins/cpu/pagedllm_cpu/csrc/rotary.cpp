@@ -3,10 +3,12 @@
 // sin rounded to the activations' dtype, then x1*cos - x2*sin and x2*cos + x1*sin with each product and the sum
 // rounded to that dtype (the build uses -ffp-contract=off, so float32 is not fused into FMAs either).
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 #include <type_traits>
 
@@ -14,6 +16,26 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kW = Vec::size();
+
+template <typename T>
+using VT = at::vec::Vectorized<T>;
+
+// Two float vectors rounded to T and widened back (round to nearest even, as a scalar cast to T).
+template <typename T>
+inline std::tuple<Vec, Vec> rounded(const Vec& a, const Vec& b) {
+  return at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
+}
+
+// n <= VT<T>::size() cos/sin entries as two float vectors of T-rounded values (entries past n are 0).
+template <typename T>
+inline std::tuple<Vec, Vec> load_rounded(const float* p, int64_t n) {
+  return rounded<T>(Vec::loadu(p, std::min(n, kW)), Vec::loadu(p + kW, std::max<int64_t>(0, n - kW)));
+}
+
+template <typename T>
+inline std::tuple<Vec, Vec> load_rounded(const T* p, int64_t n) {
+  return at::vec::convert_to_float<T>(VT<T>::loadu(p, n));
+}
 
 template <typename T, typename C>
 void rotate(at::Tensor& out, const at::Tensor& x, const int64_t* pos, const at::Tensor& cos_sin) {
@@ -23,6 +45,7 @@ void rotate(at::Tensor& out, const at::Tensor& x, const int64_t* pos, const at::
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const C* cp = cos_sin.data_ptr<C>();
+  [[maybe_unused]] constexpr int64_t kN = VT<T>::size();
   at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const C* cs = cp + pos[i] * cs0;
@@ -36,6 +59,20 @@ void rotate(at::Tensor& out, const at::Tensor& x, const int64_t* pos, const at::
             const Vec x1 = Vec::loadu(xi + j), x2 = Vec::loadu(xi + half + j);
             (x1 * c - x2 * s).store(oi + j);
             (x2 * c + x1 * s).store(oi + half + j);
+          }
+        } else if constexpr (!std::is_same_v<T, float>) {  // bf16 / fp16: the scalar loop's roundings, vectorised
+          for (; j < half; j += kN) {
+            const int64_t n = std::min(kN, half - j);
+            auto [c0, c1] = load_rounded<T>(cs + j, n);
+            auto [s0, s1] = load_rounded<T>(cs + half + j, n);
+            auto [a0, a1] = at::vec::convert_to_float<T>(VT<T>::loadu(xi + j, n));
+            auto [b0, b1] = at::vec::convert_to_float<T>(VT<T>::loadu(xi + half + j, n));
+            auto [p0, p1] = rounded<T>(a0 * c0, a1 * c1);  // x1 * cos
+            auto [q0, q1] = rounded<T>(b0 * s0, b1 * s1);  // x2 * sin
+            auto [e0, e1] = rounded<T>(b0 * c0, b1 * c1);  // x2 * cos
+            auto [f0, f1] = rounded<T>(a0 * s0, a1 * s1);  // x1 * sin
+            at::vec::convert_from_float<T>(p0 - q0, p1 - q1).store(oi + j, n);
+            at::vec::convert_from_float<T>(e0 + f0, e1 + f1).store(oi + half + j, n);
           }
         }
         for (; j < half; ++j) {

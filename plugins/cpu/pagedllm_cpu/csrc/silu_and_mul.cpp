@@ -3,6 +3,7 @@
 // rounded to the input dtype, times b rounded again. exp is ATen's vectorised exp_u20 (no Sleef symbols needed).
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
@@ -16,13 +17,20 @@ constexpr int64_t kW = Vec::size();
 
 inline Vec silu(const Vec& a) { return a / (Vec(1.f) + a.neg().exp_u20()); }
 
-inline Vec load_f(const float* p, int64_t n) { return Vec::loadu(p, n); }
-
+// bf16 / fp16 rows, one Vectorized<T> (2 * kW elements) at a time: widened to two float vectors, silu rounded to T
+// and back (``convert_from_float`` rounds to nearest even, as the scalar cast does), the product rounded to T. The
+// scalar loop this replaced ran bf16 4x slower than float32 (64 x 8192: 1.4 ms against 0.36).
 template <typename T>
-inline Vec load_f(const T* p, int64_t n) {
-  float tmp[kW] = {};
-  for (int64_t i = 0; i < n; ++i) tmp[i] = static_cast<float>(p[i]);
-  return Vec::loadu(tmp);
+void silu_mul_reduced(const T* a_row, const T* b_row, T* o_row, int64_t d) {
+  using VT = at::vec::Vectorized<T>;
+  constexpr int64_t kN = VT::size();
+  for (int64_t j = 0; j < d; j += kN) {
+    const int64_t n = std::min(kN, d - j);
+    auto [a0, a1] = at::vec::convert_to_float<T>(VT::loadu(a_row + j, n));
+    auto [b0, b1] = at::vec::convert_to_float<T>(VT::loadu(b_row + j, n));
+    auto [s0, s1] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(silu(a0), silu(a1)));
+    at::vec::convert_from_float<T>(s0 * b0, s1 * b1).store(o_row + j, n);
+  }
 }
 
 template <typename T>
@@ -31,21 +39,17 @@ void silu_mul_rows(at::Tensor& out, const at::Tensor& x, int64_t rows, int64_t d
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(d, 1)), [&](int64_t begin, int64_t end) {
-    float s[kW], b[kW];
     for (int64_t r = begin; r < end; ++r) {
       const T* a_row = xp + r * xs;
       const T* b_row = a_row + d;
       T* o_row = op + r * os;
-      for (int64_t j = 0; j < d; j += kW) {
-        const int64_t n = std::min(kW, d - j);
-        if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t j = 0; j < d; j += kW) {
+          const int64_t n = std::min(kW, d - j);
           (silu(Vec::loadu(a_row + j, n)) * Vec::loadu(b_row + j, n)).store(o_row + j, n);
-        } else {
-          silu(load_f(a_row + j, n)).store(s);
-          load_f(b_row + j, n).store(b);
-          for (int64_t i = 0; i < n; ++i)
-            o_row[j + i] = static_cast<T>(static_cast<float>(static_cast<T>(s[i])) * b[i]);
         }
+      } else {
+        silu_mul_reduced<T>(a_row, b_row, o_row, d);
       }
     }
   });
