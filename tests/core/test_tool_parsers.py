@@ -68,8 +68,21 @@ def check_stream(name: str, text: str, request=None, streamed_early: bool = True
 def test_registry_names_and_errors():
     names = ToolParserManager.list_registered()
     assert {"hermes", "llama3_json", "mistral", "qwen3_coder", "deepseek_v3", "pythonic"} <= set(names)
-    with pytest.raises(KeyError, match="nope"):
+    with pytest.raises(KeyError, match="tool parser 'nope' not found; registered: .*hermes"):
         ToolParserManager.get_tool_parser("nope")
+    # the registry the reasoning parsers use too (pagedllm/parser_registry.py): lazy entries, refusals
+    ToolParserManager.register_lazy_module("test_lazy", "pagedllm.entrypoints.openai.tool_parsers.hermes_tool_parser",
+                                           "Hermes2ProToolParser")
+    try:
+        assert ToolParserManager.get_tool_parser("test_lazy").__name__ == "Hermes2ProToolParser"
+        with pytest.raises(KeyError, match="'hermes' is already registered"):
+            ToolParserManager.register_module("hermes", force=False, module=ToolParser)
+        with pytest.raises(TypeError, match="subclass of ToolParser"):
+            ToolParserManager.register_module("bad", module=int)
+        assert "bad" not in ToolParserManager.list_registered()
+    finally:
+        ToolParserManager.tool_parsers.pop("test_lazy", None)
+        ToolParserManager.lazy_parsers.pop("test_lazy", None)
 
 
 def test_each_parser_describes_its_call_format_for_templates_without_tools():

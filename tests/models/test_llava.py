@@ -11,30 +11,20 @@ first block for different pixels, and no reference or block left behind after fi
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.errors import ParamError
 from pagedllm.multimodal.processing import MultiModalProcessor, hash_image
 from pagedllm.multimodal.registry import supported_modalities
 from tiny_vlm import TOKENS_PER_IMAGE, tiny_llava_model
+from vlm_parity import (BLOCK, assert_greedy_and_logprobs_match, assert_text_logits_match, engine_fixture, greedy,
+                        hf_fixture, hf_generate, image)
 
-BLOCK = 16
 PROMPT_1 = "USER: <image>\nWhat is in the picture? ASSISTANT:"
 PROMPT_2 = "USER: compare <image> with <image> please. ASSISTANT:"
-
-
-def image(h: int, w: int, seed: int) -> Image.Image:
-    """A deterministic RGB image of ``h x w`` (smooth gradients plus noise, so crops and resizes differ)."""
-    rng = np.random.RandomState(seed)
-    y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([(x * 255 // max(w - 1, 1)), (y * 255 // max(h - 1, 1)), ((x + y) * 97) % 256], -1)
-    return Image.fromarray(((base + rng.randint(0, 60, (h, w, 3))) % 256).astype(np.uint8))
-
-
 IMAGES = {"square": image(84, 84, 0), "wide": image(40, 150, 1), "tall": image(200, 60, 2),
           "small": image(20, 28, 3)}
 
@@ -44,24 +34,8 @@ def model_path() -> str:
     return tiny_llava_model()
 
 
-@pytest.fixture(scope="module")
-def hf(model_path):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
-
-    model = LlavaForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(model_path, backend="pil")
-
-
-@pytest.fixture(scope="module")
-def llm(model_path):
-    # 24 tokens a step: every image (36 tokens) is split across steps
-    with LLM(model_path, device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=24,
-             max_num_seqs=4, num_gpu_blocks_override=96) as engine:
-        yield engine
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+hf = hf_fixture("LlavaForConditionalGeneration")
+llm = engine_fixture(96)  # 24 tokens a step: every image (36 tokens) is split across steps
 
 
 def test_registry_lists_llava_and_processor_matches_hf(model_path, hf):
@@ -128,29 +102,7 @@ def test_feature_layers_and_strategies_match_hf(hf, tmp_path, overrides):
     for a, b in zip(got, want):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    ids = torch.tensor([[1, 7, 9]])
-    with torch.no_grad():  # the decoder's logits on a text prompt too (the mapped text weights)
-        ref = theirs(input_ids=ids).logits[0]
-    from pagedllm.backend.attention import AttentionMetadata
-    from pagedllm.backend.hookspec import KVCacheSpec
-
-    ours.kv_caches = get_backend("cpu").allocate_kv_cache(KVCacheSpec(ours.num_layers, 2, 16, ours.num_kv_heads,
-                                                                      ours.head_size, torch.float32,
-                                                                      torch.device("cpu")))
-    meta = AttentionMetadata.build([3], [3], [[1]], 16)
-    with torch.inference_mode():
-        logits = ours.compute_logits(ours(ids[0], torch.arange(3), meta))
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
-
-
-def hf_logprobs(model, inputs, tokens: list[int]) -> torch.Tensor:
-    """HF's log-probability of each token of ``tokens`` (the processed prompt plus the generated ones) given those
-    before it, under the same pixel values."""
-    ids = torch.tensor([tokens])
-    with torch.no_grad():
-        logits = model(input_ids=ids, pixel_values=inputs["pixel_values"]).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    return lp[torch.arange(len(tokens) - 1), ids[0, 1:]]
+    assert_text_logits_match(ours, theirs, [1, 7, 9])
 
 
 @pytest.mark.parametrize("prompt,names", [(PROMPT_1, ("wide",)), (PROMPT_2, ("tall", "small"))])
@@ -158,16 +110,7 @@ def test_greedy_and_logprobs_match_hf_with_chunks_splitting_images(hf, llm, prom
     model, processor = hf
     images = [IMAGES[n] for n in names]
     inputs = processor(text=prompt, images=images, return_tensors="pt")
-    want = model.generate(**inputs, max_new_tokens=10, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
-    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": list(images)}},
-                       greedy(10, logprobs=0, prompt_logprobs=0), use_tqdm=False)[0]
-    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
-    assert out.outputs[0].token_ids == want
-    tokens = out.prompt_token_ids + want
-    ref = hf_logprobs(model, inputs, tokens)
-    prompt_lp = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
-    out_lp = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, want)]
-    torch.testing.assert_close(torch.tensor(prompt_lp + out_lp), ref, atol=1e-4, rtol=1e-4)
+    prompt_lp = assert_greedy_and_logprobs_match(llm, model, inputs, prompt, images, 10)
     # the images matter: other pixels give other log-probabilities for the tokens after them
     other = llm.generate({"prompt": prompt, "multi_modal_data": {"image": [IMAGES["square"]] * len(images)}},
                          greedy(1, prompt_logprobs=0), use_tqdm=False)[0]
@@ -189,8 +132,7 @@ def test_batch_of_image_and_text_prompts_in_one_engine(hf, llm):
         else:
             inputs = {"input_ids": torch.tensor([tok.encode(text)])}
             prompts.append(text)
-        n = inputs["input_ids"].shape[1]
-        want.append(model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, n:].tolist())
+        want.append(hf_generate(model, inputs, 6))
     outs = llm.generate(prompts, greedy(6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want
 
@@ -222,7 +164,7 @@ def test_prefix_cache_reuses_an_images_blocks_and_never_another_images(model_pat
         model, processor = hf
         text = PROMPT_1.replace("What is in the picture?", "Describe the colours, please.")
         inputs = processor(text=text, images=[a], return_tensors="pt")
-        want = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+        want = hf_generate(model, inputs, 4)
         mid = llm.generate({"prompt": text, "multi_modal_data": {"image": a}}, greedy(4), use_tqdm=False)[0]
         assert offset < mid.num_cached_tokens < offset + TOKENS_PER_IMAGE
         assert runner.num_encoded == 3 and mid.outputs[0].token_ids == want
@@ -246,8 +188,7 @@ def test_encoder_budget_of_one_image_per_step_and_abort_leaves_nothing(model_pat
         want = []
         for im in images:
             inputs = processor(text=PROMPT_1, images=[im], return_tensors="pt")
-            want.append(model.generate(**inputs, max_new_tokens=5, do_sample=False)[0, inputs["input_ids"].shape[1]:]
-                        .tolist())
+            want.append(hf_generate(model, inputs, 5))
         outs = llm.generate([{"prompt": PROMPT_1, "multi_modal_data": {"image": im}} for im in images], greedy(5),
                             use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
@@ -274,8 +215,7 @@ def test_preemption_with_images_recompute_or_swap(model_path, hf, swap_space):
     want = []
     for text, images in cases:
         inputs = processor(text=text, images=images, return_tensors="pt")
-        want.append(model.generate(**inputs, max_new_tokens=20, do_sample=False)[0, inputs["input_ids"].shape[1]:]
-                    .tolist())
+        want.append(hf_generate(model, inputs, 20))
     with LLM(model_path, device="cpu", dtype="float32", block_size=BLOCK, max_model_len=112,
              max_num_batched_tokens=24, num_gpu_blocks_override=7, swap_space=swap_space) as llm:
         outs = llm.generate([{"prompt": t, "multi_modal_data": {"image": im}} for t, im in cases], greedy(20),
@@ -292,7 +232,7 @@ def test_static_shape_backend_runs_image_steps_eagerly(model_path, hf):
     the model eagerly, text-only steps (the decodes) keep replaying the warmed-up buckets; tokens match HF."""
     model, processor = hf
     inputs = processor(text=PROMPT_2, images=[IMAGES["wide"], IMAGES["square"]], return_tensors="pt")
-    want = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    want = hf_generate(model, inputs, 8)
     with LLM(model_path, device="cpu-static", dtype="float32", max_model_len=128, max_num_seqs=4,
              max_num_batched_tokens=32) as llm:
         stats = llm.llm_engine.worker.graph_stats

@@ -14,18 +14,17 @@ import pytest
 import torch
 
 from engine_parity import hf_model, mixed_prompts, run
-from logit_parity import BLOCK_SIZE, CHUNKED, FULL_PREFILL, assert_logits_match, hf_eager, parity_prompts
+from logit_parity import assert_schedules_match_hf, hf_eager, parity_prompts
 from pagedllm import LLM, SamplingParams
 from pagedllm.backend import ssm_ops
-from pagedllm.backend.attention import AttentionMetadata
-from pagedllm.backend.hookspec import KVCacheSpec, MambaSpec
-from pagedllm.backend.registry import Backend, get_backend
+from pagedllm.backend.registry import get_backend
 from pagedllm.errors import ParamError, UnsupportedModelError
 from pagedllm.models import load_model
 from pagedllm.models.granite_hybrid import GraniteMoeHybridCausalLM
 from pagedllm.models.mamba2 import Mamba2CausalLM
-from plugin_factory import make_plugin
 from stateful import MAMBA2 as STATEFUL_MAMBA2
+from stateful import (assert_abort_mid_prefill_releases, assert_dropped_state_changes_logits, assert_greedy_matches,
+                      assert_n2_seeded_equals_single_runs, assert_released, random_prompts, stateful_engine)
 from tiny_models import save_random_model
 
 VOCAB = 300
@@ -75,37 +74,6 @@ def test_hf_oracle_decodes_through_its_state(dirs):
     assert hf_greedy(dirs["mamba2"], prompt, 6) == ids
 
 
-def run_stateful_schedule(model, backend, prompts: list[list[int]], schedule) -> list[torch.Tensor]:
-    """``logit_parity.run_schedule`` with state slots (as tests/models/test_lfm2.py): sequence s owns slot s + 1;
-    every slot starts as garbage, so a fresh chunk must not read it; flagged fresh on its first chunk only."""
-    blocks = [-(-len(p) // BLOCK_SIZE) for p in prompts]
-    tables = [list(range(1 + sum(blocks[:s]), 1 + sum(blocks[:s + 1]))) for s in range(len(prompts))]
-    model.kv_caches = backend.allocate_kv_cache(KVCacheSpec(model.num_layers, sum(blocks) + 1, BLOCK_SIZE,
-                                                            model.num_kv_heads, model.head_size, torch.float32,
-                                                            torch.device("cpu")))
-    spec = MambaSpec(model.num_state_layers, len(prompts) + 1, model.state_shapes, model.state_dtypes,
-                     torch.device("cpu"))
-    model.state_caches = backend.allocate_state_cache(spec)
-    for layer in model.state_caches:
-        for t in layer:
-            t.normal_()
-    done = [0] * len(prompts)
-    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
-    with torch.inference_mode():
-        for step in schedule:
-            meta = AttentionMetadata.build([n for _, n in step], [done[s] + n for s, n in step],
-                                           [tables[s] for s, _ in step], BLOCK_SIZE)
-            meta.state_indices = torch.tensor([s + 1 for s, _ in step], dtype=torch.int32)
-            meta.has_initial_state = torch.tensor([done[s] > 0 for s, _ in step])
-            tokens = [t for s, n in step for t in prompts[s][done[s]:done[s] + n]]
-            positions = [p for s, n in step for p in range(done[s], done[s] + n)]
-            logits = model.compute_logits(model(torch.tensor(tokens), torch.tensor(positions), meta))
-            for i, (s, n) in enumerate(step):
-                rows[s].append(logits[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i + 1]])
-                done[s] += n
-    return [torch.cat(r) for r in rows]
-
-
 @pytest.mark.parametrize("family", LOGIT_FAMILIES)
 @pytest.mark.parametrize("backend_name", ["ref", "cpu"])
 def test_logits_match_hf(dirs, ref_backend, family, backend_name):
@@ -116,11 +84,8 @@ def test_logits_match_hf(dirs, ref_backend, family, backend_name):
     assert isinstance(ours, cls) and (ours.num_layers, ours.num_state_layers) == (attention_layers, state_layers)
     assert ours.state_shapes == ((128 + 2 * 2 * 16, 3), (8, 16, 16))  # (conv_dim, kernel-1), (heads, p, d_state)
     assert ours.state_dtypes == (torch.float32, torch.float32)
-    prompts = parity_prompts(VOCAB)  # 20 and 17 tokens: several blocks of 4 and SSD chunks of 8
-    with torch.inference_mode():
-        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
-    for schedule in (FULL_PREFILL, CHUNKED):
-        assert_logits_match(family, run_stateful_schedule(ours, backend, prompts, schedule), expected)
+    # 20 and 17 tokens: several blocks of 4 and SSD chunks of 8
+    assert_schedules_match_hf(family, hf, ours, backend, parity_prompts(VOCAB))
 
 
 def _forgets_ssm_state(x, dt, A, B, C, chunk_size, cu_seqlens, initial_states, D, z, dt_bias, dt_softplus,
@@ -133,28 +98,12 @@ def _forgets_ssm_state(x, dt, A, B, C, chunk_size, cu_seqlens, initial_states, D
 def test_ssm_state_carry_matters(dirs, ref_backend):
     """The oracle would notice a dropped SSM state: a chunk that starts fresh instead of continuing changes the
     logits from the second chunk on."""
-    prompts = parity_prompts(VOCAB)
-    ours = load_model(dirs["mamba2"], backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
-    good = run_stateful_schedule(ours, ref_backend, prompts, CHUNKED)
-    forgetful = Backend(make_plugin("mamba2-forgetful", mamba_chunk_scan_combined=_forgets_ssm_state),
-                        "mamba2-forgetful")
-    broken = load_model(dirs["mamba2"], backend=forgetful, dtype=torch.float32, device=torch.device("cpu"))
-    bad = run_stateful_schedule(broken, forgetful, prompts, CHUNKED)
-    assert (good[0][:7] - bad[0][:7]).abs().max() < 1e-5  # the first chunk is the same
-    assert (good[0][7:] - bad[0][7:]).abs().max() > 1e-2  # later chunks lose the previous chunks' state
+    assert_dropped_state_changes_logits(dirs["mamba2"], ref_backend, parity_prompts(VOCAB), "mamba2-forgetful",
+                                        mamba_chunk_scan_combined=_forgets_ssm_state)
 
 
 def _engine(path: str, **kw) -> LLM:
-    kw = {**dict(device="cpu", dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=16,
-                 max_num_seqs=16, kv_cache_memory=8 << 20), **kw}
-    return LLM(path, **kw)
-
-
-def _assert_released(llm: LLM) -> None:
-    eng = llm.llm_engine
-    assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished_requests(), "KV blocks leaked"
-    slots = eng.kv.state_slots
-    assert slots.num_free == slots.num_slots and not slots.owner, "state slots leaked"
+    return stateful_engine(path, **{"max_num_seqs": 16, **kw})
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -166,13 +115,9 @@ def test_greedy_parity_chunked_mixed_batches(dirs, family, caplog):
         llm = _engine(dirs[family], enable_prefix_caching=True)
     assert isinstance(llm.llm_engine.model, FAMILIES[family][1])
     assert not llm.llm_engine.kv.enable_caching and "prefix caching off" in caplog.text
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 7, 9, 17, 23, 37)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert list(o.outputs[0].token_ids) == hf_greedy(dirs[family], p, 16), f"{family}: prompt of {len(p)}"
-    _assert_released(llm)
+    prompts = random_prompts(VOCAB, (1, 7, 9, 17, 23, 37))
+    assert_greedy_matches(llm, prompts, 16, lambda p, n: hf_greedy(dirs[family], p, n), f"{family}: ")
+    assert_released(llm)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -186,34 +131,17 @@ def test_greedy_parity_under_preemption(dirs, family):
     got = run(llm, prompts, max_tokens=24)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert got == [hf_greedy(dirs[family], p, 24) for p in prompts]
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_n2_with_seed_equals_two_single_runs(dirs):
-    llm = _engine(dirs["granite"])
-    prompt = {"prompt_token_ids": mixed_prompts(1, VOCAB, seed=3, max_len=30)[0] + [5] * 20}
-    kw = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
-    pair = llm.generate([prompt], SamplingParams(n=2, seed=11, **kw), use_tqdm=False)[0].outputs
-    single = [llm.generate([prompt], SamplingParams(seed=s, **kw), use_tqdm=False)[0].outputs[0] for s in (11, 12)]
-    assert [list(c.token_ids) for c in pair] == [list(c.token_ids) for c in single]
-    assert pair[0].token_ids != pair[1].token_ids
-    _assert_released(llm)
+    prompt = mixed_prompts(1, VOCAB, seed=3, max_len=30)[0] + [5] * 20
+    assert_n2_seeded_equals_single_runs(_engine(dirs["granite"]), prompt, 12)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_abort_mid_prefill_returns_slot_and_blocks(dirs, family):
-    llm = _engine(dirs[family], max_num_batched_tokens=8)
-    eng = llm.llm_engine
-    eng.add_request("long", {"prompt_token_ids": list(range(3, 63))}, SamplingParams(max_tokens=4))
-    eng.add_request("short", {"prompt_token_ids": [7, 8, 9]}, SamplingParams(max_tokens=4, temperature=0))
-    eng.step()
-    eng.step()
-    assert eng.kv.state_slots.has_slot("long") and eng.kv.num_blocks_of("long") > 0
-    eng.abort_request("long")
-    assert not eng.kv.state_slots.has_slot("long") and eng.kv.num_blocks_of("long") == 0
-    while eng.has_unfinished_requests():
-        eng.step()
-    _assert_released(llm)
+    assert_abort_mid_prefill_releases(_engine(dirs[family], max_num_batched_tokens=8))
 
 
 def test_state_slots_come_out_of_the_kv_budget(dirs, caplog):
@@ -229,7 +157,7 @@ def test_state_slots_come_out_of_the_kv_budget(dirs, caplog):
         assert f"max_num_seqs 256 -> {slots}" in caplog.text
         outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 3, SamplingParams(max_tokens=4, temperature=0))
         assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4, 4]
-        _assert_released(llm)
+        assert_released(llm)
     with pytest.raises(ParamError, match="kv_cache_memory.*recurrent state of 1 sequences"):
         _engine(dirs["mamba2"], max_num_seqs=256, kv_cache_memory=1 << 10)
 

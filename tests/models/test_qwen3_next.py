@@ -14,18 +14,16 @@ import pytest
 import torch
 
 from engine_parity import assert_preemption_parity, hf_greedy, mixed_prompts
-from logit_parity import BLOCK_SIZE, CHUNKED, FULL_PREFILL, assert_logits_match, hf_eager, parity_prompts
-from pagedllm import LLM, SamplingParams
+from logit_parity import assert_schedules_match_hf, hf_eager, parity_prompts
 from pagedllm.backend import delta_rule_ops
-from pagedllm.backend.attention import AttentionMetadata
-from pagedllm.backend.hookspec import KVCacheSpec, MambaSpec
-from pagedllm.backend.registry import Backend, get_backend
+from pagedllm.backend.registry import get_backend
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models import load_model
 from pagedllm.models.moe import SparseMoeBlock
 from pagedllm.models.qwen3_next import Qwen3NextCausalLM
-from plugin_factory import make_plugin
 from stateful import QWEN3_NEXT as CONFIG, QWEN3_NEXT_VOCAB as VOCAB
+from stateful import (assert_abort_mid_prefill_releases, assert_dropped_state_changes_logits, assert_greedy_matches,
+                      assert_n2_seeded_equals_single_runs, assert_released, random_prompts, stateful_engine)
 from tiny_models import save_random_model
 
 
@@ -47,38 +45,6 @@ def qwen3_5_dir(request, tmp_path_factory) -> str:
                              tmp_path_factory.mktemp(request.param))
 
 
-def run_stateful_schedule(model: Qwen3NextCausalLM, backend, prompts: list[list[int]],
-                          schedule) -> list[torch.Tensor]:
-    """``logit_parity.run_schedule`` with state slots: sequence s owns slot s + 1 (every slot starts as garbage: a
-    fresh chunk must not read it), flagged fresh on its first chunk only."""
-    blocks = [-(-len(p) // BLOCK_SIZE) for p in prompts]
-    tables = [list(range(1 + sum(blocks[:s]), 1 + sum(blocks[:s + 1]))) for s in range(len(prompts))]
-    model.kv_caches = backend.allocate_kv_cache(KVCacheSpec(model.num_layers, sum(blocks) + 1, BLOCK_SIZE,
-                                                            model.num_kv_heads, model.head_size, torch.float32,
-                                                            torch.device("cpu")))
-    spec = MambaSpec(model.num_state_layers, len(prompts) + 1, model.state_shapes, model.state_dtypes,
-                     torch.device("cpu"))
-    model.state_caches = backend.allocate_state_cache(spec)
-    for layer in model.state_caches:
-        for t in layer:
-            t.normal_()
-    done = [0] * len(prompts)
-    rows: list[list[torch.Tensor]] = [[] for _ in prompts]
-    with torch.inference_mode():
-        for step in schedule:
-            meta = AttentionMetadata.build([n for _, n in step], [done[s] + n for s, n in step],
-                                           [tables[s] for s, _ in step], BLOCK_SIZE)
-            meta.state_indices = torch.tensor([s + 1 for s, _ in step], dtype=torch.int32)
-            meta.has_initial_state = torch.tensor([done[s] > 0 for s, _ in step])
-            tokens = [t for s, n in step for t in prompts[s][done[s]:done[s] + n]]
-            positions = [p for s, n in step for p in range(done[s], done[s] + n)]
-            logits = model.compute_logits(model(torch.tensor(tokens), torch.tensor(positions), meta))
-            for i, (s, n) in enumerate(step):
-                rows[s].append(logits[meta.query_start_loc_cpu[i]:meta.query_start_loc_cpu[i + 1]])
-                done[s] += n
-    return [torch.cat(r) for r in rows]
-
-
 @pytest.mark.parametrize("backend_name", ["ref", "cpu"])
 def test_qwen3_next_logits_match_hf(qwen3_next_dir, ref_backend, backend_name):
     backend = ref_backend if backend_name == "ref" else get_backend("cpu")
@@ -88,11 +54,8 @@ def test_qwen3_next_logits_match_hf(qwen3_next_dir, ref_backend, backend_name):
     assert ours.state_shapes == ((2 * 16 + 48, 3), (4, 8, 12))
     assert ours.state_dtypes == (torch.float32, torch.float32)
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.layers] == [True, True, False, True, True]
-    prompts = parity_prompts(VOCAB)  # 20 and 17 tokens: several blocks of 4, chunks shorter than the kernel
-    with torch.inference_mode():
-        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
-    for schedule in (FULL_PREFILL, CHUNKED):
-        assert_logits_match("qwen3_next", run_stateful_schedule(ours, backend, prompts, schedule), expected)
+    # 20 and 17 tokens: several blocks of 4, chunks shorter than the kernel
+    assert_schedules_match_hf("qwen3_next", hf, ours, backend, parity_prompts(VOCAB))
 
 
 def test_qwen3_5_text_logits_match_hf(qwen3_5_dir):
@@ -103,11 +66,7 @@ def test_qwen3_5_text_logits_match_hf(qwen3_5_dir):
     assert isinstance(ours, Qwen3NextCausalLM) and ours.layers[0].linear_attn.split_layout
     moe = "moe" in hf.config.model_type
     assert [isinstance(layer.mlp, SparseMoeBlock) for layer in ours.layers] == [moe] * 5
-    prompts = parity_prompts(VOCAB)
-    with torch.inference_mode():
-        expected = [hf(torch.tensor([p])).logits[0] for p in prompts]
-    for schedule in (FULL_PREFILL, CHUNKED):
-        assert_logits_match(hf.config.model_type, run_stateful_schedule(ours, backend, prompts, schedule), expected)
+    assert_schedules_match_hf(hf.config.model_type, hf, ours, backend, parity_prompts(VOCAB))
     with pytest.raises(UnsupportedModelError, match="does not route attention through AttentionInterface"):
         load_model(qwen3_5_dir, backend=backend, dtype=torch.float32, device=torch.device("cpu"),
                    model_impl="transformers")
@@ -121,84 +80,41 @@ def _forgets_state(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2
 def test_qwen3_next_delta_rule_state_matters(qwen3_next_dir, ref_backend):
     """The oracle would notice a dropped delta-rule state between chunks: the first chunk is unchanged, later
     chunks differ (the conv state alone does not carry the sequence)."""
-    prompts = parity_prompts(VOCAB)
-    ours = load_model(qwen3_next_dir, backend=ref_backend, dtype=torch.float32, device=torch.device("cpu"))
-    good = run_stateful_schedule(ours, ref_backend, prompts, CHUNKED)
-    forgetful = Backend(make_plugin("qwen3-next-forgetful", chunk_gated_delta_rule=_forgets_state),
-                        "qwen3-next-forgetful")
-    broken = load_model(qwen3_next_dir, backend=forgetful, dtype=torch.float32, device=torch.device("cpu"))
-    bad = run_stateful_schedule(broken, forgetful, prompts, CHUNKED)
-    assert (good[0][:7] - bad[0][:7]).abs().max() < 1e-5
-    assert (good[0][7:] - bad[0][7:]).abs().max() > 1e-2
-
-
-def _engine(path: str, **kw) -> LLM:
-    kw = {**dict(device="cpu", dtype="float32", max_model_len=128, block_size=8, max_num_batched_tokens=16,
-                 kv_cache_memory=8 << 20), **kw}
-    return LLM(path, **kw)
-
-
-def _assert_released(llm: LLM) -> None:
-    eng = llm.llm_engine
-    assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished_requests(), "KV blocks leaked"
-    slots = eng.kv.state_slots
-    assert slots.num_free == slots.num_slots and not slots.owner, "state slots leaked"
+    assert_dropped_state_changes_logits(qwen3_next_dir, ref_backend, parity_prompts(VOCAB), "qwen3-next-forgetful",
+                                        chunk_gated_delta_rule=_forgets_state)
 
 
 def test_qwen3_next_greedy_parity_chunked_mixed_batches(qwen3_next_dir):
     """8 prompts of 1..37 tokens (up to 5 blocks of 8) under a 16-token budget: long prompts are cut into chunks
     that continue their conv and delta-rule states while other sequences decode in the same steps; 16 greedy tokens
     each equal HF's. Prefix caching is off for the stateful model."""
-    llm = _engine(qwen3_next_dir, enable_prefix_caching=True)
+    llm = stateful_engine(qwen3_next_dir, enable_prefix_caching=True)
     assert isinstance(llm.llm_engine.model, Qwen3NextCausalLM)
     assert not llm.llm_engine.kv.enable_caching and llm.llm_engine.scheduler.swap is None
     steps: list[tuple[int, int, bool]] = []  # (decodes, sequences, a chunk continuing its state) per forward
     llm.llm_engine.model.register_forward_pre_hook(lambda _m, args: steps.append(
         (args[2].num_decodes, args[2].num_seqs, args[2].has_initial_state is not None
          and bool(args[2].has_initial_state[args[2].num_decodes:].any()))))
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 2, 7, 9, 16, 17, 23, 37)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert list(o.outputs[0].token_ids) == hf_greedy(qwen3_next_dir, p, 16), f"prompt of {len(p)} tokens"
+    prompts = random_prompts(VOCAB, (1, 2, 7, 9, 16, 17, 23, 37))
+    assert_greedy_matches(llm, prompts, 16, lambda p, n: hf_greedy(qwen3_next_dir, p, n))
     assert any(0 < nd < n for nd, n, _ in steps), "no step mixed prefill and decode rows"
     assert any(cont for *_, cont in steps), "no prefill chunk continued a state"
-    _assert_released(llm)
+    assert_released(llm)
 
 
 def test_qwen3_next_greedy_parity_under_preemption(qwen3_next_dir):
     """10 blocks of 16 for 7 sequences of up to ~40 + 24 tokens: preempted (recompute: the slot is given back and
     the states rebuilt from scratch), still HF's tokens; nothing left held."""
-    _assert_released(assert_preemption_parity(qwen3_next_dir, VOCAB, max_len=40))
+    assert_released(assert_preemption_parity(qwen3_next_dir, VOCAB, max_len=40))
 
 
 def test_qwen3_next_n2_with_seed_equals_two_single_runs(qwen3_next_dir):
-    """n=2 samples share the prompt but not the state slot: sample i runs with seed + i, exactly as a single
-    request with that seed."""
-    llm = _engine(qwen3_next_dir)
-    prompt = {"prompt_token_ids": mixed_prompts(1, VOCAB, seed=3, max_len=30)[0] + [5] * 20}
-    kw = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
-    pair = llm.generate([prompt], SamplingParams(n=2, seed=11, **kw), use_tqdm=False)[0].outputs
-    single = [llm.generate([prompt], SamplingParams(seed=s, **kw), use_tqdm=False)[0].outputs[0] for s in (11, 12)]
-    assert [list(c.token_ids) for c in pair] == [list(c.token_ids) for c in single]
-    assert pair[0].token_ids != pair[1].token_ids
-    _assert_released(llm)
+    prompt = mixed_prompts(1, VOCAB, seed=3, max_len=30)[0] + [5] * 20
+    assert_n2_seeded_equals_single_runs(stateful_engine(qwen3_next_dir), prompt, 12)
 
 
 def test_qwen3_next_abort_mid_prefill_returns_slot_and_blocks(qwen3_next_dir):
-    llm = _engine(qwen3_next_dir, max_num_batched_tokens=8)
-    eng = llm.llm_engine
-    eng.add_request("long", {"prompt_token_ids": list(range(3, 63))}, SamplingParams(max_tokens=4))
-    eng.add_request("short", {"prompt_token_ids": [7, 8, 9]}, SamplingParams(max_tokens=4, temperature=0))
-    eng.step()
-    eng.step()
-    assert eng.kv.state_slots.has_slot("long") and eng.kv.num_blocks_of("long") > 0
-    eng.abort_request("long")
-    assert not eng.kv.state_slots.has_slot("long") and eng.kv.num_blocks_of("long") == 0
-    while eng.has_unfinished_requests():
-        eng.step()
-    _assert_released(llm)
+    assert_abort_mid_prefill_releases(stateful_engine(qwen3_next_dir, max_num_batched_tokens=8))
 
 
 def test_qwen3_next_refused_by_the_fallback(qwen3_next_dir):

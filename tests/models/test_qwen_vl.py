@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.errors import ParamError
 from pagedllm.models import load_config
 from pagedllm.multimodal.mrope import step_mrope_positions
@@ -27,19 +27,12 @@ from pagedllm.multimodal.processing import hash_image
 from pagedllm.multimodal.qwen_vl import QwenVLProcessor
 from pagedllm.multimodal.registry import supported_modalities
 from tiny_qwen_vl import image_processor, tiny_qwen_vl_model
+import vlm_parity
+from vlm_parity import BLOCK, engine_fixture, greedy, image
 
-BLOCK = 16
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT_1 = f"USER: {IMG}\nWhat is in the picture? ASSISTANT:"
 PROMPT_2 = f"USER: compare {IMG} with {IMG} please. ASSISTANT:"
-
-
-def image(h: int, w: int, seed: int) -> Image.Image:
-    """A deterministic RGB image of ``h x w`` (smooth gradients plus noise, so resizes differ)."""
-    rng = np.random.RandomState(seed)
-    y, x = np.mgrid[0:h, 0:w]
-    base = np.stack([(x * 255 // max(w - 1, 1)), (y * 255 // max(h - 1, 1)), ((x + y) * 97) % 256], -1)
-    return Image.fromarray(((base + rng.randint(0, 60, (h, w, 3))) % 256).astype(np.uint8))
 
 
 # wide: 36 tokens (4x9 merged patches), tall: 21 (7x3), small: scaled up to 2x3, big: scaled down to the pixel cap
@@ -60,16 +53,7 @@ def hf(model_path):
     return model, AutoTokenizer.from_pretrained(model_path)
 
 
-@pytest.fixture(scope="module")
-def llm(model_path):
-    # 24 tokens a step: the 36-token image is split across steps
-    with LLM(model_path, device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=24,
-             max_num_seqs=4, num_gpu_blocks_override=96) as engine:
-        yield engine
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+llm = engine_fixture(96)  # 24 tokens a step: the 36-token image is split across steps
 
 
 def hf_inputs(hf, prompt: str, images: list) -> dict:
@@ -88,7 +72,7 @@ def hf_inputs(hf, prompt: str, images: list) -> dict:
 
 
 def hf_generate(hf, inputs: dict, n: int) -> list[int]:
-    return hf[0].generate(**inputs, max_new_tokens=n, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    return vlm_parity.hf_generate(hf[0], inputs, n)
 
 
 def test_processor_and_mrope_positions_match_hf(model_path, hf):

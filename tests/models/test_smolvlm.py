@@ -17,12 +17,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM
 from pagedllm.multimodal.registry import processor_class, supported_modalities
-from test_llava import image
 from tiny_smolvlm import IMAGE_SEQ_LEN, tiny_smolvlm_model
+from vlm_parity import (BLOCK, assert_greedy_and_logprobs_match, assert_text_logits_match, engine_fixture, greedy,
+                        hf_fixture, hf_generate, image)
 
-BLOCK = 16
 PROMPT_1 = "User: <image> What is in the picture?<end_of_utterance>\nAssistant:"
 PROMPT_2 = "User: compare <image> with <image> please.<end_of_utterance>\nAssistant:"
 IMAGES = {"wide": image(40, 150, 1), "large": image(200, 180, 2), "small": image(20, 28, 3),
@@ -35,23 +35,8 @@ def model_path() -> str:
     return tiny_smolvlm_model()
 
 
-@pytest.fixture(scope="module")
-def hf(model_path):
-    from transformers import AutoProcessor, Idefics3ForConditionalGeneration
-
-    model = Idefics3ForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(model_path, backend="pil")
-
-
-@pytest.fixture(scope="module")
-def llm(model_path):
-    with LLM(model_path, device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=24,
-             max_num_seqs=4, num_gpu_blocks_override=128) as engine:
-        yield engine
-
-
-def greedy(n: int, **kw) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+hf = hf_fixture("Idefics3ForConditionalGeneration")
+llm = engine_fixture(128)
 
 
 def test_processor_spans_and_tiles_match_hf(model_path, hf):
@@ -108,29 +93,12 @@ def test_image_features_match_hf(model_path, hf, llm):
         torch.testing.assert_close(e[text], emb[d["span_ids"][text]], atol=0, rtol=0)
 
 
-def hf_logprobs(model, inputs, tokens: list[int]) -> torch.Tensor:
-    ids = torch.tensor([tokens])
-    with torch.no_grad():
-        logits = model(input_ids=ids, pixel_values=inputs["pixel_values"],
-                       pixel_attention_mask=inputs["pixel_attention_mask"]).logits[0].float()
-    lp = torch.log_softmax(logits, -1)
-    return lp[torch.arange(len(tokens) - 1), ids[0, 1:]]
-
-
 @pytest.mark.parametrize("prompt,names", [(PROMPT_1, ("large",)), (PROMPT_2, ("wide", "small"))])
 def test_greedy_and_logprobs_match_hf_with_chunks_splitting_images(hf, llm, prompt, names):
     model, processor = hf
     images = [IMAGES[n] for n in names]
     inputs = processor(text=prompt, images=images, return_tensors="pt")
-    want = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
-    out = llm.generate({"prompt": prompt, "multi_modal_data": {"image": list(images)}},
-                       greedy(8, logprobs=0, prompt_logprobs=0), use_tqdm=False)[0]
-    assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
-    assert out.outputs[0].token_ids == want
-    ref = hf_logprobs(model, inputs, out.prompt_token_ids + want)
-    prompt_lp = [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
-    out_lp = [d[t].logprob for d, t in zip(out.outputs[0].logprobs, want)]
-    torch.testing.assert_close(torch.tensor(prompt_lp + out_lp), ref, atol=1e-4, rtol=1e-4)
+    assert_greedy_and_logprobs_match(llm, model, inputs, prompt, images, 8)
 
 
 def test_prefix_cache_reuses_an_images_blocks_and_never_another_images(model_path, hf):
@@ -160,7 +128,7 @@ def test_prefix_cache_reuses_an_images_blocks_and_never_another_images(model_pat
         # HF agrees on the other image's tokens (its blocks were computed afresh)
         model, processor = hf
         inputs = processor(text=PROMPT_1, images=[other_image], return_tensors="pt")
-        want = model.generate(**inputs, max_new_tokens=4, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+        want = hf_generate(model, inputs, 4)
         assert other.outputs[0].token_ids == want
         assert engine.kv.num_used_blocks == 0
         assert engine.scheduler.encoder_cache.num_referenced_tokens == 0
@@ -169,8 +137,6 @@ def test_prefix_cache_reuses_an_images_blocks_and_never_another_images(model_pat
 def test_smolvlm_architecture_loads_and_matches_hf(hf, tmp_path):
     """``SmolVLMForConditionalGeneration`` (transformers' SmolVLM classes, the SmolVLM2 checkpoints' architecture):
     the same tower, connector and decoder; its PIL image processor gives the same tiles as Idefics3's."""
-    from pagedllm.backend.attention import AttentionMetadata
-    from pagedllm.backend.hookspec import KVCacheSpec
     from pagedllm.backend.registry import get_backend
     from pagedllm.models import load_model
     from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
@@ -196,16 +162,7 @@ def test_smolvlm_architecture_loads_and_matches_hf(hf, tmp_path):
                                                pixel_attention_mask=pixels["pixel_attention_mask"]).pooler_output[0]
     torch.testing.assert_close(ours.image_features(pixels["pixel_values"][0]).reshape(-1, 64), want, atol=1e-5,
                                rtol=1e-5)
-    ids = torch.tensor([[1, 7, 9, 11]])
-    with torch.no_grad():  # the decoder's logits on a text prompt (the mapped text weights)
-        ref = theirs(input_ids=ids).logits[0]
-    ours.kv_caches = get_backend("cpu").allocate_kv_cache(KVCacheSpec(ours.num_layers, 2, 16, ours.num_kv_heads,
-                                                                      ours.head_size, torch.float32,
-                                                                      torch.device("cpu")))
-    meta = AttentionMetadata.build([4], [4], [[1]], 16)
-    with torch.inference_mode():
-        logits = ours.compute_logits(ours(ids[0], torch.arange(4), meta))
-    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    assert_text_logits_match(ours, theirs, [1, 7, 9, 11])
 
 
 def test_chat_with_images_in_two_turns_matches_hf(hf, llm):
@@ -233,7 +190,7 @@ def test_chat_with_images_in_two_turns_matches_hf(hf, llm):
                    if isinstance(m["content"], list) else m for m in messages]
     text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=[a, b], return_tensors="pt", add_special_tokens=False)
-    want = model.generate(**inputs, max_new_tokens=6, do_sample=False)[0, inputs["input_ids"].shape[1]:].tolist()
+    want = hf_generate(model, inputs, 6)
     assert out.prompt_token_ids == inputs["input_ids"][0].tolist()
     assert out.outputs[0].token_ids == want
 

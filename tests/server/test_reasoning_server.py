@@ -86,6 +86,28 @@ def test_qwen3_splits_reasoning_whole_and_streamed(qwen3):
 
 
 @pytest.mark.slow
+def test_usage_counts_reasoning_tokens(qwen3, tokenizer):
+    """vLLM's ``usage.completion_tokens_details.reasoning_tokens``: the script's tokens between the think tags, in
+    the whole response and in the stream's usage chunk, summed over n choices, counted when the reasoning is left
+    out of the message too; 0 when the template closed the thinking in the prompt (no parser: no details, below)."""
+    n = len(tokenizer.encode(REASONING, add_special_tokens=False))
+    r = whole(qwen3)[2]
+    assert r.usage.completion_tokens_details.reasoning_tokens == n
+    assert r.usage.completion_tokens > n + 2  # the tags and the answer are not reasoning
+    for choices in (1, 2):
+        chunks = list(qwen3.chat.completions.create(model="test-model", messages=MESSAGES, temperature=0,
+                                                    max_tokens=40, n=choices, stream=True,
+                                                    stream_options={"include_usage": True}))
+        assert not chunks[-1].choices and chunks[-1].usage.completion_tokens_details.reasoning_tokens == choices * n
+    two = qwen3.chat.completions.create(model="test-model", messages=MESSAGES, temperature=0, max_tokens=40, n=2)
+    assert two.usage.completion_tokens_details.reasoning_tokens == 2 * n
+    hidden = whole(qwen3, extra_body={"include_reasoning": False})[2]
+    assert hidden.usage.completion_tokens_details.reasoning_tokens == n
+    off = whole(qwen3, extra_body={"chat_template_kwargs": {"enable_thinking": False}})[2]
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+@pytest.mark.slow
 def test_enable_thinking_false_reaches_the_template(qwen3, tokenizer):
     """The kwarg changes the rendered prompt (its tokens are the tokenizer's own rendering) and the script: no
     thinking, so the whole output is content."""
@@ -219,6 +241,7 @@ def test_without_a_parser_the_text_is_untouched(model):
         msg = r.choices[0].message
         assert msg.content == f"<think>{REASONING}</think>{ANSWER}"
         assert "reasoning_content" not in (msg.model_extra or {})
+        assert r.usage.completion_tokens_details is None
     finally:
         srv.stop()
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import statistics
 import time
 
+from pagedllm.proc_mem import rss_bytes
+
 #: --configs name -> LLM keyword arguments
 KNOWN = {"fp32": dict(quantization="none"), "bf16": dict(dtype="bfloat16"), "q4_1": {},
          "q4_1_bf16": dict(quantization="gguf", dtype="bfloat16")}  # packed weights, bf16 activations
@@ -31,8 +33,7 @@ def add_parser(sub) -> None:
 
 
 def own_rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / (1 << 20)
+    return (rss_bytes() or 0) / (1 << 20)
 
 
 def main(args) -> int:

@@ -10,6 +10,7 @@ from typing import Optional
 from pagedllm.config import DEFAULT_MAX_NUM_SEQS, EngineConfig
 from pagedllm.lora.request import LoRARequest
 from pagedllm.errors import ParamError
+from pagedllm.json_args import json_object
 from pagedllm.structured_output.limits import StructuredOutputsConfig, flag as limit_flag, limit_fields
 
 
@@ -148,12 +149,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def _json_object(text: str) -> dict:
     """argparse type of a JSON-object flag (--hf-overrides)."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
-    return value
+        return json_object(text, "value")
+    except ParamError as e:
+        raise argparse.ArgumentTypeError(e.message) from None
 
 
 

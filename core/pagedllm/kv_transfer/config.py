@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pagedllm.errors import ParamError
+from pagedllm.json_args import json_object
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 #: The built-in host/disk prefix-cache tier (``--kv-offload-gib`` / ``--kv-offload-dir`` select it).
@@ -25,17 +25,7 @@ class KVTransferConfig:
         """A dict, JSON text or KVTransferConfig (None stays None); a bad key names itself."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ParamError(field_name, f"must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ParamError(field_name, f"must be a JSON object, got {type(value).__name__}")
-        unknown = sorted(set(value) - {"kv_connector", "kv_role", "kv_connector_extra_config"})
-        if unknown:
-            raise ParamError(f"{field_name}.{unknown[0]}", "unknown key (kv_connector, kv_role, "
-                                                          "kv_connector_extra_config)")
+        value = json_object(value, field_name, ("kv_connector", "kv_role", "kv_connector_extra_config"))
         name = value.get("kv_connector")
         if not isinstance(name, str) or not name:
             raise ParamError(f"{field_name}.kv_connector", "must name a connector (entry point group "

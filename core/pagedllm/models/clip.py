@@ -1,10 +1,8 @@
 """CLIP's vision transformer (HF ``CLIPVisionModel``), the vision tower of LLaVA-style models.
 
 Patch embedding (a stride-``patch_size`` convolution) plus a CLS embedding and learned positions, a pre-LayerNorm,
-then pre-LN encoder layers (LayerNorm, attention, residual; LayerNorm, MLP, residual). Attention is bidirectional
-within each image and goes through the backend's ``encoder_attention`` hook (varlen, unpaged): the images of a step
-are one flat batch of ``[images x (1 + patches)]`` rows, image i owning rows ``cu_seqlens[i]:cu_seqlens[i+1]``.
-q/k/v are fused into one matmul (``qkv_proj``, read from HF's ``q_proj`` / ``k_proj`` / ``v_proj``).
+then the pre-LN encoder layers it shares with SigLIP (models/vision_encoder.py: attention within each image through
+the backend's ``encoder_attention`` hook, q/k/v fused into ``qkv_proj``) over ``1 + patches`` rows per image.
 
 Only the layers the caller's feature layer needs are built (LLaVA reads the penultimate layer's output by default),
 and the post-LayerNorm (which only HF's pooled output uses) is not.
@@ -18,12 +16,7 @@ import torch
 from torch import nn
 
 from pagedllm.errors import UnsupportedModelError
-
-
-def _activation(name: str):
-    from transformers.activations import ACT2FN  # heavy: transformers
-
-    return ACT2FN[name]
+from pagedllm.models.vision_encoder import VisionAttention, VisionEncoder, VisionEncoderLayer, VisionMLP
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -48,52 +41,9 @@ class CLIPVisionEmbeddings(nn.Module):
         return x + self.position_embedding.weight[None]
 
 
-class CLIPAttention(nn.Module):
-    def __init__(self, config: Any, backend: Any):
-        super().__init__()
-        d = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_size = d // self.num_heads
-        self.scale = self.head_size ** -0.5
-        self.qkv_proj = nn.Linear(d, 3 * d)
-        self.out_proj = nn.Linear(d, d)
-        self.encoder_attention = backend.encoder_attention
-
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_size).unbind(1)
-        out = self.encoder_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, False)
-        return self.out_proj(out.reshape(t, self.num_heads * self.head_size))
-
-
-class CLIPMLP(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
-        self.act = _activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
-class CLIPEncoderLayer(nn.Module):
-    def __init__(self, config: Any, backend: Any):
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = CLIPAttention(config, backend)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = CLIPMLP(config)
-
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), cu_seqlens, max_seqlen)
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class CLIPEncoder(nn.Module):
-    def __init__(self, config: Any, backend: Any, num_layers: int):
-        super().__init__()
-        self.layers = nn.ModuleList(CLIPEncoderLayer(config, backend) for _ in range(num_layers))
+# the encoder CLIP shares with SigLIP (models/vision_encoder.py), under CLIP's names
+CLIPAttention, CLIPMLP = VisionAttention, VisionMLP
+CLIPEncoderLayer, CLIPEncoder = VisionEncoderLayer, VisionEncoder
 
 
 class CLIPVisionModel(nn.Module):
@@ -117,13 +67,4 @@ class CLIPVisionModel(nn.Module):
         return self.embeddings.num_positions
 
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
-        n = pixel_values.shape[0]
-        x = self.pre_layrnorm(self.embeddings(pixel_values))
-        length = x.shape[1]
-        cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32, device=x.device)
-        h = x.reshape(n * length, -1)
-        states = {0: h}
-        for k, layer in enumerate(self.encoder.layers, start=1):
-            h = layer(h, cu, length)
-            states[k] = h
-        return [states[layer].view(n, length, -1) for layer in self.feature_layers]
+        return self.encoder(self.pre_layrnorm(self.embeddings(pixel_values)), self.feature_layers)

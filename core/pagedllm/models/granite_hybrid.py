@@ -16,16 +16,16 @@ logits and softmaxes over them; experts run through the backend's ``fused_moe`` 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.models.causal_lm import CausalLM, RMSNorm
+from pagedllm.models.causal_lm import RMSNorm
 from pagedllm.models.mamba2 import Mamba2Dims, Mamba2Mixer, step_limit
+from pagedllm.models.stateful_lm import StatefulCausalLM
 
 ARCH = "GraniteMoeHybridForCausalLM"
 LAYER_KINDS = ("linear_attention", "full_attention")  # transformers' names ("mamba" / "attention" in old configs)
@@ -155,67 +155,29 @@ class GraniteHybridLayer(nn.Module):
         return h + out * self.residual_multiplier
 
 
-class GraniteMoeHybridCausalLM(nn.Module):
-    """Granite-4.0-H behind pagedllm's model interface. ``kv_caches`` holds the attention layers' paged caches
-    (``num_layers`` of them), ``state_caches`` the Mamba2 layers' ``(conv_states, ssm_states)``
-    (``num_state_layers``, shapes ``state_shapes``); single rank, no LoRA."""
-
-    supports_lora = False
-    kv_cache_mla = False
+class GraniteMoeHybridCausalLM(StatefulCausalLM):
+    """Granite-4.0-H behind pagedllm's model interface (models/stateful_lm.py): the attention layers' paged caches,
+    the Mamba2 layers' ``(conv_states, ssm_states)``."""
 
     def __init__(self, config: Any, spec: Any, backend: Any):
-        super().__init__()
         check_granite_hybrid(config)
-        self.config, self.spec = config, spec
         kinds = list(config.layer_types)
-        self.num_layers: int = kinds.count("full_attention")  # paged KV layers
-        self.num_state_layers: int = kinds.count("linear_attention")
-        self.state_shapes: tuple[tuple[int, ...], ...] = granite_mamba_dims(config).state_shapes
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
-        self.head_size: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.hidden_size: int = config.hidden_size
-        self.vocab_size: int = config.vocab_size
-        self.max_model_len: int = config.max_position_embeddings
-        self.layer_sliding_windows: list[Optional[int]] = [None] * len(kinds)
-        self.sliding_window: Optional[int] = None
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        super().__init__(config, spec, num_layers=kinds.count("full_attention"),
+                         num_state_layers=kinds.count("linear_attention"),
+                         state_shapes=granite_mamba_dims(config).state_shapes)
         self.embedding_multiplier = float(config.embedding_multiplier)
         self.logits_scaling = float(config.logits_scaling)
-        self.eos_token_ids: list[int] = []
-        self.kv_caches: list = []
-        self.state_caches: list = []
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(GraniteHybridLayer(config, backend, k) for k in kinds)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
-        self.lm_head_kernel: Optional[tuple] = None  # (apply, state) of a backend dense kernel, set by the loader
-        self.rope_caches: dict[str, torch.Tensor] = {}
         self.requires_grad_(False)
-
-    # the same embedding/LM-head attributes as CausalLM, so the same accessors
-    dtype, device, lm_head_weight = CausalLM.dtype, CausalLM.device, CausalLM.lm_head_weight
 
     @property
     def state_dtypes(self) -> tuple:
         """Both Mamba2 states in the model's dtype (vLLM's default ``mamba_ssm_cache_dtype``)."""
         return self.dtype, self.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) * self.embedding_multiplier
-        kv, state = iter(self.kv_caches), iter(self.state_caches)
-        for layer in self.layers:
-            cache = next(kv) if layer.is_attention else next(state, None)
-            h = layer(h, positions, cache, meta, self.cos_sin_cache)
-        return self.norm(h)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embedding_multiplier
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_kernel is not None:
-            apply, state = self.lm_head_kernel
-            logits = apply(state, hidden, None)
-        else:
-            logits = F.linear(hidden, self.lm_head_weight)
-        return logits / self.logits_scaling
+        return super().compute_logits(hidden) / self.logits_scaling

@@ -22,7 +22,8 @@ from torch import nn
 
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
-from pagedllm.models.causal_lm import CausalLM, RMSNorm
+from pagedllm.models.causal_lm import RMSNorm
+from pagedllm.models.stateful_lm import StateConv1d, StatefulCausalLM, layer_state
 
 
 def lfm2_intermediate_size(config: Any) -> int:
@@ -56,33 +57,15 @@ class Lfm2ShortConv(nn.Module):
 
     def __init__(self, config: Any, backend: Any):
         super().__init__()
-        h, self.width = config.hidden_size, config.conv_L_cache
+        h = config.hidden_size
         self.in_proj = nn.Linear(h, 3 * h, bias=config.conv_bias)
         self.out_proj = nn.Linear(h, h, bias=config.conv_bias)
-        self.conv = nn.Conv1d(h, h, self.width, groups=h, bias=config.conv_bias, padding=self.width - 1)
-        self.conv_fn, self.conv_update = backend.causal_conv1d_fn, backend.causal_conv1d_update
+        self.conv = StateConv1d(h, config.conv_L_cache, config.conv_bias, backend, None)
 
     def forward(self, x: torch.Tensor, state: Optional[tuple], meta: AttentionMetadata) -> torch.Tensor:
         b, c, xx = self.in_proj(x).chunk(3, dim=-1)
-        bx = b * xx
-        weight, bias = self.conv.weight.squeeze(1), self.conv.bias
-        if meta.state_indices is None or state is None:  # profiling / warm-up: a fresh, throw-away state
-            y = F.conv1d(bx.t().unsqueeze(0), self.conv.weight, bias, padding=self.width - 1,
-                         groups=bx.shape[1])[0, :, :bx.shape[0]].t()
-            return self.out_proj(c * y)
-        conv_states = state[0]
-        nd = meta.num_decodes  # decodes first: one token each
-        qsl = meta.query_start_loc
-        if nd == meta.num_seqs:
-            y = self.conv_update(bx, conv_states, weight, bias, None, meta.state_indices)
-        elif nd == 0:
-            y = self.conv_fn(bx, weight, bias, conv_states, qsl, meta.state_indices, meta.has_initial_state, None)
-        else:
-            y = torch.empty_like(bx)
-            y[:nd] = self.conv_update(bx[:nd], conv_states, weight, bias, None, meta.state_indices[:nd])
-            y[nd:] = self.conv_fn(bx[nd:], weight, bias, conv_states, qsl[nd:] - qsl[nd], meta.state_indices[nd:],
-                                  meta.has_initial_state[nd:], None)
-        return self.out_proj(c * y)
+        state = layer_state(state, meta)
+        return self.out_proj(c * self.conv(b * xx, None if state is None else state[0], meta))
 
 
 class Lfm2Attention(nn.Module):
@@ -147,63 +130,23 @@ class Lfm2DecoderLayer(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Lfm2CausalLM(nn.Module):
-    """LFM2 behind pagedllm's model interface. ``kv_caches`` holds the attention layers' paged caches (``num_layers``
-    of them: the KV spec counts attention layers only), ``state_caches`` the conv layers' state tensors
-    (``num_state_layers``, shapes ``state_shapes``); single rank, no LoRA."""
-
-    supports_lora = False
-    kv_cache_mla = False
+class Lfm2CausalLM(StatefulCausalLM):
+    """LFM2 behind pagedllm's model interface (models/stateful_lm.py): the attention layers' paged caches, the conv
+    layers' state tensors."""
 
     def __init__(self, config: Any, spec: Any, backend: Any):
-        super().__init__()
         check_lfm2(config)
-        self.config, self.spec = config, spec
         kinds = list(config.layer_types)
-        self.num_layers: int = kinds.count("full_attention")  # paged KV layers
-        self.num_state_layers: int = kinds.count("conv")
-        self.state_shapes: tuple[tuple[int, ...], ...] = ((config.hidden_size, config.conv_L_cache - 1),)
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
-        self.head_size: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.hidden_size: int = config.hidden_size
-        self.vocab_size: int = config.vocab_size
-        self.max_model_len: int = config.max_position_embeddings
-        self.layer_sliding_windows: list[Optional[int]] = [None] * len(kinds)
-        self.sliding_window: Optional[int] = None
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.eos_token_ids: list[int] = []
-        self.kv_caches: list = []
-        self.state_caches: list = []
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        super().__init__(config, spec, num_layers=kinds.count("full_attention"), num_state_layers=kinds.count("conv"),
+                         state_shapes=((config.hidden_size, config.conv_L_cache - 1),), tie_word_embeddings=True)
         self.layers = nn.ModuleList(Lfm2DecoderLayer(config, backend, k) for k in kinds)
         self.embedding_norm = RMSNorm(config.hidden_size, config.norm_eps, backend.rms_norm)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
-        self.lm_head_kernel: Optional[tuple] = None  # (apply, state) of a backend dense kernel, set by the loader
-        self.rope_caches: dict[str, torch.Tensor] = {}
         self.requires_grad_(False)
-
-    # the same embedding/LM-head attributes as CausalLM, so the same accessors
-    dtype, device, lm_head_weight = CausalLM.dtype, CausalLM.device, CausalLM.lm_head_weight
 
     @property
     def state_dtypes(self) -> tuple:
         """The conv state is kept in the model's dtype (HF's cache holds the conv input in it)."""
         return (self.dtype,)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        kv, state = iter(self.kv_caches), iter(self.state_caches)
-        for layer in self.layers:
-            cache = next(kv) if layer.is_attention else next(state, None)
-            h = layer(h, positions, cache, meta, self.cos_sin_cache)
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.embedding_norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_kernel is not None:
-            apply, state = self.lm_head_kernel
-            return apply(state, hidden, None)
-        return F.linear(hidden, self.lm_head_weight)

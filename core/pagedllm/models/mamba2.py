@@ -30,7 +30,8 @@ from torch import nn
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import EMPTY_KV_HEAD_SIZE
-from pagedllm.models.causal_lm import CausalLM, RMSNorm
+from pagedllm.models.causal_lm import RMSNorm
+from pagedllm.models.stateful_lm import StateConv1d, StatefulCausalLM, layer_state, token_embedding
 
 #: Mamba2 has no position limit and its configs name none: the longest sequence served unless the config sets
 #: ``max_position_embeddings``.
@@ -112,33 +113,13 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         self.dims = d = dims
         self.in_proj = nn.Linear(d.hidden_size, d.intermediate_size + d.conv_dim + d.num_heads, bias=d.use_bias)
-        self.conv1d = nn.Conv1d(d.conv_dim, d.conv_dim, d.conv_kernel, groups=d.conv_dim, bias=d.use_conv_bias,
-                                padding=d.conv_kernel - 1)
+        self.conv1d = StateConv1d(d.conv_dim, d.conv_kernel, d.use_conv_bias, backend, "silu")
         self.dt_bias = nn.Parameter(torch.empty(d.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(d.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(d.num_heads), requires_grad=False)
         self.norm = GatedRMSNorm(d.intermediate_size, d.intermediate_size // d.n_groups, d.eps)
         self.out_proj = nn.Linear(d.intermediate_size, d.hidden_size, bias=d.use_bias)
-        self.conv_fn, self.conv_update = backend.causal_conv1d_fn, backend.causal_conv1d_update
         self.chunk_scan, self.state_update = backend.mamba_chunk_scan_combined, backend.selective_state_update
-
-    def _conv(self, xbc: torch.Tensor, conv_states: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias
-        if conv_states is None:  # profiling / warm-up: a fresh, throw-away state
-            width = weight.shape[1]
-            y = F.conv1d(xbc.t().unsqueeze(0), self.conv1d.weight, bias, padding=width - 1,
-                         groups=xbc.shape[1])[0, :, :xbc.shape[0]].t()
-            return F.silu(y)
-        nd, qsl, idx = meta.num_decodes, meta.query_start_loc, meta.state_indices
-        if nd == meta.num_seqs:
-            return self.conv_update(xbc, conv_states, weight, bias, "silu", idx)
-        if nd == 0:
-            return self.conv_fn(xbc, weight, bias, conv_states, qsl, idx, meta.has_initial_state, "silu")
-        y = torch.empty_like(xbc)
-        y[:nd] = self.conv_update(xbc[:nd], conv_states, weight, bias, "silu", idx[:nd])
-        y[nd:] = self.conv_fn(xbc[nd:], weight, bias, conv_states, qsl[nd:] - qsl[nd], idx[nd:],
-                              meta.has_initial_state[nd:], "silu")
-        return y
 
     def _scan(self, x: torch.Tensor, dt: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
               ssm_states: Optional[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -167,9 +148,8 @@ class Mamba2Mixer(nn.Module):
         d = self.dims
         t = h.shape[0]
         gate, xbc, dt = self.in_proj(h).split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
-        stateful = meta.state_indices is not None and state is not None
-        conv_states, ssm_states = state if stateful else (None, None)
-        xbc = self._conv(xbc, conv_states, meta)
+        conv_states, ssm_states = layer_state(state, meta) or (None, None)
+        xbc = self.conv1d(xbc, conv_states, meta)
         gs = d.n_groups * d.d_state
         x, B, C = xbc.split([d.intermediate_size, gs, gs], dim=-1)
         y = self._scan(x.reshape(t, d.num_heads, d.head_dim), dt, B.reshape(t, d.n_groups, d.d_state),
@@ -178,13 +158,16 @@ class Mamba2Mixer(nn.Module):
 
 
 class Mamba2Block(nn.Module):
+    is_attention = False
+
     def __init__(self, config: Any, dims: Mamba2Dims, backend: Any):
         super().__init__()
         self.residual_in_fp32 = bool(getattr(config, "residual_in_fp32", False))
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon, backend.rms_norm)
         self.mixer = Mamba2Mixer(dims, backend)
 
-    def forward(self, h: torch.Tensor, state: Optional[tuple], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, state: Optional[tuple], meta: AttentionMetadata,
+                cos_sin_cache: torch.Tensor) -> torch.Tensor:
         residual = h.float() if self.residual_in_fp32 else h
         out = self.mixer(self.norm(h.to(self.norm.weight.dtype)), state, meta)
         return residual + out
@@ -193,68 +176,39 @@ class Mamba2Block(nn.Module):
 class Mamba2Backbone(nn.Module):
     def __init__(self, config: Any, dims: Mamba2Dims, backend: Any):
         super().__init__()
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size,
-                                       _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.embeddings = token_embedding(config)
         self.layers = nn.ModuleList(Mamba2Block(config, dims, backend) for _ in range(config.num_hidden_layers))
         self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon, backend.rms_norm)
 
 
-class Mamba2CausalLM(nn.Module):
-    """Pure Mamba2 behind pagedllm's model interface: no paged KV layer (``num_layers == 0``), ``state_caches``
-    holds each layer's ``(conv_states, ssm_states)`` (``num_state_layers``, shapes ``state_shapes``); single rank,
-    no LoRA."""
+class Mamba2CausalLM(StatefulCausalLM):
+    """Pure Mamba2 behind pagedllm's model interface (models/stateful_lm.py): no paged KV layer
+    (``num_layers == 0``), each layer's ``(conv_states, ssm_states)``."""
 
-    supports_lora = False
-    kv_cache_mla = False
     checkpoint_names = True  # parameter names are the checkpoint's (backbone.*, lm_head)
 
     def __init__(self, config: Any, spec: Any, backend: Any):
-        super().__init__()
         dims = mamba2_dims(config)
         dims.check("Mamba2ForCausalLM", config.hidden_act)
-        self.config, self.spec = config, spec
-        self.num_layers: int = 0  # no attention layer: an empty paged KV group
-        self.num_state_layers: int = config.num_hidden_layers
-        self.state_shapes: tuple[tuple[int, ...], ...] = dims.state_shapes
-        self.num_heads, self.num_kv_heads, self.head_size = 1, 1, EMPTY_KV_HEAD_SIZE
-        self.hidden_size: int = config.hidden_size
-        self.vocab_size: int = config.vocab_size
-        self.max_model_len: int = getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS
-        self.layer_sliding_windows: list[Optional[int]] = [None] * config.num_hidden_layers
-        self.sliding_window: Optional[int] = None
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.eos_token_ids: list[int] = []
-        self.kv_caches: list = []
-        self.state_caches: list = []
+        super().__init__(config, spec, num_layers=0, num_state_layers=config.num_hidden_layers,
+                         state_shapes=dims.state_shapes, kv_shape=(1, 1, EMPTY_KV_HEAD_SIZE),
+                         max_model_len=getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS,
+                         embedding=False)
         self.backbone = Mamba2Backbone(config, dims, backend)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
-        self.lm_head_kernel: Optional[tuple] = None  # (apply, state) of a backend dense kernel, set by the loader
-        self.rope_caches: dict[str, torch.Tensor] = {}
         self.requires_grad_(False)
 
     @property
     def embed_tokens(self) -> nn.Embedding:
         return self.backbone.embeddings
 
-    # the same embedding/LM-head attributes as CausalLM, so the same accessors
-    dtype, device, lm_head_weight = CausalLM.dtype, CausalLM.device, CausalLM.lm_head_weight
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.backbone.layers
 
     @property
     def state_dtypes(self) -> tuple:
         """Both states in the model's dtype (vLLM's default ``mamba_ssm_cache_dtype``)."""
         return self.dtype, self.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.backbone.embeddings(input_ids)
-        state = iter(self.state_caches)
-        for layer in self.backbone.layers:
-            h = layer(h, next(state, None), meta)
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.backbone.norm_f(h.to(self.backbone.norm_f.weight.dtype))
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_kernel is not None:
-            apply, state = self.lm_head_kernel
-            return apply(state, hidden, None)
-        return F.linear(hidden, self.lm_head_weight)

@@ -29,8 +29,9 @@ from torch import nn
 from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ArchSpec
-from pagedllm.models.causal_lm import CausalLM, GatedMLP, RMSNorm
+from pagedllm.models.causal_lm import GatedMLP, RMSNorm
 from pagedllm.models.moe import SparseMoeBlock, is_moe_layer
+from pagedllm.models.stateful_lm import StateConv1d, StatefulCausalLM, layer_state
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -86,7 +87,6 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         self.dk, self.dv = config.linear_key_head_dim, config.linear_value_head_dim
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.width = config.linear_conv_kernel_dim
         h, r = config.hidden_size, self.nv // self.nk
         self.split_layout = is_qwen3_5(config)
         if self.split_layout:  # Qwen3.5: q, k, v, z, b, a each projected whole, q/k/v already in conv order
@@ -97,14 +97,12 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         else:
             self.in_proj_qkvz = nn.Linear(h, 2 * self.key_dim + 2 * self.value_dim, bias=False)
             self.in_proj_ba = nn.Linear(h, 2 * self.nv, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.width, groups=self.conv_dim, bias=False,
-                                padding=self.width - 1)
+        self.conv1d = StateConv1d(self.conv_dim, config.linear_conv_kernel_dim, False, backend, "silu")
         self.dt_bias = nn.Parameter(torch.empty(self.nv), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.nv), requires_grad=False)
         self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, backend.rms_norm)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
         self.qkvz_split = [self.dk, self.dk, r * self.dv, r * self.dv]
-        self.conv_fn, self.conv_update = backend.causal_conv1d_fn, backend.causal_conv1d_update
         self.chunk_rule = backend.chunk_gated_delta_rule
         self.recurrent_rule = backend.fused_recurrent_gated_delta_rule
 
@@ -120,25 +118,6 @@ class Qwen3NextGatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x).view(t, self.nk, -1).chunk(2, dim=-1)
         mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
         return mixed, z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv)
-
-    def _conv(self, mixed: torch.Tensor, conv_states: Optional[torch.Tensor], meta: AttentionMetadata,
-              nd: int) -> torch.Tensor:
-        weight = self.conv1d.weight.squeeze(1)
-        if conv_states is None:  # profiling / warm-up: a fresh, throw-away state
-            y = F.conv1d(mixed.t().unsqueeze(0), self.conv1d.weight, None, padding=self.width - 1,
-                         groups=self.conv_dim)[0, :, :mixed.shape[0]].t()
-            return F.silu(y)
-        qsl = meta.query_start_loc
-        if nd == meta.num_seqs:
-            return self.conv_update(mixed, conv_states, weight, None, "silu", meta.state_indices)
-        if nd == 0:
-            return self.conv_fn(mixed, weight, None, conv_states, qsl, meta.state_indices, meta.has_initial_state,
-                                "silu")
-        y = torch.empty_like(mixed)
-        y[:nd] = self.conv_update(mixed[:nd], conv_states, weight, None, "silu", meta.state_indices[:nd])
-        y[nd:] = self.conv_fn(mixed[nd:], weight, None, conv_states, qsl[nd:] - qsl[nd], meta.state_indices[nd:],
-                              meta.has_initial_state[nd:], "silu")
-        return y
 
     def _prefill_rule(self, q, k, v, g, beta, states: Optional[torch.Tensor], meta: Optional[AttentionMetadata],
                       nd: int) -> torch.Tensor:
@@ -158,10 +137,11 @@ class Qwen3NextGatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: Optional[tuple], meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         mixed, z, b, a = self._project(x)
-        stateful = meta.state_indices is not None and state is not None
-        conv_states, rec_states = state if stateful else (None, None)
+        state = layer_state(state, meta)
+        stateful = state is not None
+        conv_states, rec_states = state or (None, None)
         nd = meta.num_decodes if stateful else 0
-        mixed = self._conv(mixed, conv_states, meta, nd)
+        mixed = self.conv1d(mixed, conv_states, meta)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.reshape(t, self.nk, self.dk), k.reshape(t, self.nk, self.dk), v.reshape(t, self.nv, self.dv)
         beta = b.sigmoid()
@@ -239,68 +219,26 @@ class Qwen3NextDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3NextCausalLM(nn.Module):
-    """Qwen3-Next behind pagedllm's model interface. ``kv_caches`` holds the full-attention layers' paged caches
-    (``num_layers`` of them: the KV spec counts attention layers only), ``state_caches`` the linear-attention layers'
-    (conv, delta-rule) state pairs (``num_state_layers``, shapes ``state_shapes``); single rank, no LoRA."""
-
-    supports_lora = False
-    kv_cache_mla = False
+class Qwen3NextCausalLM(StatefulCausalLM):
+    """Qwen3-Next behind pagedllm's model interface (models/stateful_lm.py): the full-attention layers' paged caches,
+    the linear-attention layers' (conv, delta-rule) state pairs."""
 
     def __init__(self, config: Any, spec: ArchSpec, backend: Any):
-        super().__init__()
         check_qwen3_next(config)
-        self.config, self.spec = config, spec
         kinds = list(config.layer_types)
-        self.num_layers: int = kinds.count("full_attention")  # paged KV layers
-        self.num_state_layers: int = kinds.count("linear_attention")
         key_dim = config.linear_num_key_heads * config.linear_key_head_dim
         conv_dim = 2 * key_dim + config.linear_num_value_heads * config.linear_value_head_dim
-        self.state_shapes: tuple[tuple[int, ...], ...] = (
-            (conv_dim, config.linear_conv_kernel_dim - 1),
-            (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim))
-        self.num_heads: int = config.num_attention_heads
-        self.num_kv_heads: int = config.num_key_value_heads
-        self.head_size: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.hidden_size: int = config.hidden_size
-        self.vocab_size: int = config.vocab_size
-        self.max_model_len: int = config.max_position_embeddings
-        self.layer_sliding_windows: list[Optional[int]] = [None] * len(kinds)
-        self.sliding_window: Optional[int] = None
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.eos_token_ids: list[int] = []
-        self.kv_caches: list = []
-        self.state_caches: list = []
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
-                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        super().__init__(config, spec, num_layers=kinds.count("full_attention"),
+                         num_state_layers=kinds.count("linear_attention"), state_shapes=(
+                             (conv_dim, config.linear_conv_kernel_dim - 1),
+                             (config.linear_num_value_heads, config.linear_key_head_dim,
+                              config.linear_value_head_dim)))
         self.layers = nn.ModuleList(Qwen3NextDecoderLayer(config, spec, backend, k, i) for i, k in enumerate(kinds))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend.rms_norm, offset=True)
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.register_buffer("cos_sin_cache", torch.empty(0), persistent=False)
-        self.lm_head_kernel: Optional[tuple] = None  # (apply, state) of a backend dense kernel, set by the loader
-        self.rope_caches: dict[str, torch.Tensor] = {}
         self.requires_grad_(False)
-
-    # the same embedding/LM-head attributes as CausalLM, so the same accessors
-    dtype, device, lm_head_weight = CausalLM.dtype, CausalLM.device, CausalLM.lm_head_weight
 
     @property
     def state_dtypes(self) -> tuple:
         """The conv state in the model's dtype (HF's cache holds the conv input in it), the delta-rule state in
         float32 (HF's torch kernels and FLA's keep it so)."""
         return (self.dtype, torch.float32)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
-        kv, state = iter(self.kv_caches), iter(self.state_caches)
-        for layer in self.layers:
-            cache = next(kv) if layer.is_attention else next(state, None)
-            h = layer(h, positions, cache, meta, self.cos_sin_cache)
-        return self.norm(h)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head_kernel is not None:
-            apply, state = self.lm_head_kernel
-            return apply(state, hidden, None)
-        return F.linear(hidden, self.lm_head_weight)

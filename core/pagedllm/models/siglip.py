@@ -3,10 +3,8 @@ position buckets), the vision tower of models/idefics3.py.
 
 A stride-``patch_size`` convolution, learned positions (a tile of ``h x w`` patches reads the ``n x n`` position
 table at bucketed fractional coordinates, HF's ``Idefics3VisionEmbeddings``), pre-LN encoder layers and a final
-LayerNorm. There is no CLS row. Attention is bidirectional within each tile and goes through the backend's
-``encoder_attention`` hook (varlen, unpaged): the tiles of a step are one flat batch, tile i owning rows
-``cu_seqlens[i]:cu_seqlens[i+1]``. q/k/v are fused into one matmul (``qkv_proj``, read from HF's
-``q_proj`` / ``k_proj`` / ``v_proj``).
+LayerNorm. There is no CLS row. The encoder layers are the ones SigLIP shares with CLIP (models/vision_encoder.py:
+attention within each tile through the backend's ``encoder_attention`` hook, q/k/v fused into ``qkv_proj``).
 
 Every tile must be whole (HF's ``patch_attention_mask`` all true): the Idefics3/SmolVLM image processors resize
 each tile to the tower's square size, so padded patches only occur in HF's batch padding (whole zero tiles, which
@@ -20,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedllm.models.clip import CLIPMLP
+from pagedllm.models.vision_encoder import VisionAttention, VisionEncoder, VisionEncoderLayer, VisionMLP
 
 
 class SiglipVisionEmbeddings(nn.Module):
@@ -51,41 +49,9 @@ class SiglipVisionEmbeddings(nn.Module):
         return x + self.position_embedding(pos)[None]
 
 
-class SiglipAttention(nn.Module):
-    def __init__(self, config: Any, backend: Any):
-        super().__init__()
-        d = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.head_size = d // self.num_heads
-        self.scale = self.head_size ** -0.5
-        self.qkv_proj = nn.Linear(d, 3 * d)
-        self.out_proj = nn.Linear(d, d)
-        self.encoder_attention = backend.encoder_attention
-
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj(x).view(t, 3, self.num_heads, self.head_size).unbind(1)
-        out = self.encoder_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, False)
-        return self.out_proj(out.reshape(t, self.num_heads * self.head_size))
-
-
-class SiglipEncoderLayer(nn.Module):
-    def __init__(self, config: Any, backend: Any):
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = SiglipAttention(config, backend)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = CLIPMLP(config)  # (fc1, activation, fc2: the same module)
-
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x), cu_seqlens, max_seqlen)
-        return x + self.mlp(self.layer_norm2(x))
-
-
-class SiglipEncoder(nn.Module):
-    def __init__(self, config: Any, backend: Any):
-        super().__init__()
-        self.layers = nn.ModuleList(SiglipEncoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+# the encoder SigLIP shares with CLIP (models/vision_encoder.py), under SigLIP's names
+SiglipAttention, SiglipMLP = VisionAttention, VisionMLP
+SiglipEncoderLayer, SiglipEncoder = VisionEncoderLayer, VisionEncoder
 
 
 class SiglipVisionModel(nn.Module):
@@ -98,10 +64,4 @@ class SiglipVisionModel(nn.Module):
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        x = self.embeddings(pixel_values)
-        n, length, d = x.shape
-        cu = torch.arange(0, (n + 1) * length, length, dtype=torch.int32, device=x.device)
-        h = x.reshape(n * length, d)
-        for layer in self.encoder.layers:
-            h = layer(h, cu, length)
-        return self.post_layernorm(h).view(n, length, d)
+        return self.post_layernorm(self.encoder(self.embeddings(pixel_values)))

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 from pagedllm.errors import ParamError
+from pagedllm.json_args import json_object
 
 #: LAST: the prompt's last token (decoder embedders, ``*ForSequenceClassification``); MEAN: the average over the
 #: prompt; CLS: the first token (BERT-style); ALL: every token (reward / token embeddings).
@@ -40,21 +40,10 @@ class PoolerConfig:
         """A PoolerConfig from itself, a dict or a JSON object string (the CLI flag); None stays None."""
         if value is None or isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ParamError("pooler_config", f"must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ParamError("pooler_config", f"must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        value = dict(value)
+        value = json_object(value, "pooler_config")
         if "activation" in value and "use_activation" not in value:  # vLLM's older name
             value["use_activation"] = value.pop("activation")
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ParamError(f"pooler_config.{unknown[0]}", f"unknown field; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return cls(**json_object(value, "pooler_config", (f.name for f in fields(cls))))
 
     def to_dict(self) -> dict:
         return asdict(self)

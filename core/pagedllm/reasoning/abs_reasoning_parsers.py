@@ -14,10 +14,11 @@ flush at the end of a stream).
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence
+
+from pagedllm.parser_registry import ParserRegistry
 
 
 @dataclass
@@ -118,53 +119,16 @@ class ReasoningParser:
         return hit
 
 
-class ReasoningParserManager:
-    """The registry of reasoning parsers by name (vLLM's), filled by ``register_module`` (a decorator) or
-    ``register_lazy_module`` (imported on first use)."""
+class ReasoningParserManager(ParserRegistry):
+    """The registry of reasoning parsers by name (vLLM's, ``--reasoning-parser``)."""
 
-    reasoning_parsers: dict[str, type[ReasoningParser]] = {}
-    lazy_parsers: dict[str, tuple[str, str]] = {}
+    kind, base = "reasoning parser", ReasoningParser
+    reasoning_parsers = parsers = {}
+    lazy_parsers = {}
 
     @classmethod
     def get_reasoning_parser(cls, name: str) -> type[ReasoningParser]:
-        """The parser class registered as ``name``; KeyError naming the registered ones otherwise."""
-        if name in cls.reasoning_parsers:
-            return cls.reasoning_parsers[name]
-        if name in cls.lazy_parsers:
-            module_path, class_name = cls.lazy_parsers[name]
-            parser = getattr(importlib.import_module(module_path), class_name)
-            if not (isinstance(parser, type) and issubclass(parser, ReasoningParser)):
-                raise TypeError(f"{class_name} in {module_path} is not a ReasoningParser subclass")
-            cls.reasoning_parsers[name] = parser
-            return parser
-        raise KeyError(f"reasoning parser {name!r} not found; available: {', '.join(cls.list_registered())}")
-
-    @classmethod
-    def list_registered(cls) -> list[str]:
-        return sorted(set(cls.reasoning_parsers) | set(cls.lazy_parsers))
-
-    @classmethod
-    def register_lazy_module(cls, name: str, module_path: str, class_name: str) -> None:
-        cls.lazy_parsers[name] = (module_path, class_name)
-
-    @classmethod
-    def register_module(cls, name: Union[str, list[str], None] = None, force: bool = True,
-                        module: Optional[type[ReasoningParser]] = None) -> Any:
-        """Register ``module`` under ``name`` (a name or a list; default the class name); used bare as a class
-        decorator when ``module`` is None."""
-        def add(obj: type[ReasoningParser]) -> type[ReasoningParser]:
-            if not (isinstance(obj, type) and issubclass(obj, ReasoningParser)):
-                raise TypeError(f"module must be a subclass of ReasoningParser, got {obj!r}")
-            names = [name] if isinstance(name, str) else list(name) if name is not None else [obj.__name__]
-            for n in names:
-                if not force and n in cls.reasoning_parsers:
-                    raise KeyError(f"{n} is already registered at {cls.reasoning_parsers[n].__module__}")
-                cls.reasoning_parsers[n] = obj
-            return obj
-
-        if module is not None:
-            return add(module)
-        return add
+        return cls.get(name)
 
 
 def get_reasoning_parser(name: str, tokenizer: Any, **kwargs: Any) -> ReasoningParser:

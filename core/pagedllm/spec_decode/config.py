@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from pagedllm.errors import ParamError
+from pagedllm.json_args import json_object
 
 METHODS = ("ngram", "draft_model", "eagle")
 MODEL_METHODS = ("draft_model", "eagle")  # methods that load a checkpoint from ``model``
@@ -31,17 +31,7 @@ class SpeculativeConfig:
         """From a dict or a JSON string (``--speculative-config``); None stays None."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ParamError("speculative_config", f"is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ParamError("speculative_config", f"must be a dict (JSON object), got {type(value).__name__}")
-        unknown = sorted(set(value) - _KEYS)
-        if unknown:
-            raise ParamError(f"speculative_config.{unknown[0]}", f"unknown key; supported: {', '.join(sorted(_KEYS))}")
-        d = dict(value)
+        d = json_object(value, "speculative_config", _KEYS)
         method = d.get("method")
         if method is None:
             if d.get("model") is None:

@@ -27,14 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
 from pagedllm.errors import ParamError
-
-
-def rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):  # not Linux: no replacement by size
-        return 0
+from pagedllm.proc_mem import rss_bytes
 
 
 def _set_name(name: bytes) -> None:
@@ -92,7 +85,7 @@ def zygote_main(ctl: Connection, tokenizer_blob: bytes, vocab_size: int, stop_to
 
 def serve(conn: Connection, backends: Any, memory_limit: int) -> None:
     """A worker's loop: compile each spec received until EOF (or until it grew past ``memory_limit``)."""
-    base = rss_bytes()
+    base = rss_bytes() or 0  # not Linux: 0, and no replacement by size
     conn.send(("ready", None))
     while True:
         try:
@@ -107,7 +100,7 @@ def serve(conn: Connection, backends: Any, memory_limit: int) -> None:
         except Exception as e:  # noqa: BLE001 - RecursionError, MemoryError, a library's own errors
             reply = ("error", (f"structured_outputs.{spec.kind}",
                                f"cannot be compiled: {type(e).__name__}: {str(e)[:1000]}"))
-        retire = memory_limit > 0 and rss_bytes() - base > memory_limit
+        retire = memory_limit > 0 and (rss_bytes() or 0) - base > memory_limit
         try:
             conn.send((*reply, retire))
         except (EOFError, OSError):

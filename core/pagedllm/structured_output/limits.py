@@ -9,11 +9,11 @@ is a 400 naming the limit and its flag before it costs anything; compile time is
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Union
 
 from pagedllm.errors import ParamError
+from pagedllm.json_args import json_object
 from pagedllm.reasoning import ReasoningParserManager
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -70,18 +70,7 @@ class StructuredOutputsConfig:
             return value
         if value is None:
             return cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ParamError("structured_outputs_config", f"is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ParamError("structured_outputs_config", f"must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ParamError(f"structured_outputs_config.{unknown[0]}", f"unknown key; known: {', '.join(sorted(known))}")
-        return cls(**value)
+        return cls(**json_object(value, "structured_outputs_config", (f.name for f in fields(cls))))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

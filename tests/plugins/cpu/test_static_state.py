@@ -21,6 +21,7 @@ from pagedllm.backend.registry import get_backend
 from pagedllm.backend.static_runner import StaticGraphRunner
 from pagedllm.models import load_model
 from stateful import LFM2, LFM2_VOCAB, MAMBA2, MAMBA2_VOCAB, QWEN3_NEXT, QWEN3_NEXT_VOCAB
+from stateful import assert_abort_mid_prefill_releases, assert_released
 from tiny_models import save_random_model
 
 FAMILIES = {"lfm2": (LFM2, LFM2_VOCAB), "qwen3_next": (QWEN3_NEXT, QWEN3_NEXT_VOCAB),
@@ -54,13 +55,6 @@ def _record_steps(llm: LLM) -> list[tuple[int, int, bool, bool]]:
             return _fn(input_ids, positions, meta, *rest)
         setattr(runner, name, recorded)
     return steps
-
-
-def _assert_released(llm: LLM) -> None:
-    eng = llm.llm_engine
-    assert eng.kv.num_used_blocks == 0 and not eng.has_unfinished_requests(), "KV blocks leaked"
-    slots = eng.kv.state_slots
-    assert slots.num_free == slots.num_slots and not slots.owner, "state slots leaked"
 
 
 def _hf_logprobs(path: str, tokens: list[int]) -> torch.Tensor:
@@ -99,7 +93,7 @@ def test_static_state_matches_hf(model_dir, request):
             for pos, lp in enumerate(o.prompt_logprobs[1:], start=1):
                 for tok, v in lp.items():
                     assert abs(v.logprob - float(ref[pos - 1, tok])) < TOL, (i, "prompt", pos, tok)
-    _assert_released(llm)
+    assert_released(llm)
     # The schedule did cover what the padding rules protect: chunked prefill beside decodes, and padded steps
     # (with a prefill chunk) while the last slot is live.
     assert any(pre and real > 1 for real, _, pre, _ in steps), "no mixed prefill/decode step"
@@ -109,18 +103,7 @@ def test_static_state_matches_hf(model_dir, request):
 
 
 def test_abort_mid_prefill_returns_slot_and_blocks(model_dir):
-    llm = _engine(model_dir, max_num_batched_tokens=8)
-    eng = llm.llm_engine
-    eng.add_request("long", {"prompt_token_ids": list(range(3, 63))}, SamplingParams(max_tokens=4))
-    eng.add_request("short", {"prompt_token_ids": [7, 8, 9]}, SamplingParams(max_tokens=4, temperature=0))
-    eng.step()
-    eng.step()
-    assert eng.kv.state_slots.has_slot("long") and eng.kv.num_blocks_of("long") > 0
-    eng.abort_request("long")
-    assert not eng.kv.state_slots.has_slot("long") and eng.kv.num_blocks_of("long") == 0
-    while eng.has_unfinished_requests():
-        eng.step()
-    _assert_released(llm)
+    assert_abort_mid_prefill_releases(_engine(model_dir, max_num_batched_tokens=8))
 
 
 def test_uncapturable_state_steps_run_eagerly_over_the_bucket_buffers(tmp_path, caplog):
@@ -186,4 +169,4 @@ def test_fresh_one_token_chunk_is_a_prefill_on_the_dynamic_backend(model_dir, re
     for i, (p, o) in enumerate(zip(prompts, outs)):
         got = list(o.outputs[0].token_ids)
         assert got == _hf_logprobs(model_dir, p + got)[len(p) - 1:-1].argmax(-1).tolist(), f"prompt {i}"
-    _assert_released(llm)
+    assert_released(llm)

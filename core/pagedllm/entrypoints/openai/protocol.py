@@ -333,10 +333,15 @@ class ErrorResponse(_Out):
     error: ErrorInfo
 
 
+class CompletionTokensDetails(_Out):
+    reasoning_tokens: int
+
+
 class UsageInfo(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: Optional[CompletionTokensDetails] = None  # chat, with a reasoning parser
 
 
 class CompletionLogprobs(_Out):

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from pagedllm.entrypoints.openai import render_worker
 from pagedllm.entrypoints.openai.render_worker import RenderError
+from pagedllm.proc_mem import rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +54,6 @@ def warm_up_forkserver() -> None:
         from multiprocessing import forkserver  # optional: POSIX-only (forkserver)
 
         forkserver.ensure_running()
-
-
-def rss_bytes(pid: int) -> Optional[int]:
-    """Resident memory of ``pid`` (None where /proc is not there or the process is gone)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 class _Worker:

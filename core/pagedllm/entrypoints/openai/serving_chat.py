@@ -192,9 +192,11 @@ class ChatServing(Serving):
                 if out.finished:
                     final = out
                     self.finished(out)
-        usage = Usage(prompt_tokens=len(final.prompt_token_ids))
+        usage = Usage(prompt_tokens=len(final.prompt_token_ids), reasoning_tokens=None if reasoner is None else 0)
         for c in final.outputs:
             usage.completion_tokens += len(c.token_ids)
+            if reasoner is not None:
+                usage.reasoning_tokens += _reasoning_tokens(ReasoningStream(reasoner, prompt_ids), c)
 
         def build(c) -> dict:
             msg, has_calls = self._message(c.text, choice, req,
@@ -217,7 +219,7 @@ class ChatServing(Serving):
         created = now()
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
-        usage = Usage()
+        usage = Usage(reasoning_tokens=None if reasoner is None else 0)
         states: dict[int, ChoiceState] = {}
         splits: dict[int, ReasoningStream] = {}  # per choice, with a reasoning parser
 
@@ -255,6 +257,7 @@ class ChatServing(Serving):
                             lp = ids = None
                         if finish is not None:
                             full = rs.whole(c.text)[1] or ""
+                            usage.reasoning_tokens += _reasoning_tokens(rs, c)
                     if choice == "none":
                         if text or lp is not None or ids:
                             yield chunk(c.index, {"content": text}, lp, token_ids=ids)
@@ -281,6 +284,12 @@ class ChatServing(Serving):
         except RequestTimeoutError:
             yield sse(error_body(408, timeout_error(self.limits.request_timeout).message, code="request_timeout"))
         yield SSE_DONE
+
+
+def _reasoning_tokens(rs: ReasoningStream, c) -> int:
+    """Output tokens of finished choice ``c`` that its parser counts as reasoning (vLLM's
+    ``completion_tokens_details.reasoning_tokens``); 0 when its text holds no reasoning (the prompt ended it)."""
+    return rs.parser.count_reasoning_tokens(c.token_ids) if rs.whole(c.text)[0] else 0
 
 
 def _reasoning_delta(rs: ReasoningStream, text: str, token_ids: Sequence[int], done: bool) -> tuple[str, str]:

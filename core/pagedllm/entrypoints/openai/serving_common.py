@@ -151,10 +151,14 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     per_prompt: dict = field(default_factory=dict)
+    reasoning_tokens: Optional[int] = None  # chat with a reasoning parser: vLLM's completion_tokens_details
 
-    def as_dict(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                               "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if self.reasoning_tokens is not None:
+            out["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        return out
 
 
 class Serving:

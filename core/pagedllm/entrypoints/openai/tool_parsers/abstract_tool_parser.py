@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from pagedllm.entrypoints.openai.tool_parsers.records import (DeltaFunctionCall, DeltaMessage, DeltaToolCall,
                                                                 ExtractedToolCallInformation, FunctionCall,
                                                                 ToolCall, make_tool_call_id)
+from pagedllm.parser_registry import ParserRegistry
 
 
 @dataclass
@@ -104,33 +105,13 @@ class ToolParser:
         return DeltaMessage(content=new_content, tool_calls=deltas)
 
 
-class ToolParserManager:
-    """Parsers by name (``--tool-call-parser``)."""
+class ToolParserManager(ParserRegistry):
+    """The registry of tool-call parsers by name (vLLM's, ``--tool-call-parser``)."""
 
-    tool_parsers: dict[str, type[ToolParser]] = {}
+    kind, base = "tool parser", ToolParser
+    tool_parsers = parsers = {}
+    lazy_parsers = {}
 
     @classmethod
     def get_tool_parser(cls, name: str) -> type[ToolParser]:
-        if name not in cls.tool_parsers:
-            raise KeyError(f"tool parser {name!r} not found; registered: {', '.join(cls.list_registered())}")
-        return cls.tool_parsers[name]
-
-    @classmethod
-    def list_registered(cls) -> list[str]:
-        return sorted(cls.tool_parsers)
-
-    @classmethod
-    def register_module(cls, name: Union[str, list[str], None] = None, force: bool = True,
-                        module: Optional[type[ToolParser]] = None) -> Any:
-        """Register ``module`` under ``name`` (or its class name); without ``module``, a class decorator."""
-        def register(mod: type[ToolParser]) -> type[ToolParser]:
-            names = [mod.__name__] if name is None else [name] if isinstance(name, str) else list(name)
-            for n in names:
-                if not force and n in cls.tool_parsers:
-                    raise KeyError(f"tool parser {n!r} is already registered")
-                cls.tool_parsers[n] = mod
-            return mod
-
-        if module is not None:
-            return register(module)
-        return register
+        return cls.get(name)
