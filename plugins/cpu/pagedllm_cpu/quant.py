@@ -65,10 +65,11 @@ def _dequantize(packed: torch.Tensor, n: int, has_min: bool) -> torch.Tensor:
     return (d.unsqueeze(-1) * q.reshape(n, -1, GROUP).float() + m.unsqueeze(-1)).reshape(n, -1)
 
 
-def bf16_min_rows(dtype: torch.dtype) -> Optional[int]:
+def bf16_min_rows(dtype: torch.dtype, default: Optional[int] = None) -> Optional[int]:
     """Rows of x from which a GGUF block-quantized linear of a ``dtype`` model runs as a bf16 GEMM
     (``kquant_mm_bf16``: a panel of the weights decoded to bf16 per call, oneDNN on AMX / AVX512-BF16), else None.
-    By default bf16 models on CPUs with bf16 dot products; float32 models keep the fp32 kernels (the reference's
+    By default (from ``default`` rows, ``BF16_MIN_ROWS`` unless given) bf16 models on CPUs with bf16 dot products;
+    float32 models keep the fp32 kernels (the reference's
     weights, fp32 sums), and so do CPUs without them (AVX2-only, portable).
     ``PAGEDLLM_CPU_KQUANT_BF16_ROWS=N`` takes the GEMM from N rows for every model dtype, ``off`` never. Decided once
     per process (after the library loaded), so every step of a run takes the same path for the same batch."""
@@ -84,11 +85,13 @@ def bf16_min_rows(dtype: torch.dtype) -> Optional[int]:
     env, hardware = _bf16_config
     if env:
         return None if env == "off" else int(env)
-    return BF16_MIN_ROWS if hardware and dtype == torch.bfloat16 else None
+    return (default or BF16_MIN_ROWS) if hardware and dtype == torch.bfloat16 else None
 
 
-#: From this many rows of x the bf16 GEMM beats the fp32 kernels on an AMX Xeon (one thread, docs/cpu-backend.md).
+#: From this many rows of x the bf16 GEMM beats the fp32 kernels on an AMX Xeon (one thread, docs/cpu-backend.md);
+#: Q4_0 / Q4_1 from more (their decode to bf16 is scalar code, ``q4_gemv`` is fast: crossover ~32-48 rows).
 BF16_MIN_ROWS = 16
+BF16_MIN_ROWS_Q4 = 48
 _bf16_config: Optional[tuple[str, bool]] = None
 
 
@@ -109,7 +112,8 @@ class Q4State:
 
 
 def _prepare(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> Q4State:
-    return Q4State(_repack(weight), weight.shape[0], weight.weight_type == "Q4_1", bf16_rows=bf16_min_rows(dtype))
+    return Q4State(_repack(weight), weight.shape[0], weight.weight_type == "Q4_1",
+                   bf16_rows=bf16_min_rows(dtype, BF16_MIN_ROWS_Q4))
 
 
 def _without_library(state: Q4State, x: torch.Tensor) -> torch.Tensor:

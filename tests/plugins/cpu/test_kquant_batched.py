@@ -122,6 +122,9 @@ def test_bf16_model_takes_the_gemm_by_default_where_the_cpu_has_bf16(lib, fresh_
     else:
         assert state[3] is None
         assert torch.equal(quant.KQUANT.apply(state, x, None), fp32_kernel)
+    q4 = quant.Q4.prepare(_weight("Q4_1", 40, 512), torch.bfloat16, "cpu")  # scalar decode: a later crossover
+    assert q4.bf16_rows == (quant.BF16_MIN_ROWS_Q4 if _bf16_cpu() else None)
+    assert quant.Q4.prepare(_weight("Q4_1", 40, 512), torch.float32, "cpu").bf16_rows is None
 
 
 @pytest.mark.parametrize("weight_type", ("Q4_K", "Q8_0", "Q4_1"))

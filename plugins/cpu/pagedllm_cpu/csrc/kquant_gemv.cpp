@@ -546,12 +546,14 @@ int64_t kquant_best_isa() { return best_isa(); }
 
 // ---- batches on bf16 hardware: a panel of rows decoded to bf16, the GEMM on oneDNN (AMX / AVX512-BF16) ---------
 // Where the CPU has bf16 dot-product instructions, a batch (prefill, batch-64 decode) is a GEMM that oneDNN runs on
-// AMX tiles at 3-5x fp32's rate. Per call, output rows are taken in panels (~8 MB of bf16): the panel's blocks are
-// decoded (the fp32 decoders above, each weight the reference's value) and rounded to bf16 in parallel, then
-// ``at::mm`` multiplies the bf16 activations by the panel (fp32 accumulation inside oneDNN, the result rounded to
-// bf16 once). Nothing persists between calls: the file's blocks stay the only copy. Also GGUF Q8_0 (the file's
-// rows) and Q4_0 / Q4_1 in ``q4_gemv``'s 16-row interleaved layout (``quant.py``'s ``_repack``).
-constexpr int64_t kPanelElems = int64_t{1} << 19;  // weights per panel (1 MB of bf16: stays in L2 for oneDNN)
+// AMX tiles at 3-5x fp32's rate. Per call, output rows are taken in panels (2-4 MB of bf16: fewer oneDNN calls,
+// still in L2): the panel's blocks are decoded straight to bf16 in parallel (each weight the fp32 decoders' value,
+// rounded once: Q4_K / Q5_K through a per-sub-block table and vpermw), then ``at::mm`` multiplies the bf16
+// activations by the panel (fp32 accumulation inside oneDNN, the result rounded to bf16 once). Nothing persists
+// between calls: the file's blocks stay the only copy. Also GGUF Q8_0 (the file's rows) and Q4_0 / Q4_1 in
+// ``q4_gemv``'s 16-row interleaved layout (``quant.py``'s ``_repack``; decoded by scalar code).
+constexpr int64_t kPanelElems = int64_t{1} << 20;  // weights per panel (2 MB of bf16), at least kPanelRows rows
+constexpr int64_t kPanelRows = 256;
 
 #ifdef PAGEDLLM_KQ_X86
 #define PAGEDLLM_TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
@@ -710,7 +712,7 @@ at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const s
   const int64_t mrows = xb.size(0);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
-  const int64_t panel = std::min(std::max<int64_t>(32, kPanelElems / k / 16 * 16), (n + 15) / 16 * 16);
+  const int64_t panel = std::min(std::max(kPanelRows, kPanelElems / k / 16 * 16), (n + 15) / 16 * 16);
   at::Tensor w = at::empty({panel, k}, xb.options());
   at::Tensor y = at::empty({mrows, n}, x.options().dtype(x.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat));
   const uint8_t* wp = blocks.data_ptr<uint8_t>();
