@@ -217,7 +217,9 @@ def test_tiny_kquant_gguf_greedy_through_the_gemm_equals_the_reference(lib, tmp_
     prompts = [[int(t) for t in np.random.default_rng(s).integers(3, 512, 40)] for s in range(3)]
     kw = dict(device="cpu", skip_tokenizer_init=True, max_model_len=128, kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    runs = {}
+    runs, choices = {}, []
+    choose = quant._batched_bf16
+    fresh_threshold.setattr(quant, "_batched_bf16", lambda x, rows: choices.append(choose(x, rows)) or choices[-1])
     for name in ("gemm", "reference"):
         fresh_threshold.setattr(quant, "_bf16_config", None)
         if name == "reference":
@@ -230,4 +232,5 @@ def test_tiny_kquant_gguf_greedy_through_the_gemm_equals_the_reference(lib, tmp_
         runs[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
                                                                    params, use_tqdm=False)]
         del llm
+    assert choices and all(choices)  # every packed call (prefill and decode, linears and head) took the GEMM
     assert runs["gemm"] == runs["reference"]
