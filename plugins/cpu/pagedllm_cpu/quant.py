@@ -65,6 +65,40 @@ def _dequantize(packed: torch.Tensor, n: int, has_min: bool) -> torch.Tensor:
     return (d.unsqueeze(-1) * q.reshape(n, -1, GROUP).float() + m.unsqueeze(-1)).reshape(n, -1)
 
 
+def bf16_min_rows(dtype: torch.dtype, default: Optional[int] = None) -> Optional[int]:
+    """Rows of x from which a GGUF block-quantized linear of a ``dtype`` model runs as a bf16 GEMM
+    (``kquant_mm_bf16``: a panel of the weights decoded to bf16 per call, oneDNN on AMX / AVX512-BF16), else None.
+    By default (from ``default`` rows, ``BF16_MIN_ROWS`` unless given) bf16 models on CPUs with bf16 dot products;
+    float32 models keep the fp32 kernels (the reference's
+    weights, fp32 sums), and so do CPUs without them (AVX2-only, portable).
+    ``PAGEDLLM_CPU_KQUANT_BF16_ROWS=N`` takes the GEMM from N rows for every model dtype, ``off`` never. Decided once
+    per process (after the library loaded), so every step of a run takes the same path for the same batch."""
+    global _bf16_config
+    if native.lib is None:  # (no kernel to run it yet)
+        return None
+    if _bf16_config is None:
+        env = os.environ.get("PAGEDLLM_CPU_KQUANT_BF16_ROWS", "").strip().lower()
+        if env and env != "off" and not env.isdigit():
+            raise ValueError(f"PAGEDLLM_CPU_KQUANT_BF16_ROWS={env!r}: expected a number of rows or 'off'")
+        hardware = bool(native.lib.kquant_has_bf16())
+        _bf16_config = (env, hardware)
+    env, hardware = _bf16_config
+    if env:
+        return None if env == "off" else int(env)
+    return (default or BF16_MIN_ROWS) if hardware and dtype == torch.bfloat16 else None
+
+
+#: From this many rows of x the bf16 GEMM beats the fp32 kernels on an AMX Xeon (one thread, docs/cpu-backend.md);
+#: Q4_0 / Q4_1 from more (their decode to bf16 is scalar code, ``q4_gemv`` is fast: crossover ~32-48 rows).
+BF16_MIN_ROWS = 16
+BF16_MIN_ROWS_Q4 = 48
+_bf16_config: Optional[tuple[str, bool]] = None
+
+
+def _batched_bf16(x: torch.Tensor, threshold: Optional[int]) -> bool:
+    return threshold is not None and x.numel() >= threshold * x.shape[-1]
+
+
 @dataclass
 class Q4State:
     """A GGUF Q4 weight in ``q4_gemv``'s layout; ``int4pack`` is torch's packed copy (bf16 scale and zero = m + 8d),
@@ -74,10 +108,12 @@ class Q4State:
     n: int
     has_min: bool
     int4pack: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    bf16_rows: Optional[int] = None  # rows of x from which a call is a bf16 GEMM (``bf16_min_rows``)
 
 
 def _prepare(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> Q4State:
-    return Q4State(_repack(weight), weight.shape[0], weight.weight_type == "Q4_1")
+    return Q4State(_repack(weight), weight.shape[0], weight.weight_type == "Q4_1",
+                   bf16_rows=bf16_min_rows(dtype, BF16_MIN_ROWS_Q4))
 
 
 def _without_library(state: Q4State, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +127,9 @@ def _without_library(state: Q4State, x: torch.Tensor) -> torch.Tensor:
 
 
 def _apply(state: Q4State, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if native.lib is not None:
+    if native.lib is not None and _batched_bf16(x, state.bf16_rows):
+        y = native.lib.kquant_mm_bf16(x, state.packed, "Q4_1" if state.has_min else "Q4_0", state.n)
+    elif native.lib is not None:
         y = native.lib.q4_gemv(x, state.packed, state.n, state.has_min)
     else:
         y = _without_library(state, x)
@@ -105,12 +143,16 @@ Q4 = QuantizedLinearKernel(_prepare, _apply, name="cpu-q4-gemv")
 
 def _prepare_q8(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> torch.Tensor:
     """GGUF Q8_0 (``w = d * q``, fp16 d and 32 int8 q a block) needs no repack: ``q8_gemv`` reads the blocks where
-    they are (a tied LM head: the token embedding's blocks in the file's mapping, no copy)."""
+    they are (a tied LM head: the token embedding's blocks in the file's mapping, no copy); batches from
+    ``bf16_min_rows`` rows (of x's dtype) are a bf16 GEMM over the same blocks."""
     return weight.data.reshape(weight.shape[0], -1)
 
 
 def _apply_q8(blocks: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    y = native.lib.q8_gemv(x, blocks)
+    if _batched_bf16(x, bf16_min_rows(x.dtype)):
+        y = native.lib.kquant_mm_bf16(x, blocks, "Q8_0")
+    else:
+        y = native.lib.q8_gemv(x, blocks)
     if bias is not None:
         y.add_(bias)
     return y
@@ -134,15 +176,21 @@ def kquant_isa() -> int:
     return ISA_LEVELS.get(name, -1)
 
 
-def _prepare_kquant(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple[torch.Tensor, str, int]:
+def _prepare_kquant(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple:
     """No repack and no copy: ``kquant_gemv`` decodes the file's super-blocks where they lie (the file's mapping),
-    so a K-quant model's weights cost their file size in memory instead of 7x as fp32."""
-    return weight.data.reshape(weight.shape[0], -1), weight.weight_type, kquant_isa()
+    so a K-quant model's weights cost their file size in memory instead of 7x as fp32. The state: (blocks, type,
+    SIMD level, rows of x from which a call is a bf16 GEMM: ``bf16_min_rows``, never with a level forced, which
+    runs that level's fp32 kernel)."""
+    isa = kquant_isa()
+    return weight.data.reshape(weight.shape[0], -1), weight.weight_type, isa, bf16_min_rows(dtype) if isa == -1 else None
 
 
-def _apply_kquant(state: tuple[torch.Tensor, str, int], x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    blocks, weight_type, isa = state
-    y = native.lib.kquant_gemv(x, blocks, weight_type, isa)
+def _apply_kquant(state: tuple, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    blocks, weight_type, isa, bf16_rows = state
+    if _batched_bf16(x, bf16_rows):
+        y = native.lib.kquant_mm_bf16(x, blocks, weight_type)
+    else:
+        y = native.lib.kquant_gemv(x, blocks, weight_type, isa)
     if bias is not None:
         y.add_(bias)
     return y

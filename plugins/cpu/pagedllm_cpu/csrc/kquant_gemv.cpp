@@ -19,7 +19,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -542,12 +544,240 @@ at::Tensor kquant_gemv(const at::Tensor& x, const at::Tensor& blocks, const std:
 
 int64_t kquant_best_isa() { return best_isa(); }
 
+// ---- batches on bf16 hardware: a panel of rows decoded to bf16, the GEMM on oneDNN (AMX / AVX512-BF16) ---------
+// Where the CPU has bf16 dot-product instructions, a batch (prefill, batch-64 decode) is a GEMM that oneDNN runs on
+// AMX tiles at 3-5x fp32's rate. Per call, output rows are taken in panels (2-4 MB of bf16: fewer oneDNN calls,
+// still in L2): the panel's blocks are decoded straight to bf16 in parallel (each weight the fp32 decoders' value,
+// rounded once: Q4_K / Q5_K through a per-sub-block table and vpermw), then ``at::mm`` multiplies the bf16
+// activations by the panel (fp32 accumulation inside oneDNN, the result rounded to bf16 once). Nothing persists
+// between calls: the file's blocks stay the only copy. Also GGUF Q8_0 (the file's rows) and Q4_0 / Q4_1 in
+// ``q4_gemv``'s 16-row interleaved layout (``quant.py``'s ``_repack``; decoded by scalar code).
+constexpr int64_t kPanelElems = int64_t{1} << 20;  // weights per panel (2 MB of bf16), at least kPanelRows rows
+constexpr int64_t kPanelRows = 256;
+
+#ifdef PAGEDLLM_KQ_X86
+#define PAGEDLLM_TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")))
+PAGEDLLM_TBF16 void to_bf16_avx512(const float* in, int64_t count, uint16_t* out) {
+  for (int64_t i = 0; i < count; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
+}
+
+// One super-block (Q4_K / Q5_K / Q6_K) straight to 256 bf16, the values of the fp32 decoders above rounded once.
+// Q4_K / Q5_K: per sub-block of 32 the 16 (32) possible weights d * sc * q - dmin * m are computed as a bf16 table,
+// and one vpermw looks 32 weights up from their nibbles (Q5_K: the fifth bit merged into the index). Q6_K (a scale
+// per 16 weights, 64 values): the integer decode of the fp32 path, scaled, rounded 16 at a time.
+PAGEDLLM_TBF16 void decode_bf16_avx512(Type t, const uint8_t* b, uint16_t* out) {
+  if (t == kQ6K) {
+    float dl[16];
+    scales_q6(b, dl);
+    const __m512i low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+    for (int n = 0; n < 2; ++n)
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = b + 64 * n + 16 * h;
+        const __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)));
+        const __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32)));
+        const __m512i hv =
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * n + 16 * h)));
+        const __m512i lo[4] = {_mm512_and_si512(l0, low4), _mm512_and_si512(l1, low4), _mm512_srli_epi32(l0, 4),
+                               _mm512_srli_epi32(l1, 4)};
+        for (int j = 0; j < 4; ++j) {
+          const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hv, 2 * j), three), 4);
+          const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo[j], hi), bias));
+          const __m512 w = _mm512_mul_ps(_mm512_set1_ps(dl[8 * n + 2 * j + h]), q);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 * n + 32 * j + 16 * h), (__m256i)_mm512_cvtneps_pbh(w));
+        }
+      }
+    return;
+  }
+  float dl[8], ml[8];
+  scales_k4(b, dl, ml);
+  const uint8_t* qs = b + (t == kQ5K ? 48 : 16);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 iota16 = _mm512_add_ps(iota, _mm512_set1_ps(16.f));
+  const __m512i low4 = _mm512_set1_epi16(0xF), one = _mm512_set1_epi16(1);
+  const __m512i hv = t == kQ5K ? _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)))
+                               : _mm512_setzero_si512();
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c)));
+    for (int s = 0; s < 2; ++s) {
+      const int i = 2 * c + s;
+      const __m512 d = _mm512_set1_ps(dl[i]), m = _mm512_set1_ps(ml[i]);
+      // the same two fp32 operations as the reference: (d * q) rounded, then - m rounded; then to bf16
+      const __m512 lo = _mm512_sub_ps(_mm512_mul_ps(d, iota), m);
+      __m512i table, idx = _mm512_and_si512(s ? _mm512_srli_epi16(v, 4) : v, low4);
+      if (t == kQ5K) {
+        table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(_mm512_mul_ps(d, iota16), m), lo);
+        idx = _mm512_or_si512(idx, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hv, i), one), 4));
+      } else {
+        table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(lo));
+      }
+      _mm512_storeu_si512(out + 32 * i, _mm512_permutexvar_epi16(idx, table));
+    }
+  }
+}
+
+// Q8_0: 32 weights of one block (fp16 d, 32 int8 q) to bf16, w = d * q rounded once.
+PAGEDLLM_TBF16 void decode_q8_bf16_avx512(const uint8_t* p, uint16_t* out) {
+  const __m512 d = _mm512_set1_ps(half_at(p));
+  for (int h = 0; h < 2; ++h) {
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 + 16 * h))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(d, q)));
+  }
+}
+
+#endif
+
+bool has_bf16_dot() {
+#ifdef PAGEDLLM_KQ_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512bf16") && best_isa() == kAvx512;
+#else
+  return false;
+#endif
+}
+
+// fp32 -> bf16 round to nearest even (count a multiple of 16), one instruction per 16 where the CPU has it.
+void to_bf16(const float* in, int64_t count, uint16_t* out, bool hw) {
+#ifdef PAGEDLLM_KQ_X86
+  if (hw) return to_bf16_avx512(in, count, out);
+#endif
+  for (int64_t i = 0; i < count; ++i) out[i] = c10::BFloat16(in[i]).x;
+}
+
+enum Format { kFmtQ4K = 0, kFmtQ5K = 1, kFmtQ6K = 2, kFmtQ8_0 = 3, kFmtQ4_0 = 4, kFmtQ4_1 = 5 };
+
+Format parse_format(const std::string& s) {
+  if (s == "Q8_0") return kFmtQ8_0;
+  if (s == "Q4_0") return kFmtQ4_0;
+  if (s == "Q4_1") return kFmtQ4_1;
+  TORCH_CHECK(s == "Q4_K" || s == "Q5_K" || s == "Q6_K", "kquant_mm_bf16: weight_type must be Q4_K, Q5_K, Q6_K, Q8_0, ",
+              "Q4_0 or Q4_1, got ", s);
+  return static_cast<Format>(parse_type(s));
+}
+
+// Q8_0: one row of k weights (k / 32 blocks of fp16 d + 32 int8) to fp32, w = d * q.
+void decode_q8_row(const uint8_t* row, int64_t k, float* out) {
+  for (int64_t b = 0; b < k / 32; ++b) {
+    const uint8_t* p = row + b * 34;
+    const float d = half_at(p);
+    const int8_t* q = reinterpret_cast<const int8_t*>(p + 2);
+    for (int j = 0; j < 32; ++j) out[32 * b + j] = d * static_cast<float>(q[j]);
+  }
+}
+
+// Q4_0 / Q4_1 in q4_gemv's layout: 16 rows of a group (block stride gb bytes): d[16] (m[16]) fp16, then 4 chunks of
+// [16 rows][4 bytes], weight 8c + j of row r at bits 4j of chunk c's word r. w = d q + m (Q4_0: m = -8 d).
+void decode_q4_group(const uint8_t* g, int64_t nb, bool has_min, int64_t rows, float* out, int64_t ostride) {
+  const int64_t sb = has_min ? 64 : 32, gb = sb + 256;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = g + b * gb;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float d = half_at(p + 2 * r), m = has_min ? half_at(p + 32 + 2 * r) : -8.f * d;
+      float* o = out + r * ostride + 32 * b;
+      for (int c = 0; c < 4; ++c) {
+        uint32_t word;
+        std::memcpy(&word, p + sb + 64 * c + 4 * r, 4);
+        for (int j = 0; j < 8; ++j) o[8 * c + j] = d * static_cast<float>((word >> (4 * j)) & 0xF) + m;
+      }
+    }
+  }
+}
+
+// x [..., K], blocks as the format stores them ([N, row bytes] for the GGUF row formats, [ceil(N / 16), K / 32,
+// bytes] for Q4_0 / Q4_1 repacked, with n the output rows): y [..., N] in x's dtype, computed as bf16 x bf16.
+at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const std::string& weight_type, int64_t n) {
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kquant_mm_bf16: x must be floating point");
+  const Format f = parse_format(weight_type);
+  const int64_t k = x.size(-1);
+  const bool q4 = f == kFmtQ4_0 || f == kFmtQ4_1;
+  const int64_t unit = f == kFmtQ8_0 || q4 ? 32 : kQK;
+  TORCH_CHECK(k % unit == 0, "kquant_mm_bf16: K = ", k, " is not a multiple of ", unit);
+  int64_t row_stride = 0, bb = 0;
+  if (q4) {
+    bb = f == kFmtQ4_1 ? 64 + 256 : 32 + 256;
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 3 &&
+                    blocks.size(0) == (n + 15) / 16 && blocks.size(1) == k / 32 && blocks.size(2) == bb,
+                "kquant_mm_bf16: ", weight_type, " blocks must be q4_gemv's uint8 [ceil(N / 16), K / 32, ", bb, "]");
+  } else {
+    bb = f == kFmtQ8_0 ? 34 : type_bytes(static_cast<Type>(f));
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 &&
+                    blocks.size(1) == k / unit * bb,
+                "kquant_mm_bf16: blocks must be uint8 [N, K / ", unit, " * ", bb, "] with contiguous rows for K = ", k);
+    n = blocks.size(0);
+    row_stride = blocks.stride(0);
+  }
+  const bool hw = has_bf16_dot();
+  const Isa level = static_cast<Isa>(best_isa());
+  const at::Tensor xb = x.reshape({-1, k}).to(at::kBFloat16).contiguous();
+  const int64_t mrows = xb.size(0);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  const int64_t panel = std::min(std::max(kPanelRows, kPanelElems / k / 16 * 16), (n + 15) / 16 * 16);
+  at::Tensor w = at::empty({panel, k}, xb.options());
+  at::Tensor y = at::empty({mrows, n}, x.options().dtype(x.scalar_type() == at::kBFloat16 ? at::kBFloat16 : at::kFloat));
+  const uint8_t* wp = blocks.data_ptr<uint8_t>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  for (int64_t p0 = 0; p0 < n; p0 += panel) {
+    const int64_t rows = std::min(panel, n - p0);
+    // work items of 16 output rows (one q4_gemv group), each decoded through a 16 x 256 fp32 scratch
+    at::parallel_for(0, (rows + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> tmp(16 * kQK);
+      for (int64_t it = begin; it < end; ++it) {
+        const int64_t r0 = 16 * it, rr = std::min<int64_t>(16, rows - r0);
+        for (int64_t k0 = 0; k0 < k; k0 += kQK) {
+          const int64_t kc = std::min(kQK, k - k0);
+#ifdef PAGEDLLM_KQ_X86
+          if (hw && !q4) {  // straight to bf16
+            for (int64_t r = 0; r < rr; ++r) {
+              const uint8_t* row = wp + (p0 + r0 + r) * row_stride;
+              uint16_t* o = dst + (r0 + r) * k + k0;
+              if (f == kFmtQ8_0) {
+                for (int64_t b = 0; b < kc / 32; ++b) decode_q8_bf16_avx512(row + (k0 / 32 + b) * bb, o + 32 * b);
+              } else {
+                decode_bf16_avx512(static_cast<Type>(f), row + (k0 / kQK) * bb, o);
+              }
+            }
+            continue;
+          }
+#endif
+          if (q4) {
+            decode_q4_group(wp + ((p0 + r0) / 16) * (k / 32) * bb + (k0 / 32) * bb, kc / 32, f == kFmtQ4_1, rr,
+                            tmp.data(), kQK);
+          } else {
+            for (int64_t r = 0; r < rr; ++r) {
+              const uint8_t* row = wp + (p0 + r0 + r) * row_stride;
+              if (f == kFmtQ8_0)
+                decode_q8_row(row + (k0 / 32) * bb, kc, tmp.data() + r * kQK);
+              else
+                decode(level, static_cast<Type>(f), row + (k0 / kQK) * bb, tmp.data() + r * kQK);
+            }
+          }
+          for (int64_t r = 0; r < rr; ++r) to_bf16(tmp.data() + r * kQK, kc, dst + (r0 + r) * k + k0, hw);
+        }
+      }
+    });
+    const at::Tensor out = at::mm(xb, w.narrow(0, 0, rows).t());
+    if (rows == n && y.scalar_type() == at::kBFloat16) {
+      y = out;
+    } else {
+      y.narrow(1, p0, rows).copy_(out);
+    }
+  }
+  return y.view(shape).to(x.scalar_type());
+}
+
+int64_t kquant_has_bf16() { return has_bf16_dot() ? 1 : 0; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("kquant_gemv(Tensor x, Tensor blocks, str weight_type, int isa=-1) -> Tensor");
   m.def("kquant_best_isa() -> int", &kquant_best_isa);
+  m.def("kquant_mm_bf16(Tensor x, Tensor blocks, str weight_type, int n=-1) -> Tensor");
+  m.def("kquant_has_bf16() -> int", &kquant_has_bf16);
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("kquant_gemv", &kquant_gemv); }
-
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("kquant_gemv", &kquant_gemv);
+  m.impl("kquant_mm_bf16", &kquant_mm_bf16);
+}
