@@ -91,3 +91,21 @@ def test_bench_pd_a_server_that_cannot_start_is_an_error_naming_its_log():
     assert done.returncode != 0 and time.monotonic() - t0 < 170
     assert "did not come up (log " in done.stderr and "--no-such-flag" in done.stderr, done.stderr[-2000:]
     assert running_with(marker) == []
+
+
+def test_cpu_split_and_ratios():
+    """P and D get disjoint halves of the CPUs the colocated engine gets; ratios are colocated / P/D per round."""
+    from pagedllm.bench.pd import cpu_split, summarize
+
+    cpus = sorted(os.sched_getaffinity(0))
+    both, p, d = cpu_split(None)
+    assert both == cpus and p + d == cpus and len(p) == len(cpus) // 2 and p and d
+    assert cpu_split(f"{cpus[0]},{cpus[1]}") == ([cpus[0], cpus[1]], [cpus[0]], [cpus[1]])
+    with pytest.raises(SystemExit, match="at least 2 CPUs"):
+        cpu_split(str(cpus[0]))
+    run = {f: 10.0 for f in FIELDS}
+    runs = {"colocated": [dict(run, itl_p99_ms=40.0), dict(run, itl_p99_ms=60.0)],
+            "pd": [dict(run, itl_p99_ms=10.0), dict(run, itl_p99_ms=30.0)]}
+    s = summarize(runs)
+    assert s["median"]["colocated"]["itl_p99_ms"] == 50.0 and s["median"]["pd"]["itl_p99_ms"] == 20.0
+    assert s["colocated_over_pd"]["itl_p99_ms"] == 3.0 and s["colocated_over_pd"]["output_tok_s"] == 1.0

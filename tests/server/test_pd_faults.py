@@ -6,7 +6,8 @@ left in the transfer folder.
 
 - the decode instance killed mid-stream: the client's stream ends with an SSE error event (the openai client raises
   it as ``APIError``);
-- the decode instance gone after the prefill instance wrote the transfer: 503 naming it, the orphaned files expire;
+- the decode instance killed with the transfer in it (the prefill instance wrote it, the decode instance has the
+  request), then down: 503 naming it, the orphaned files expire;
 - the prefill instance killed with the request in it (and the half-written files a writer killed mid-write
   leaves): 503 naming it, leftovers swept; both restarted where the router expects them, served again;
 - a corrupted and a truncated disk-tier block under ``pagedllm serve --kv-offload-dir``: recomputed, same output;
@@ -150,25 +151,36 @@ def test_decode_killed_mid_stream_ends_the_stream_with_an_error_event(pd, coloca
     assert files(store) == []
 
 
-def test_decode_down_after_the_prefill_wrote_the_transfer_is_a_503_and_the_files_expire(pd, colocated):
+def test_decode_killed_mid_transfer_is_a_503_and_the_files_expire(pd, colocated):
     p, d, router, store = pd
-    d.kill()
+    result: dict = {}
+    os.kill(d.proc.pid, signal.SIGSTOP)  # frozen: P's leg completes, the decode leg waits in D unanswered
     try:
+        def call():
+            result["r"] = complete(router.url, ids(3, 100), 8)
+            result["t"] = time.monotonic()
+        t = threading.Thread(target=call)
+        t.start()
+        assert wait_until(lambda: len(files(store)) == (100 - 1) // BS, 30)  # P wrote the transfer's 6 blocks
+        time.sleep(1.0)
+        assert t.is_alive()  # the transfer is D's now, not yet loaded
         t0 = time.monotonic()
-        r = complete(router.url, ids(3, 100), 8)  # P runs the prompt and writes 6 blocks; nobody is there to read
-        assert time.monotonic() - t0 < 15
-        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
-        err = r.json()["error"]
-        assert err["type"] == "service_unavailable_error" and err["code"] == "backend_unavailable"
-        assert "decode instance is unavailable" in err["message"]
-        assert len(files(store)) == (100 - 1) // BS  # the orphaned transfer
-        m = assert_nothing_held(p.url)  # P freed its blocks when its leg finished
+        d.kill()
+        t.join(20)
+        assert not t.is_alive() and result["t"] - t0 < 10
+        for r in (result["r"], complete(router.url, ids(4, 100), 8)):  # killed in it; then down (refused)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            err = r.json()["error"]
+            assert err["type"] == "service_unavailable_error" and err["code"] == "backend_unavailable"
+            assert "decode instance is unavailable" in err["message"]
+        assert len(files(store)) >= (100 - 1) // BS  # orphaned (the first may be expiring already: ttl_s is 3 s)
+        m = assert_nothing_held(p.url)  # P freed its blocks when its legs finished
         assert m["pagedllm:kv_offload_load_errors_total"] == 0
     finally:
         restart(d, router)
     # never consumed: expired after ttl_s by whichever instance steps next
-    assert wait_until(lambda: files(store) == [], 8 * TTL_S, poke=lambda: complete(p.url, ids(4, 4), 1))
-    prompt = ids(5, 70)
+    assert wait_until(lambda: files(store) == [], 8 * TTL_S, poke=lambda: complete(p.url, ids(5, 4), 1))
+    prompt = ids(6, 70)
     before = metrics(d.url)["pagedllm:kv_offload_hits_total"]
     assert complete(router.url, prompt).json()["choices"][0]["token_ids"] == colocated(prompt, 8)
     assert metrics(d.url)["pagedllm:kv_offload_hits_total"] - before == (70 - 1) // BS
@@ -182,7 +194,7 @@ def test_prefill_killed_with_the_request_in_it_is_a_503_and_leftovers_are_swept(
     os.kill(p.proc.pid, signal.SIGSTOP)  # frozen: the router's prefill leg is sent and waits for P's answer
     try:
         def call():
-            result["r"] = complete(router.url, ids(6, 120), 8)
+            result["r"] = complete(router.url, ids(7, 120), 8)
             result["t"] = time.monotonic()
         t = threading.Thread(target=call)
         t.start()
@@ -210,8 +222,8 @@ def test_prefill_killed_with_the_request_in_it_is_a_503_and_leftovers_are_swept(
     finally:
         restart(p, router)
     assert wait_until(lambda: not any(map(os.path.exists, leftovers)), 8 * TTL_S,
-                      poke=lambda: complete(d.url, ids(7, 4), 1))
-    prompt = ids(8, 90)
+                      poke=lambda: complete(d.url, ids(8, 4), 1))
+    prompt = ids(9, 90)
     assert complete(router.url, prompt).json()["choices"][0]["token_ids"] == colocated(prompt, 8)
     assert_nothing_held(p.url)
     assert_nothing_held(d.url)
@@ -225,7 +237,7 @@ def _served_disk_tier(folder: str, wrap=()) -> Instance:
 
 
 def _evict_prefix(url: str, prefix: list[int], filler: list[int]) -> None:
-    for prompt in (prefix + ids(9, 3), filler):
+    for prompt in (prefix + ids(19, 3), filler):
         assert complete(url, prompt, 4).status_code == 200
 
 

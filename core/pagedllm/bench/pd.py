@@ -294,6 +294,8 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
 def main(args) -> int:
     if args.rounds < 1 or args.decode_streams < 1 or args.num_decode < 1 or args.num_long < 0:
         raise SystemExit("pagedllm bench pd: --rounds, --decode-streams and --num-decode must be >= 1")
+    if not args.long_rate > 0:
+        raise SystemExit(f"pagedllm bench pd: --long-rate must be > 0 (inf: all at once), got {args.long_rate}")
     split = cpu_split(args.cpus)
     model, flags = cpu_kind()
     both, pcpus, dcpus = split
