@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"PKVB1\n"
 SUFFIX = ".kvb"
+#: A file being written (renamed to its ``SUFFIX`` name when whole); one a killed writer left stays behind.
+TMP_SUFFIX = ".tmp"
 
 
 def layout_signature(tensors: Sequence[torch.Tensor]) -> list[list]:
@@ -78,7 +80,7 @@ class DiskStore:
                              "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}).encode()
         data = MAGIC + struct.pack("<I", len(header)) + header + payload
         self._make_room(len(data))
-        tmp = os.path.join(os.path.dirname(path), f".{uuid.uuid4().hex}.tmp")
+        tmp = os.path.join(os.path.dirname(path), f".{uuid.uuid4().hex}{TMP_SUFFIX}")
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "wb") as f:

@@ -26,7 +26,7 @@ import torch
 
 from pagedllm.kv_transfer.base import (KVConnectorBase_V1, KVConnectorContext, KVConnectorMetadata,
                                        KVConnectorRole)
-from pagedllm.kv_transfer.disk_store import SUFFIX, DiskStore, layout_signature
+from pagedllm.kv_transfer.disk_store import SUFFIX, TMP_SUFFIX, DiskStore, layout_signature
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +214,8 @@ class LoopbackConnector(KVConnectorBase_V1):
         return None, None
 
     def _sweep(self) -> None:
-        """Delete transfer files older than ``ttl_s`` (their consumer never came), at most every ``ttl_s / 4``."""
+        """Delete transfer files older than ``ttl_s`` (their consumer never came), and half-written ones a producer
+        killed mid-write left, at most every ``ttl_s / 4``."""
         now = time.time()
         if self.store is None or now - self.last_sweep < self.ttl_s / 4:
             return
@@ -233,7 +234,7 @@ class LoopbackConnector(KVConnectorBase_V1):
                     old = now - e.stat().st_mtime > self.ttl_s
                 except OSError:
                     continue
-                if e.name.endswith(SUFFIX) and old:
+                if e.name.endswith((SUFFIX, TMP_SUFFIX)) and old:
                     self._stat("expired_files", self._unlink(e.path))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
