@@ -47,23 +47,28 @@ class _WorkerGone(Exception):
     """The worker died mid-job (crash, OOM kill)."""
 
 
-def _context() -> multiprocessing.context.BaseContext:
+_PRELOAD = ["__main__", "pagedllm.entrypoints.openai.render_worker"]
+# A vision model's processor unpickles into transformers' processing modules (about 9 s of imports on a busy 2-core
+# box): preloaded too when the server's model takes images, so a worker holding one starts in about a second.
+_MM_PRELOAD = ["pagedllm.multimodal.processing", "transformers.processing_utils",
+               "transformers.image_processing_utils"]
+
+
+def _context(images: bool = False) -> multiprocessing.context.BaseContext:
     if "forkserver" not in multiprocessing.get_all_start_methods():  # Windows: slower respawns, same behaviour
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     # A forked child re-runs the parent's main module (``pagedllm.cli`` under ``python -m``) before its target: with
     # that module's imports (torch among them) preloaded once in the forkserver, a respawn takes milliseconds.
-    # A vision model's processor unpickles into transformers' processing modules (about 9 s of imports on a busy
-    # 2-core box): preloaded too, so a worker holding one starts in about a second.
-    ctx.set_forkserver_preload(["__main__", "pagedllm.entrypoints.openai.render_worker",
-                                "pagedllm.multimodal.processing", "transformers.processing_utils",
-                                "transformers.image_processing_utils"])
+    # (The list counts only when the forkserver starts: the first call decides.)
+    ctx.set_forkserver_preload(_PRELOAD + (_MM_PRELOAD if images else []))
     return ctx
 
 
-def warm_up_forkserver() -> None:
-    """Start the forkserver (it imports transformers) now, so it overlaps with the engine's model load."""
-    if _context().get_start_method() == "forkserver":
+def warm_up_forkserver(images: bool = False) -> None:
+    """Start the forkserver (it imports transformers, and its processing modules when the model takes ``images``)
+    now, so it overlaps with the engine's model load."""
+    if _context(images).get_start_method() == "forkserver":
         from multiprocessing import forkserver  # optional: POSIX-only (forkserver)
 
         forkserver.ensure_running()
@@ -156,7 +161,7 @@ class RenderPool:
         after its job (allocators keep what a huge tokenisation took: one worker went from 60 to 398 MB).
         ``mm_processor``: a vision-language model's processor (``multimodal.processing.load_processor``): the
         workers then take "mm" jobs."""
-        self._ctx = _context()
+        self._ctx = _context(images=mm_processor is not None)
         self._blob = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
         self._mm_blob = (pickle.dumps(mm_processor, protocol=pickle.HIGHEST_PROTOCOL) if mm_processor is not None
                          else None)

@@ -11,7 +11,9 @@ decodes or resizes an image. Each error is a 400 whose ``param`` is the part's f
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
 from typing import Any, Mapping, Optional, Sequence
 
 from pagedllm.entrypoints.chat_inputs import mm_prompt, model_modalities
@@ -23,7 +25,7 @@ from pagedllm.errors import ParamError
 from pagedllm.multimodal.content_parts import ChatInputs, parse_chat_messages
 from pagedllm.multimodal.media import MediaConnector, MediaError, decode_image
 from pagedllm.multimodal.processing import ProcessedPrompt, load_processor
-from pagedllm.multimodal.registry import supported_modalities
+from pagedllm.multimodal.registry import MULTIMODAL_ARCHITECTURES, supported_modalities
 from pagedllm.multimodal.shared_tensors import new_tag, release_features
 
 logger = logging.getLogger(__name__)
@@ -131,6 +133,29 @@ class MultiModalInputs:
                                 f"{IMAGE_PROCESSING_TIMEOUT:g} s", param=param, code="image_processing_timeout") from None
         except RenderError as e:
             raise APIError(400, f"{param}: {e}", param=param) from None
+
+
+def looks_multimodal(model: Optional[str]) -> bool:
+    """Whether ``model``'s config.json (a local folder, or the HF cache's copy: no network, no transformers import)
+    names an architecture that takes images; False when it cannot tell. Only decides what the render workers'
+    forkserver preloads."""
+    path = None
+    if model and os.path.isdir(model):
+        path = os.path.join(model, "config.json")
+    elif model and model.count("/") == 1:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(model, "config.json")
+            path = found if isinstance(found, str) else None
+        except Exception:  # noqa: BLE001 - no hub client or a malformed id: the engine will say
+            path = None
+    try:
+        with open(path or "", encoding="utf-8") as f:
+            archs = json.load(f).get("architectures") or ()
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(a in MULTIMODAL_ARCHITECTURES for a in archs)
 
 
 def render_processor(config: Any) -> Any:
