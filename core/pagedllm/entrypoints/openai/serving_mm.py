@@ -91,7 +91,7 @@ class MultiModalInputs:
                      param: str = "messages") -> dict[str, Any]:
         """The engine prompt of a rendered chat. With images, a render worker decodes them and runs the model's
         processor: ``{"prompt_token_ids": expanded ids, "mm_processed": ProcessedPrompt}`` with the tensors in
-        shared memory; the caller hands it to the engine or :func:`release_prompt`\ s it. Errors are 400s naming
+        shared memory; the caller hands it to the engine or passes it to :func:`release_prompt`. Errors are 400s naming
         the image's field (or ``param`` for a prompt the processor refuses)."""
         if not images:
             return mm_prompt(prompt_token_ids, [])
