@@ -26,7 +26,12 @@ MAX_PIXELS = 4_000_000
 
 
 def _segments() -> list[str]:
-    return glob.glob("/dev/shm/pagedllm_mm_*")
+    """Segments still there after up to 5 s (another server's request in flight holds one for milliseconds; a leak
+    stays)."""
+    deadline = time.monotonic() + 5
+    while (left := glob.glob("/dev/shm/pagedllm_mm_*")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +168,28 @@ def test_a_large_image_does_not_stall_other_streams(server):
     assert max(gaps) < max(0.5 * span, 0.3), (span, max(gaps), len(inside))
     assert _counts(server)[0] == 0
     assert not _segments()
+
+
+def test_shared_tensors_are_read_once_and_unlinked():
+    """The hand-off itself: a tensor written by ``share`` reads back equal (dtype, shape, bytes) and its segment is
+    gone after ``load``; releasing twice is harmless; a released segment cannot be loaded (the request was
+    cancelled: a ParamError, not a crash)."""
+    import torch
+    from pagedllm.errors import ParamError
+    from pagedllm.multimodal.shared_tensors import new_tag, share
+
+    tag = new_tag()
+    mine = lambda: glob.glob(f"/dev/shm/pagedllm_mm_{tag}_*")  # noqa: E731 - other tests' segments are not ours
+    for t in (torch.randn(2, 3, 5), torch.arange(7, dtype=torch.int64), torch.zeros(0, 4), torch.randn(4, 6)[:, ::2]):
+        h = share(t, tag)
+        assert len(mine()) == 1 and h.shape == tuple(t.shape) and h.dtype == t.dtype
+        back = h.load()
+        assert torch.equal(back, t) and back.dtype == t.dtype and not mine()
+        h.release()
+    h = share(torch.ones(3), tag)
+    h.release()
+    h.release()
+    assert not mine()
+    with pytest.raises(ParamError) as e:
+        h.load()
+    assert e.value.field == "multi_modal_data"

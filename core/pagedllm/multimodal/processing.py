@@ -74,7 +74,8 @@ def process_encoded_images(processor: Any, tag: str, prompt_token_ids: Sequence[
                            max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ProcessedPrompt:
     """The server's image work, in a render worker: decode each ``(encoded bytes, request field)`` item (MediaError
     naming the field), run the model's processor over the rendered chat's token ids, and move the tensors to shared
-    memory (segments named for ``tag``). The content hashes are :func:`hash_image` of the decoded RGB pixels, as offline."""
+    memory (segments named for ``tag``). The content hashes are :func:`hash_image` of the decoded RGB pixels, as
+    offline."""
     images = [decode_image(data, field_name, max_image_pixels) for data, field_name in items]
     processed = processor(None, list(prompt_token_ids), images)
     return ProcessedPrompt(processed.prompt_token_ids, share_features(processed.mm_features, tag))

@@ -130,7 +130,8 @@ class MultiModalInputs:
             if left is not None and left <= IMAGE_PROCESSING_TIMEOUT:
                 raise timeout_error(serving.limits.request_timeout) from None
             raise APIError(400, f"{param}: processing this request's images took longer than "
-                                f"{IMAGE_PROCESSING_TIMEOUT:g} s", param=param, code="image_processing_timeout") from None
+                                f"{IMAGE_PROCESSING_TIMEOUT:g} s", param=param,
+                           code="image_processing_timeout") from None
         except RenderError as e:
             raise APIError(400, f"{param}: {e}", param=param) from None
 
