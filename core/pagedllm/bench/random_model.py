@@ -14,6 +14,8 @@ import os
 import shutil
 import tempfile
 
+from pagedllm.bench.mm_throughput import VLM_PRESETS, write_random_vlm
+
 VOCAB = 49152
 _LLAMA_1_7B = dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
                    num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=8192, rope_theta=130000.0,
@@ -66,7 +68,8 @@ PRESETS: dict[str, tuple[str, dict]] = {
 def add_parser(sub) -> None:
     p = sub.add_parser("random-model", help="write a seeded random model of a realistic shape (a preset) as a HF "
                                             "folder with the embedded SmolLM2 tokenizer")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS) + sorted(VLM_PRESETS),
+                   help="a text model's shape, or a vision-language one (LLaVA-style: bench/mm_throughput.py)")
     p.add_argument("--out", required=True, help="the folder to write (must not exist)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--seed", type=int, default=0)
@@ -80,6 +83,8 @@ def write_random_model(preset: str, out: str, dtype: str = "bfloat16", seed: int
 
     from pagedllm.models.paths import default_model_path  # the embedded SmolLM2 GGUF: its tokenizer
 
+    if preset in VLM_PRESETS:
+        return write_random_vlm(preset, out, dtype, seed)
     if os.path.exists(out):
         raise SystemExit(f"--out: {out} exists; give a new folder")
     kwargs = dict(PRESETS[preset][1])

@@ -16,7 +16,7 @@ BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.
            "pagedllm.bench.dp_ep", "pagedllm.bench.quant", "pagedllm.bench.quant_alternated",
            "pagedllm.bench.llama_cpp", "pagedllm.bench.graph", "pagedllm.bench.prefix_routing",
            "pagedllm.bench.kv_offload", "pagedllm.bench.random_model", "pagedllm.bench.kv_memory",
-           "pagedllm.bench.pd")
+           "pagedllm.bench.pd", "pagedllm.bench.mm_throughput")
 
 
 def add_parser(sub) -> None:

@@ -24,7 +24,8 @@ from pagedllm.worker.model_runner import PendingStep, StepOutput
 from pagedllm.models.info import read_model_info
 from pagedllm.multimodal.encoder_cache import EncoderCacheManager
 from pagedllm.multimodal.prefix_lm import check_token_budget
-from pagedllm.multimodal.processing import MultiModalProcessor, as_image_list, prompt_parts
+from pagedllm.multimodal.processing import MultiModalProcessor, ProcessedPrompt, as_image_list, prompt_parts
+from pagedllm.multimodal.shared_tensors import load_features
 from pagedllm.multimodal.registry import processor_class, supported_modalities
 from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling import check_request
@@ -102,6 +103,10 @@ class EngineStats:
     dp_waves: int = 0
     # KV connector counters (docs/kv-offload.md): per tier hits / misses / bytes, load errors, recomputes...
     kv_offload: dict = field(default_factory=dict)
+    # images run through this engine's own processor (offline API) / received already processed (the server's
+    # render workers: docs/multimodal.md)
+    mm_items_processed: int = 0
+    mm_items_preprocessed: int = 0
 
 
 class LLMEngine:
@@ -220,7 +225,8 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------------
     def tokenize(self, prompt: PromptType, check_length: bool = True) -> tuple[Optional[str], list[int]]:
-        if isinstance(prompt, dict) and as_image_list(prompt.get("multi_modal_data")):  # never dropped silently
+        if isinstance(prompt, dict) and (as_image_list(prompt.get("multi_modal_data"))  # never dropped silently
+                                         or prompt.get("mm_processed") is not None):
             raise ParamError("multi_modal_data", "images are taken by generation requests (add_request, generate) "
                                                  "only, not by this path (tokenize, beam search, pooling)")
         if isinstance(prompt, dict):
@@ -287,12 +293,15 @@ class LLMEngine:
 
         ``structured_prefix``: the prompt's last tokens were generated under ``params.structured_outputs`` (beam
         search continuing a beam); the grammar starts after them."""
+        processed = prompt.get("mm_processed") if isinstance(prompt, dict) else None
+        if processed is not None:  # the server's render workers ran the processor: read (and free) the tensors now
+            processed = ProcessedPrompt(processed.prompt_token_ids, load_features(processed.mm_features))
         self._check_open()
         if multi_modal_data is None and isinstance(prompt, dict):
             multi_modal_data = prompt.get("multi_modal_data")
         images = as_image_list(multi_modal_data)
         if isinstance(params, PoolingParams):
-            if images:
+            if images or processed is not None:
                 raise ParamError("multi_modal_data", "pooling requests take text only")
             return self._add_pooling_request(request_id, prompt, params, arrival_time, priority, lora_request)
         if self.pooling is not None and not self.worker.can_generate:
@@ -309,7 +318,8 @@ class LLMEngine:
             request_id = str(next(self._ids))
         if request_id in self.parents:
             raise ParamError("request_id", f"{request_id!r} is already in use")
-        text, ids, mm_features = self._process_images(prompt, images) if images else (*self.tokenize(prompt), [])
+        text, ids, mm_features = (self._process_images(prompt, images, processed) if images or processed is not None
+                                  else (*self.tokenize(prompt), []))
         if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
             if mm_features:
                 raise ParamError("truncate_prompt_tokens", "would cut a prompt with images (their placeholders)")
@@ -345,14 +355,23 @@ class LLMEngine:
             self.stats.prompt_tokens += len(ids)
         return request_id
 
-    def _process_images(self, prompt: PromptType, images: list) -> tuple[Optional[str], list[int], list]:
+    def _process_images(self, prompt: PromptType, images: list, processed: Optional[ProcessedPrompt] = None
+                        ) -> tuple[Optional[str], list[int], list]:
         """A prompt with images through the model's HF processor: (text, expanded token ids, one
-        ``MultiModalFeatureSpec`` per image); refused for a model that takes no images."""
+        ``MultiModalFeatureSpec`` per image); refused for a model that takes no images. ``processed``: the
+        processor already ran (the server's render workers); it is taken as is."""
         if self.mm_processor is None:
             raise ParamError("multi_modal_data", f"model {self.config.model} ({self.worker.info.architecture}) takes "
                                                  "no images: it is a text-only model here")
-        text, ids = prompt_parts(prompt)
-        processed = self.mm_processor(text, ids, images)
+        if processed is not None:
+            if images:
+                raise ParamError("multi_modal_data", "give images or a processed prompt (mm_processed), not both")
+            text = prompt.get("prompt")
+            self.stats.mm_items_preprocessed += len(processed.mm_features)
+        else:
+            text, ids = prompt_parts(prompt)
+            processed = self.mm_processor(text, ids, images)
+            self.stats.mm_items_processed += len(images)
         _, ids = self.tokenize({"prompt": text, "prompt_token_ids": processed.prompt_token_ids})  # vocab, length
         return text, ids, processed.mm_features
 

@@ -89,26 +89,31 @@ class MediaConnector:
             data = self._local_bytes(scheme, url, field)
         return decode_image(data, field, self.max_image_pixels)
 
+    async def load_bytes_async(self, url: str, field: str) -> bytes:
+        """The encoded bytes of ``url`` (fetched, or read on a thread), within the limits; not decoded."""
+        scheme = _scheme(url, field)
+        if scheme in ("http", "https"):
+            return await self.fetch_bytes(url, field)
+        return await asyncio.to_thread(self._local_bytes, scheme, url, field)
+
     async def load_image_async(self, url: str, field: str) -> Any:
         """The RGB ``PIL.Image`` of ``url``; fetching awaits the network and decoding runs on a thread, so the
         event loop is never held."""
-        scheme = _scheme(url, field)
-        if scheme in ("http", "https"):
-            data = await self.fetch_bytes(url, field)
-        else:
-            data = await asyncio.to_thread(self._local_bytes, scheme, url, field)
+        data = await self.load_bytes_async(url, field)
         return await asyncio.to_thread(decode_image, data, field, self.max_image_pixels)
 
-    async def load_images_async(self, items: Sequence[tuple[str, str]]) -> list[Any]:
+    async def load_images_async(self, items: Sequence[tuple[str, str]], decode: bool = True) -> list[Any]:
         """The images of ``(url, field)`` items, loaded concurrently (``LOADS_PER_REQUEST`` at a time); the first
-        failure cancels the others (no fetch outlives its request) and is raised."""
+        failure cancels the others (no fetch outlives its request) and is raised. ``decode=False``: the encoded
+        bytes (the server decodes them in its render workers)."""
         if not items:
             return []
         gate = asyncio.Semaphore(LOADS_PER_REQUEST)
+        load = self.load_image_async if decode else self.load_bytes_async
 
         async def one(url: str, field: str) -> Any:
             async with gate:
-                return await self.load_image_async(url, field)
+                return await load(url, field)
 
         tasks = [asyncio.ensure_future(one(url, field)) for url, field in items]
         try:

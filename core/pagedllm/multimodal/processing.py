@@ -14,7 +14,9 @@ from typing import Any, Optional, Sequence
 
 from pagedllm.errors import ParamError
 from pagedllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-from pagedllm.multimodal.registry import supported_modalities
+from pagedllm.multimodal.media import DEFAULT_MAX_IMAGE_PIXELS, decode_image
+from pagedllm.multimodal.registry import processor_class, supported_modalities
+from pagedllm.multimodal.shared_tensors import share_features
 
 
 def hash_image(image: Any) -> str:
@@ -53,8 +55,30 @@ def as_image_list(mm_data: Any) -> list:
 
 @dataclass
 class ProcessedPrompt:
+    """A prompt after the model's processor: expanded token ids and one feature per image. The server's render
+    workers send it to the engine as ``{"prompt_token_ids": ids, "mm_processed": ProcessedPrompt}`` with the
+    features' tensors in shared memory (``shared_tensors``); the engine then runs no processor of its own."""
+
     prompt_token_ids: list[int]
     mm_features: list[MultiModalFeatureSpec]
+
+
+def load_processor(model_path: str, hf_config: Any) -> "MultiModalProcessor":
+    """The processor the engine would use for the model of ``hf_config`` (the server loads one for its render
+    workers)."""
+    return processor_class(hf_config)(model_path, hf_config)
+
+
+def process_encoded_images(processor: Any, tag: str, prompt_token_ids: Sequence[int],
+                           items: Sequence[tuple[bytes, str]],
+                           max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS) -> ProcessedPrompt:
+    """The server's image work, in a render worker: decode each ``(encoded bytes, request field)`` item (MediaError
+    naming the field), run the model's processor over the rendered chat's token ids, and move the tensors to shared
+    memory (segments named for ``tag``). The content hashes are :func:`hash_image` of the decoded RGB pixels, as
+    offline."""
+    images = [decode_image(data, field_name, max_image_pixels) for data, field_name in items]
+    processed = processor(None, list(prompt_token_ids), images)
+    return ProcessedPrompt(processed.prompt_token_ids, share_features(processed.mm_features, tag))
 
 
 class MultiModalProcessor:

@@ -14,6 +14,7 @@ it; without it the server stays up answering 503 (``/health`` included).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import signal
@@ -62,7 +63,8 @@ from pagedllm.entrypoints.openai.render_pool import RenderPool, warm_up_forkserv
 from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ITEMS, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import ChatServing
 from pagedllm.entrypoints.openai.serving_completions import CompletionServing
-from pagedllm.entrypoints.openai.serving_mm import MultiModalInputs, content_texts
+from pagedllm.entrypoints.openai.serving_mm import (MultiModalInputs, content_texts, looks_multimodal,
+    render_processor)
 from pagedllm.entrypoints.openai.serving_responses import ResponsesServing
 from pagedllm.entrypoints.openai.tool_parsers import ToolParserManager
 from pagedllm.multimodal.media import MediaConnector
@@ -404,7 +406,11 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     if data_parallel_size > 1:
         replica_cpus = split_cpus(sorted(cpus if cpus else os.sched_getaffinity(0)), data_parallel_size)
         cpus = frozenset().union(*replica_cpus)
-    warm_up_forkserver()  # imports transformers in the background while the engine loads the model
+    # imports transformers in the background while the engine loads the model
+    warm_up_forkserver(images=looks_multimodal(config.model))
+    mm_loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedllm-mm-processor")
+    mm_processor = mm_loader.submit(render_processor, config)  # a VLM's processor for the render workers, meanwhile
+    mm_loader.shutdown(wait=False)
     # Starts the engine process(es) and waits until the model is loaded.
     engine = (DataParallelEngine(config, replica_cpus, stream_interval, lora_modules, dp_routing) if replica_cpus
               else AsyncEngine(config, stream_interval, cpus, lora_modules))
@@ -412,7 +418,8 @@ def serve(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000, api_k
     try:
         if engine.tokenizer is not None:
             renderer = RenderPool(engine.tokenizer, render_workers,
-                                  max_growth_bytes=(limits or ServerLimits()).render_worker_max_growth_bytes)
+                                  max_growth_bytes=(limits or ServerLimits()).render_worker_max_growth_bytes,
+                                  mm_processor=mm_processor.result())  # images are processed by the workers
             renderer.wait_ready()
     except BaseException:
         engine.shutdown()

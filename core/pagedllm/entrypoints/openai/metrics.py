@@ -108,6 +108,10 @@ _ENGINE_METRICS = (
     ("counter", "num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
     ("counter", "prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
     ("counter", "generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+    ("counter", "mm_items_processed", "Images run through the engine process's own HF processor.",
+     "mm_items_processed"),
+    ("counter", "mm_items_preprocessed", "Images the engine received already processed (render workers).",
+     "mm_items_preprocessed"),
 )
 #: LoRA counters (only when LoRA is enabled); the name is also the EngineStats field.
 _LORA_COUNTERS = (

@@ -10,8 +10,11 @@ Protocol (one ``multiprocessing`` pipe): the worker sends ``("ready", None)`` on
 ``("ok", value)`` or ``("err", message)``. Jobs: ``("chat", messages, template, add_generation_prompt,
 continue_final_message, kwargs, max_chars)`` -> token ids; ``("encode", texts, add_special_tokens)`` -> id lists;
 ``("decode", id_lists)`` -> texts; ``("pairs", [(text_1, text_2), ...])`` -> one ``{"input_ids",
-"token_type_ids"}`` per pair as the tokenizer pairs two texts (a cross-encoder's score prompt). The tokenizer arrives
-pickled, so the worker needs no file access.
+"token_type_ids"}`` per pair as the tokenizer pairs two texts (a cross-encoder's score prompt); ``("mm", tag, ids,
+[(image bytes, field), ...], max_image_pixels)`` -> a ``ProcessedPrompt`` (images decoded and run through the model's
+processor, tensors in shared memory: ``multimodal/processing.py``), whose bad image is answered ``("exc",
+MediaError)`` so the server names the field. The tokenizer (and a vision model's processor) arrive pickled, so the
+worker needs no file access.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import pickle
 import signal
 from multiprocessing.connection import Connection
 from typing import Any, Optional
+
+from pagedllm.errors import ParamError
 
 try:  # imported by the forkserver once (preload), so each forked worker starts in milliseconds
     import transformers  # noqa: F401
@@ -85,8 +90,14 @@ def pair_ids(tok: Any, text_1: str, text_2: str) -> dict[str, Optional[list[int]
             "token_type_ids": [int(t) for t in types] if types is not None else None}
 
 
-def handle(tok: Any, job: tuple) -> Any:
+def handle(tok: Any, job: tuple, mm_processor: Any = None) -> Any:
     kind = job[0]
+    if kind == "mm":
+        if mm_processor is None:
+            raise RenderError("this server's model takes no images")
+        from pagedllm.multimodal.processing import process_encoded_images
+
+        return process_encoded_images(mm_processor, *job[1:])
     if kind == "chat":
         return render_chat_ids(tok, *job[1:])
     if kind == "encode":
@@ -98,7 +109,8 @@ def handle(tok: Any, job: tuple) -> Any:
     raise RenderError(f"unknown job {kind!r}")
 
 
-def main(conn: Connection, tokenizer_blob: bytes, mem_limit_bytes: Optional[int]) -> None:
+def main(conn: Connection, tokenizer_blob: bytes, mem_limit_bytes: Optional[int],
+         mm_processor_blob: Optional[bytes] = None) -> None:
     """Process entry point: load the tokenizer, cap the address space, answer jobs until the pipe closes."""
     # The server owns shutdown (it drains, then closes the pipe or kills us): a process-group SIGINT/SIGTERM must not
     # take the workers away from requests still being drained.
@@ -110,6 +122,7 @@ def main(conn: Connection, tokenizer_blob: bytes, mem_limit_bytes: Optional[int]
     except OSError:
         pass
     tok = pickle.loads(tokenizer_blob)
+    mm_processor = pickle.loads(mm_processor_blob) if mm_processor_blob else None
     try:  # warm up: compile the model's template and touch the tokenizer, so a first request pays neither
         tok.encode("warm up")
         if getattr(tok, "chat_template", None):
@@ -128,7 +141,9 @@ def main(conn: Connection, tokenizer_blob: bytes, mem_limit_bytes: Optional[int]
         except (EOFError, OSError):
             return
         try:
-            reply = ("ok", handle(tok, job))
+            reply = ("ok", handle(tok, job, mm_processor))
+        except ParamError as e:  # an image the request named (MediaError: its field and code)
+            reply = ("exc", e)
         except RenderError as e:
             reply = ("err", str(e))
         except MemoryError:

@@ -28,7 +28,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
-from pagedllm.entrypoints.chat_inputs import mm_prompt
 from pagedllm.entrypoints.openai import tool_calling as tc
 from pagedllm.entrypoints.openai.errors import APIError, error_body
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
@@ -38,7 +37,8 @@ from pagedllm.entrypoints.openai.serving_common import (SSE_DONE, STRUCTURED_REN
                                                       engine_failures, json_response, merge_streams, now, random_id,
                                                       sse, sse_choice_chunk, stream_response, timeout_error,
                                                       until_disconnect)
-from pagedllm.entrypoints.openai.serving_mm import MultiModalInputs, content_texts, mm_inputs
+from pagedllm.entrypoints.openai.serving_mm import (MultiModalInputs, content_texts, mm_inputs,
+    release_prompt)
 from pagedllm.entrypoints.openai.errors import from_param_error
 from pagedllm.errors import ParamError
 from pagedllm.reasoning import ReasoningParser, ReasoningStream, get_reasoning_parser
@@ -106,10 +106,16 @@ class ChatServing(Serving):
                                          request_template=req.chat_template is not None, tools=tools,
                                          tools_prompt=tc.tools_system_prompt(tools, self.tool_parser) if tools
                                          else None)
-            field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-            self.check_lengths(len(ids), req.max_new_tokens, field, prompt_field="messages")
-            rid = random_id("chatcmpl")
-            streams = await self.submit_all(rid, [mm_prompt(ids, images)], params, arrival, rename, start, lora)
+            prompt = await mm.prompt(self, ids, images, start)  # images: decoded and processed in a render worker
+            try:
+                field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+                self.check_lengths(len(prompt["prompt_token_ids"]), req.max_new_tokens, field,
+                                   prompt_field="messages")
+                rid = random_id("chatcmpl")
+                streams = await self.submit_all(rid, [prompt], params, arrival, rename, start, lora)
+            except BaseException:
+                release_prompt(prompt)
+                raise
             if req.stream:
                 resp = stream_response(self._stream(rid, req, params, streams, choice, reasoner, ids), streams,
                                        self.metrics, ticket)

@@ -25,7 +25,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pagedllm.engine.async_engine import EngineDeadError, RequestTimeoutError
-from pagedllm.entrypoints.chat_inputs import mm_prompt
 from pagedllm.entrypoints.openai import tool_calling as tc
 from pagedllm.entrypoints.openai.errors import APIError, from_param_error
 from pagedllm.entrypoints.openai.extra_fields import check_extra_fields
@@ -34,7 +33,8 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (ResponsesRequest, parse_input, to_chat_messages,
                                                             unsupported_fields)
 from pagedllm.entrypoints.openai.response_store import ResponseStore
-from pagedllm.entrypoints.openai.serving_mm import MultiModalInputs, content_texts, mm_inputs
+from pagedllm.entrypoints.openai.serving_mm import (MultiModalInputs, content_texts, mm_inputs,
+    release_prompt)
 from pagedllm.entrypoints.openai.serving_common import (ChoiceState, Serving, engine_failures, merge_streams,
                                                       stream_response, timeout_error, until_disconnect)
 from pagedllm.errors import ParamError
@@ -163,9 +163,18 @@ class ResponsesServing(Serving):
                 if e.param == "messages":
                     e.param, e.message = "input", e.message.replace("messages:", "input:", 1)
                 raise
-            self.check_lengths(len(ids), req.max_output_tokens, "max_output_tokens", prompt_field="input")
-            rid = item_id("resp")
-            streams = await self.submit_all(rid, [mm_prompt(ids, images)], params, arrival, rename, start, lora)
+            try:  # images: decoded and processed in a render worker
+                prompt = await mm.prompt(self, ids, images, start, "input")
+            except APIError as e:
+                raise _as_input(e) from None
+            try:
+                self.check_lengths(len(prompt["prompt_token_ids"]), req.max_output_tokens, "max_output_tokens",
+                                   prompt_field="input")
+                rid = item_id("resp")
+                streams = await self.submit_all(rid, [prompt], params, arrival, rename, start, lora)
+            except BaseException:
+                release_prompt(prompt)
+                raise
             turn = _Turn(self, rid, req, chat_req, params, choice, conversation, ids)
             if req.stream:
                 resp = stream_response(turn.events(streams), streams, self.metrics, ticket)
