@@ -21,6 +21,8 @@ import torch
 
 from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.models.gguf_qwen35 import (QWEN35_GGUF_ARCHS, Qwen35Layout,
+    converter_name as qwen35_converter_name)
 from pagedllm.models.gguf_ssm import REFUSED_GGUF_ARCHS, converter_name, undo_converter
 from pagedllm.quantization.gguf import DENSE_TYPES
 
@@ -126,6 +128,7 @@ class GGUFWeights:
         heads = getattr(config, "num_attention_heads", None) or 1  # (pure Mamba2: no attention)
         self._heads = {"attn_q": heads, "attn_k": getattr(config, "num_key_value_heads", None) or heads}
         self._falcon_groups = (config.num_kv_heads if getattr(config, "new_decoder_architecture", False) else 1)
+        self._qwen35 = Qwen35Layout(config) if self.arch in QWEN35_GGUF_ARCHS else None  # gguf_qwen35.py
 
     def gguf_name(self, name: str) -> Optional[str]:
         if name.endswith("e_score_correction_bias"):  # the converter writes it as ``...e_score_correction.bias``
@@ -133,7 +136,8 @@ class GGUFWeights:
         s = _stacked(name)
         if s:  # one expert (or head) of a stacked tensor
             return self._map.get_name(s[0], try_suffixes=(".weight",))
-        return self._map.get_name(converter_name(self.arch, name), try_suffixes=(".weight", ".bias"))
+        name = converter_name(self.arch, name) if self._qwen35 is None else qwen35_converter_name(name)
+        return self._map.get_name(name, try_suffixes=(".weight", ".bias"))
 
     def _split_kv_b(self, name: str) -> Optional[tuple[GGUFTensor, GGUFTensor]]:
         """(attn_k_b, attn_v_b) when ``name`` is a ``kv_b_proj`` the file holds only split."""
@@ -160,6 +164,8 @@ class GGUFWeights:
 
     def _rows(self, gname: str, n: int) -> Optional[np.ndarray]:
         """The row order undoing llama.cpp's q/k permute (None: rows are already in HF order)."""
+        if self._qwen35 is not None:
+            return self._qwen35.row_order(gname)
         kind = gname.split(".")[-2] if gname.startswith("blk.") else ""
         if self.arch == "falcon" and kind == "attn_qkv" and self._falcon_groups > 1:
             g, d = self._falcon_groups, n // (self._heads["attn_q"] + 2 * self._falcon_groups)
@@ -194,6 +200,8 @@ class GGUFWeights:
         undone = undo_converter(self.arch, t.name, data)  # LFM2 / Mamba2: gguf_ssm.py
         if undone is not None:
             data = undone
+        if self._qwen35 is not None:
+            data = self._qwen35.undo(t.name, data)
         rows = self._rows(t.name, data.shape[0])
         if rows is not None:
             data = data[rows]
@@ -210,6 +218,8 @@ class GGUFWeights:
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2 or self._rows(t.name, t.data.shape[0]) is not None:
             return None
+        if self._qwen35 is not None and self._qwen35.column_order(t.name) is not None:
+            return None
         return t
 
     def quantized(self, name: str) -> Optional[QuantizedWeight]:
@@ -219,6 +229,8 @@ class GGUFWeights:
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2:
             return None
+        if self._qwen35 is not None and self._qwen35.column_order(t.name) is not None:
+            return None  # out_proj's columns are reordered: read dense (``take``)
         raw = np.asarray(t.data)
         rows = self._rows(t.name, raw.shape[0])
         raw = raw.copy() if rows is None else raw[rows]  # owned rows: the mmap is read-only

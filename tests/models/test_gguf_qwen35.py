@@ -1,0 +1,212 @@
+"""Qwen3.5 GGUF (issue 28: "GGUF variants where llama.cpp writes them and ``gguf`` reads them"), written as llama.cpp's
+converter (``Qwen3_5TextModel`` / ``Qwen3_5MoeTextModel``: ``_LinearAttentionVReorderBase`` over ``Qwen3NextModel``)
+writes it and loaded natively, its transforms undone by models/gguf_qwen35.py: norms stored as ``w + 1`` (all but the
+gated ``ssm_norm``), ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, the conv squeezed, and the value
+heads reordered from grouped to tiled (the rows of ``attn_qkv``'s value part, the conv's, ``attn_gate``,
+``ssm_alpha``/``ssm_beta``, ``ssm_a``, ``ssm_dt``; the columns of ``ssm_out``). The tiny config has 2 key heads for 4
+value heads, so the reorder is no identity.
+
+F32: every tensor pagedllm loads equals the safetensors model's, fp32 logits within 1e-4 of HF's on the original
+checkpoint, and greedy tokens (chunked prefill under a 16-token budget, mixed batches) equal HF's. Q8_0 (linear
+weights block-quantized by gguf's reference quantizer; ``ssm_out`` packed too, read dense for its column order):
+greedy tokens equal those of HF transformers reading the same file (its own, independent GGUF conversion).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine_parity import hf_model, run
+import hf_oracle
+from pagedllm import LLM, SamplingParams
+from pagedllm.backend.registry import get_backend
+from pagedllm.models import load_config, load_model
+from pagedllm.models.qwen3_next import Qwen3NextCausalLM
+from stateful import QWEN3_NEXT
+from tiny_models import save_random_model
+
+VOCAB = 512  # (a multiple of the Q8_0 block, for the embedding and the head)
+_MOE = ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts", "num_experts_per_tok")
+#: Qwen3.5 text with a value width of 64 (4 heads of 16: ``ssm_out``'s rows split into Q8_0 blocks) and full attention
+#: every second layer (the file states only ``full_attention_interval``)
+QWEN35 = {k: v for k, v in QWEN3_NEXT.items() if k not in ("mlp_only_layers", *_MOE)} | dict(
+    model_type="qwen3_5_text", vocab_size=VOCAB, linear_value_head_dim=16, num_hidden_layers=4,
+    layer_types=["linear_attention", "full_attention"] * 2)
+PROMPT_LENS = (1, 2, 7, 9, 16, 17, 23, 37)
+
+
+def _reorder_v_heads(t: np.ndarray, axis: int, nk: int, per_k: int, head_dim: int) -> np.ndarray:
+    """llama.cpp's ``_reorder_v_heads``: value heads grouped by key head -> tiled (ggml's broadcast order)."""
+    shape = t.shape
+    t = t.reshape(*shape[:axis], nk, per_k, head_dim, *shape[axis + 1:])
+    return np.swapaxes(t, axis, axis + 1).reshape(shape)
+
+
+def _converted(c, hf_name: str, data: np.ndarray) -> tuple[str, np.ndarray]:
+    """(the name given to gguf's name map, the data) after the converter's ``modify_tensors`` chain."""
+    nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
+    per_k, dv, qk = nv // nk, c.linear_value_head_dim, 2 * c.linear_key_head_dim * nk
+    if "linear_attn." in hf_name and per_k > 1:  # _LinearAttentionVReorderBase
+        if ".in_proj_qkv." in hf_name or ".conv1d." in hf_name:
+            data = data.squeeze() if ".conv1d." in hf_name else data
+            data = np.concatenate([data[:qk], _reorder_v_heads(data[qk:], 0, nk, per_k, dv)])
+        elif ".in_proj_z." in hf_name:
+            data = _reorder_v_heads(data, 0, nk, per_k, dv)
+        elif ".in_proj_a." in hf_name or ".in_proj_b." in hf_name:
+            data = _reorder_v_heads(data, 0, nk, per_k, 1)
+        elif hf_name.endswith((".A_log", ".dt_bias")):
+            data = _reorder_v_heads(data[:, None], 0, nk, per_k, 1)[:, 0]
+        elif ".out_proj." in hf_name:
+            data = _reorder_v_heads(data, 1, nk, per_k, dv)
+    if hf_name.endswith(".A_log"):  # Qwen3NextModel
+        data = -np.exp(data)
+    elif hf_name.endswith(".dt_bias"):
+        hf_name = hf_name.removesuffix(".dt_bias") + ".dt_proj.bias"
+    elif "conv1d" in hf_name:
+        data = data.squeeze()
+    elif hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
+        data = data + 1
+    return hf_name, data
+
+
+def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
+    """The safetensors Qwen3.5 in ``hf_dir`` as llama.cpp's converter writes it; 2-D linear weights whose rows split
+    into ``qtype`` blocks are quantized (the embedding, norms, conv and per-head vectors stay F32)."""
+    import gguf
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    c = AutoConfig.from_pretrained(hf_dir)
+    arch = "qwen35moe" if "moe" in c.model_type else "qwen35"
+    hf = load_file(os.path.join(hf_dir, "model.safetensors"))
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"tiny-{arch}")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    if arch == "qwen35":
+        w.add_feed_forward_length(c.intermediate_size)
+    else:
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        w.add_expert_count(c.num_experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rotary = int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 0.25))
+    w.add_rope_dimension_count(rotary)
+    w.add_rope_dimension_sections([1, 1, 1, 0])  # three axes (text: each reads the same position, any split does)
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(c.linear_key_head_dim)
+    w.add_ssm_group_count(c.linear_num_key_heads)
+    w.add_ssm_time_step_rank(c.linear_num_value_heads)
+    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    interval = c.layer_types.index("full_attention") + 1
+    assert c.layer_types == ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                             for i in range(c.num_hidden_layers)]
+    w.add_full_attention_interval(interval)
+    w.add_bos_token_id(c.bos_token_id)
+    w.add_eos_token_id(c.eos_token_id)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen35")
+    w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
+    w.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if arch == "qwen35moe" else gguf.MODEL_ARCH.QWEN35,
+                                     c.num_hidden_layers)
+    qt = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[qt][0]
+    for hf_name, t in hf.items():
+        if hf_name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        name, data = _converted(c, hf_name, t.numpy().astype(np.float32))
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        if qtype != "F32" and data.ndim == 2 and gname.endswith(".weight") and data.shape[-1] % block == 0 \
+                and gname != "token_embd.weight" and "ssm_conv1d" not in gname:
+            w.add_tensor(gname, quantize(data, qt), raw_dtype=qt)
+        else:
+            w.add_tensor(gname, np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("gguf_qwen35")
+    hf_dir = save_random_model(QWEN35, root / "hf")
+    out = {"hf": hf_dir}
+    for qtype in ("F32", "Q8_0"):
+        os.makedirs(root / qtype)
+        out[qtype] = write_qwen35_gguf(hf_dir, str(root / qtype / f"tiny-qwen35-{qtype}.gguf"), qtype)
+    return out
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+def _engine(path: str) -> LLM:
+    return LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=128, block_size=8,
+               max_num_batched_tokens=16, kv_cache_memory=8 << 20)
+
+
+def test_qwen35_gguf_tensors_are_the_checkpoints(files):
+    """Every tensor loaded from the F32 file equals the safetensors model's (norm offsets and A within fp32 rounding;
+    the reorders exactly); the config from transformers' GGUF reader has the checkpoint's shape."""
+    ours, theirs = load_config(files["F32"]), load_config(files["hf"])
+    for key in ("hidden_size", "num_hidden_layers", "layer_types", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim",
+                "intermediate_size", "vocab_size", "tie_word_embeddings"):
+        assert getattr(ours, key) == getattr(theirs, key), key
+    backend = get_backend("cpu")
+    got = load_model(files["F32"], backend=backend, dtype=torch.float32, device=torch.device("cpu")).state_dict()
+    want = load_model(files["hf"], backend=backend, dtype=torch.float32, device=torch.device("cpu")).state_dict()
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=2e-7, msg=name)
+
+
+def test_qwen35_gguf_f32_logits_and_greedy_match_hf(files):
+    """8 prompts of 1..37 tokens under a 16-token budget: HF's greedy tokens; slots given back; then
+    the fp32 log-probabilities of three prompts (the top 5 and the actual next token at every position, through the
+    engine) within 1e-4 of HF's on the original checkpoint."""
+    llm = _engine(files["F32"])
+    eng = llm.llm_engine
+    assert isinstance(eng.model, Qwen3NextCausalLM) and eng.kv.state_slots is not None
+    hf = hf_model(files["hf"])
+    prompts = _prompts()
+    got = run(llm, prompts, max_tokens=16)
+    assert got == [hf_oracle.hf_greedy(hf, p, 16) for p in prompts]
+    assert eng.kv.state_slots.num_free == eng.kv.state_slots.num_slots
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[-3:]],
+                        SamplingParams(max_tokens=1, prompt_logprobs=5), use_tqdm=False)
+    with torch.inference_mode():
+        for p, out in zip(prompts[-3:], outs):
+            want = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), -1)
+            for i, top in enumerate(out.prompt_logprobs[1:]):
+                assert p[i + 1] in top and len(top) >= 5
+                got_lp = torch.tensor([lp.logprob for lp in top.values()])
+                torch.testing.assert_close(got_lp, want[i, list(top)], rtol=0, atol=1e-4)
+
+
+def test_qwen35_gguf_q8_0_matches_hf_reading_the_same_file(files):
+    path = files["Q8_0"]
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                              dtype=torch.float32).eval()
+    llm = _engine(path)
+    prompts = _prompts()
+    got = run(llm, prompts, max_tokens=16)
+    assert got == [hf_oracle.hf_greedy(hf, p, 16) for p in prompts]
