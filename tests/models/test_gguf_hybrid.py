@@ -14,9 +14,8 @@ no config for it, so pagedllm does (models/gguf_archs.py) and undoes the tensor 
 and Q8_0 against the original model (Q8_0: with gguf's own quantize/dequantize round trip of the linear weights).
 
 ``granitehybrid`` and ``qwen3next`` are not loaded: transformers builds no config for them either (tested), and
-their layouts (MoE, fused projections) are not mapped here. ``qwen35moe`` (Qwen3.5-MoE) gets a config from
-transformers but is refused at load: its converter transforms are not undone here (dense ``qwen35``:
-test_gguf_qwen35.py).
+their layouts (MoE, fused projections) are not mapped here. Qwen3.5 (``qwen35`` / ``qwen35moe``):
+test_gguf_qwen35.py.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from transformers import AutoModelForCausalLM
 from engine_parity import hf_model, run
 import hf_oracle
 from pagedllm import LLM
-from pagedllm.errors import UnsupportedModelError
 from pagedllm.models import load_config
 from pagedllm.models.lfm2 import Lfm2CausalLM
 from hf_recompute import hf_greedy_recompute
@@ -275,41 +273,3 @@ def test_mamba2_gguf_greedy_matches_hf(mamba2_files, qtype):
     got = run(llm, prompts, max_tokens=12)
     assert got == [hf_greedy_recompute(oracle, tuple(p), 12) for p in prompts]
 
-
-def test_qwen3_5_moe_gguf_is_refused_not_run_wrong(tmp_path):
-    """A Qwen3.5-MoE file gets a config from transformers' GGUF reader and gguf's name map knows its tensors, but
-    llama.cpp's transforms of them are not undone here: the load is refused naming the arch and why, rather than
-    running the transformed weights."""
-    import gguf
-
-    path = str(tmp_path / "tiny-qwen35moe.gguf")
-    w = gguf.GGUFWriter(path, "qwen35moe")
-    for key, value in dict(context_length=256, embedding_length=64, block_count=4, full_attention_interval=4,
-                           expert_feed_forward_length=32, expert_shared_feed_forward_length=48, expert_count=4,
-                           expert_used_count=2).items():
-        w.add_uint32(f"qwen35moe.{key}", value)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_key_length(16)
-    w.add_value_length(16)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(4)
-    w.add_rope_dimension_sections([2, 0, 0, 0])
-    w.add_ssm_conv_kernel(4)
-    w.add_ssm_state_size(8)
-    w.add_ssm_group_count(2)
-    w.add_ssm_time_step_rank(4)
-    w.add_ssm_inner_size(48)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(64)])
-    w.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    assert load_config(path).architectures == ["Qwen3_5MoeForCausalLM"]  # transformers reads it
-    with pytest.raises(UnsupportedModelError, match=r"arch qwen35moe\): llama.cpp's Qwen3.5 converter stores "
-                                                    r"zero-centred norms as w \+ 1"):
-        LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
-            kv_cache_memory=8 << 20)

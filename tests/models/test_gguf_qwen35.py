@@ -4,7 +4,8 @@ writes it and loaded natively, its transforms undone by models/gguf_qwen35.py: n
 gated ``ssm_norm``), ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, the conv squeezed, and the value
 heads reordered from grouped to tiled (the rows of ``attn_qkv``'s value part, the conv's, ``attn_gate``,
 ``ssm_alpha``/``ssm_beta``, ``ssm_a``, ``ssm_dt``; the columns of ``ssm_out``). The tiny config has 2 key heads for 4
-value heads, so the reorder is no identity.
+value heads, so the reorder is no identity. Dense (``qwen35``) and MoE (``qwen35moe``: ``Qwen2MoeModel``'s stacked
+``ffn_{gate,up,down}_exps``, the shared expert's gate as ``[hidden]``) alike.
 
 F32: every tensor pagedllm loads equals the safetensors model's, fp32 logits within 1e-4 of HF's on the original
 checkpoint, and greedy tokens (chunked prefill under a 16-token budget, mixed batches) equal HF's. Q8_0 (linear
@@ -15,6 +16,7 @@ greedy tokens equal those of HF transformers reading the same file (its own, ind
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -37,6 +39,9 @@ _MOE = ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts
 QWEN35 = {k: v for k, v in QWEN3_NEXT.items() if k not in ("mlp_only_layers", *_MOE)} | dict(
     model_type="qwen3_5_text", vocab_size=VOCAB, linear_value_head_dim=16, num_hidden_layers=4,
     layer_types=["linear_attention", "full_attention"] * 2)
+#: Qwen3.5-MoE: the same with 4 experts (top 2) and a shared expert on every layer
+QWEN35_MOE = QWEN35 | {k: QWEN3_NEXT[k] for k in _MOE} | dict(model_type="qwen3_5_moe_text")
+CONFIGS = {"qwen35": QWEN35, "qwen35moe": QWEN35_MOE}
 PROMPT_LENS = (1, 2, 7, 9, 16, 17, 23, 37)
 
 
@@ -84,6 +89,11 @@ def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
     c = AutoConfig.from_pretrained(hf_dir)
     arch = "qwen35moe" if "moe" in c.model_type else "qwen35"
     hf = load_file(os.path.join(hf_dir, "model.safetensors"))
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # Qwen2MoeModel stacks them: [experts, out, in]
+    for name in [n for n in hf if re.fullmatch(r".*\.experts\.\d+\.\w+\.weight", n)]:
+        stem, j, proj = re.fullmatch(r"(.*\.experts)\.(\d+)\.(\w+)\.weight", name).groups()
+        experts.setdefault(f"{stem}.{proj}.weight", {})[int(j)] = hf.pop(name)
+    hf |= {name: torch.stack([e[j] for j in sorted(e)]) for name, e in experts.items()}
     w = gguf.GGUFWriter(path, arch)
     w.add_name(f"tiny-{arch}")
     w.add_context_length(c.max_position_embeddings)
@@ -130,7 +140,9 @@ def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
         name, data = _converted(c, hf_name, t.numpy().astype(np.float32))
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, name
-        if qtype != "F32" and data.ndim == 2 and gname.endswith(".weight") and data.shape[-1] % block == 0 \
+        if gname.endswith("ffn_gate_inp_shexp.weight"):
+            data = data.reshape(-1)  # the converter's [hidden] for HF's [1, hidden]
+        if qtype != "F32" and data.ndim >= 2 and gname.endswith(".weight") and data.shape[-1] % block == 0 \
                 and gname != "token_embd.weight" and "ssm_conv1d" not in gname:
             w.add_tensor(gname, quantize(data, qt), raw_dtype=qt)
         else:
@@ -142,14 +154,14 @@ def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("gguf_qwen35")
-    hf_dir = save_random_model(QWEN35, root / "hf")
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def files(request, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp(f"gguf_{request.param}")
+    hf_dir = save_random_model(CONFIGS[request.param], root / "hf")
     out = {"hf": hf_dir}
     for qtype in ("F32", "Q8_0"):
         os.makedirs(root / qtype)
-        out[qtype] = write_qwen35_gguf(hf_dir, str(root / qtype / f"tiny-qwen35-{qtype}.gguf"), qtype)
+        out[qtype] = write_qwen35_gguf(hf_dir, str(root / qtype / f"tiny-{request.param}-{qtype}.gguf"), qtype)
     return out
 
 
@@ -169,7 +181,7 @@ def test_qwen35_gguf_tensors_are_the_checkpoints(files):
     ours, theirs = load_config(files["F32"]), load_config(files["hf"])
     for key in ("hidden_size", "num_hidden_layers", "layer_types", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim",
-                "intermediate_size", "vocab_size", "tie_word_embeddings"):
+                "vocab_size", "tie_word_embeddings", *(_MOE if "moe" in theirs.model_type else ["intermediate_size"])):
         assert getattr(ours, key) == getattr(theirs, key), key
     backend = get_backend("cpu")
     got = load_model(files["F32"], backend=backend, dtype=torch.float32, device=torch.device("cpu")).state_dict()

@@ -20,10 +20,9 @@ import numpy as np
 import torch
 
 from pagedllm.backend.hookspec import QuantizedWeight
-from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.gguf_qwen35 import (QWEN35_GGUF_ARCHS, Qwen35Layout,
     converter_name as qwen35_converter_name)
-from pagedllm.models.gguf_ssm import REFUSED_GGUF_ARCHS, converter_name, undo_converter
+from pagedllm.models.gguf_ssm import converter_name, undo_converter
 from pagedllm.quantization.gguf import DENSE_TYPES
 
 
@@ -120,8 +119,6 @@ class GGUFWeights:
         import gguf  # heavy: gguf
 
         self.arch, tensors = read_tensors(path)
-        if self.arch in REFUSED_GGUF_ARCHS:
-            raise UnsupportedModelError(f"GGUF file {path} (arch {self.arch}): {REFUSED_GGUF_ARCHS[self.arch]}")
         arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
         self._map = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
         self._tensors = {t.name: t for t in tensors}
