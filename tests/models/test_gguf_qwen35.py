@@ -10,7 +10,8 @@ value heads, so the reorder is no identity. Dense (``qwen35``) and MoE (``qwen35
 F32: every tensor pagedllm loads equals the safetensors model's, fp32 logits within 1e-4 of HF's on the original
 checkpoint, and greedy tokens (chunked prefill under a 16-token budget, mixed batches) equal HF's. Q8_0 (linear
 weights block-quantized by gguf's reference quantizer; ``ssm_out`` packed too, read dense for its column order):
-greedy tokens equal those of HF transformers reading the same file (its own, independent GGUF conversion).
+greedy tokens equal those of HF transformers reading the same file (its own, independent GGUF conversion); kept packed
+(``quantization="gguf"``), each packed linear (rows reordered on the blocks) equals the dequantized one.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.backend.registry import get_backend
 from pagedllm.models import load_config, load_model
 from pagedllm.models.qwen3_next import Qwen3NextCausalLM
+from pagedllm.quantization.linear import QuantizedLinear
 from stateful import QWEN3_NEXT
 from tiny_models import save_random_model
 
@@ -170,9 +172,9 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
-def _engine(path: str) -> LLM:
+def _engine(path: str, **kw) -> LLM:
     return LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=128, block_size=8,
-               max_num_batched_tokens=16, kv_cache_memory=8 << 20)
+               max_num_batched_tokens=16, kv_cache_memory=8 << 20, **kw)
 
 
 def test_qwen35_gguf_tensors_are_the_checkpoints(files):
@@ -215,10 +217,24 @@ def test_qwen35_gguf_f32_logits_and_greedy_match_hf(files):
 
 
 def test_qwen35_gguf_q8_0_matches_hf_reading_the_same_file(files):
+    """Dequantized at load: HF's greedy tokens on the same file. Kept packed (``quantization="gguf"``: the value-head
+    rows reordered on the blocks, ``out_proj`` read dense for its columns): every packed linear computes what the
+    dequantized one does, within fp32 rounding (greedy tokens are not compared there: the packed engine runs its
+    float32 LM head in bfloat16, ``dense_linears.pack_dense_linears``)."""
     path = files["Q8_0"]
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                               dtype=torch.float32).eval()
-    llm = _engine(path)
     prompts = _prompts()
-    got = run(llm, prompts, max_tokens=16)
-    assert got == [hf_oracle.hf_greedy(hf, p, 16) for p in prompts]
+    dense = _engine(path)
+    assert run(dense, prompts, max_tokens=16) == [hf_oracle.hf_greedy(hf, p, 16) for p in prompts]
+    packed = _engine(path, quantization="gguf").llm_engine.model
+    attn = packed.layers[0].linear_attn
+    assert [type(m) is QuantizedLinear for m in (attn.in_proj_qkv, attn.in_proj_z, attn.in_proj_a, attn.out_proj)] \
+        == [True, True, True, False]
+    by_name = dict(dense.llm_engine.model.named_modules())
+    x = torch.randn(5, QWEN35["hidden_size"], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for name, m in packed.named_modules():
+            if isinstance(m, QuantizedLinear) and m.in_features == x.shape[1]:
+                want = by_name[name](x)
+                torch.testing.assert_close(m(x), want, rtol=0, atol=1e-6 * want.abs().max().item(), msg=name)
