@@ -5,7 +5,11 @@ gated ``ssm_norm``), ``A_log`` as ``-exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias`
 heads reordered from grouped to tiled (the rows of ``attn_qkv``'s value part, the conv's, ``attn_gate``,
 ``ssm_alpha``/``ssm_beta``, ``ssm_a``, ``ssm_dt``; the columns of ``ssm_out``). The tiny config has 2 key heads for 4
 value heads, so the reorder is no identity. Dense (``qwen35``) and MoE (``qwen35moe``: ``Qwen2MoeModel``'s stacked
-``ffn_{gate,up,down}_exps``, the shared expert's gate as ``[hidden]``) alike.
+``ffn_{gate,up,down}_exps``, the shared expert's gate as ``[hidden]``) alike. Qwen3-Next (``qwen3next``,
+``Qwen3NextModel``): the same norm / A / dt_bias / conv transforms, no value-head reorder, its fused ``in_proj_qkvz``
+split into ``attn_qkv`` and ``attn_gate``; transformers builds no config for it, pagedllm does from the metadata
+(models/gguf_archs.py), and HF cannot read the file, so its Q8_0 oracle is HF on the weights the file holds (gguf's
+quantize/dequantize round trip).
 
 F32: every tensor pagedllm loads equals the safetensors model's, fp32 logits within 1e-4 of HF's on the original
 checkpoint, and greedy tokens (chunked prefill under a 16-token budget, mixed batches) equal HF's. Q8_0 (linear
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -43,7 +48,10 @@ QWEN35 = {k: v for k, v in QWEN3_NEXT.items() if k not in ("mlp_only_layers", *_
     layer_types=["linear_attention", "full_attention"] * 2)
 #: Qwen3.5-MoE: the same with 4 experts (top 2) and a shared expert on every layer
 QWEN35_MOE = QWEN35 | {k: QWEN3_NEXT[k] for k in _MOE} | dict(model_type="qwen3_5_moe_text")
-CONFIGS = {"qwen35": QWEN35, "qwen35moe": QWEN35_MOE}
+#: Qwen3-Next: the same experts, Qwen3-Next's fused projections (in_proj_qkvz, in_proj_ba), every layer sparse
+QWEN3NEXT = QWEN35_MOE | dict(model_type="qwen3_next", mlp_only_layers=[])
+CONFIGS = {"qwen35": QWEN35, "qwen35moe": QWEN35_MOE, "qwen3next": QWEN3NEXT}
+ARCHS = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next"}
 PROMPT_LENS = (1, 2, 7, 9, 16, 17, 23, 37)
 
 
@@ -54,11 +62,11 @@ def _reorder_v_heads(t: np.ndarray, axis: int, nk: int, per_k: int, head_dim: in
     return np.swapaxes(t, axis, axis + 1).reshape(shape)
 
 
-def _converted(c, hf_name: str, data: np.ndarray) -> tuple[str, np.ndarray]:
-    """(the name given to gguf's name map, the data) after the converter's ``modify_tensors`` chain."""
+def _converted(c, hf_name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """[(the name given to gguf's name map, the data)] after the converter's ``modify_tensors`` chain."""
     nk, nv = c.linear_num_key_heads, c.linear_num_value_heads
     per_k, dv, qk = nv // nk, c.linear_value_head_dim, 2 * c.linear_key_head_dim * nk
-    if "linear_attn." in hf_name and per_k > 1:  # _LinearAttentionVReorderBase
+    if "linear_attn." in hf_name and per_k > 1 and c.model_type != "qwen3_next":  # _LinearAttentionVReorderBase
         if ".in_proj_qkv." in hf_name or ".conv1d." in hf_name:
             data = data.squeeze() if ".conv1d." in hf_name else data
             data = np.concatenate([data[:qk], _reorder_v_heads(data[qk:], 0, nk, per_k, dv)])
@@ -78,7 +86,20 @@ def _converted(c, hf_name: str, data: np.ndarray) -> tuple[str, np.ndarray]:
         data = data.squeeze()
     elif hf_name.endswith("norm.weight") and not hf_name.endswith("linear_attn.norm.weight"):
         data = data + 1
-    return hf_name, data
+    if "in_proj_qkvz.weight" in hf_name:  # Qwen3NextModel: [q, k, v, z] per key head -> all q, k, v; all z
+        dk, vk = c.linear_key_head_dim, per_k * dv
+        q, k, v, z = np.split(data.reshape(nk, -1, data.shape[-1]), [dk, 2 * dk, 2 * dk + vk], axis=1)
+        stem = hf_name.removesuffix(".in_proj_qkvz.weight")
+        return [(f"{stem}.in_proj_qkv.weight", np.concatenate([x.reshape(-1, data.shape[-1]) for x in (q, k, v)])),
+                (f"{stem}.in_proj_z.weight", z.reshape(-1, data.shape[-1]))]
+    return [(hf_name, data)]
+
+
+def _quantized(gname: str, data: np.ndarray, block: int) -> bool:
+    """Whether the writer block-quantizes a tensor: 2-D (or stacked) weights whose rows split into blocks, but the
+    embedding and the conv."""
+    return data.ndim >= 2 and gname.endswith(".weight") and data.shape[-1] % block == 0 \
+        and gname != "token_embd.weight" and "ssm_conv1d" not in gname
 
 
 def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
@@ -89,7 +110,7 @@ def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
     from safetensors.torch import load_file
 
     c = AutoConfig.from_pretrained(hf_dir)
-    arch = "qwen35moe" if "moe" in c.model_type else "qwen35"
+    arch = ARCHS[c.model_type]
     hf = load_file(os.path.join(hf_dir, "model.safetensors"))
     experts: dict[str, dict[int, torch.Tensor]] = {}  # Qwen2MoeModel stacks them: [experts, out, in]
     for name in [n for n in hf if re.fullmatch(r".*\.experts\.\d+\.\w+\.weight", n)]:
@@ -101,9 +122,9 @@ def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
-    if arch == "qwen35":
+    if arch != "qwen35moe":
         w.add_feed_forward_length(c.intermediate_size)
-    else:
+    if arch != "qwen35":
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
         w.add_expert_count(c.num_experts)
@@ -116,7 +137,8 @@ def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
     w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     rotary = int(c.head_dim * c.rope_parameters.get("partial_rotary_factor", 0.25))
     w.add_rope_dimension_count(rotary)
-    w.add_rope_dimension_sections([1, 1, 1, 0])  # three axes (text: each reads the same position, any split does)
+    if arch != "qwen3next":  # three axes (text: each reads the same position, any split does)
+        w.add_rope_dimension_sections([1, 1, 1, 0])
     w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
     w.add_ssm_state_size(c.linear_key_head_dim)
     w.add_ssm_group_count(c.linear_num_key_heads)
@@ -132,23 +154,21 @@ def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
     w.add_tokenizer_pre("qwen35")
     w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
     w.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE if arch == "qwen35moe" else gguf.MODEL_ARCH.QWEN35,
-                                     c.num_hidden_layers)
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], c.num_hidden_layers)
     qt = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[qt][0]
     for hf_name, t in hf.items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
             continue
-        name, data = _converted(c, hf_name, t.numpy().astype(np.float32))
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        assert gname is not None, name
-        if gname.endswith("ffn_gate_inp_shexp.weight"):
-            data = data.reshape(-1)  # the converter's [hidden] for HF's [1, hidden]
-        if qtype != "F32" and data.ndim >= 2 and gname.endswith(".weight") and data.shape[-1] % block == 0 \
-                and gname != "token_embd.weight" and "ssm_conv1d" not in gname:
-            w.add_tensor(gname, quantize(data, qt), raw_dtype=qt)
-        else:
-            w.add_tensor(gname, np.ascontiguousarray(data))
+        for name, data in _converted(c, hf_name, t.numpy().astype(np.float32)):
+            gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gname is not None, name
+            if gname.endswith("ffn_gate_inp_shexp.weight"):
+                data = data.reshape(-1)  # the converter's [hidden] for HF's [1, hidden]
+            if qtype != "F32" and _quantized(gname, data, block):
+                w.add_tensor(gname, quantize(data, qt), raw_dtype=qt)
+            else:
+                w.add_tensor(gname, np.ascontiguousarray(data))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -156,14 +176,34 @@ def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
     return path
 
 
+def _round_tripped(hf_dir: str, out_dir: str) -> str:
+    """``hf_dir`` with every tensor the Q8_0 file quantizes through gguf's quantize/dequantize (blocks run along rows,
+    which the converter's row splits, stacks and reorders keep whole): the weights a Q8_0 file holds, for HF."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file, save_file
+
+    q8 = GGMLQuantizationType.Q8_0
+    shutil.copytree(hf_dir, out_dir)
+    hf = load_file(os.path.join(hf_dir, "model.safetensors"))
+    for n, t in hf.items():
+        if t.ndim == 2 and not n.endswith("shared_expert_gate.weight") and _quantized(n, t.numpy(), 32) \
+                and "embed_tokens" not in n:
+            hf[n] = torch.from_numpy(dequantize(quantize(t.numpy(), q8), q8).copy())
+    save_file(hf, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def files(request, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp(f"gguf_{request.param}")
     hf_dir = save_random_model(CONFIGS[request.param], root / "hf")
-    out = {"hf": hf_dir}
+    out = {"hf": hf_dir, "arch": request.param}
     for qtype in ("F32", "Q8_0"):
         os.makedirs(root / qtype)
         out[qtype] = write_qwen35_gguf(hf_dir, str(root / qtype / f"tiny-{request.param}-{qtype}.gguf"), qtype)
+    if request.param == "qwen3next":  # transformers reads no qwen3next GGUF: HF on the weights the file holds
+        out["hf-Q8_0"] = _round_tripped(hf_dir, str(root / "hf-Q8_0"))
     return out
 
 
@@ -179,18 +219,30 @@ def _engine(path: str, **kw) -> LLM:
 
 def test_qwen35_gguf_tensors_are_the_checkpoints(files):
     """Every tensor loaded from the F32 file equals the safetensors model's (norm offsets and A within fp32 rounding;
-    the reorders exactly); the config from transformers' GGUF reader has the checkpoint's shape."""
+    the reorders exactly), and every linear (held by the backend's dense kernel, outside the state dict) computes
+    what the safetensors model's does; the config (transformers' GGUF reader; Qwen3-Next: gguf_archs) has the
+    checkpoint's shape."""
     ours, theirs = load_config(files["F32"]), load_config(files["hf"])
     for key in ("hidden_size", "num_hidden_layers", "layer_types", "linear_num_key_heads", "linear_num_value_heads",
                 "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "head_dim",
-                "vocab_size", "tie_word_embeddings", *(_MOE if "moe" in theirs.model_type else ["intermediate_size"])):
+                "vocab_size", "tie_word_embeddings", "model_type", "architectures",
+                *(["intermediate_size"] if theirs.model_type == "qwen3_5_text" else _MOE)):
         assert getattr(ours, key) == getattr(theirs, key), key
     backend = get_backend("cpu")
-    got = load_model(files["F32"], backend=backend, dtype=torch.float32, device=torch.device("cpu")).state_dict()
-    want = load_model(files["hf"], backend=backend, dtype=torch.float32, device=torch.device("cpu")).state_dict()
+    ours = load_model(files["F32"], backend=backend, dtype=torch.float32, device=torch.device("cpu"))
+    theirs = load_model(files["hf"], backend=backend, dtype=torch.float32, device=torch.device("cpu"))
+    got, want = ours.state_dict(), theirs.state_dict()
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=2e-7, msg=name)
+    by_name = dict(theirs.named_modules())
+    linears = [(n, m) for n, m in ours.named_modules() if hasattr(m, "in_features") and not list(m.children())]
+    assert any(n.endswith("linear_attn.out_proj") for n, _ in linears)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for name, m in linears:
+            x = torch.randn(3, m.in_features, generator=g)
+            torch.testing.assert_close(m(x), by_name[name](x), rtol=0, atol=1e-6, msg=name)
 
 
 def test_qwen35_gguf_f32_logits_and_greedy_match_hf(files):
@@ -222,15 +274,19 @@ def test_qwen35_gguf_q8_0_matches_hf_reading_the_same_file(files):
     dequantized one does, within fp32 rounding (greedy tokens are not compared there: the packed engine runs its
     float32 LM head in bfloat16, ``dense_linears.pack_dense_linears``)."""
     path = files["Q8_0"]
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                              dtype=torch.float32).eval()
+    hf = hf_model(files["hf-Q8_0"]) if "hf-Q8_0" in files else AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32).eval()
     prompts = _prompts()
     dense = _engine(path)
     assert run(dense, prompts, max_tokens=16) == [hf_oracle.hf_greedy(hf, p, 16) for p in prompts]
     packed = _engine(path, quantization="gguf").llm_engine.model
     attn = packed.layers[0].linear_attn
-    assert [type(m) is QuantizedLinear for m in (attn.in_proj_qkv, attn.in_proj_z, attn.in_proj_a, attn.out_proj)] \
-        == [True, True, True, False]
+    if files["arch"] == "qwen3next":  # in_proj_qkvz rebuilt from two tensors (dense), in_proj_ba as stored
+        assert [type(m) is QuantizedLinear for m in (attn.in_proj_qkvz, attn.in_proj_ba, attn.out_proj)] == [
+            False, True, True]
+    else:
+        assert [type(m) is QuantizedLinear for m in (attn.in_proj_qkv, attn.in_proj_z, attn.in_proj_a,
+                                                     attn.out_proj)] == [True, True, True, False]
     by_name = dict(dense.llm_engine.model.named_modules())
     x = torch.randn(5, QWEN35["hidden_size"], generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():

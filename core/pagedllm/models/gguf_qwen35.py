@@ -12,6 +12,11 @@
   ``dt_bias``, the value rows of ``in_proj_qkv`` (``attn_qkv``) and of the conv, and the columns of ``out_proj``
   (``ssm_out``). Row orders are undone on packed blocks too (a row permutation never splits a block); ``ssm_out``'s
   column order crosses blocks, so it is read dense (:func:`column_order`).
+
+Qwen3-Next (``qwen3next``, ``Qwen3NextModel``) gets the same norm, ``A``, ``dt_bias`` and conv transforms but no
+value-head reorder; its fused ``in_proj_qkvz`` (``[q, k, v, z]`` per key head) is split into ``attn_qkv`` (all q, all
+k, all v) and ``attn_gate`` (all z), put back together by :meth:`Qwen35Layout.fuse_qkvz`; ``in_proj_ba`` is written as
+it is (``ssm_ba``). Its config is built from the metadata by ``gguf_archs.qwen3next_config``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any, Optional
 import numpy as np
 
 #: GGUF architectures whose tensors are transformed here
-QWEN35_GGUF_ARCHS = ("qwen35", "qwen35moe")
+QWEN35_GGUF_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 
 
 def converter_name(hf_name: str) -> str:
@@ -38,12 +43,14 @@ def _tiled_to_grouped(num_k_heads: int, per_k: int, head_dim: int) -> np.ndarray
 
 
 class Qwen35Layout:
-    """The converter's value-head reorder for one config (``linear_num_key_heads`` < ``linear_num_value_heads``)."""
+    """The converter's transforms for one file: ``arch`` and the config's head counts (the value-head reorder only
+    for Qwen3.5 with ``linear_num_key_heads`` < ``linear_num_value_heads``)."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, arch: str):
         nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
-        self.per_k = nv // nk if nk and nv != nk else 1
-        self.nk, self.dv = nk, config.linear_value_head_dim
+        self.per_k = nv // nk if arch != "qwen3next" and nk and nv != nk else 1
+        self.nk, self.dk, self.dv = nk, config.linear_key_head_dim, config.linear_value_head_dim
+        self.nv = nv
         self.qk_rows = 2 * config.linear_key_head_dim * nk  # q and k rows of in_proj_qkv and the conv
 
     def _order(self, head_dim: int, offset: int = 0) -> Optional[np.ndarray]:
@@ -79,3 +86,10 @@ class Qwen35Layout:
             return data[:, None]
         cols = self.column_order(gguf_name)
         return data if cols is None else data[:, cols]
+
+    def fuse_qkvz(self, qkv: np.ndarray, z: np.ndarray) -> np.ndarray:
+        """Qwen3-Next's ``in_proj_qkvz`` (``[q, k, v, z]`` per key head) from ``attn_qkv`` and ``attn_gate``."""
+        h, vk = qkv.shape[-1], self.nv // self.nk * self.dv  # value rows per key head
+        q, k = (qkv[i * self.nk * self.dk:(i + 1) * self.nk * self.dk].reshape(self.nk, self.dk, h) for i in (0, 1))
+        v = qkv[self.qk_rows:].reshape(self.nk, vk, h)
+        return np.concatenate([q, k, v, z.reshape(self.nk, vk, h)], axis=1).reshape(-1, h)

@@ -125,7 +125,7 @@ class GGUFWeights:
         heads = getattr(config, "num_attention_heads", None) or 1  # (pure Mamba2: no attention)
         self._heads = {"attn_q": heads, "attn_k": getattr(config, "num_key_value_heads", None) or heads}
         self._falcon_groups = (config.num_kv_heads if getattr(config, "new_decoder_architecture", False) else 1)
-        self._qwen35 = Qwen35Layout(config) if self.arch in QWEN35_GGUF_ARCHS else None  # gguf_qwen35.py
+        self._qwen35 = Qwen35Layout(config, self.arch) if self.arch in QWEN35_GGUF_ARCHS else None  # gguf_qwen35.py
 
     def gguf_name(self, name: str) -> Optional[str]:
         if name.endswith("e_score_correction_bias"):  # the converter writes it as ``...e_score_correction.bias``
@@ -144,10 +144,18 @@ class GGUFWeights:
         parts = [self._tensors.get(g.replace("attn_kv_b", kind)) for kind in ("attn_k_b", "attn_v_b")]
         return None if None in parts else tuple(parts)
 
+    def _split_qkvz(self, name: str) -> Optional[tuple[GGUFTensor, GGUFTensor]]:
+        """(attn_qkv, attn_gate) when ``name`` is a Qwen3-Next ``in_proj_qkvz`` the file holds only split."""
+        g = self.gguf_name(name) if name.endswith("linear_attn.in_proj_qkvz.weight") else None
+        if g is None or g in self._tensors:
+            return None
+        parts = [self._tensors.get(g.replace("ssm_in", kind)) for kind in ("attn_qkv", "attn_gate")]
+        return None if None in parts else tuple(parts)
+
     def __contains__(self, name: str) -> bool:
         g = self.gguf_name(name)
         if g is None or g not in self._tensors:
-            return self._split_kv_b(name) is not None
+            return self._split_kv_b(name) is not None or self._split_qkvz(name) is not None
         s = _stacked(name)
         return s is None or s[1] < self._tensors[g].data.shape[0]
 
@@ -187,6 +195,10 @@ class GGUFWeights:
             k_b, v_b = (np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in split)
             kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
             return torch.from_numpy(np.ascontiguousarray(kv_b.reshape(-1, kv_b.shape[-1])))
+        split = self._split_qkvz(name)
+        if split is not None:  # Qwen3-Next's [q, k, v, z] per key head from attn_qkv and attn_gate
+            qkv, z = (np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in split)
+            return torch.from_numpy(self._qwen35.fuse_qkvz(qkv, z))
         t = self._tensor(name)
         data = t.data if t.tensor_type.name in ("F32",) else dequantize(t.data, t.tensor_type)
         data = np.asarray(data, dtype=np.float32)
@@ -210,7 +222,7 @@ class GGUFWeights:
     def blocks(self, name: str) -> Optional[GGUFTensor]:
         """The file's own tensor for ``name`` (``data``: its read-only mapping, not copied) when it is a 2-D block
         type with rows in HF order; None otherwise."""
-        if name not in self:
+        if name not in self or self._split_qkvz(name) is not None:
             return None
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2 or self._rows(t.name, t.data.shape[0]) is not None:
@@ -221,7 +233,7 @@ class GGUFWeights:
 
     def quantized(self, name: str) -> Optional[QuantizedWeight]:
         """The packed blocks of a 2-D block-quantized tensor, rows in HF order; None for dense tensors."""
-        if self._split_kv_b(name) is not None:
+        if self._split_kv_b(name) is not None or self._split_qkvz(name) is not None:
             return None
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2:
