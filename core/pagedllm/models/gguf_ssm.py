@@ -6,7 +6,7 @@
   ``A = -exp(A_log)`` and, like ``D``, as ``[heads, 1]``; the gated norm ``[d_inner]`` as ``[n_groups, d_inner /
   n_groups]``; ``dt_bias`` renamed ``dt_proj.bias`` before the name map (``ssm_dt.bias``).
 
-Qwen3.5's (``qwen35`` / ``qwen35moe``) are undone by ``gguf_qwen35.py``.
+Qwen3.5's and Qwen3-Next's (``qwen35`` / ``qwen35moe`` / ``qwen3next``) are undone by ``gguf_qwen35.py``.
 """
 
 from __future__ import annotations
