@@ -13,9 +13,9 @@ gated norm as ``[groups, d_inner / groups]``, ``dt_bias`` as ``ssm_dt.bias``, th
 no config for it, so pagedllm does (models/gguf_archs.py) and undoes the tensor transforms (models/gguf_ssm.py); F32
 and Q8_0 against the original model (Q8_0: with gguf's own quantize/dequantize round trip of the linear weights).
 
-``granitehybrid`` and ``qwen3next`` are not loaded: transformers builds no config for them either (tested), and
-their layouts (MoE, fused projections) are not mapped here. ``qwen35`` (Qwen3.5) gets a config from transformers but
-is refused at load: its converter transforms are not undone here.
+``granitehybrid`` is not loaded: transformers builds no config for it either (tested), and its layout (MoE, fused
+projections) is not mapped here. Qwen3.5 (``qwen35`` / ``qwen35moe``) and Qwen3-Next (``qwen3next``, whose config
+transformers does not build either: pagedllm does): test_gguf_qwen35.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from transformers import AutoModelForCausalLM
 from engine_parity import hf_model, run
 import hf_oracle
 from pagedllm import LLM
-from pagedllm.errors import UnsupportedModelError
 from pagedllm.models import load_config
 from pagedllm.models.lfm2 import Lfm2CausalLM
 from hf_recompute import hf_greedy_recompute
@@ -149,7 +148,8 @@ def test_lfm2_gguf_q8_0_matches_hf_reading_the_same_file(files):
 @pytest.mark.parametrize("arch", ["mamba2", "granitehybrid", "qwen3next"])
 def test_transformers_builds_no_config_for_the_other_stateful_archs(tmp_path, arch):
     """transformers refuses the config of a GGUF of llama.cpp's other stateful archs (a header alone shows it):
-    Mamba2's is built by pagedllm (below); Granite-4.0-H's and Qwen3-Next's files are not loaded."""
+    Mamba2's and Qwen3-Next's are built by pagedllm (below; test_gguf_qwen35.py); Granite-4.0-H's files are not
+    loaded."""
     import gguf
     from transformers import AutoConfig
 
@@ -274,40 +274,3 @@ def test_mamba2_gguf_greedy_matches_hf(mamba2_files, qtype):
     got = run(llm, prompts, max_tokens=12)
     assert got == [hf_greedy_recompute(oracle, tuple(p), 12) for p in prompts]
 
-
-def test_qwen3_5_gguf_is_refused_not_run_wrong(tmp_path):
-    """A Qwen3.5 file gets a config from transformers' GGUF reader and gguf's name map knows its tensors, but
-    llama.cpp's transforms of them are not undone here: the load is refused naming the arch and why, rather than
-    running the transformed weights."""
-    import gguf
-
-    path = str(tmp_path / "tiny-qwen35.gguf")
-    w = gguf.GGUFWriter(path, "qwen35")
-    for key, value in dict(context_length=256, embedding_length=64, block_count=4, feed_forward_length=96,
-                           full_attention_interval=4).items():
-        w.add_uint32(f"qwen35.{key}", value)
-    w.add_head_count(4)
-    w.add_head_count_kv(2)
-    w.add_key_length(16)
-    w.add_value_length(16)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
-    w.add_rope_dimension_count(4)
-    w.add_rope_dimension_sections([2, 0, 0, 0])
-    w.add_ssm_conv_kernel(4)
-    w.add_ssm_state_size(8)
-    w.add_ssm_group_count(2)
-    w.add_ssm_time_step_rank(4)
-    w.add_ssm_inner_size(48)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([f"<t{i}>" for i in range(64)])
-    w.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    assert load_config(path).architectures == ["Qwen3_5ForCausalLM"]  # transformers reads it
-    with pytest.raises(UnsupportedModelError, match=r"arch qwen35\): llama.cpp's Qwen3.5 converter stores "
-                                                    r"zero-centred norms as w \+ 1"):
-        LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, max_model_len=64,
-            kv_cache_memory=8 << 20)

@@ -28,6 +28,12 @@ tensor names, so only the config is ours. Keys are those llama.cpp's ``convert_h
   ``max_position_embeddings`` (the converter writes an arbitrary 2^20; ``models/mamba2.py``'s default applies, as
   for HF checkpoints). Its tensor transforms are undone by ``gguf_ssm``. LFM2 (``lfm2``) needs nothing here:
   transformers' GGUF reader builds its config.
+- ``qwen3next`` (Qwen3-Next, llama.cpp's ``Qwen3NextModel`` over ``Qwen2MoeModel``): the Gated DeltaNet sizes from
+  ``ssm.*`` (``group_count`` key heads, ``time_step_rank`` value heads, ``state_size`` the key head size,
+  ``inner_size`` the whole value width), ``full_attention_interval`` (the layer kinds), the rotary width
+  ``rope.dimension_count`` (``partial_rotary_factor`` of ``attention.key_length``), the experts from ``expert_*``;
+  every layer sparse (the converter writes no ``mlp_only_layers``). Its tensor transforms are undone by
+  ``gguf_qwen35``.
 
 Falcon goes through transformers' GGUF config, which can only say Falcon-7B's layout (multi-query, one layernorm);
 ``complete_falcon_config`` adds what a Falcon-40B/180B / Falcon 2 file means (llama.cpp's rule): a second layernorm
@@ -61,7 +67,7 @@ from typing import Any
 from pagedllm.models.gguf_weights import read_tensors
 
 #: GGUF architectures whose config is built here (the rest go through transformers).
-OWN_CONFIG_ARCHS = ("glm4", "baichuan", "chatglm", "deepseek2", "mamba2")
+OWN_CONFIG_ARCHS = ("glm4", "baichuan", "chatglm", "deepseek2", "mamba2", "qwen3next")
 
 
 def gguf_architecture(path: str) -> str:
@@ -212,6 +218,29 @@ def mamba2_config(path: str) -> Any:
                         pad_token_id=meta.get("tokenizer.ggml.padding_token_id"), architectures=["Mamba2ForCausalLM"])
 
 
+def qwen3next_config(path: str) -> Any:
+    from transformers import Qwen3NextConfig  # heavy: transformers
+
+    meta, fields, shapes = _common(path, "qwen3next")
+    k = lambda key: _require(meta, f"qwen3next.{key}", path)  # noqa: E731
+    value_heads, head_dim = int(k("ssm.time_step_rank")), int(k("attention.key_length"))
+    interval = int(k("full_attention_interval"))
+    layers = fields["num_hidden_layers"] - int(meta.get("qwen3next.nextn_predict_layers", 0))
+    fields.update(num_hidden_layers=layers, head_dim=head_dim,
+                  layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                               for i in range(layers)],
+                  rope_parameters=dict(rope_type="default", rope_theta=fields.pop("rope_theta"),
+                                       partial_rotary_factor=int(k("rope.dimension_count")) / head_dim),
+                  linear_conv_kernel_dim=int(k("ssm.conv_kernel")), linear_key_head_dim=int(k("ssm.state_size")),
+                  linear_num_key_heads=int(k("ssm.group_count")), linear_num_value_heads=value_heads,
+                  linear_value_head_dim=int(k("ssm.inner_size")) // value_heads,
+                  num_experts=int(k("expert_count")), num_experts_per_tok=int(k("expert_used_count")),
+                  moe_intermediate_size=int(k("expert_feed_forward_length")),
+                  shared_expert_intermediate_size=int(k("expert_shared_feed_forward_length")),
+                  decoder_sparse_step=1, mlp_only_layers=[])
+    return Qwen3NextConfig(**fields, architectures=["Qwen3NextForCausalLM"])
+
+
 def complete_falcon_config(path: str, config: Any) -> Any:
     """transformers' Falcon config of the GGUF at ``path`` with the new-decoder layout when the file has it."""
     st = os.stat(path)
@@ -294,4 +323,4 @@ def complete_gemma_config(path: str, config: Any) -> Any:
 def own_gguf_config(path: str, arch: str) -> Any:
     """The HF config of a GGUF file of an ``OWN_CONFIG_ARCHS`` architecture."""
     return {"glm4": glm4_config, "baichuan": baichuan_config, "chatglm": chatglm_config,
-            "deepseek2": deepseek2_config, "mamba2": mamba2_config}[arch](path)
+            "deepseek2": deepseek2_config, "mamba2": mamba2_config, "qwen3next": qwen3next_config}[arch](path)

@@ -6,10 +6,7 @@
   ``A = -exp(A_log)`` and, like ``D``, as ``[heads, 1]``; the gated norm ``[d_inner]`` as ``[n_groups, d_inner /
   n_groups]``; ``dt_bias`` renamed ``dt_proj.bias`` before the name map (``ssm_dt.bias``).
 
-Qwen3.5 files (``qwen35`` / ``qwen35moe``) get a config from transformers' GGUF reader and their tensor names map,
-but their converter transforms are not undone here (norms stored as ``w + 1``, ``A = -exp(A_log)``, value heads tiled
-instead of grouped in four projections and the conv, ``out_proj``'s columns likewise): they are refused at load
-(:data:`REFUSED_GGUF_ARCHS`) rather than run wrong.
+Qwen3.5's and Qwen3-Next's (``qwen35`` / ``qwen35moe`` / ``qwen3next``) are undone by ``gguf_qwen35.py``.
 """
 
 from __future__ import annotations
@@ -20,12 +17,6 @@ import numpy as np
 
 #: GGUF architectures whose tensors are transformed here
 STATEFUL_GGUF_ARCHS = ("lfm2", "mamba2")
-#: Stateful GGUF architectures that would load with llama.cpp's transforms still applied: why each is refused
-REFUSED_GGUF_ARCHS = dict.fromkeys(
-    ("qwen35", "qwen35moe"),
-    "llama.cpp's Qwen3.5 converter stores zero-centred norms as w + 1, A_log as -exp(A_log) and the Gated DeltaNet "
-    "value heads tiled instead of grouped; pagedllm does not undo these yet, so the file would run wrong (load the "
-    "safetensors checkpoint instead)")
 
 
 def converter_name(arch: str, hf_name: str) -> str:

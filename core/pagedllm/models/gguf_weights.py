@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from pagedllm.backend.hookspec import QuantizedWeight
-from pagedllm.errors import UnsupportedModelError
-from pagedllm.models.gguf_ssm import REFUSED_GGUF_ARCHS, converter_name, undo_converter
+from pagedllm.models.gguf_qwen35 import (QWEN35_GGUF_ARCHS, Qwen35Layout,
+    converter_name as qwen35_converter_name)
+from pagedllm.models.gguf_ssm import converter_name, undo_converter
 from pagedllm.quantization.gguf import DENSE_TYPES
 
 
@@ -118,14 +119,13 @@ class GGUFWeights:
         import gguf  # heavy: gguf
 
         self.arch, tensors = read_tensors(path)
-        if self.arch in REFUSED_GGUF_ARCHS:
-            raise UnsupportedModelError(f"GGUF file {path} (arch {self.arch}): {REFUSED_GGUF_ARCHS[self.arch]}")
         arch_id = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
         self._map = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
         self._tensors = {t.name: t for t in tensors}
         heads = getattr(config, "num_attention_heads", None) or 1  # (pure Mamba2: no attention)
         self._heads = {"attn_q": heads, "attn_k": getattr(config, "num_key_value_heads", None) or heads}
         self._falcon_groups = (config.num_kv_heads if getattr(config, "new_decoder_architecture", False) else 1)
+        self._qwen35 = Qwen35Layout(config, self.arch) if self.arch in QWEN35_GGUF_ARCHS else None  # gguf_qwen35.py
 
     def gguf_name(self, name: str) -> Optional[str]:
         if name.endswith("e_score_correction_bias"):  # the converter writes it as ``...e_score_correction.bias``
@@ -133,7 +133,8 @@ class GGUFWeights:
         s = _stacked(name)
         if s:  # one expert (or head) of a stacked tensor
             return self._map.get_name(s[0], try_suffixes=(".weight",))
-        return self._map.get_name(converter_name(self.arch, name), try_suffixes=(".weight", ".bias"))
+        name = converter_name(self.arch, name) if self._qwen35 is None else qwen35_converter_name(name)
+        return self._map.get_name(name, try_suffixes=(".weight", ".bias"))
 
     def _split_kv_b(self, name: str) -> Optional[tuple[GGUFTensor, GGUFTensor]]:
         """(attn_k_b, attn_v_b) when ``name`` is a ``kv_b_proj`` the file holds only split."""
@@ -143,10 +144,18 @@ class GGUFWeights:
         parts = [self._tensors.get(g.replace("attn_kv_b", kind)) for kind in ("attn_k_b", "attn_v_b")]
         return None if None in parts else tuple(parts)
 
+    def _split_qkvz(self, name: str) -> Optional[tuple[GGUFTensor, GGUFTensor]]:
+        """(attn_qkv, attn_gate) when ``name`` is a Qwen3-Next ``in_proj_qkvz`` the file holds only split."""
+        g = self.gguf_name(name) if name.endswith("linear_attn.in_proj_qkvz.weight") else None
+        if g is None or g in self._tensors:
+            return None
+        parts = [self._tensors.get(g.replace("ssm_in", kind)) for kind in ("attn_qkv", "attn_gate")]
+        return None if None in parts else tuple(parts)
+
     def __contains__(self, name: str) -> bool:
         g = self.gguf_name(name)
         if g is None or g not in self._tensors:
-            return self._split_kv_b(name) is not None
+            return self._split_kv_b(name) is not None or self._split_qkvz(name) is not None
         s = _stacked(name)
         return s is None or s[1] < self._tensors[g].data.shape[0]
 
@@ -160,6 +169,8 @@ class GGUFWeights:
 
     def _rows(self, gname: str, n: int) -> Optional[np.ndarray]:
         """The row order undoing llama.cpp's q/k permute (None: rows are already in HF order)."""
+        if self._qwen35 is not None:
+            return self._qwen35.row_order(gname)
         kind = gname.split(".")[-2] if gname.startswith("blk.") else ""
         if self.arch == "falcon" and kind == "attn_qkv" and self._falcon_groups > 1:
             g, d = self._falcon_groups, n // (self._heads["attn_q"] + 2 * self._falcon_groups)
@@ -184,6 +195,10 @@ class GGUFWeights:
             k_b, v_b = (np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in split)
             kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
             return torch.from_numpy(np.ascontiguousarray(kv_b.reshape(-1, kv_b.shape[-1])))
+        split = self._split_qkvz(name)
+        if split is not None:  # Qwen3-Next's [q, k, v, z] per key head from attn_qkv and attn_gate
+            qkv, z = (np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in split)
+            return torch.from_numpy(self._qwen35.fuse_qkvz(qkv, z))
         t = self._tensor(name)
         data = t.data if t.tensor_type.name in ("F32",) else dequantize(t.data, t.tensor_type)
         data = np.asarray(data, dtype=np.float32)
@@ -194,6 +209,8 @@ class GGUFWeights:
         undone = undo_converter(self.arch, t.name, data)  # LFM2 / Mamba2: gguf_ssm.py
         if undone is not None:
             data = undone
+        if self._qwen35 is not None:
+            data = self._qwen35.undo(t.name, data)
         rows = self._rows(t.name, data.shape[0])
         if rows is not None:
             data = data[rows]
@@ -205,20 +222,24 @@ class GGUFWeights:
     def blocks(self, name: str) -> Optional[GGUFTensor]:
         """The file's own tensor for ``name`` (``data``: its read-only mapping, not copied) when it is a 2-D block
         type with rows in HF order; None otherwise."""
-        if name not in self:
+        if name not in self or self._split_qkvz(name) is not None:
             return None
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2 or self._rows(t.name, t.data.shape[0]) is not None:
+            return None
+        if self._qwen35 is not None and self._qwen35.column_order(t.name) is not None:
             return None
         return t
 
     def quantized(self, name: str) -> Optional[QuantizedWeight]:
         """The packed blocks of a 2-D block-quantized tensor, rows in HF order; None for dense tensors."""
-        if self._split_kv_b(name) is not None:
+        if self._split_kv_b(name) is not None or self._split_qkvz(name) is not None:
             return None
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2:
             return None
+        if self._qwen35 is not None and self._qwen35.column_order(t.name) is not None:
+            return None  # out_proj's columns are reordered: read dense (``take``)
         raw = np.asarray(t.data)
         rows = self._rows(t.name, raw.shape[0])
         raw = raw.copy() if rows is None else raw[rows]  # owned rows: the mmap is read-only

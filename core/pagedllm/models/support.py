@@ -52,10 +52,11 @@ VERIFIED: dict[str, str] = {
                        "cpu-static: tests/plugins/cpu/test_static_state.py; GGUF: test_gguf_hybrid.py",
     "Qwen3NextForCausalLM": "tests/models/test_qwen3_next.py (logits vs HF through the state slots, chunked "
                             "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill); delta-rule ops: "
-                            "tests/core/test_delta_rule_ops.py; cpu-static: tests/plugins/cpu/test_static_state.py",
+                            "tests/core/test_delta_rule_ops.py; cpu-static: tests/plugins/cpu/test_static_state.py; "
+                            "GGUF: test_gguf_qwen35.py",
     **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
                     "tests/models/test_qwen3_next.py (logits vs HF through the state slots, full and chunked "
-                    "prefill; engine paths shared with Qwen3-Next)"),
+                    "prefill; engine paths shared with Qwen3-Next); GGUF: test_gguf_qwen35.py"),
     "Mamba2ForCausalLM": "tests/models/test_mamba2.py (logits vs HF through the state slots, chunked prefill across "
                          "SSD chunks, preemption, abort mid-prefill, a scan that drops the state caught); "
                          "cpu-static: tests/plugins/cpu/test_static_state.py; GGUF: test_gguf_hybrid.py",
@@ -86,7 +87,8 @@ VERIFIED: dict[str, str] = {
 # Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral F32 and Q8_0 (tests/models/test_gguf_qwen_mistral.py); GLM-4, ChatGLM, Baichuan,
 # DeepSeek-V2/V3 F32 and Q8_0 (tests/models/test_gguf_glm_baichuan_deepseek.py: configs from the metadata by
 # models/gguf_archs.py, tokenizers by transformers' GGUF tokenizer conversion); StableLM F32 and Q8_0
-# (tests/models/test_stablelm.py); LFM2 and Mamba2 F32 and Q8_0 (tests/models/test_gguf_hybrid.py)
+# (tests/models/test_stablelm.py); LFM2 and Mamba2 F32 and Q8_0 (tests/models/test_gguf_hybrid.py); Qwen3.5,
+# Qwen3.5-MoE and Qwen3-Next F32 and Q8_0 (tests/models/test_gguf_qwen35.py)
 _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "Phi3ForCausalLM": "yes (tested; LongRoPE factors and partial rotary read from the file)",
                 "MistralForCausalLM": "yes (tested; arch llama named mistral; GGUF has no sliding window: "
@@ -118,11 +120,12 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "GptOssForCausalLM": "no (refused at load: its expert and sink tensors are not mapped yet)",
                 "Lfm2ForCausalLM": "yes (tested; arch lfm2, F32 and Q8_0: config by transformers' GGUF reader, "
                                    "conv layers from the per-layer KV head counts)",
-                "Qwen3NextForCausalLM": "no (llama.cpp writes arch qwen3next, which transformers' GGUF reader "
-                                        "does not map: no config or tensor names to load it by)",
-                **dict.fromkeys(("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM"),
-                                "no (arch qwen35 / qwen35moe: transformers' GGUF reader builds the config, but "
-                                "llama.cpp's tensor transforms are not undone, so the load is refused)"),
+                "Qwen3NextForCausalLM": "yes (tested; arch qwen3next, F32 and Q8_0: config from its metadata by "
+                                        "pagedllm, w + 1 norms, A = -exp(A_log), conv shape undone, in_proj_qkvz "
+                                        "rebuilt from attn_qkv and attn_gate; tokenizer untested)",
+                "Qwen3_5ForCausalLM": "yes (tested; arch qwen35, F32 and Q8_0: config by transformers' GGUF reader, "
+                                      "w + 1 norms, A = -exp(A_log), conv shape and tiled value heads undone)",
+                "Qwen3_5MoeForCausalLM": "yes (tested; arch qwen35moe, F32 and Q8_0: as qwen35, experts stacked)",
                 "Mamba2ForCausalLM": "yes (tested; arch mamba2, F32 and Q8_0: config from its metadata by pagedllm, "
                                      "A = -exp(A_log), D, norm and conv shapes undone; tokenizer untested)",
                 "GraniteMoeHybridForCausalLM": "no (llama.cpp writes arch granitehybrid, but transformers' GGUF "
