@@ -216,21 +216,26 @@ def run(args) -> LatencyResult:
     from pagedllm.bench.throughput import make_prompts  # heavy: torch, not at CLI start
     from pagedllm.commands.engine_args import engine_config  # heavy: torch, not at CLI start
     from pagedllm.entrypoints.llm import LLM  # heavy: torch, not at CLI start
+    from pagedllm.models import resolve_model_path  # heavy: torch, not at CLI start
 
-    if args.llama_bench:
-        check_llama_bench(args.llama_bench)
     cfg = engine_config(args)
+    path = resolve_model_path(cfg.model)
+    gguf = path if path.endswith(".gguf") else None
+    if args.llama_bench:  # checked before the model loads
+        check_llama_bench(args.llama_bench)
+        if gguf is None:
+            raise ParamError("model", f"--llama-bench needs a GGUF file as --model (llama.cpp runs only GGUF); got "
+                                      f"{path}")
     t0 = time.perf_counter()
     llm = LLM(**vars(cfg))
     load_s = time.perf_counter() - t0
     engine = llm.llm_engine
-    gguf = str(engine.model_path) if str(engine.model_path).endswith(".gguf") else None
-    if args.llama_bench and gguf is None:
-        raise ParamError("model", f"--llama-bench needs a GGUF file as --model (llama.cpp runs only GGUF); got "
-                                  f"{engine.model_path}")
+    prefill_len = args.prefill_len if args.llama_bench else 0
+    if prefill_len >= engine.config.max_model_len:
+        raise ParamError("prefill_len", f"--prefill-len {prefill_len} needs --max-model-len above it (the engine's "
+                                        f"is {engine.config.max_model_len})")
     threads = torch.get_num_threads()
     prompts = make_prompts(args.num_iters + 1, args.input_len, engine.model.vocab_size, seed=args.seed)
-    prefill_len = args.prefill_len if args.llama_bench else 0
     pp_prompts = make_prompts(args.num_iters + 1, prefill_len, engine.model.vocab_size, seed=args.seed + 1)
     streams = {"pagedllm": lambda p, n: stream_ours(engine, p, n)}
     peer = None

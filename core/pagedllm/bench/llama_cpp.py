@@ -1,8 +1,7 @@
 """``pagedllm bench llama-cpp``: the 2024 llama.cpp anchor (``llama_cpp_peer.py``: gpt4all 2.8.2's build) under the
 Python of a separate venv, on the embedded GGUF by default; ``bench quant`` runs it the same way. The current
-llama.cpp peer (``ci/setup_llamacpp_peer.sh``) runs in ``bench latency --llama-bench``; this module also adds its
-quality checks: ``bench gguf-parity`` (``llama_cpp_parity.py``) and ``bench llama-cpp-perplexity``
-(``llama_cpp_perplexity.py``)."""
+llama.cpp peer (``ci/setup_llamacpp_peer.sh``) runs in ``bench latency --llama-bench``, its quality checks in
+``bench gguf-parity`` (``llama_cpp_parity.py``) and ``bench llama-cpp-perplexity`` (``llama_cpp_perplexity.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
-from pagedllm.bench import llama_cpp_parity, llama_cpp_perplexity
 from pagedllm.bench.llama_cpp_peer import add_options
 
 PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
@@ -22,8 +20,6 @@ def add_parser(sub) -> None:
     p.add_argument("--python", required=True, help="a Python with gpt4all==2.8.2 (never the project venv)")
     add_options(p, gguf_help="GGUF file (default: the embedded SmolLM2 Q4_1)", gguf_required=False)
     p.set_defaults(func=main)
-    llama_cpp_parity.add_parser(sub)
-    llama_cpp_perplexity.add_parser(sub)
 
 
 def peer_command(python: str, gguf: Optional[str], tokens: int, repeats: int, threads: int,
