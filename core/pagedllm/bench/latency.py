@@ -6,8 +6,8 @@ alternated per iteration. Beside them the memory-bandwidth floor: batch-1 decode
 so tokens/s cannot exceed (measured copy bandwidth) / (weight bytes).
 
 ``--llama-bench PATH`` (a GGUF ``--model``) adds a current llama.cpp (``ci/setup_llamacpp_peer.sh``) on the same
-file and threads, alternated per iteration: its ``llama-bench`` tg (``-n OUTPUT_LEN -d INPUT_LEN``) against
-pagedllm's decode, and its pp (``-p PREFILL_LEN``) against pagedllm's prefill of a prompt that long; medians, the
+file and threads, alternated per iteration: its ``llama-bench`` tg (``-p 0 -n OUTPUT_LEN``, from an empty context:
+keep ``--input-len`` short, e.g. 16) against pagedllm's decode, and its pp (``-p PREFILL_LEN``) against pagedllm's prefill of a prompt that long; medians, the
 ratios, llama.cpp's build, and both processes' peak RSS against the file's size. Always reported: the bytes a decode
 token reads (weights in their kernels' layout + the KV cache at the run's mean context) and the host time per decode
 step outside the model's forward and LM head (scheduling, inputs, sampling, outputs: the per-step Python).
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shlex
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -50,7 +51,8 @@ class LlamaCppPeer:
     build: str
     model_type: str
     file_bytes: int
-    tg_tok_s: list[float]  # llama-bench tg: -n output_len at depth input_len
+    extra_args: list[str]  # --llama-bench-args
+    tg_tok_s: list[float]  # llama-bench tg: -p 0 -n output_len (an empty context)
     pp_tok_s: list[float]  # llama-bench pp: -p prefill_len (empty without a prefill test)
     ours_pp_tok_s: list[float]  # pagedllm's prefill of prefill_len tokens (TTFT of one output token)
     peak_rss_bytes: int  # llama-bench's, the largest over its runs
@@ -235,6 +237,7 @@ def run(args) -> LatencyResult:
         raise ParamError("prefill_len", f"--prefill-len {prefill_len} needs --max-model-len above it (the engine's "
                                         f"is {engine.config.max_model_len})")
     threads = torch.get_num_threads()
+    extra = shlex.split(args.llama_bench_args or "")
     prompts = make_prompts(args.num_iters + 1, args.input_len, engine.model.vocab_size, seed=args.seed)
     pp_prompts = make_prompts(args.num_iters + 1, prefill_len, engine.model.vocab_size, seed=args.seed + 1)
     streams = {"pagedllm": lambda p, n: stream_ours(engine, p, n)}
@@ -258,11 +261,11 @@ def run(args) -> LatencyResult:
             engine.kv.reset_prefix_cache()
             stamps[name].append(stream(prompts[i], args.output_len))
         if args.llama_bench:
-            tg.append(run_llama_bench(args.llama_bench, gguf, threads, 0, args.output_len, depth=args.input_len))
+            tg.append(run_llama_bench(args.llama_bench, gguf, threads, 0, args.output_len, extra_args=extra))
         if prefill_len:
             engine.kv.reset_prefix_cache()
             ours_pp.append(prefill_len / stream_ours(engine, pp_prompts[i], 1)[0])
-            pp.append(run_llama_bench(args.llama_bench, gguf, threads, prefill_len, 0))
+            pp.append(run_llama_bench(args.llama_bench, gguf, threads, prefill_len, 0, extra_args=extra))
     if peer is not None:
         peer.close()
     engine.kv.reset_prefix_cache()
@@ -279,7 +282,7 @@ def run(args) -> LatencyResult:
     res.engines = {name: summarize(s) for name, s in stamps.items()}
     if tg:
         med = statistics.median
-        peer_res = LlamaCppPeer(tg[0].build, tg[0].model_type, res.file_bytes, [r.tok_s for r in tg],
+        peer_res = LlamaCppPeer(tg[0].build, tg[0].model_type, res.file_bytes, extra, [r.tok_s for r in tg],
                                 [r.tok_s for r in pp], ours_pp, max(r.peak_rss_bytes for r in tg + pp))
         peer_res.median_tg_tok_s = med(peer_res.tg_tok_s)
         peer_res.decode_ratio = res.engines["pagedllm"].decode_tok_s / peer_res.median_tg_tok_s
@@ -304,7 +307,10 @@ def add_parser(sub) -> None:
     p.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate, alternated")
     p.add_argument("--llama-bench", default=None, metavar="PATH",
                    help="also run llama.cpp's llama-bench (ci/setup_llamacpp_peer.sh) on the same GGUF --model and "
-                        "threads, alternated: tg (-n OUTPUT_LEN -d INPUT_LEN) and pp (-p PREFILL_LEN)")
+                        "threads, alternated: tg (-p 0 -n OUTPUT_LEN: keep --input-len short) and pp (-p PREFILL_LEN "
+                        "-n 0)")
+    p.add_argument("--llama-bench-args", default=None, metavar="ARGS",
+                   help="extra llama-bench options, e.g. '--repack 0' where ggml's AMX path faults (a VM with AMX)")
     p.add_argument("--prefill-len", type=int, default=2048,
                    help="with --llama-bench: prompt tokens of the prefill test (llama-bench pp); 0 skips it")
     p.add_argument("--json", default=None, help="write the result as JSON here")
@@ -330,10 +336,11 @@ def main(args) -> int:
     print(f"pagedllm: load {res.load_s:.1f} s, peak RSS {res.peak_rss_bytes * mb:,.0f} MB{of_file}")
     lc = res.llama_cpp
     if lc is not None:
-        print(f"llama.cpp {lc.build} ({lc.model_type}), same file, {res.threads} threads, alternated; file "
+        print(f"llama.cpp {lc.build} ({lc.model_type}{', ' + ' '.join(lc.extra_args) if lc.extra_args else ''}), "
+              f"same file, {res.threads} threads, alternated; file "
               f"{lc.file_bytes * mb:,.0f} MB, llama-bench peak RSS {lc.peak_rss_bytes * mb:,.0f} MB "
               f"({lc.peak_rss_bytes / lc.file_bytes:.2f}x the file)")
-        print(f"  decode tg{res.output_len} @ d{res.input_len}: pagedllm "
+        print(f"  decode tg{res.output_len} (pagedllm after a {res.input_len}-token prompt): pagedllm "
               f"{res.engines['pagedllm'].decode_tok_s:.2f} tok/s, llama.cpp {lc.median_tg_tok_s:.2f} tok/s "
               f"({', '.join(f'{r:.2f}' for r in lc.tg_tok_s)}): {lc.decode_ratio:.2f}x")
         if lc.prefill_ratio is not None:

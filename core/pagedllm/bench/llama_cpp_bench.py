@@ -2,9 +2,14 @@
 ``pagedllm bench latency --llama-bench PATH`` can alternate it with pagedllm's own runs on the same GGUF file and
 threads.
 
-Each call is one repeat (``-r 1``, after llama-bench's own warm-up) of either token generation (``-p 0 -n N``, at
-depth ``-d D``: the context a decode starts from) or prompt processing (``-p N -n 0``); the samples come from
-llama-bench's JSON output, its build number and commit beside them, and the child's peak RSS from ``wait4``.
+Each call is one repeat (``-r 1``, after llama-bench's own warm-up) of either token generation (``-p 0 -n N``, from
+an empty context) or prompt processing (``-p N -n 0``); the rate comes from llama-bench's JSON output, its build
+number and commit beside it, and the child's peak RSS from ``wait4``.
+
+Seen on a 2-core Xeon VM with AMX (b11434, ``GGML_NATIVE``): every batched matmul on ggml's AMX buffer type
+(prompt processing, the depth run of ``-d``) dies (SIGILL on ``tilezero`` or SIGSEGV) while batch-1 generation
+runs; ``--repack 0`` (no extra buffer types: neither AMX nor the AVX repacks) runs. ``extra_args`` passes it.
+
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import os
 import subprocess
 import tempfile
 from dataclasses import dataclass
+from typing import Sequence
 
 #: Where ``ci/setup_llamacpp_peer.sh`` builds by default (its ``bin/`` holds llama-bench, llama-quantize,
 #: llama-perplexity and the converter wrapper); ``PAGEDLLM_LLAMA_CPP`` names another build.
@@ -53,16 +59,17 @@ def cpu_kind() -> str:
 
 
 def llama_bench_command(binary: str, model: str, threads: int, n_prompt: int, n_gen: int, depth: int = 0,
-                        repeats: int = 1) -> list[str]:
-    """tg: ``n_prompt`` 0, ``n_gen`` N; pp: ``n_prompt`` N, ``n_gen`` 0 (one test per call)."""
-    return [binary, "-m", model, "-p", str(n_prompt), "-n", str(n_gen), "-d", str(depth), "-t", str(threads),
-            "-r", str(repeats), "-o", "json"]
+                        repeats: int = 1, extra_args: Sequence[str] = ()) -> list[str]:
+    """tg: ``n_prompt`` 0, ``n_gen`` N; pp: ``n_prompt`` N, ``n_gen`` 0 (one test per call); ``-d`` only when
+    ``depth`` is set."""
+    return [binary, "-m", model, "-p", str(n_prompt), "-n", str(n_gen), *(["-d", str(depth)] if depth else []),
+            "-t", str(threads), "-r", str(repeats), *extra_args, "-o", "json"]
 
 
-def run_llama_bench(binary: str, model: str, threads: int, n_prompt: int, n_gen: int,
-                    depth: int = 0) -> LlamaBenchRun:
+def run_llama_bench(binary: str, model: str, threads: int, n_prompt: int, n_gen: int, depth: int = 0,
+                    extra_args: Sequence[str] = ()) -> LlamaBenchRun:
     """One llama-bench repeat of one test; its rate, the process's peak RSS and llama.cpp's build."""
-    cmd = llama_bench_command(binary, model, threads, n_prompt, n_gen, depth)
+    cmd = llama_bench_command(binary, model, threads, n_prompt, n_gen, depth, extra_args=extra_args)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
         try:
@@ -75,6 +82,9 @@ def run_llama_bench(binary: str, model: str, threads: int, n_prompt: int, n_gen:
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
+    if proc.returncode < 0 and "--repack" not in extra_args:
+        raise RuntimeError(f"llama-bench died of signal {-proc.returncode}: {' '.join(cmd)}; where ggml's AMX path "
+                           "faults (a batched test on an AMX CPU) pass --llama-bench-args='--repack 0'")
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench exited {proc.returncode}: {' '.join(cmd)}\n{stderr[-2000:]}")
     try:

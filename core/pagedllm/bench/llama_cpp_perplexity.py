@@ -11,9 +11,10 @@ import json
 import math
 import os
 import re
+import shlex
 import subprocess
 import tempfile
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -35,9 +36,9 @@ def read_base_tokens(path: str) -> tuple[int, list[list[int]]]:
 
 
 def run_llama_perplexity(binary: str, model: str, text_file: str, ctx: int, chunks: int, threads: int,
-                         base_file: str) -> float:
+                         base_file: str, extra_args: Sequence[str] = ()) -> float:
     cmd = [binary, "-m", model, "-f", text_file, "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks),
-           "-t", str(threads), "--kl-divergence-base", base_file]
+           "-t", str(threads), "--kl-divergence-base", base_file, *extra_args]
     p = subprocess.run(cmd, capture_output=True, text=True)
     m = _FINAL.search(p.stdout + p.stderr)
     if p.returncode != 0 or m is None:
@@ -70,6 +71,8 @@ def add_parser(sub) -> None:
     p.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity -c)")
     p.add_argument("--chunks", type=int, default=4, help="chunks scored (the text needs ctx * max(2, chunks) tokens)")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: torch's)")
+    p.add_argument("--llama-args", default=None, metavar="ARGS",
+                   help="extra llama-perplexity options, e.g. '--no-repack' where ggml's AMX path faults (llama_cpp_bench)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.set_defaults(func=main)
@@ -94,7 +97,8 @@ def main(args) -> int:
         with open(text_file, "w") as f:
             f.write(text(args.text))
         base = os.path.join(tmp, "base.bin")
-        theirs = run_llama_perplexity(args.llama_perplexity, model, text_file, args.ctx, args.chunks, threads, base)
+        theirs = run_llama_perplexity(args.llama_perplexity, model, text_file, args.ctx, args.chunks, threads, base,
+                                      shlex.split(args.llama_args or ""))
         n_ctx, chunks = read_base_tokens(base)
     llm = LLM(model, device=args.device, max_model_len=max(n_ctx, 256), kv_cache_memory=64 << 20)
     tok = llm.get_tokenizer()
