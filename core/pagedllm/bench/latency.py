@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from pagedllm.bench.ceiling import weight_bytes_per_token
-from pagedllm.bench.llama_cpp_bench import LlamaBenchRun, cpu_kind, run_llama_bench
+from pagedllm.bench.llama_cpp_bench import LlamaBenchFault, LlamaBenchRun, cpu_kind, run_llama_bench
 from pagedllm.bench.peer import VLLMPeer
 from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
@@ -51,7 +51,8 @@ class LlamaCppPeer:
     build: str
     model_type: str
     file_bytes: int
-    extra_args: list[str]  # --llama-bench-args
+    tg_args: list[str]  # llama-bench options beyond the test's: --llama-bench-args (+ "--repack 0" after a fault)
+    pp_args: list[str]
     tg_tok_s: list[float]  # llama-bench tg: -p 0 -n output_len (an empty context)
     pp_tok_s: list[float]  # llama-bench pp: -p prefill_len (empty without a prefill test)
     ours_pp_tok_s: list[float]  # pagedllm's prefill of prefill_len tokens (TTFT of one output token)
@@ -237,7 +238,18 @@ def run(args) -> LatencyResult:
         raise ParamError("prefill_len", f"--prefill-len {prefill_len} needs --max-model-len above it (the engine's "
                                         f"is {engine.config.max_model_len})")
     threads = torch.get_num_threads()
-    extra = shlex.split(args.llama_bench_args or "")
+    peer_args = {"tg": shlex.split(args.llama_bench_args or ""), "pp": shlex.split(args.llama_bench_args or "")}
+
+    def llama(test: str, n_prompt: int, n_gen: int) -> LlamaBenchRun:
+        """One llama-bench repeat; a test that faults is rerun, and from then on run, with ``--repack 0``."""
+        try:
+            return run_llama_bench(args.llama_bench, gguf, threads, n_prompt, n_gen, extra_args=peer_args[test])
+        except LlamaBenchFault as e:
+            if "--repack" in peer_args[test]:
+                raise
+            print(f"{e}; rerunning {test} with --repack 0 (said beside its figure)", flush=True)
+            peer_args[test] += ["--repack", "0"]
+            return run_llama_bench(args.llama_bench, gguf, threads, n_prompt, n_gen, extra_args=peer_args[test])
     prompts = make_prompts(args.num_iters + 1, args.input_len, engine.model.vocab_size, seed=args.seed)
     pp_prompts = make_prompts(args.num_iters + 1, prefill_len, engine.model.vocab_size, seed=args.seed + 1)
     streams = {"pagedllm": lambda p, n: stream_ours(engine, p, n)}
@@ -261,11 +273,11 @@ def run(args) -> LatencyResult:
             engine.kv.reset_prefix_cache()
             stamps[name].append(stream(prompts[i], args.output_len))
         if args.llama_bench:
-            tg.append(run_llama_bench(args.llama_bench, gguf, threads, 0, args.output_len, extra_args=extra))
+            tg.append(llama("tg", 0, args.output_len))
         if prefill_len:
             engine.kv.reset_prefix_cache()
             ours_pp.append(prefill_len / stream_ours(engine, pp_prompts[i], 1)[0])
-            pp.append(run_llama_bench(args.llama_bench, gguf, threads, prefill_len, 0, extra_args=extra))
+            pp.append(llama("pp", prefill_len, 0))
     if peer is not None:
         peer.close()
     engine.kv.reset_prefix_cache()
@@ -282,7 +294,8 @@ def run(args) -> LatencyResult:
     res.engines = {name: summarize(s) for name, s in stamps.items()}
     if tg:
         med = statistics.median
-        peer_res = LlamaCppPeer(tg[0].build, tg[0].model_type, res.file_bytes, extra, [r.tok_s for r in tg],
+        peer_res = LlamaCppPeer(tg[0].build, tg[0].model_type, res.file_bytes, peer_args["tg"], peer_args["pp"],
+                                [r.tok_s for r in tg],
                                 [r.tok_s for r in pp], ours_pp, max(r.peak_rss_bytes for r in tg + pp))
         peer_res.median_tg_tok_s = med(peer_res.tg_tok_s)
         peer_res.decode_ratio = res.engines["pagedllm"].decode_tok_s / peer_res.median_tg_tok_s
@@ -310,7 +323,8 @@ def add_parser(sub) -> None:
                         "threads, alternated: tg (-p 0 -n OUTPUT_LEN: keep --input-len short) and pp (-p PREFILL_LEN "
                         "-n 0)")
     p.add_argument("--llama-bench-args", default=None, metavar="ARGS",
-                   help="extra llama-bench options, e.g. '--repack 0' where ggml's AMX path faults (a VM with AMX)")
+                   help="extra llama-bench options (a test that dies of a signal is rerun with '--repack 0' anyway: "
+                        "ggml's AMX path faults on some AMX VMs)")
     p.add_argument("--prefill-len", type=int, default=2048,
                    help="with --llama-bench: prompt tokens of the prefill test (llama-bench pp); 0 skips it")
     p.add_argument("--json", default=None, help="write the result as JSON here")
@@ -336,17 +350,18 @@ def main(args) -> int:
     print(f"pagedllm: load {res.load_s:.1f} s, peak RSS {res.peak_rss_bytes * mb:,.0f} MB{of_file}")
     lc = res.llama_cpp
     if lc is not None:
-        print(f"llama.cpp {lc.build} ({lc.model_type}{', ' + ' '.join(lc.extra_args) if lc.extra_args else ''}), "
-              f"same file, {res.threads} threads, alternated; file "
+        print(f"llama.cpp {lc.build} ({lc.model_type}), same file, {res.threads} threads, alternated; file "
               f"{lc.file_bytes * mb:,.0f} MB, llama-bench peak RSS {lc.peak_rss_bytes * mb:,.0f} MB "
               f"({lc.peak_rss_bytes / lc.file_bytes:.2f}x the file)")
         print(f"  decode tg{res.output_len} (pagedllm after a {res.input_len}-token prompt): pagedllm "
               f"{res.engines['pagedllm'].decode_tok_s:.2f} tok/s, llama.cpp {lc.median_tg_tok_s:.2f} tok/s "
-              f"({', '.join(f'{r:.2f}' for r in lc.tg_tok_s)}): {lc.decode_ratio:.2f}x")
+              f"({', '.join(f'{r:.2f}' for r in lc.tg_tok_s)}{'; ' + ' '.join(lc.tg_args) if lc.tg_args else ''}): "
+              f"{lc.decode_ratio:.2f}x")
         if lc.prefill_ratio is not None:
             print(f"  prefill pp{args.prefill_len}: pagedllm {lc.median_ours_pp_tok_s:.1f} tok/s "
                   f"({', '.join(f'{r:.1f}' for r in lc.ours_pp_tok_s)}), llama.cpp {lc.median_pp_tok_s:.1f} tok/s "
-                  f"({', '.join(f'{r:.1f}' for r in lc.pp_tok_s)}): {lc.prefill_ratio:.2f}x")
+                  f"({', '.join(f'{r:.1f}' for r in lc.pp_tok_s)}{'; ' + ' '.join(lc.pp_args) if lc.pp_args else ''}): "
+                  f"{lc.prefill_ratio:.2f}x")
     print(f"cpu: {res.cpu}")
     if args.json:
         with open(args.json, "w") as f:

@@ -8,7 +8,9 @@ number and commit beside it, and the child's peak RSS from ``wait4``.
 
 Seen on a 2-core Xeon VM with AMX (b11434, ``GGML_NATIVE``): every batched matmul on ggml's AMX buffer type
 (prompt processing, the depth run of ``-d``) dies (SIGILL on ``tilezero`` or SIGSEGV) while batch-1 generation
-runs; ``--repack 0`` (no extra buffer types: neither AMX nor the AVX repacks) runs. ``extra_args`` passes it.
+runs; ``--repack 0`` (no extra buffer types: neither AMX nor the AVX repacks) runs. ``run_llama_bench`` raises
+:class:`LlamaBenchFault` when the process dies of a signal, so a caller can retry a test with ``--repack 0`` and
+say so beside its figure.
 
 """
 
@@ -38,6 +40,10 @@ class LlamaBenchRun:
     build: str  # "b<number> (<commit>)"
     model_type: str  # llama.cpp's description, e.g. "llama 1B Q4_K - Medium"
     n_threads: int
+
+
+class LlamaBenchFault(RuntimeError):
+    """llama-bench died of a signal (SIGILL / SIGSEGV), not of a usage error."""
 
 
 def cpu_kind() -> str:
@@ -82,9 +88,9 @@ def run_llama_bench(binary: str, model: str, threads: int, n_prompt: int, n_gen:
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read().decode(errors="replace"), err.read().decode(errors="replace")
-    if proc.returncode < 0 and "--repack" not in extra_args:
-        raise RuntimeError(f"llama-bench died of signal {-proc.returncode}: {' '.join(cmd)}; where ggml's AMX path "
-                           "faults (a batched test on an AMX CPU) pass --llama-bench-args='--repack 0'")
+    if proc.returncode < 0:
+        raise LlamaBenchFault(f"llama-bench died of signal {-proc.returncode}: {' '.join(cmd)} (where ggml's AMX "
+                              "path faults, e.g. a batched test on an AMX VM, '--repack 0' runs)")
     if proc.returncode != 0:
         raise RuntimeError(f"llama-bench exited {proc.returncode}: {' '.join(cmd)}\n{stderr[-2000:]}")
     try:
