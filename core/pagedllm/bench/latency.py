@@ -7,8 +7,9 @@ so tokens/s cannot exceed (measured copy bandwidth) / (weight bytes).
 
 ``--llama-bench PATH`` (a GGUF ``--model``) adds a current llama.cpp (``ci/setup_llamacpp_peer.sh``) on the same
 file and threads, alternated per iteration: its ``llama-bench`` tg (``-p 0 -n OUTPUT_LEN``, from an empty context:
-keep ``--input-len`` short, e.g. 16) against pagedllm's decode, and its pp (``-p PREFILL_LEN``) against pagedllm's prefill of a prompt that long; medians, the
-ratios, llama.cpp's build, and both processes' peak RSS against the file's size. Always reported: the bytes a decode
+keep ``--input-len`` short, e.g. 16) against pagedllm's decode, and its pp (``-p PREFILL_LEN``) against pagedllm's
+prefill of a prompt that long; medians, the ratios, llama.cpp's build, and both processes' peak RSS against the
+file's size. Always reported: the bytes a decode
 token reads (weights in their kernels' layout + the KV cache at the run's mean context) and the host time per decode
 step outside the model's forward and LM head (scheduling, inputs, sampling, outputs: the per-step Python).
 """

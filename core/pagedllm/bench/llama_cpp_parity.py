@@ -45,7 +45,7 @@ def check_file(path: str, tokens: int = 16, prompt: str = PROMPT, device: str = 
     from pagedllm import LLM  # heavy: torch
     from pagedllm.quantization import QuantizedLinear  # heavy: torch
 
-    kw = dict(device=device, max_model_len=256, kv_cache_memory=64 << 20)
+    kw = dict(device=device, max_model_len=256, kv_cache_memory=256 << 20)  # a 1.7B model: ~650 fp32 tokens
     llm = LLM(path, **kw)
     ids = llm.get_tokenizer().encode(prompt)
     kernels = Counter(f"{m.weight_type} -> {m.kernel_name}" for m in llm.llm_engine.model.modules()

@@ -42,7 +42,8 @@ def run_llama_perplexity(binary: str, model: str, text_file: str, ctx: int, chun
     p = subprocess.run(cmd, capture_output=True, text=True)
     m = _FINAL.search(p.stdout + p.stderr)
     if p.returncode != 0 or m is None:
-        raise RuntimeError(f"llama-perplexity failed ({p.returncode}): {' '.join(cmd)}\n{(p.stdout + p.stderr)[-2000:]}")
+        raise RuntimeError(f"llama-perplexity failed ({p.returncode}): {' '.join(cmd)}\n"
+                           f"{(p.stdout + p.stderr)[-2000:]}")
     return float(m.group(1))
 
 
@@ -72,7 +73,8 @@ def add_parser(sub) -> None:
     p.add_argument("--chunks", type=int, default=4, help="chunks scored (the text needs ctx * max(2, chunks) tokens)")
     p.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: torch's)")
     p.add_argument("--llama-args", default=None, metavar="ARGS",
-                   help="extra llama-perplexity options, e.g. '--no-repack' where ggml's AMX path faults (llama_cpp_bench)")
+                   help="extra llama-perplexity options, e.g. '--no-repack' where ggml's AMX path faults "
+                        "(llama_cpp_bench)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.set_defaults(func=main)
@@ -100,7 +102,8 @@ def main(args) -> int:
         theirs = run_llama_perplexity(args.llama_perplexity, model, text_file, args.ctx, args.chunks, threads, base,
                                       shlex.split(args.llama_args or ""))
         n_ctx, chunks = read_base_tokens(base)
-    llm = LLM(model, device=args.device, max_model_len=max(n_ctx, 256), kv_cache_memory=64 << 20)
+    # 1 GiB of KV: 2.7k float32 tokens of the 1.7B model
+    llm = LLM(model, device=args.device, max_model_len=max(n_ctx, 256), kv_cache_memory=1 << 30)
     tok = llm.get_tokenizer()
     # llama.cpp tokenized the text with its special tokens: it starts with BOS exactly when the vocabulary adds one,
     # and then every chunk's first token is replaced by BOS.
