@@ -55,6 +55,10 @@ echo "llama.cpp $(sed -n 's/^build=//p' "$lcpp/BUILD_INFO" 2>/dev/null || echo '
 ls -l "$bf16" "${files[@]}" | awk '{printf "  %8.0f MB  %s\n", $5 / 1e6, $NF}'
 if [ "${CHECK:-1}" != 0 ]; then
   echo "pagedllm bench gguf-parity (packed kernels, greedy ${TOKENS:-16} tokens vs the dequantized float32 reference):"
-  run "$py" -m pagedllm.cli bench gguf-parity --tokens "${TOKENS:-16}" --json "$out/parity.json" "${files[@]}" \
-    2>> "$log"
+  if ! run "$py" -m pagedllm.cli bench gguf-parity --tokens "${TOKENS:-16}" --json "$out/parity.json" "${files[@]}" \
+    2>> "$log"; then
+    echo "gguf-parity failed (full output: $log)" >&2
+    tail -5 "$log" >&2
+    exit 1
+  fi
 fi

@@ -103,7 +103,7 @@ def main(args) -> int:
                                       shlex.split(args.llama_args or ""))
         n_ctx, chunks = read_base_tokens(base)
     # 1 GiB of KV: 2.7k float32 tokens of the 1.7B model
-    llm = LLM(model, device=args.device, max_model_len=max(n_ctx, 256), kv_cache_memory=1 << 30)
+    llm = LLM(model, device=args.device, max_model_len=max(n_ctx + 8, 256), kv_cache_memory=1 << 30)
     tok = llm.get_tokenizer()
     # llama.cpp tokenized the text with its special tokens: it starts with BOS exactly when the vocabulary adds one,
     # and then every chunk's first token is replaced by BOS.
