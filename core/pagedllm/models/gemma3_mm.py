@@ -29,6 +29,7 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import architecture_of
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.siglip import SiglipVisionEmbeddings, SiglipVisionModel
+from pagedllm.models.weights import RenamedWeights
 
 GEMMA3_MM_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
 
@@ -125,12 +126,9 @@ class Gemma3ForConditionalGeneration(CausalLM):
         return super().forward(input_ids, positions, meta, hidden)
 
 
-class Gemma3MMWeights:
+class Gemma3MMWeights(RenamedWeights):
     """A checkpoint of any Gemma 3 vision layout, read under the names the decoder's loader asks for (``model.*`` of
     a Gemma 3 text checkpoint, ``model.vision_tower.*``, ``model.multi_modal_projector.*``)."""
-
-    def __init__(self, source: Any):
-        self.source = source
 
     def _candidates(self, name: str) -> list[str]:
         for ours, theirs in (("model.vision_tower.", ("vision_tower.vision_model.", "vision_tower.",
@@ -146,18 +144,6 @@ class Gemma3MMWeights:
             rest = name[len("model."):]
             return ["language_model.model." + rest, "model.language_model." + rest, "language_model." + rest]
         return [name]
-
-    def _resolve(self, name: str) -> Optional[str]:
-        return next((c for c in self._candidates(name) if c in self.source), None)
-
-    def __contains__(self, name: str) -> bool:
-        return self._resolve(name) is not None
-
-    def take(self, name: str) -> torch.Tensor:
-        real = self._resolve(name)
-        if real is None:
-            raise KeyError(f"checkpoint lacks tensor {name!r} (looked for {self._candidates(name)})")
-        return self.source.take(real)
 
 
 def build_gemma3_mm_model(path: str, config: Any, backend: Any, dtype: torch.dtype, device: torch.device) -> Any:

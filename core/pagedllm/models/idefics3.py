@@ -22,6 +22,7 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import architecture_of
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.siglip import SiglipVisionModel
+from pagedllm.models.weights import RenamedWeights
 
 IDEFICS3_ARCHITECTURES = ("Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration")
 MAX_TILES_PER_SIDE = 6  # the processors' <row_6_col_6> is the last marker
@@ -120,12 +121,9 @@ class Idefics3ForConditionalGeneration(CausalLM):
         return super().forward(input_ids, positions, meta, hidden)
 
 
-class Idefics3Weights:
+class Idefics3Weights(RenamedWeights):
     """A checkpoint of Idefics3 / SmolVLM (``model.text_model.*``, ``model.vision_model.*``, ``model.connector.*``,
     ``lm_head.*``), read under the names the decoder's loader asks for (``model.*`` of a Llama checkpoint)."""
-
-    def __init__(self, source: Any):
-        self.source = source
 
     def _candidates(self, name: str) -> list[str]:
         if name.startswith(("model.vision_model.", "model.connector.")) or name == "lm_head.weight":
@@ -133,18 +131,6 @@ class Idefics3Weights:
         if name.startswith("model."):
             return ["model.text_model." + name[len("model."):]]
         return [name]
-
-    def _resolve(self, name: str) -> Optional[str]:
-        return next((c for c in self._candidates(name) if c in self.source), None)
-
-    def __contains__(self, name: str) -> bool:
-        return self._resolve(name) is not None
-
-    def take(self, name: str) -> torch.Tensor:
-        real = self._resolve(name)
-        if real is None:
-            raise KeyError(f"checkpoint lacks tensor {name!r} (looked for {self._candidates(name)})")
-        return self.source.take(real)
 
 
 def build_idefics3_model(path: str, config: Any, backend: Any, dtype: torch.dtype, device: torch.device) -> Any:

@@ -26,6 +26,7 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import architecture_of
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.clip import CLIPVisionModel
+from pagedllm.models.weights import RenamedWeights
 
 def text_config_of(config: Any) -> Any:
     """The decoder's HF config of a LLaVA config (its ``text_config``; when it names no architecture,
@@ -105,12 +106,9 @@ class LlavaForConditionalGeneration(CausalLM):
         return super().forward(input_ids, positions, meta, hidden)
 
 
-class LlavaWeights:
+class LlavaWeights(RenamedWeights):
     """A checkpoint of any LLaVA layout, read under the names the decoder's loader asks for (``model.*`` of a
     Llama checkpoint, ``lm_head.weight``, ``model.vision_tower.*``, ``model.multi_modal_projector.*``)."""
-
-    def __init__(self, source: Any):
-        self.source = source
 
     def _candidates(self, name: str) -> list[str]:
         for ours, theirs in (("model.vision_tower.", ("model.vision_tower.", "model.vision_tower.vision_model.",
@@ -126,18 +124,6 @@ class LlavaWeights:
             rest = name[len("model."):]
             return ["model.language_model." + rest, "language_model.model." + rest, "language_model." + rest]
         return [name]
-
-    def _resolve(self, name: str) -> Optional[str]:
-        return next((c for c in self._candidates(name) if c in self.source), None)
-
-    def __contains__(self, name: str) -> bool:
-        return self._resolve(name) is not None
-
-    def take(self, name: str) -> torch.Tensor:
-        real = self._resolve(name)
-        if real is None:
-            raise KeyError(f"checkpoint lacks tensor {name!r} (looked for {self._candidates(name)})")
-        return self.source.take(real)
 
 
 def build_llava_model(path: str, config: Any, backend: Any, dtype: torch.dtype, device: torch.device) -> Any:

@@ -29,6 +29,7 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES
 from pagedllm.models.causal_lm import CausalLM
 from pagedllm.models.qwen2_vl_vision import Qwen2VisionTransformer
+from pagedllm.models.weights import RenamedWeights
 from pagedllm.multimodal.mrope import mrope_cos_sin
 
 
@@ -97,12 +98,9 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     vision_v2_5 = True
 
 
-class Qwen2VLWeights:
+class Qwen2VLWeights(RenamedWeights):
     """A checkpoint of either layout, read under the names the decoder's loader asks for (``model.*`` of a Qwen2
     checkpoint, ``lm_head.weight``, ``model.visual.*``)."""
-
-    def __init__(self, source: Any):
-        self.source = source
 
     def _candidates(self, name: str) -> list[str]:
         if name.startswith("model.visual."):
@@ -113,18 +111,6 @@ class Qwen2VLWeights:
             rest = name[len("model."):]
             return ["model.language_model." + rest, name]
         return [name]
-
-    def _resolve(self, name: str) -> Optional[str]:
-        return next((c for c in self._candidates(name) if c in self.source), None)
-
-    def __contains__(self, name: str) -> bool:
-        return self._resolve(name) is not None
-
-    def take(self, name: str) -> torch.Tensor:
-        real = self._resolve(name)
-        if real is None:
-            raise KeyError(f"checkpoint lacks tensor {name!r} (looked for {self._candidates(name)})")
-        return self.source.take(real)
 
 
 def max_image_tokens(path: str, config: Any) -> int:

@@ -56,6 +56,30 @@ class DictWeights(dict):
         return self.pop(name)  # frees the dequantized copy as soon as its fused/cast copy exists
 
 
+class RenamedWeights:
+    """A checkpoint read under the names the decoder's loader asks for: a subclass's ``_candidates(name)`` lists the
+    checkpoint names to try (the first present wins), one subclass per model family whose checkpoints come in
+    several layouts (LLaVA, Idefics3, Qwen2-VL, Gemma 3 vision)."""
+
+    def __init__(self, source: Any):
+        self.source = source
+
+    def _candidates(self, name: str) -> list[str]:
+        raise NotImplementedError
+
+    def _resolve(self, name: str) -> Optional[str]:
+        return next((c for c in self._candidates(name) if c in self.source), None)
+
+    def __contains__(self, name: str) -> bool:
+        return self._resolve(name) is not None
+
+    def take(self, name: str) -> torch.Tensor:
+        real = self._resolve(name)
+        if real is None:
+            raise KeyError(f"checkpoint lacks tensor {name!r} (looked for {self._candidates(name)})")
+        return self.source.take(real)
+
+
 def fused_state_dict(model: Any, weights: WeightSource, dtype: torch.dtype, device: torch.device,
                      progress: Optional[Callable[[int], Any]] = None) -> dict[str, torch.Tensor]:
     """Our state dict from HF-named tensors: q/k/v and gate/up concatenated along the output dim. ``progress(1)``
