@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -18,15 +16,14 @@ import httpx
 import openai
 import pytest
 import torch
+from pd_processes import AUTH, BS, Router, loopback_config
 from server_utils import API_KEY, ServerProcess, free_port, metrics, tiny_chat_model, wait_idle
 
 from pagedllm import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-BS = 16
 TTL_S = 3.0
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def ids(seed: int, n: int) -> list[int]:
@@ -43,44 +40,14 @@ class Backend:
         self.start()
 
     def start(self) -> None:
-        cfg = ('{"kv_connector": "LoopbackConnector", "kv_role": "%s", "kv_connector_extra_config": '
-               '{"shared_storage_path": "%s", "ttl_s": %s}}' % (self.role, self.store, TTL_S))
         self.server = ServerProcess(tiny_chat_model(), "--max-model-len", "512", "--block-size", str(BS),
-                                    "--kv-transfer-config", cfg, port=self.port)
+                                    "--kv-transfer-config", loopback_config(self.role, self.store, TTL_S),
+                                    port=self.port)
 
     def kill(self) -> None:
         self.server.proc.kill()
         self.server.proc.wait(10)
         self.server.stop()  # (its log)
-
-
-class RouterProcess:
-    def __init__(self, prefill: str, decode: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-router-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "router", "--prefill", prefill, "--decode",
-                                      decode, "--port", str(self.port), "--timeout", "60", "--connect-retries", "4"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, open(self.log.name).read()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(open(self.log.name).read())
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
-        os.unlink(self.log.name)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +61,7 @@ def pd():
     for t in threads:
         t.join()
     p, d = started["kv_producer"], started["kv_consumer"]
-    router = RouterProcess(p.url, d.url)
+    router = Router(p.url, d.url)
     try:
         yield p, d, router, store
     finally:
