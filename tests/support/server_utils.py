@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import httpx
 
@@ -31,10 +32,28 @@ def _smollm2_dir() -> str:
     return list(spec.submodule_search_locations)[0]
 
 
+def model_cache_dir() -> Path:
+    """Where the test models built on first use are kept between runs (``PAGEDLLM_TEST_CACHE``)."""
+    return Path(os.environ.get("PAGEDLLM_TEST_CACHE", Path(tempfile.gettempdir()) / "pagedllm-test-cache"))
+
+
+def save_atomically(out: Path, prefix: str, *parts: Any) -> str:
+    """Saves each of ``parts`` (``save_pretrained``: model, tokenizer, processor) into a fresh folder beside ``out``,
+    then renames it to ``out``: atomic, so a concurrent builder's copy wins and ours is dropped."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=out.parent))
+    for part in parts:
+        part.save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
 def tiny_chat_model() -> str:
     """Path of the tiny random Llama with SmolLM2's tokenizer (built on first use, then reused)."""
-    root = Path(os.environ.get("PAGEDLLM_TEST_CACHE", Path(tempfile.gettempdir()) / "pagedllm-test-cache"))
-    out = root / f"tiny-chat-llama-{_TINY_VERSION}"
+    out = model_cache_dir() / f"tiny-chat-llama-{_TINY_VERSION}"
     if (out / "config.json").is_file():
         return str(out)
     import torch
@@ -47,17 +66,7 @@ def tiny_chat_model() -> str:
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="tiny-chat-", dir=root))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    try:
-        os.rename(tmp, out)  # atomic: a concurrent builder's copy wins, ours is dropped
-    except OSError:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    return save_atomically(out, "tiny-chat-", model, tok)
 
 
 def free_port() -> int:

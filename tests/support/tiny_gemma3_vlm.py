@@ -12,12 +12,7 @@ folder (seeded weights), like ``tiny_vlm.tiny_llava_model``.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
-from server_utils import _smollm2_dir
+from server_utils import _smollm2_dir, model_cache_dir, save_atomically
 from tiny_vlm import _randomize
 
 _VERSION = "v1"
@@ -72,8 +67,7 @@ def gemma3_tokenizer():
 
 def tiny_gemma3_vlm_model() -> str:
     """Path of the tiny random Gemma 3 vision folder (config, safetensors, tokenizer, processor, chat template)."""
-    root = Path(os.environ.get("PAGEDLLM_TEST_CACHE", Path(tempfile.gettempdir()) / "pagedllm-test-cache"))
-    out = root / f"tiny-gemma3-vlm-{_VERSION}"
+    out = model_cache_dir() / f"tiny-gemma3-vlm-{_VERSION}"
     if (out / "config.json").is_file():
         return str(out)
     import torch
@@ -95,12 +89,4 @@ def tiny_gemma3_vlm_model() -> str:
     image_processor = Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = Gemma3Processor(image_processor=image_processor, tokenizer=tok, image_seq_length=TOKENS_PER_IMAGE,
                                 chat_template=CHAT_TEMPLATE)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="tiny-gemma3-vlm-", dir=root))
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    try:
-        os.rename(tmp, out)  # atomic: a concurrent builder's copy wins, ours is dropped
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    return save_atomically(out, "tiny-gemma3-vlm-", model, processor)

@@ -11,12 +11,7 @@ once per machine into a deterministic cache folder (seeded weights), like ``tiny
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
-from server_utils import _smollm2_dir
+from server_utils import _smollm2_dir, model_cache_dir, save_atomically
 
 _VERSION = "v1"
 PATCH = 14
@@ -83,8 +78,7 @@ def image_processor():
 def tiny_qwen_vl_model(family: str = "qwen2_vl") -> str:
     """Path of the tiny random Qwen2-VL (or ``"qwen2_5_vl"``: Qwen2.5-VL) folder (config, safetensors, tokenizer,
     image processor, chat template)."""
-    root = Path(os.environ.get("PAGEDLLM_TEST_CACHE", Path(tempfile.gettempdir()) / "pagedllm-test-cache"))
-    out = root / f"tiny-{family.replace('_', '-')}-{_VERSION}"
+    out = model_cache_dir() / f"tiny-{family.replace('_', '-')}-{_VERSION}"
     if (out / "config.json").is_file():
         return str(out)
     import torch
@@ -99,13 +93,5 @@ def tiny_qwen_vl_model(family: str = "qwen2_vl") -> str:
     cls = Qwen2VLForConditionalGeneration if family == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
     model = cls(cfg).to(torch.float32)
     _randomize(model, 1)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"tiny-{family}-", dir=root))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)  # (Qwen2VLProcessor itself is built only beside torchvision's video processor)
-    image_processor().save_pretrained(tmp)
-    try:
-        os.rename(tmp, out)  # atomic: a concurrent builder's copy wins, ours is dropped
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    # (Qwen2VLProcessor itself is built only beside torchvision's video processor)
+    return save_atomically(out, f"tiny-{family}-", model, tok, image_processor())

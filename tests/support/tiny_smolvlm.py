@@ -10,12 +10,7 @@ Built once per machine into a deterministic cache folder (seeded weights), like 
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
-from server_utils import _smollm2_dir
+from server_utils import _smollm2_dir, model_cache_dir, save_atomically
 from tiny_vlm import _randomize
 
 _VERSION = "v1"
@@ -48,8 +43,7 @@ def idefics3_config(vocab_size: int, image_token_id: int, **text):
 
 def tiny_smolvlm_model() -> str:
     """Path of the tiny random Idefics3 folder (config, safetensors, tokenizer, processor, chat template)."""
-    root = Path(os.environ.get("PAGEDLLM_TEST_CACHE", Path(tempfile.gettempdir()) / "pagedllm-test-cache"))
-    out = root / f"tiny-smolvlm-{_VERSION}"
+    out = model_cache_dir() / f"tiny-smolvlm-{_VERSION}"
     if (out / "config.json").is_file():
         return str(out)
     import torch
@@ -71,12 +65,4 @@ def tiny_smolvlm_model() -> str:
     image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * TILE}, max_image_size={"longest_edge": TILE})
     processor = Idefics3Processor(image_processor=image_processor, tokenizer=tok, image_seq_len=IMAGE_SEQ_LEN,
                                   chat_template=CHAT_TEMPLATE)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="tiny-smolvlm-", dir=root))
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    try:
-        os.rename(tmp, out)  # atomic: a concurrent builder's copy wins, ours is dropped
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    return save_atomically(out, "tiny-smolvlm-", model, processor)

@@ -8,12 +8,7 @@ into a deterministic cache folder (seeded weights), like ``server_utils.tiny_cha
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from pathlib import Path
-
-from server_utils import _smollm2_dir
+from server_utils import _smollm2_dir, model_cache_dir, save_atomically
 
 _VERSION = "v2"
 IMAGE_SIZE = 84
@@ -77,8 +72,7 @@ def make_llava_variant(out_dir, seed: int = 0, **overrides) -> str:
 def tiny_llava_model() -> str:
     """Path of the tiny random LLaVA folder (config, safetensors, tokenizer, processor, a chat template taking image
     parts)."""
-    root = Path(os.environ.get("PAGEDLLM_TEST_CACHE", Path(tempfile.gettempdir()) / "pagedllm-test-cache"))
-    out = root / f"tiny-llava-{_VERSION}"
+    out = model_cache_dir() / f"tiny-llava-{_VERSION}"
     if (out / "config.json").is_file():
         return str(out)
     import torch
@@ -99,12 +93,4 @@ def tiny_llava_model() -> str:
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=PATCH,
                                vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                chat_template=CHAT_TEMPLATE)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="tiny-llava-", dir=root))
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    try:
-        os.rename(tmp, out)  # atomic: a concurrent builder's copy wins, ours is dropped
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    return save_atomically(out, "tiny-llava-", model, processor)
