@@ -29,6 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_parity import hf_model, run
+from gguf_utils import add_placeholder_vocab
 import hf_oracle
 from pagedllm import LLM
 from pagedllm.models import load_config
@@ -67,10 +68,7 @@ def write_lfm2_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
     w.add_shortconv_l_cache(c.conv_L_cache)
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
-    w.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
+    add_placeholder_vocab(w, c.vocab_size)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LFM2, c.num_hidden_layers)
     qt = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[qt][0]
@@ -196,10 +194,7 @@ def write_mamba2_gguf(hf_dir: str, path: str, qtype: str = "F32") -> tuple[str, 
     w.add_layer_norm_rms_eps(c.layer_norm_epsilon)
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
-    w.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
+    add_placeholder_vocab(w, c.vocab_size)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MAMBA2, c.num_hidden_layers)
     qt = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[qt][0]

@@ -30,6 +30,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine_parity import hf_model, run
+from gguf_utils import add_placeholder_vocab
 import hf_oracle
 from pagedllm import LLM, SamplingParams
 from pagedllm.backend.registry import get_backend
@@ -150,10 +151,7 @@ def write_qwen35_gguf(hf_dir: str, path: str, qtype: str = "F32") -> str:
     w.add_full_attention_interval(interval)
     w.add_bos_token_id(c.bos_token_id)
     w.add_eos_token_id(c.eos_token_id)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen35")
-    w.add_token_list([f"<t{i}>" for i in range(c.vocab_size)])
-    w.add_token_types([gguf.TokenType.NORMAL] * c.vocab_size)
+    add_placeholder_vocab(w, c.vocab_size, "qwen35")
     names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], c.num_hidden_layers)
     qt = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[qt][0]

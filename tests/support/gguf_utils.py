@@ -217,6 +217,17 @@ def add_bpe_vocab(w, tokenizer_dir: str, pre: str, vocab_size: int) -> None:
     gguf.SpecialVocab(tokenizer_dir, load_merges=True).add_to_gguf(w)
 
 
+def add_placeholder_vocab(w, vocab_size: int, pre: str = "default") -> None:
+    """A vocab of ``<t{i}>`` placeholders (a BPE model with no merges): enough for files whose tests pass token ids
+    (``skip_tokenizer_init``), written with the fields llama.cpp's loader requires."""
+    import gguf
+
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list([f"<t{i}>" for i in range(vocab_size)])
+    w.add_token_types([gguf.TokenType.NORMAL] * vocab_size)
+
+
 def spm_pieces(words: list[str]) -> list[tuple[str, float, int]]:
     """A small SentencePiece ("llama") vocabulary: <unk> <s> </s>, the 256 byte-fallback tokens, then every prefix of
     each "▁word" and its letters, scored so that longer pieces win (id, token, score and type as in a real one)."""
