@@ -28,15 +28,16 @@ def dirs(tmp_path_factory) -> dict[str, str]:
     return {"gemma2": make_fallback_model("gemma2", root / "gemma2"),  # layer 0 slides (W 8), layer 1 is global
             "gemma3": make_fallback_model("gemma3", root / "gemma3"),  # layers 0, 2 slide, layer 1 is global
             "lfm2": save_random_model(LFM2, root / "lfm2"),  # conv, attention, conv, conv, attention
-            "qwen3_next": save_random_model(QWEN3_NEXT, root / "qwen3_next")}  # the same, Gated DeltaNet
+            "qwen3_next": save_random_model(QWEN3_NEXT, root / "qwen3_next"),  # the same, Gated DeltaNet
+            "deepseek_v2": make_fallback_model("deepseek_v2", root / "deepseek_v2")}  # MLA: one latent row
 
 
 def own_layout_allocator(seen: list):
     """A backend's ``pagedllm_allocate_kv_cache_groups``: a distinct canonical tensor per paged layer (ignoring
     core's sharing, so a sliding and a global layer no longer alias one tensor) and its own state tensors."""
     def allocate(config: KVCacheConfig) -> dict:
-        seen.append(config)
         caches = {}
+        seen.append((config, caches))
         for group in config.kv_cache_groups:
             spec = group.kv_cache_spec
             for layer in group.layer_ids:
@@ -81,19 +82,21 @@ GROUPS = {
                [(1, 0, 2)]),
     "lfm2": ([((1, 4), "FullAttentionSpec", None), ((0, 2, 3), "MambaSpec", None)], [(1,), (4,)]),
     "qwen3_next": ([((1, 4), "FullAttentionSpec", None), ((0, 2, 3), "MambaSpec", None)], [(1,), (4,)]),
+    "deepseek_v2": ([((0, 1, 2), "MLAAttentionSpec", None)], [(0,), (1,), (2,)]),
 }
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "lfm2", "qwen3_next"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "lfm2", "qwen3_next", "deepseek_v2"])
 def test_own_layout_per_group_matches_the_default_path(dirs, name):
     seen: list = []
     own = backend(f"kvspec-own-{name}", allocate_kv_cache_groups=own_layout_allocator(seen))
     default = backend(f"kvspec-default-{name}")
-    vocab = 500
-    want = greedy(engine(dirs[name], default), vocab)
+    ref = engine(dirs[name], default)
+    vocab = ref.llm_engine.worker.model.vocab_size
+    want = greedy(ref, vocab)
     llm = engine(dirs[name], own)
     assert len(seen) == 1
-    config = seen[0]
+    config, allocated = seen[0]
     groups, shared = GROUPS[name]
     assert groups_of(config) == groups
     assert [t.shared_by for t in config.kv_cache_tensors] == shared
@@ -103,21 +106,23 @@ def test_own_layout_per_group_matches_the_default_path(dirs, name):
     assert all((p.block_size, p.num_kv_heads, p.head_size, p.dtype) == (BS, worker.model.num_kv_heads,
                                                                        worker.model.head_size, torch.float32)
                for p in paged)
+    if name == "deepseek_v2":  # the latent: one row per token, no values
+        assert paged[0].num_kv_heads == 1 and paged[0].canonical_shape(5)[:2] == (1, 5)
     assert all(t.size == paged[0].page_size_bytes * config.num_blocks for t in config.kv_cache_tensors)
     caches = worker.model.kv_caches
     assert len({id(c) for c in caches}) == len(caches), "each paged layer has its own tensor"
+    paged_ids = sorted(i for g in config.kv_cache_groups if g.kind != "state" for i in g.layer_ids)
+    assert all(c is allocated[i] for c, i in zip(caches, paged_ids, strict=True))  # what the layers read
     if name.startswith("gemma"):
-        kv = llm.llm_engine.kv
-        assert isinstance(kv, HybridKVCacheManager)
-        assert greedy(llm, vocab) == want
-        assert kv.num_freed_by_window > 0  # the window groups freed blocks on the backend's own layout
+        assert isinstance(llm.llm_engine.kv, HybridKVCacheManager)
         assert len(worker.kv_caches) == len(caches)  # swap / connectors see every distinct cache
-    else:
+    if name in ("lfm2", "qwen3_next"):
         state = next(g.kv_cache_spec for g in config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec))
-        assert state.num_layers == 3 and state.num_slots == 4
-        assert len(worker.model.state_caches) == 3
-        assert greedy(llm, vocab) == want
-
+        assert state.num_layers == 3 and state.num_slots == 4 and len(worker.model.state_caches) == 3
+        assert all(c is allocated[i] for c, i in zip(worker.model.state_caches, (0, 2, 3), strict=True))
+    assert greedy(llm, vocab) == want
+    if name.startswith("gemma"):
+        assert llm.llm_engine.kv.num_freed_by_window > 0  # the window groups freed blocks on the backend's layout
 
 def test_one_table_path_hands_full_groups_that_keep_the_window(dirs):
     """With the hybrid manager off, every layer keeps all its blocks: Gemma 2's sliding layer comes as a
@@ -125,8 +130,9 @@ def test_one_table_path_hands_full_groups_that_keep_the_window(dirs):
     seen: list = []
     name = backend("kvspec-one-table", allocate_kv_cache_groups=own_layout_allocator(seen))
     engine(dirs["gemma2"], name, disable_hybrid_kv_cache_manager=True)
-    assert groups_of(seen[0]) == [((1,), "FullAttentionSpec", None), ((0,), "FullAttentionSpec", 8)]
-    assert [t.shared_by for t in seen[0].kv_cache_tensors] == [(0,), (1,)]
+    config = seen[0][0]
+    assert groups_of(config) == [((1,), "FullAttentionSpec", None), ((0,), "FullAttentionSpec", 8)]
+    assert [t.shared_by for t in config.kv_cache_tensors] == [(0,), (1,)]
 
 
 def v3_plugin(name: str, calls: list):
