@@ -197,6 +197,8 @@ def _sliding(config):
      r"\(2, \d+, 8, 2, 48\)"),
     ("dtype", "gemma2", lambda c, caches: caches.__setitem__(1, caches[1].double()),
      r"layer 1 of KV cache group 0 \(full, layers \[1\]\): dtype torch.float64, want torch.float32"),
+    ("device", "lfm2", lambda c, caches: caches.__setitem__(4, caches[4].to("meta")),
+     r"layer 4 of KV cache group 0 \(full, layers \[1, 4\]\): on meta, want cpu"),
     ("state", "lfm2", lambda c, caches: caches.__setitem__(3, caches[3][0]),
      r"layer 3 of KV cache group 1 \(state, layers \[0, 2, 3\]\): want a tuple of 1 state tensors"),
     ("extra", "lfm2", lambda c, caches: caches.__setitem__(7, caches[1]),
