@@ -164,21 +164,22 @@ class _Plugin:
         return MemoryInfo(total_bytes=1 << 30, free_bytes=1 << 30)
 
 
-def test_contract_v3_loads_v2_plugins_on_the_reference_state_ops_and_refuses_v1():
-    assert API_VERSION == 3
-    v2 = Backend(_Plugin(2), "v2-plugin")
-    assert not any(v2.implements(h) for h in ("pagedllm_allocate_state_cache", "pagedllm_causal_conv1d_fn",
+def test_contract_v4_loads_v3_plugins_on_the_reference_state_ops_and_refuses_v2():
+    """A plugin implementing no state hook (v2 had none) runs core's reference state ops; v4 loads v3 plugins."""
+    assert API_VERSION == 4
+    v3 = Backend(_Plugin(3), "v3-plugin")
+    assert not any(v3.implements(h) for h in ("pagedllm_allocate_state_cache", "pagedllm_causal_conv1d_fn",
                                               "pagedllm_causal_conv1d_update"))
     spec = MambaSpec(num_layers=3, num_slots=8, shapes=((96, 2),), dtypes=(torch.bfloat16,), device="cpu")
     assert spec.bytes_per_slot == 3 * 96 * 2 * 2
-    caches = v2.allocate_state_cache(spec)
+    caches = v3.allocate_state_cache(spec)
     assert len(caches) == 3 and all(c[0].shape == (8, 96, 2) and c[0].dtype == torch.bfloat16 for c in caches)
     x = torch.randn(2, 96, dtype=torch.bfloat16)
     w = torch.randn(96, 3, dtype=torch.bfloat16)
     idx = torch.tensor([5, 0], dtype=torch.int32)
     ref = caches[1][0].clone()
-    torch.testing.assert_close(v2.causal_conv1d_update(x, caches[0][0], w, None, None, idx),
+    torch.testing.assert_close(v3.causal_conv1d_update(x, caches[0][0], w, None, None, idx),
                                conv_ops.causal_conv1d_update(x, ref, w, None, None, idx))
-    with pytest.raises(BackendError, match=r"contract version 1; this pagedllm implements version 3 "
-                                           r"\(accepts 2\.\.3\)"):
-        Backend(_Plugin(1), "v1-plugin")
+    with pytest.raises(BackendError, match=r"contract version 2; this pagedllm implements version 4 "
+                                           r"\(accepts 3\.\.4\)"):
+        Backend(_Plugin(2), "v2-plugin")

@@ -7,7 +7,8 @@ they only gain arguments or fields with defaults; a name that moves keeps its ol
 
 The contract (``hookspec``): ``hookimpl``, ``API_VERSION``, ``ENTRY_POINT_GROUP``, ``BackendSpec`` and the records
 hooks take and return — ``BackendInfo``, ``ProbeResult``, ``Capabilities``, ``MemoryInfo``, ``KVCacheSpec``,
-``MambaSpec`` (v3: the recurrent-state group), ``ModelInfo``, ``RunnerContext``, ``GraphRunner``, ``QuantizedWeight``,
+``MambaSpec`` (v3: the recurrent-state group), v4's KV cache groups — ``KVCacheConfig``, ``KVCacheGroupSpec``,
+``KVCacheTensor``, ``AttentionSpec``, ``FullAttentionSpec``, ``SlidingWindowSpec``, ``MLAAttentionSpec`` — ``ModelInfo``, ``RunnerContext``, ``GraphRunner``, ``QuantizedWeight``,
 ``QuantizedLinearKernel``.
 
 What hooks receive or may build on:
@@ -41,9 +42,11 @@ from __future__ import annotations
 
 import importlib
 
-from pagedllm.backend.hookspec import (API_VERSION, ENTRY_POINT_GROUP, BackendInfo, BackendSpec, Capabilities,
-                                       GraphRunner, KVCacheSpec, MambaSpec, MemoryInfo, ModelInfo, ProbeResult,
-                                       QuantizedLinearKernel, QuantizedWeight, RunnerContext, hookimpl)
+from pagedllm.backend.hookspec import (API_VERSION, ENTRY_POINT_GROUP, AttentionSpec, BackendInfo, BackendSpec,
+                                       Capabilities, FullAttentionSpec, GraphRunner, KVCacheConfig, KVCacheGroupSpec,
+                                       KVCacheSpec, KVCacheTensor, MambaSpec, MemoryInfo, MLAAttentionSpec, ModelInfo,
+                                       ProbeResult, QuantizedLinearKernel, QuantizedWeight, RunnerContext,
+                                       SlidingWindowSpec, hookimpl)
 from pagedllm.errors import ParamError, UserError
 
 # Loaded on first use (PEP 562): they import torch or engine modules, and a plugin module is imported at discovery.
@@ -82,9 +85,11 @@ _LAZY = {
 }
 _RENAMED = {"add_lora_reference": ("pagedllm.lora.ops", "add_lora")}
 
-__all__ = ["API_VERSION", "ENTRY_POINT_GROUP", "BackendInfo", "BackendSpec", "Capabilities", "GraphRunner",
-           "KVCacheSpec", "MambaSpec", "MemoryInfo", "ModelInfo", "ProbeResult", "QuantizedLinearKernel",
-           "QuantizedWeight", "RunnerContext", "hookimpl", "ParamError", "UserError", *_LAZY, *_RENAMED]
+__all__ = ["API_VERSION", "ENTRY_POINT_GROUP", "AttentionSpec", "BackendInfo", "BackendSpec", "Capabilities",
+           "FullAttentionSpec", "GraphRunner", "KVCacheConfig", "KVCacheGroupSpec", "KVCacheSpec", "KVCacheTensor",
+           "MambaSpec", "MemoryInfo", "MLAAttentionSpec", "ModelInfo", "ProbeResult", "QuantizedLinearKernel",
+           "QuantizedWeight", "RunnerContext", "SlidingWindowSpec", "hookimpl", "ParamError", "UserError", *_LAZY,
+           *_RENAMED]
 
 
 def __getattr__(name: str):

@@ -47,6 +47,16 @@ tensors of fixed shapes and dtypes, one *slot* per running request, the slot ind
 ``ModelInfo.state`` names each state layer kind's op families and dtypes; a backend that states
 ``Capabilities.state_ops`` / ``state_dtypes`` (unset: the reference's coverage, everything) is refused, at start-up,
 the models needing more.
+
+Version 4 hands the backend the model's KV cache *groups* (issue 28; vLLM's ``kv_cache_interface``): a
+:class:`KVCacheConfig` lists each group's layers (decoder-layer indices) with one spec per group —
+:class:`FullAttentionSpec`, :class:`SlidingWindowSpec` (``sliding_window``), :class:`MLAAttentionSpec` (the latent
+row) or the recurrent-state :class:`MambaSpec` — and the shared-tensor layout core chose
+(:class:`KVCacheTensor`: sliding-window groups share one tensor per group position, so a block id spans one layer of
+each group). ``pagedllm_allocate_kv_cache_groups`` returns a cache per layer and may lay each group out its own way
+(a distinct tensor per layer where core shares one, a window-sized ring, a state layout of its own) as long as its
+kernels index them with the same block ids and slots. A v3 plugin implements no such hook: core builds the groups'
+caches from its ``pagedllm_allocate_kv_cache`` and ``pagedllm_allocate_state_cache`` exactly as before.
 """
 
 from __future__ import annotations
@@ -64,7 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from pagedllm.config import EngineConfig
 
 PROJECT = "pagedllm"
-API_VERSION = 3
+API_VERSION = 4
 ENTRY_POINT_GROUP = "pagedllm.backends"
 
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -201,6 +211,105 @@ class MambaSpec:
 
         return self.num_layers * sum(math.prod(s) * torch.empty((), dtype=d).element_size()
                                      for s, d in zip(self.shapes, self.dtypes))
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """v4. One paged attention layer's page (vLLM's ``AttentionSpec``): ``block_size`` tokens x ``num_kv_heads`` x
+    ``head_size`` keys and values in ``dtype`` (the KV cache dtype: fp8 when ``kv_cache_dtype`` says so). The
+    canonical cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_size]``."""
+
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: Any  # torch.dtype
+
+    #: 2: keys and values; 1: one latent row (MLA)
+    num_planes = 2
+
+    @property
+    def page_size_bytes(self) -> int:
+        """What one block of one layer costs."""
+        import torch  # heavy: torch
+
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_planes * self.block_size * self.num_kv_heads * self.head_size * elem
+
+    def canonical_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The reference ops' layout of one layer's cache of ``num_blocks`` blocks."""
+        return (self.num_planes, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """v4. Layers whose blocks are all kept. ``sliding_window`` set (vLLM's field of the same name): the layers'
+    kernels still apply that window, but core keeps every block (the one-table path: graph capture, static shapes,
+    ``disable_hybrid_kv_cache_manager``...)."""
+
+    sliding_window: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """v4. Layers attending the last ``sliding_window`` keys, whose group has its own block table: blocks that left
+    the window go back to the pool and the table holds the null block (id 0) in their place, never read."""
+
+    sliding_window: int
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(AttentionSpec):
+    """v4. MLA (DeepSeek): one latent row of ``head_size`` per token, ``num_kv_heads`` 1; canonical cache
+    ``[1, num_blocks, block_size, 1, head_size]`` (see the module docstring)."""
+
+    num_planes = 1
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """v4. One group (vLLM's name): the decoder-layer indices ``layer_ids`` (in the model's order) sharing one block
+    table (or, for a :class:`MambaSpec`, the state slots), and their spec."""
+
+    layer_ids: tuple[int, ...]
+    kv_cache_spec: Any  # AttentionSpec subclass or MambaSpec
+
+    @property
+    def kind(self) -> str:
+        """``full``, ``sliding_window``, ``mla`` or ``state``, for messages and dispatch."""
+        spec = self.kv_cache_spec
+        return {FullAttentionSpec: "full", SlidingWindowSpec: "sliding_window", MLAAttentionSpec: "mla",
+                MambaSpec: "state"}.get(type(spec), type(spec).__name__)
+
+
+@dataclass(frozen=True)
+class KVCacheTensor:
+    """v4. One paged KV tensor of core's layout (vLLM's name): ``size`` bytes, viewed by every layer of
+    ``shared_by`` (one layer per sliding-window group: a block id belongs to one group at a time). A backend may
+    ignore the sharing and give each layer its own memory; the block ids stay core's."""
+
+    size: int
+    shared_by: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """v4. What ``pagedllm_allocate_kv_cache_groups`` allocates (vLLM's ``KVCacheConfig``): ``num_blocks`` blocks per
+    paged layer (the pool, plus a static backend's padding block), ``kv_cache_tensors`` (core's shared layout of the
+    paged groups), ``kv_cache_groups`` (paged groups first, then the state group, whose :class:`MambaSpec` holds its
+    slot count), on ``device``. Every decoder layer with a cache is in exactly one group."""
+
+    num_blocks: int
+    kv_cache_tensors: tuple[KVCacheTensor, ...]
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...]
+    device: Any  # torch.device
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """Every layer with a cache, in group order."""
+        return tuple(i for g in self.kv_cache_groups for i in g.layer_ids)
+
+    def group_of(self, layer_id: int) -> KVCacheGroupSpec:
+        return next(g for g in self.kv_cache_groups if layer_id in g.layer_ids)
 
 
 #: The state-op families of ``Capabilities.state_ops``
@@ -406,6 +515,20 @@ class BackendSpec:
         (``has_initial_state`` false); it only copies whole slots to host and back under swap preemption, by
         indexing dimension 0 of each tensor. Default: contiguous zeros
         (``pagedllm.backend.conv_ops.allocate_state_cache``)."""
+
+    @hookspec(firstresult=True)
+    def pagedllm_allocate_kv_cache_groups(self, config: KVCacheConfig) -> dict:
+        """v4. Allocate every group's caches at once, each group in this backend's own layout: returns ``{layer_id:
+        cache}`` for exactly the layers of ``config.kv_cache_groups``. A paged layer's cache holds
+        ``config.num_blocks`` blocks of its group's spec, indexed by the block ids and slots core hands the kernels
+        (``write_kv`` / ``paged_attention``, or the MLA pair); layers may share a tensor as
+        ``config.kv_cache_tensors`` says, or not. A state layer's cache is what ``pagedllm_allocate_state_cache``
+        returns for one layer (a tuple of ``[num_slots, *shape]`` tensors). Core checks the return (every layer,
+        device, dtype; the canonical shape where core's reference kernels read the cache) and refuses a bad one
+        naming the backend and group. Default: ``pagedllm_allocate_kv_cache`` on one :class:`KVCacheSpec` of
+        ``len(config.kv_cache_tensors)`` layers (tensor i viewed by ``kv_cache_tensors[i].shared_by``) plus
+        ``pagedllm_allocate_state_cache`` for the state group — the backend's own allocators where it has them, so
+        a v3 plugin's caches are unchanged (``pagedllm.backend.reference.kv_cache_groups_from``)."""
 
     @hookspec(firstresult=True)
     def pagedllm_causal_conv1d_fn(

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from pagedllm.backend import conv_ops, ref_ops
 from pagedllm.backend.batch_policy import BatchPolicy
-from pagedllm.backend.hookspec import (Capabilities, GraphRunner, KVCacheSpec, MambaSpec, ModelInfo, RunnerContext,
-                                       hookimpl)
+from pagedllm.backend.hookspec import (AttentionSpec, Capabilities, GraphRunner, KVCacheConfig, KVCacheSpec,
+                                       MambaSpec, MLAAttentionSpec, ModelInfo, RunnerContext, hookimpl)
 from pagedllm.lora import ops as lora_ops
 
 
@@ -76,6 +76,34 @@ def pagedllm_allocate_host_kv_cache(spec: KVCacheSpec, pin_memory: bool) -> list
 @hookimpl(trylast=True)
 def pagedllm_allocate_state_cache(spec: MambaSpec) -> list:
     return conv_ops.allocate_state_cache(spec)
+
+
+def kv_cache_groups_from(config: KVCacheConfig, allocate_kv_cache: Callable[[KVCacheSpec], list],
+                         allocate_state_cache: Callable[[MambaSpec], list]) -> dict:
+    """``pagedllm_allocate_kv_cache_groups`` from the v3 allocators, so a backend without the v4 hook gets exactly
+    the caches it got before: one :class:`KVCacheSpec` of ``len(config.kv_cache_tensors)`` layers (every paged group
+    has one page shape), tensor i viewed by ``kv_cache_tensors[i].shared_by``, and the state group's
+    ``allocate_state_cache`` entries in its layer order."""
+    caches: dict = {}
+    paged = [g.kv_cache_spec for g in config.kv_cache_groups if isinstance(g.kv_cache_spec, AttentionSpec)]
+    if paged:
+        page = paged[0]
+        pages = {(p.block_size, p.num_kv_heads, p.head_size, p.dtype, p.num_planes) for p in paged}
+        if len(pages) > 1:  # core builds one page shape per model; a second would need the v4 hook
+            raise ValueError(f"KV cache groups of {len(pages)} page shapes cannot share one KVCacheSpec: {pages}")
+        spec = KVCacheSpec(len(config.kv_cache_tensors), config.num_blocks, page.block_size, page.num_kv_heads,
+                           page.head_size, page.dtype, config.device, mla=isinstance(page, MLAAttentionSpec))
+        for tensor, cache in zip(config.kv_cache_tensors, allocate_kv_cache(spec), strict=True):
+            caches.update(dict.fromkeys(tensor.shared_by, cache))
+    for group in config.kv_cache_groups:
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            caches.update(zip(group.layer_ids, allocate_state_cache(group.kv_cache_spec), strict=True))
+    return caches
+
+
+@hookimpl(trylast=True)
+def pagedllm_allocate_kv_cache_groups(config: KVCacheConfig) -> dict:
+    return kv_cache_groups_from(config, pagedllm_allocate_kv_cache, pagedllm_allocate_state_cache)
 
 
 @hookimpl(trylast=True)

@@ -15,8 +15,9 @@ import torch
 
 from pagedllm.backend import hookspec, reference
 from pagedllm.backend.hookspec import (API_VERSION, ENTRY_POINT_GROUP, HOOK_NAMES, PROJECT, REQUIRED_HOOKS,
-                                       RETIRED_HOOK_NAMES, BackendInfo, Capabilities, GraphRunner, KVCacheSpec,
-                                       MemoryInfo, ProbeResult, RunnerContext)
+                                       RETIRED_HOOK_NAMES, AttentionSpec, BackendInfo, Capabilities, GraphRunner,
+                                       KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaSpec, MemoryInfo,
+                                       MLAAttentionSpec, ProbeResult, RunnerContext)
 from pagedllm.errors import UserError
 
 
@@ -56,6 +57,9 @@ class Backend:
         for name in HOOK_NAMES:
             if name not in ("pagedllm_probe", "pagedllm_capabilities"):  # cached properties below
                 setattr(self, name.removeprefix("pagedllm_"), self._resolve(name))
+        self.allocate_kv_cache_groups = (self._checked_kv_cache_groups
+                                         if self.implements("pagedllm_allocate_kv_cache_groups")
+                                         else self._kv_cache_groups_from_allocators)  # a v3 plugin's caches
         if self.implements("pagedllm_allocate_kv_cache") and not self.implements("pagedllm_allocate_host_kv_cache"):
             self.allocate_host_kv_cache = self._own_layout_host_cache  # contract v1 had no host allocator
         self.info: BackendInfo = self.backend_info()
@@ -109,6 +113,64 @@ class Backend:
                 warnings.warn(f"backend {self.name!r}: host KV caches left unpinned ({e})", RuntimeWarning)
         return caches
 
+    def _kv_cache_groups_from_allocators(self, config: KVCacheConfig) -> dict:
+        """The v3 path: the groups' caches from this backend's ``allocate_kv_cache`` / ``allocate_state_cache`` (its
+        own or core's), called with exactly the specs core used before v4."""
+        return reference.kv_cache_groups_from(config, self.allocate_kv_cache, self.allocate_state_cache)
+
+    def _checked_kv_cache_groups(self, config: KVCacheConfig) -> dict:
+        """The backend's ``pagedllm_allocate_kv_cache_groups``, its return checked per group and layer: a bad one
+        is refused naming the backend and the group, before any step reads it."""
+        caches = self._resolve("pagedllm_allocate_kv_cache_groups")(config)
+        if not isinstance(caches, dict):
+            raise BackendError(f"backend {self.name!r}: pagedllm_allocate_kv_cache_groups returned "
+                               f"{type(caches).__name__}, not a dict of layer index -> cache")
+        extra = sorted(set(caches) - set(config.layer_ids), key=str)
+        if extra:
+            raise BackendError(f"backend {self.name!r}: pagedllm_allocate_kv_cache_groups returned caches for "
+                               f"layers {extra}, which are in no KV cache group")
+        for g, group in enumerate(config.kv_cache_groups):
+            for layer in group.layer_ids:
+                why = self._cache_problem(group, caches.get(layer), config)
+                if why:
+                    raise BackendError(f"backend {self.name!r}: pagedllm_allocate_kv_cache_groups returned a bad "
+                                       f"cache for layer {layer} of KV cache group {g} ({group.kind}, layers "
+                                       f"{list(group.layer_ids)}): {why}")
+        return caches
+
+    def _cache_problem(self, group: KVCacheGroupSpec, cache: Any, config: KVCacheConfig) -> str:
+        """Why ``cache`` cannot serve one layer of ``group`` ("" when it can)."""
+        if cache is None:
+            return "missing"
+        spec, want = group.kv_cache_spec, torch.device(config.device)
+        if isinstance(spec, MambaSpec):
+            if (not isinstance(cache, (tuple, list)) or len(cache) != len(spec.shapes)
+                    or not all(isinstance(t, torch.Tensor) for t in cache)):
+                return f"want a tuple of {len(spec.shapes)} state tensors, got {_describe(cache)}"
+            expected = [((spec.num_slots, *shape), dtype) for shape, dtype in zip(spec.shapes, spec.dtypes)]
+        elif isinstance(spec, AttentionSpec):
+            mla = isinstance(spec, MLAAttentionSpec)
+            kernels = ("pagedllm_write_mla_kv", "pagedllm_mla_attention") if mla else (
+                "pagedllm_write_kv", "pagedllm_paged_attention")
+            if all(self.implements(h) for h in kernels):  # its own layout, read by its own kernels
+                expected = [(None, spec.dtype)] * len(_flat_tensors(cache))
+            else:  # core's reference kernels index the canonical layout
+                if not isinstance(cache, torch.Tensor):
+                    return (f"core's reference {' / '.join(h for h in kernels if not self.implements(h))} reads it: "
+                            f"want a torch.Tensor, got {type(cache).__name__}")
+                expected = [(spec.canonical_shape(config.num_blocks), spec.dtype)]
+        else:
+            return f"unknown spec {type(spec).__name__}"
+        tensors = [cache] if isinstance(cache, torch.Tensor) else _flat_tensors(cache)
+        for t, (shape, dtype) in zip(tensors, expected, strict=True):
+            if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+                return f"on {t.device}, want {want}"
+            if t.dtype != dtype:
+                return f"dtype {t.dtype}, want {dtype}"
+            if shape is not None and tuple(t.shape) != shape:
+                return f"shape {tuple(t.shape)}, want {shape}"
+        return ""
+
     def implements(self, hook_name: str) -> bool:
         """True when the backend itself (not core's reference fallback) implements ``hook_name``."""
         return any(i.plugin is self.plugin for i in getattr(self.pm.hook, hook_name).get_hookimpls())
@@ -161,6 +223,7 @@ class Backend:
         allocate_kv_cache: Callable[[KVCacheSpec], list]
         allocate_host_kv_cache: Callable[[KVCacheSpec, bool], list]
         allocate_state_cache: Callable[[Any], list]
+        allocate_kv_cache_groups: Callable[[KVCacheConfig], dict]
         causal_conv1d_fn: Callable[..., torch.Tensor]
         causal_conv1d_update: Callable[..., torch.Tensor]
         write_kv: Callable[..., None]
@@ -179,6 +242,12 @@ class Backend:
         add_lora: Callable[..., None]
         fused_moe: Callable[..., torch.Tensor]
         quantized_linear: Callable[[str, str], Any]
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, (tuple, list)):
+        return f"{type(obj).__name__} of {[type(x).__name__ for x in obj]}"
+    return type(obj).__name__
 
 
 def _flat_tensors(obj: Any) -> list:

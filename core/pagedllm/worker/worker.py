@@ -21,7 +21,8 @@ from pagedllm.backend.batch_policy import BatchPolicy, BatchShape
 from pagedllm.config import DTYPES, EngineConfig
 from pagedllm.backend.device_sampler import SamplingTensors
 from pagedllm.distributed.parallel_state import get_parallel_state
-from pagedllm.backend.hookspec import KVCacheSpec, MambaSpec, ModelInfo, RunnerContext
+from pagedllm.backend.hookspec import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, KVCacheTensor,
+                                       MambaSpec, MLAAttentionSpec, ModelInfo, RunnerContext, SlidingWindowSpec)
 from pagedllm.sched.kv_groups import KVGroupLayout, choose_kv_layout
 from pagedllm.sched.kv_manager import KVCacheManager
 from pagedllm.backend.kv_quant import kv_torch_dtype
@@ -114,13 +115,16 @@ class Worker:
         if not self.requires_kv_cache:
             self.sink_block, self.pad_slot = None, -1
         spec = self._kv_spec(self.num_blocks + (self.sink_block is not None)) if self.requires_kv_cache else None
-        self.kv_caches = backend.allocate_kv_cache(spec) if spec is not None else []
         self.kv_spec: Optional[KVCacheSpec] = spec  # (what the KV connector's host copies are shaped after)
-        self.model.kv_caches = self._layer_caches(self.kv_caches)
         #: The recurrent-state group (LFM2's conv state...), one slot per schedulable sequence; None: no state
         self.state_spec = self._state_spec()
+        #: Every KV cache group (paged and state) handed to the backend's allocator (contract v4)
+        self.kv_cache_config: Optional[KVCacheConfig] = None
+        self.kv_caches: list = []
+        if spec is not None or self.state_spec is not None:
+            self.kv_cache_config = self._kv_cache_config(spec.num_blocks if spec is not None else 0)
+            self._allocate_kv_cache_groups(self.kv_cache_config)
         if self.state_spec is not None:
-            self.model.state_caches = backend.allocate_state_cache(self.state_spec)
             stage("state cache: %d slots of %.1f KiB (%s)", self.state_spec.num_slots,
                   self.state_spec.bytes_per_slot / 1024, info.architecture)
         self.host_caches: Optional[list] = None
@@ -247,6 +251,64 @@ class Worker:
         layers = self.kv_layout.group_size if getattr(self, "kv_layout", None) is not None else m.num_layers
         return KVCacheSpec(layers, num_blocks, self.block_size, m.num_kv_heads, m.head_size, self.kv_dtype,
                            self.device, mla=getattr(m, "kv_cache_mla", False))
+
+    def _layer_ids(self) -> tuple[list[int], list[int]]:
+        """The decoder-layer indices of the paged KV layers and of the state layers, as the model reads its
+        ``kv_caches`` / ``state_caches`` (in order; a pipeline stage's layers only)."""
+        m = self.model
+        layers = getattr(m, "layers", None)
+        if getattr(m, "state_shapes", None) and layers is not None:  # hybrid: attention and state layers interleave
+            attention = [i for i, layer in enumerate(layers) if getattr(layer, "is_attention", False)]
+            state = [i for i, layer in enumerate(layers) if not getattr(layer, "is_attention", False)]
+            return attention, state[:m.num_state_layers]
+        start = getattr(m, "start_layer", 0)
+        return list(range(start, start + m.num_layers)), []
+
+    def _kv_cache_config(self, num_blocks: int) -> KVCacheConfig:
+        """The model's KV cache groups for the backend (contract v4): with sliding-window groups
+        (``self.kv_layout``) one spec per group and ``group_size`` shared tensors, else one tensor per layer and a
+        group per window kind (their blocks all kept); MLA's latent group; the state group."""
+        m = self.model
+        attention, state = self._layer_ids()
+        if len(attention) != m.num_layers:
+            raise RuntimeError(f"{type(m).__name__}: {len(attention)} attention layers for {m.num_layers} KV caches")
+        page = dict(block_size=self.block_size, num_kv_heads=m.num_kv_heads, head_size=m.head_size,
+                    dtype=self.kv_dtype)
+        groups: list[KVCacheGroupSpec] = []
+        if self.kv_layout is not None:  # local indices are the model's (no pipeline stages with groups)
+            for g in self.kv_layout.groups:
+                groups.append(KVCacheGroupSpec(g.layers, FullAttentionSpec(**page) if g.sliding_window is None
+                                               else SlidingWindowSpec(**page, sliding_window=g.sliding_window)))
+            shared = [tuple(g.layers[j] for g in self.kv_layout.groups if j < len(g.layers))
+                      for j in range(self.kv_layout.group_size)]
+        elif attention and getattr(m, "kv_cache_mla", False):
+            groups.append(KVCacheGroupSpec(tuple(attention), MLAAttentionSpec(**page)))
+            shared = [(i,) for i in attention]
+        else:
+            windows = getattr(m, "layer_sliding_windows", None) or []
+            kinds: dict[Optional[int], list[int]] = {}
+            for i in attention:
+                kinds.setdefault(windows[i] if i < len(windows) else None, []).append(i)
+            for w in sorted(kinds, key=lambda w: (w is not None, w or 0)):  # full attention first
+                groups.append(KVCacheGroupSpec(tuple(kinds[w]), FullAttentionSpec(**page, sliding_window=w)))
+            shared = [(i,) for i in attention]
+        size = groups[0].kv_cache_spec.page_size_bytes * num_blocks if groups else 0
+        if self.state_spec is not None:
+            groups.append(KVCacheGroupSpec(tuple(state), self.state_spec))
+        return KVCacheConfig(num_blocks, tuple(KVCacheTensor(size, s) for s in shared), tuple(groups), self.device)
+
+    def _allocate_kv_cache_groups(self, config: KVCacheConfig) -> None:
+        """Every group's caches through the backend (checked by the registry), handed to the model in its layers'
+        order; ``kv_caches`` keeps the distinct paged caches (core's shared tensors first) for swap and the KV
+        connectors."""
+        caches = self.backend.allocate_kv_cache_groups(config)
+        attention, state = self._layer_ids()
+        self.model.kv_caches = [caches[i] for i in attention]
+        if self.state_spec is not None:
+            self.model.state_caches = [caches[i] for i in state]
+        distinct = {id(caches[t.shared_by[0]]): caches[t.shared_by[0]] for t in config.kv_cache_tensors}
+        distinct.update((id(c), c) for c in self.model.kv_caches)  # a backend's own, unshared layout
+        self.kv_caches = list(distinct.values())
 
     def _layer_caches(self, caches: list) -> list:
         """What each layer reads: its own cache, or with KV groups its tensor among the group size's."""
