@@ -88,6 +88,11 @@ def _metadata(path: str, size: int, mtime_ns: int) -> tuple[dict, dict[str, tupl
     return meta, {t.name: t.shape for t in read_tensors(path)[1]}
 
 
+def _file_metadata(path: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    st = os.stat(path)
+    return _metadata(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
 def _require(meta: dict, key: str, path: str) -> Any:
     if key not in meta:
         raise ValueError(f"GGUF file {path} lacks metadata key {key!r}")
@@ -327,5 +332,4 @@ def own_gguf_config(path: str, arch: str) -> Any:
     """The HF config of a GGUF file of an ``OWN_CONFIG_ARCHS`` architecture."""
     return {"glm4": glm4_config, "baichuan": baichuan_config, "chatglm": chatglm_config,
             "deepseek2": deepseek2_config, "mamba2": mamba2_config, "qwen3next": qwen3next_config,
-            "granitehybrid": lambda p: granite_hybrid_config(p, *_metadata(os.path.realpath(p), os.stat(p).st_size,
-                                                                           os.stat(p).st_mtime_ns))}[arch](path)
+            "granitehybrid": lambda p: granite_hybrid_config(p, *_file_metadata(p))}[arch](path)

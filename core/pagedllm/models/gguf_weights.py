@@ -218,9 +218,12 @@ class GGUFWeights:
         granite = self._split_granite(name)
         if granite is not None:  # Granite-4.0-H's input_linear: gate rows, then up rows
             parts, axis = granite
-            return torch.from_numpy(np.concatenate([np.asarray(t.data if t.tensor_type.name == "F32" else
-                                                               dequantize(t.data, t.tensor_type), dtype=np.float32)
-                                                    for t in parts], axis=axis))
+            joined = np.concatenate([np.asarray(t.data if t.tensor_type.name == "F32" else
+                                                dequantize(t.data, t.tensor_type), dtype=np.float32)
+                                     for t in parts], axis=axis)
+            for t in parts:
+                drop_pages(t.data)
+            return torch.from_numpy(joined)
         t = self._tensor(name)
         data = t.data if t.tensor_type.name in ("F32",) else dequantize(t.data, t.tensor_type)
         data = np.asarray(data, dtype=np.float32)
