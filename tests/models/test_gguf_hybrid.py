@@ -13,8 +13,8 @@ gated norm as ``[groups, d_inner / groups]``, ``dt_bias`` as ``ssm_dt.bias``, th
 no config for it, so pagedllm does (models/gguf_archs.py) and undoes the tensor transforms (models/gguf_ssm.py); F32
 and Q8_0 against the original model (Q8_0: with gguf's own quantize/dequantize round trip of the linear weights).
 
-``granitehybrid`` is not loaded: transformers builds no config for it either (tested), and its layout (MoE, fused
-projections) is not mapped here. Qwen3.5 (``qwen35`` / ``qwen35moe``) and Qwen3-Next (``qwen3next``, whose config
+``granitehybrid`` (Granite-4.0-H): transformers builds no config for it either (tested), so pagedllm does, and
+undoes its tensor transforms (models/gguf_granite_hybrid.py): test_gguf_granite_hybrid.py. Qwen3.5 (``qwen35`` / ``qwen35moe``) and Qwen3-Next (``qwen3next``, whose config
 transformers does not build either: pagedllm does): test_gguf_qwen35.py.
 """
 
@@ -146,8 +146,8 @@ def test_lfm2_gguf_q8_0_matches_hf_reading_the_same_file(files):
 @pytest.mark.parametrize("arch", ["mamba2", "granitehybrid", "qwen3next"])
 def test_transformers_builds_no_config_for_the_other_stateful_archs(tmp_path, arch):
     """transformers refuses the config of a GGUF of llama.cpp's other stateful archs (a header alone shows it):
-    Mamba2's and Qwen3-Next's are built by pagedllm (below; test_gguf_qwen35.py); Granite-4.0-H's files are not
-    loaded."""
+    Mamba2's, Qwen3-Next's and Granite-4.0-H's are built by pagedllm (below; test_gguf_qwen35.py,
+    test_gguf_granite_hybrid.py)."""
     import gguf
     from transformers import AutoConfig
 

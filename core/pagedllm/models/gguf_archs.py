@@ -34,6 +34,8 @@ tensor names, so only the config is ours. Keys are those llama.cpp's ``convert_h
   ``rope.dimension_count`` (``partial_rotary_factor`` of ``attention.key_length``), the experts from ``expert_*``;
   every layer sparse (the converter writes no ``mlp_only_layers``). Its tensor transforms are undone by
   ``gguf_qwen35``.
+- ``granitehybrid`` (Granite-4.0-H, llama.cpp's ``GraniteHybridModel``): config and tensor transforms in
+  ``gguf_granite_hybrid``.
 
 Falcon goes through transformers' GGUF config, which can only say Falcon-7B's layout (multi-query, one layernorm);
 ``complete_falcon_config`` adds what a Falcon-40B/180B / Falcon 2 file means (llama.cpp's rule): a second layernorm
@@ -64,10 +66,11 @@ import functools
 import os
 from typing import Any
 
+from pagedllm.models.gguf_granite_hybrid import granite_hybrid_config
 from pagedllm.models.gguf_weights import read_tensors
 
 #: GGUF architectures whose config is built here (the rest go through transformers).
-OWN_CONFIG_ARCHS = ("glm4", "baichuan", "chatglm", "deepseek2", "mamba2", "qwen3next")
+OWN_CONFIG_ARCHS = ("glm4", "baichuan", "chatglm", "deepseek2", "mamba2", "qwen3next", "granitehybrid")
 
 
 def gguf_architecture(path: str) -> str:
@@ -83,6 +86,11 @@ def _metadata(path: str, size: int, mtime_ns: int) -> tuple[dict, dict[str, tupl
 
     meta, _ = read_gguf_metadata(path)
     return meta, {t.name: t.shape for t in read_tensors(path)[1]}
+
+
+def _file_metadata(path: str) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    st = os.stat(path)
+    return _metadata(os.path.realpath(path), st.st_size, st.st_mtime_ns)
 
 
 def _require(meta: dict, key: str, path: str) -> Any:
@@ -323,4 +331,5 @@ def complete_gemma_config(path: str, config: Any) -> Any:
 def own_gguf_config(path: str, arch: str) -> Any:
     """The HF config of a GGUF file of an ``OWN_CONFIG_ARCHS`` architecture."""
     return {"glm4": glm4_config, "baichuan": baichuan_config, "chatglm": chatglm_config,
-            "deepseek2": deepseek2_config, "mamba2": mamba2_config, "qwen3next": qwen3next_config}[arch](path)
+            "deepseek2": deepseek2_config, "mamba2": mamba2_config, "qwen3next": qwen3next_config,
+            "granitehybrid": lambda p: granite_hybrid_config(p, *_file_metadata(p))}[arch](path)

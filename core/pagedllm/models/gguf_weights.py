@@ -8,6 +8,8 @@ DeepSeek (``deepseek2``): newer converters split ``kv_b_proj`` per head into ``a
 kv_lora_rank, nope]``) and ``attn_v_b`` (``[heads, v, kv_lora_rank]``); ``kv_b_proj`` is rebuilt from the two.
 Falcon: the converter reorders ``query_key_value`` from HF's per-KV-group ``[q.., k, v]`` to all queries, then all
 keys, then all values (identity for multi-query Falcon-7B); rows are put back per group here.
+Granite-4.0-H (``granitehybrid``): q/k rows as Llama's; the rest (Mamba2 transforms, the split ``input_linear``) is
+undone by ``gguf_granite_hybrid``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from pagedllm.backend.hookspec import QuantizedWeight
+from pagedllm.models.gguf_granite_hybrid import ARCH as GRANITE_HYBRID_ARCH, GraniteHybridLayout
 from pagedllm.models.gguf_qwen35 import (QWEN35_GGUF_ARCHS, Qwen35Layout,
     converter_name as qwen35_converter_name)
 from pagedllm.models.gguf_ssm import converter_name, undo_converter
@@ -105,7 +108,7 @@ def _stacked(name: str) -> Optional[tuple[str, int]]:
 
 
 #: GGUF architectures whose converter permutes q/k rows (HF rotate_half layout -> GGML's interleaved pairs).
-_PERMUTED_QK_ARCHS = ("llama", "baichuan")
+_PERMUTED_QK_ARCHS = ("llama", "baichuan", GRANITE_HYBRID_ARCH)
 
 
 #: GGUF architectures whose converter writes RMSNorm weights as ``1 + w`` (Gemma's ``(1 + w)`` norm folded in).
@@ -126,6 +129,8 @@ class GGUFWeights:
         self._heads = {"attn_q": heads, "attn_k": getattr(config, "num_key_value_heads", None) or heads}
         self._falcon_groups = (config.num_kv_heads if getattr(config, "new_decoder_architecture", False) else 1)
         self._qwen35 = Qwen35Layout(config, self.arch) if self.arch in QWEN35_GGUF_ARCHS else None  # gguf_qwen35.py
+        self._granite = (GraniteHybridLayout(self._tensors.__contains__) if self.arch == GRANITE_HYBRID_ARCH
+                         else None)  # gguf_granite_hybrid.py
 
     def gguf_name(self, name: str) -> Optional[str]:
         if name.endswith("e_score_correction_bias"):  # the converter writes it as ``...e_score_correction.bias``
@@ -133,6 +138,9 @@ class GGUFWeights:
         s = _stacked(name)
         if s:  # one expert (or head) of a stacked tensor
             return self._map.get_name(s[0], try_suffixes=(".weight",))
+        if self._granite is not None:
+            return self._granite.gguf_name(name) or self._map.get_name(
+                self._granite.converter_name(name), try_suffixes=(".weight", ".bias"))
         name = converter_name(self.arch, name) if self._qwen35 is None else qwen35_converter_name(name)
         return self._map.get_name(name, try_suffixes=(".weight", ".bias"))
 
@@ -152,10 +160,18 @@ class GGUFWeights:
         parts = [self._tensors.get(g.replace("ssm_in", kind)) for kind in ("attn_qkv", "attn_gate")]
         return None if None in parts else tuple(parts)
 
+    def _split_granite(self, name: str) -> Optional[tuple[list[GGUFTensor], int]]:
+        """(the parts, numpy axis to join them on) of a Granite-4.0-H ``input_linear`` the converter split."""
+        found = self._granite.parts(name) if self._granite is not None else None
+        if found is None or not all(g in self._tensors for g in found[0]):
+            return None
+        return [self._tensors[g] for g in found[0]], found[1]
+
     def __contains__(self, name: str) -> bool:
         g = self.gguf_name(name)
         if g is None or g not in self._tensors:
-            return self._split_kv_b(name) is not None or self._split_qkvz(name) is not None
+            return (self._split_kv_b(name) is not None or self._split_qkvz(name) is not None
+                    or self._split_granite(name) is not None)
         s = _stacked(name)
         return s is None or s[1] < self._tensors[g].data.shape[0]
 
@@ -199,6 +215,15 @@ class GGUFWeights:
         if split is not None:  # Qwen3-Next's [q, k, v, z] per key head from attn_qkv and attn_gate
             qkv, z = (np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32) for t in split)
             return torch.from_numpy(self._qwen35.fuse_qkvz(qkv, z))
+        granite = self._split_granite(name)
+        if granite is not None:  # Granite-4.0-H's input_linear: gate rows, then up rows
+            parts, axis = granite
+            joined = np.concatenate([np.asarray(t.data if t.tensor_type.name == "F32" else
+                                                dequantize(t.data, t.tensor_type), dtype=np.float32)
+                                     for t in parts], axis=axis)
+            for t in parts:
+                drop_pages(t.data)
+            return torch.from_numpy(joined)
         t = self._tensor(name)
         data = t.data if t.tensor_type.name in ("F32",) else dequantize(t.data, t.tensor_type)
         data = np.asarray(data, dtype=np.float32)
@@ -206,7 +231,8 @@ class GGUFWeights:
             data = data - 1  # stored as 1 + w (llama.cpp's converter), as transformers' Gemma2TensorProcessor undoes
         if t.name.endswith("ffn_gate_inp_shexp.weight") and data.ndim == 1:
             data = data[None]  # llama.cpp stores the shared-expert gate as [hidden]; HF's is [1, hidden]
-        undone = undo_converter(self.arch, t.name, data)  # LFM2 / Mamba2: gguf_ssm.py
+        undone = (undo_converter(self.arch, t.name, data) if self._granite is None  # LFM2 / Mamba2: gguf_ssm.py
+                  else self._granite.undo(t.name, data))
         if undone is not None:
             data = undone
         if self._qwen35 is not None:
@@ -222,7 +248,7 @@ class GGUFWeights:
     def blocks(self, name: str) -> Optional[GGUFTensor]:
         """The file's own tensor for ``name`` (``data``: its read-only mapping, not copied) when it is a 2-D block
         type with rows in HF order; None otherwise."""
-        if name not in self or self._split_qkvz(name) is not None:
+        if name not in self or self._split_qkvz(name) is not None or self._split_granite(name) is not None:
             return None
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2 or self._rows(t.name, t.data.shape[0]) is not None:
@@ -235,6 +261,16 @@ class GGUFWeights:
         """The packed blocks of a 2-D block-quantized tensor, rows in HF order; None for dense tensors."""
         if self._split_kv_b(name) is not None or self._split_qkvz(name) is not None:
             return None
+        granite = self._split_granite(name)
+        if granite is not None:  # a 2-D input_linear whose parts share a block type: their packed rows joined
+            parts, axis = granite
+            if axis != 0 or len({p.tensor_type for p in parts}) != 1 or parts[0].tensor_type.name in DENSE_TYPES:
+                return None
+            raw = np.concatenate([np.asarray(p.data) for p in parts])
+            for p in parts:
+                drop_pages(p.data)
+            return QuantizedWeight("gguf", parts[0].tensor_type.name, torch.from_numpy(raw),
+                                   (raw.shape[0], int(parts[0].shape[0])))
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2:
             return None

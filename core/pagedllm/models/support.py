@@ -62,7 +62,7 @@ VERIFIED: dict[str, str] = {
                          "cpu-static: tests/plugins/cpu/test_static_state.py; GGUF: test_gguf_hybrid.py",
     "GraniteMoeHybridForCausalLM": "tests/models/test_mamba2.py (every multiplier away from 1; logits vs HF, chunked "
                                    "prefill, mixed batches, preemption, n=2 seeded, abort mid-prefill; greedy on "
-                                   "cpu-static)",
+                                   "cpu-static); GGUF: test_gguf_granite_hybrid.py",
     "Olmo2ForCausalLM": "tests/models/test_transformers_fallback.py",
     "Starcoder2ForCausalLM": "tests/models/test_transformers_fallback.py",
     **{name: "tests/models/test_bert_encoder.py (hidden states, CLS row, classifier logits vs HF; varlen batch)"
@@ -128,8 +128,11 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                 "Qwen3_5MoeForCausalLM": "yes (tested; arch qwen35moe, F32 and Q8_0: as qwen35, experts stacked)",
                 "Mamba2ForCausalLM": "yes (tested; arch mamba2, F32 and Q8_0: config from its metadata by pagedllm, "
                                      "A = -exp(A_log), D, norm and conv shapes undone; tokenizer untested)",
-                "GraniteMoeHybridForCausalLM": "no (llama.cpp writes arch granitehybrid, but transformers' GGUF "
-                                               "reader, which builds the config and tokenizer, does not read it)"}
+                "GraniteMoeHybridForCausalLM": "yes (tested; arch granitehybrid from llama.cpp's own converter, F32 "
+                                               "and Q8_0, MoE and dense: config from its metadata by pagedllm, "
+                                               "A = -exp(A_log), D, norm and conv shapes, q/k permute and split "
+                                               "input_linear undone; no rotary, as llama.cpp runs these files; "
+                                               "tokenizer untested)"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}  # model_type -> GGUF architecture name where they differ
 #: Which GGUF block types run packed and which are dequantized (backend/quantization kernels; docs/quantization.md).
 GGUF_FORMATS = ("GGUF formats: Q4_0 and Q4_1 linears run packed on cpu (q4_gemv), Q8_0 and the K-quants Q4_K, Q5_K, "
