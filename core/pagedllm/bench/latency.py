@@ -42,6 +42,7 @@ from pagedllm.bench.ceiling import weight_bytes_per_token
 from pagedllm.bench.llama_cpp_bench import LlamaBenchFault, LlamaBenchRun, cpu_kind, run_llama_bench
 from pagedllm.bench.peer import VLLMPeer
 from pagedllm.errors import ParamError
+from pagedllm.proc_mem import rss_bytes
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -100,6 +101,7 @@ class LatencyResult:
     stream_read_gb_s: Optional[float] = None  # the backend's streaming-read op, where it has one
     stream_floor_tok_s: Optional[float] = None  # stream-read bandwidth / weight bytes
     floor_reached_pct: Optional[float] = None  # pagedllm decode tok/s over the stream floor (else the copy floor)
+    base_rss_bytes: int = 0  # this process's RSS before the engine was built (Python, torch, pagedllm)
     max_model_len: int = 0  # the engine's (sized for the workload unless given)
     max_num_seqs: int = 0
 
@@ -294,6 +296,7 @@ def run(args) -> LatencyResult:
         if gguf is None:
             raise ParamError("model", f"--llama-bench needs a GGUF file as --model (llama.cpp runs only GGUF); got "
                                       f"{path}")
+    base_rss = rss_bytes() or 0  # the interpreter, torch, pagedllm: before any model byte
     t0 = time.perf_counter()
     llm = LLM(**vars(cfg))
     load_s = time.perf_counter() - t0
@@ -358,7 +361,8 @@ def run(args) -> LatencyResult:
                         bw / wbytes, cpu=cpu_kind(), kv_bytes_per_token=kv, bytes_per_token=wbytes + kv,
                         host_us_per_step=host_us, load_s=load_s,
                         peak_rss_bytes=peak_rss, file_bytes=os.path.getsize(gguf) if gguf else None,
-                        max_model_len=engine.config.max_model_len, max_num_seqs=engine.worker.max_num_seqs)
+                        max_model_len=engine.config.max_model_len, max_num_seqs=engine.worker.max_num_seqs,
+                        base_rss_bytes=base_rss)
     res.engines = {name: summarize(s) for name, s in stamps.items()}
     if stream_bw is not None:
         res.stream_read_gb_s, res.stream_floor_tok_s = stream_bw / 1e9, stream_bw / wbytes
@@ -425,8 +429,12 @@ def main(args) -> int:
     print(f"host time per decode step outside the forward and LM head (scheduling, inputs, sampling, outputs): {host}")
     mb = 1 / 1e6
     of_file = f" ({res.peak_rss_bytes / res.file_bytes:.2f}x the file)" if res.file_bytes else ""
-    print(f"pagedllm: load {res.load_s:.1f} s, peak RSS {res.peak_rss_bytes * mb:,.0f} MB{of_file} "
-          f"(max_model_len {res.max_model_len}, max_num_seqs {res.max_num_seqs})")
+    engine_rss = res.peak_rss_bytes - res.base_rss_bytes
+    of_file_engine = f" ({engine_rss / res.file_bytes:.2f}x the file)" if res.file_bytes else ""
+    print(f"pagedllm: load {res.load_s:.1f} s, peak RSS {res.peak_rss_bytes * mb:,.0f} MB{of_file}: "
+          f"{res.base_rss_bytes * mb:,.0f} MB before loading (Python, torch, pagedllm) + "
+          f"{engine_rss * mb:,.0f} MB{of_file_engine} the model, KV cache and steps (max_model_len "
+          f"{res.max_model_len}, max_num_seqs {res.max_num_seqs})")
     lc = res.llama_cpp
     if lc is not None:
         print(f"llama.cpp {lc.build} ({lc.model_type}), same file, {res.threads} threads, alternated; file "
