@@ -152,3 +152,26 @@ def test_bench_finds_the_stream_read_op_through_the_registry(lib):
     op = stream_read_op("cpu")
     assert op is not None and stream_read_op("no-such-backend") is None
     assert stream_read_bandwidth(op, nbytes=8 << 20, repeats=2) > 0  # the checksum is checked inside
+
+
+@pytest.mark.slow
+def test_bench_latency_reports_the_stream_floor_and_sizes_the_engine(lib, tiny_llama, tmp_path):
+    """``bench latency`` on the CPU backend: the streaming-read floor beside the copy one, "floor reached", the
+    engine sized for the run (no KV size given: the longest request, one sequence), the peak split at load."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "lat.json"
+    p = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "latency", "--model", tiny_llama, "--device",
+                        "cpu", "--dtype", "float32", "--input-len", "20", "--output-len", "6", "--num-iters", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["stream_read_gb_s"] > 0
+    assert res["stream_floor_tok_s"] == pytest.approx(res["stream_read_gb_s"] * 1e9 / res["weight_bytes"])
+    decode = res["engines"]["pagedllm"]["decode_tok_s"]
+    assert res["floor_reached_pct"] == pytest.approx(100 * decode / res["stream_floor_tok_s"])
+    assert (res["max_model_len"], res["max_num_seqs"]) == (26, 1)
+    assert 0 < res["base_rss_bytes"] < res["peak_rss_bytes"]
+    assert "streaming-read floor" in p.stdout and "floor reached" in p.stdout
