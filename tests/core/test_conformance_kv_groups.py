@@ -7,8 +7,10 @@ refuses; ``pagedllm backends`` and the support matrix say who allocates the grou
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from pagedllm.conformance.runner import run_conformance
 from plugin_factory import REFERENCE_FEATURES, make_plugin
 
 GROUPS = ["kv_cache.groups.*[*|float32]"]
+SIM = str(Path(__file__).resolve().parents[1] / "support" / "sim")
 CAPS = Capabilities(**REFERENCE_FEATURES, dtypes=("float32",), head_sizes=(16,), block_sizes=(8,))
 
 
@@ -139,3 +142,24 @@ def test_rows_report_the_allocator(own):
     ops = dict(allocate_kv_cache_groups=per_layer_allocator()) if own else {}
     b = get_backend(register_backend(make_plugin(f"kvg-rows-{own}", CAPS, **ops), f"kvg-rows-{own}").name)
     assert kv_cache_groups(b) == ("own" if own else "reference")
+
+
+@pytest.mark.slow
+def test_the_simulated_ascend_backend_passes_through_the_cli(tmp_path):
+    """``pagedllm conformance --device ascend --simulated ...`` on the simulated torch-npu (as the support matrix is
+    produced): the full + sliding and state group cases pass on core's reference allocator path; MLA is not
+    declared."""
+    (tmp_path / "cann").mkdir()  # the probe requires a CANN folder before it imports torch_npu
+    env = dict(os.environ, PYTHONPATH=SIM + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               ASCEND_HOME_PATH=str(tmp_path / "cann"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, "-m", "pagedllm.cli", "conformance", "--device", "ascend", "--simulated",
+                    "tests/support/sim/torch_npu (simulated torch-npu ops with reference semantics)", "--allow",
+                    "kv_cache.groups.*", "--report", str(tmp_path), "-q"], check=True, env=env, capture_output=True,
+                   timeout=300)
+    report = json.loads((tmp_path / "conformance-ascend.json").read_text())
+    assert report["environment"]["kv_cache_groups"] == "reference"
+    got = {(r["kernel"], r["dtype"]): r for r in report["results"] if r["kernel"].startswith("kv_cache.groups.")}
+    for dtype in ("bfloat16", "float16"):
+        for kernel in ("kv_cache.groups.full_sliding", "kv_cache.groups.state"):
+            assert got[kernel, dtype]["status"] == "passing", got[kernel, dtype]
+        assert got["kv_cache.groups.mla", dtype]["not_applicable"]
