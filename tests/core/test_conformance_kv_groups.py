@@ -51,8 +51,9 @@ def groups_run(backend) -> dict:
     return {r.kernel: r for r in report.results if r.kernel.startswith("kv_cache.groups.") and r.dtype == "float32"}
 
 
-def test_cpu_passes_the_group_cases_on_the_reference_allocator_path():
-    got = groups_run("cpu")
+@pytest.mark.parametrize("name", ["cpu", "cpu-static"])
+def test_cpu_passes_the_group_cases_on_the_reference_allocator_path(name):
+    got = groups_run(name)
     assert set(got) == {"kv_cache.groups.full_sliding", "kv_cache.groups.mla", "kv_cache.groups.state"}
     for r in got.values():
         assert r.status == "passing", (r.id, r.error)
