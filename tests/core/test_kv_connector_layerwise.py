@@ -5,6 +5,7 @@ land layer by layer, and a load error found at a later layer ends in a recompute
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import pytest
@@ -104,8 +105,8 @@ def test_connectors(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
 
 
-def engine(path: str, **kw) -> LLM:
-    return LLM(path, device="cpu", dtype="float32", max_model_len=256, num_gpu_blocks_override=16, **kw)
+def engine(path: str, device: str = "cpu", **kw) -> LLM:
+    return LLM(path, device=device, dtype="float32", max_model_len=256, num_gpu_blocks_override=16, **kw)
 
 
 def run_each(llm: LLM) -> list[list[int]]:
@@ -159,3 +160,14 @@ def test_load_error_found_at_a_later_layer_is_recomputed_with_the_same_tokens(ti
     st = llm.llm_engine.get_stats().kv_offload
     assert st["recomputes"] == 1 and st["load_errors"] == 5
     assert llm.llm_engine.kv.pool.cached  # the recomputed blocks are published again; the failed ones were dropped
+
+
+def test_static_buckets_keep_the_whole_model_calls_with_one_log_line(tiny_llama, baseline, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedllm.kv_transfer.runtime"):
+        llm = engine(tiny_llama, "cpu-static", kv_offload_gib=5 * BLOCK_BYTES / 2**30, max_num_seqs=2,
+                     max_num_batched_tokens=64)  # few buckets to warm up
+        assert run_each(llm) == baseline
+    assert llm.llm_engine.kv_transfer.layerwise is False
+    lines = [r.message for r in caplog.records if "not per layer" in r.message]
+    assert len(lines) == 1 and "captured graphs" in lines[0], lines
+    assert llm.llm_engine.get_stats().kv_offload["host_hits"] == 5

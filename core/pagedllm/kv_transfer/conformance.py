@@ -2,12 +2,17 @@
 manager and reference copy ops, and check what it put in the device cache.
 
 No model runs: a "forward" writes, at each token's slot, a value derived from the token and everything before it
-(a rolling hash), so a block's correct K/V is known exactly. Before every step the check reads back every block a
-scheduled request counts as computed — device hits and connector loads alike — and compares. Scenarios: a prefix
-evicted from the device pool and asked for again (the connector may serve it), loads reported as failed and a
-``start_load_kv`` that raises (core must recompute, never read a wrong block), finished requests whose blocks the
-connector keeps (``request_finished`` True) and must release through ``get_finished``, and the return shapes of
-every scheduler-side call. ``check_connector`` returns a report; a violation raises :class:`ConnectorCheckFailed`.
+(a rolling hash), so a block's correct K/V is known exactly; layer by layer it calls the step's per-layer hooks
+around its read and write, as an attention layer does, and a request that read wrong K/V "samples" a wrong token.
+After every step the check reads back every block a scheduled request counts as computed — device hits and
+connector loads alike — checks the step's call order (each layer's ``wait_for_layer_load`` before its read,
+``save_kv_layer`` after its write, once each; with the whole-model calls, around the forward) and that no request
+that read wrong K/V keeps its token. Scenarios: a prefix evicted from the device pool and asked for again (the
+connector may serve it), per layer and with the whole-model calls; loads reported as failed, a ``start_load_kv``
+that raises and a load error found at a middle layer after the earlier layers read the blocks (core must recompute,
+with the same tokens); finished requests whose blocks the connector keeps (``request_finished`` True) and must
+release through ``get_finished``; and the return shapes of every scheduler-side call. ``check_connector`` returns a
+report; a violation raises :class:`ConnectorCheckFailed`.
 
     python -c "from pagedllm.kv_transfer.conformance import check_connector; print(check_connector('MyConnector'))"
 """
@@ -152,26 +157,28 @@ class _Sim:
         ids, cache = self.kv.block_ids(req.request_id), self.caches[layer]
         slot = (ids[p // BLOCK_SIZE], p % BLOCK_SIZE)
         want = self.value(req.all_token_ids, p)
-        return cache[0][slot].flatten()[0].item() == want + layer and cache[1][slot].flatten()[0].item() == -want - layer
+        k, v = cache[0][slot].flatten()[0].item(), cache[1][slot].flatten()[0].item()
+        return k == want + layer and v == -want - layer
 
     def _check_computed(self, out: Any) -> None:
         """After the step: every token a request counts as computed holds its prefix's K/V, in every layer."""
         for s in out.scheduled:
             req = s.request
+            ids = self.kv.block_ids(req.request_id)
             for p in range(req.num_computed_tokens):
                 for layer in range(LAYERS):
                     _expect(self._holds(layer, req, p),
-                            f"request {req.request_id}: token {p} (block {self.kv.block_ids(req.request_id)[p // BLOCK_SIZE]}"
-                            f", layer {layer}) is counted as computed but holds other K/V than its prefix's (a load "
-                            "wrote the wrong block, or a failed load was not recomputed?)")
+                            f"request {req.request_id}: token {p} (block {ids[p // BLOCK_SIZE]}, layer {layer}) is "
+                            "counted as computed but holds other K/V than its prefix's (a load wrote the wrong block, "
+                            "or a failed load was not recomputed?)")
 
     def _forward(self, out: Any) -> set[str]:
         """Each layer: its hook's wait, the read of every computed token, the write of the new ones, its save.
         Returns the requests that read wrong K/V somewhere."""
         hooks = self.kv_connector
-        meta = AttentionMetadata.build(
-            [s.num_new_tokens for s in out.scheduled], [s.num_computed_tokens + s.num_new_tokens for s in out.scheduled],
-            [self.kv.block_ids(s.request.request_id) for s in out.scheduled], BLOCK_SIZE)
+        meta = AttentionMetadata.build([s.num_new_tokens for s in out.scheduled],
+                                       [s.num_computed_tokens + s.num_new_tokens for s in out.scheduled],
+                                       [self.kv.block_ids(s.request.request_id) for s in out.scheduled], BLOCK_SIZE)
         if hooks is not None:
             meta.kv_connector = hooks
         wrong = set()

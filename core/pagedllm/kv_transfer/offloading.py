@@ -5,9 +5,10 @@ A full prefix-cache block that leaves the device pool's free queue for reuse is 
 ``disk_bytes_to_use``; without a host tier evicted blocks go straight to disk). A later request whose prefix misses
 the device cache is matched block by block against host, then disk, and the hits are copied back into its fresh
 blocks: host hits layer by layer inside the forward (``wait_for_layer_load`` of layer i copies layer i's blocks, so
-the copies overlap the earlier layers' compute), disk hits through the staging block in ``start_load_kv``. The scheduler side keeps the index (which hash sits in which host slot, which
-files exist); the worker side holds the host caches (the backend's host layout, through its swap hooks) and does the
-copies and file I/O. A disk block that does not verify is a load error: core recomputes that request from it.
+the copies overlap the earlier layers' compute), disk hits through the staging block in ``start_load_kv``. The
+scheduler side keeps the index (which hash sits in which host slot, which files exist); the worker side holds the host
+caches (the backend's host layout, through its swap hooks) and does the copies and file I/O. A disk block that does
+not verify is a load error: core recomputes that request from it.
 """
 
 from __future__ import annotations

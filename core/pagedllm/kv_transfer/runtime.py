@@ -100,7 +100,9 @@ class LayerwiseStep:
         self.save_error: Optional[BaseException] = None  # a save_kv_layer raised: no more saves this step
 
     def wait_for_layer_load(self, kv_cache: Any) -> None:
-        name = self.names[id(kv_cache)]
+        name = self.names.get(id(kv_cache))
+        if name is None:  # not a registered cache: its layer never counts as waited (the step's loads then fail)
+            return
         self.waited.append(name)
         if self.load_error is None:
             try:
@@ -109,7 +111,9 @@ class LayerwiseStep:
                 self.load_error = e
 
     def save_kv_layer(self, kv_cache: Any, meta: Any) -> None:
-        name = self.names[id(kv_cache)]
+        name = self.names.get(id(kv_cache))
+        if name is None:
+            return
         self.saved.append(name)
         if self.save_error is None:
             try:
@@ -257,14 +261,14 @@ class KVTransfer:
         if error is not None and failed:
             logger.warning("KV connector %s: loading failed (%s: %s); recomputing this step's loads",
                            type(w).__name__, type(error).__name__, error)
-        discarded = self._recompute(sched, failed, ran) if failed else set()
+        discarded = self._recompute(sched, failed) if failed else set()
         self.kv.pending_load.clear()
         self.scheduler_side.update_connector_output(w.build_connector_worker_meta())
         w.clear_connector_metadata()
         self._poll_finished()
         return discarded
 
-    def _recompute(self, sched: Any, failed: set[int], ran: bool) -> set[str]:
+    def _recompute(self, sched: Any, failed: set[int]) -> set[str]:
         """Roll each scheduled request whose blocks did not load back to its first failed block: the step's
         ``update`` then advances it by nothing and its sampled token is discarded."""
         bs = self.kv.block_size
