@@ -225,3 +225,25 @@ def test_conflicting_flags_are_a_clear_error():
     done = subprocess.run([sys.executable, "-m", "pagedllm.cli", "router", "--backend", "http://127.0.0.1:1",
                            "--prefill", "http://127.0.0.1:2"], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "--backend" in done.stderr and "not both" in done.stderr
+
+
+def test_several_prefill_and_decode_instances(replicas):
+    """P/D with two of each (here the two replicas in both roles: without a KV connector the decode leg computes the
+    prompt itself): the prefill instance follows the prompt's prefix, the decode instance the load."""
+    urls = [r.url for r in replicas]
+    router = ReplicaRouter([], *[a for u in urls for a in ("--prefill", u)], *[a for u in urls for a in ("--decode", u)],
+                           "--model", tiny_chat_model(), "--block-size", str(BS))
+    try:
+        prefix = ids(800, 4 * BS)
+        for k in range(4):
+            prompt = prefix + ids(801 + k, 8)
+            r = complete(router.url, prompt, 6)
+            assert r.status_code == 200, r.text
+            alone = complete(urls[0], prompt, 6).json()["choices"][0]["token_ids"]
+            assert r.json()["choices"][0]["token_ids"] == alone
+        pre = router_samples(router.url, "pagedllm:router_routing_decisions_total", "prefill")
+        dec = router_samples(router.url, "pagedllm:router_routing_decisions_total", "decode")
+        assert sorted(pre[(u, "prefix_match")] for u in urls) == [0, 3]  # the first computed it, three followed
+        assert [dec[(u, "least_loaded")] for u in urls] == [2, 2]  # one at a time: round robin
+    finally:
+        router.stop()

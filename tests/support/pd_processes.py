@@ -165,13 +165,14 @@ class ReplicaRouter:
         os.unlink(self.log.name)
 
 
-def router_samples(url: str, name: str) -> dict[tuple[str, ...], float]:
-    """A metric of ``pagedllm router``'s /metrics as {label values after ``role`` (backend, decision ...): value}."""
+def router_samples(url: str, name: str, role: Optional[str] = None) -> dict[tuple[str, ...], float]:
+    """A metric of ``pagedllm router``'s /metrics as {label values after ``role`` (backend, decision ...): value};
+    ``role``: that role's samples only (P/D: ``prefill`` or ``decode``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[tuple[str, ...], float] = {}
     for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text):
         for s in fam.samples:
-            if s.name == name:
+            if s.name == name and role in (None, s.labels.get("role")):
                 out[tuple(v for k, v in s.labels.items() if k != "role")] = s.value
     return out
