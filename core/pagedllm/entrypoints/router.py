@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Sequence
 
 import httpx
 from fastapi import FastAPI, Request
@@ -35,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from pagedllm.engine.prefix_router import DPRoutingConfig, PrefixRouter
+from pagedllm.engine.prefix_router import DPRoutingConfig, PrefixRouter, least_loaded
 from pagedllm.entrypoints.openai.errors import error_body
 
 logger = logging.getLogger(__name__)
@@ -89,17 +90,20 @@ class Pool:
     def cache_aware(self) -> bool:
         return self.router.cache_aware
 
-    def pick(self, token_ids: Optional[list[int]], tried: set[int]) -> Optional[Instance]:
+    def pick(self, token_ids: Optional[list[int]], tried: set[int], place: bool = True) -> Optional[Instance]:
         """The instance for this prompt among those up and not yet tried; when none is known up, any not tried (it
-        may be back: the connection will tell); None when every instance was tried."""
+        may be back: the connection will tell); None when every instance was tried. ``place=False`` (a plain GET):
+        the least loaded, not counted as a routing decision."""
         free = [b.index not in tried for b in self.backends]
         avail = [ok and b.up for ok, b in zip(free, self.backends)]
         if not any(avail):
             avail = free
         if not any(avail):
             return None
-        i = self.router.route(token_ids, [b.in_flight for b in self.backends], 0, avail)
-        return self.backends[i]
+        loads = [b.in_flight for b in self.backends]
+        if not place:
+            return self.backends[least_loaded([x if ok else float("inf") for x, ok in zip(loads, avail)], 0)]
+        return self.backends[self.router.route(token_ids, loads, 0, avail)]
 
     def mark(self, b: Instance, up: bool, why: str = "") -> None:
         if b.up != up:
@@ -139,6 +143,8 @@ class Router:
         self.retry_delay_s = retry_delay_s
         self.health_interval_s = health_interval_s
         self.client: Optional[httpx.AsyncClient] = None
+        # one thread: a fast tokenizer used from two threads at once fails ("Already borrowed")
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="router-tokenize")
         self._health_task: Optional[asyncio.Task] = None
 
     @property
@@ -156,6 +162,7 @@ class Router:
             self._health_task.cancel()
         if self.client is not None:
             await self.client.aclose()
+        self._tokenize_pool.shutdown(wait=False)
 
     async def _health_loop(self) -> None:
         while True:
@@ -174,7 +181,7 @@ class Router:
 
     # ---- one backend call ------------------------------------------------------------------------------------
     async def send(self, role: str, method: str, path: str, headers: dict, body: Any = None, stream: bool = False,
-                   token_ids: Optional[list[int]] = None) -> tuple[Instance, httpx.Response]:
+                   token_ids: Optional[list[int]] = None, place: bool = True) -> tuple[Instance, httpx.Response]:
         """One call to an instance of ``role``, chosen by its pool. A refused connection (down or restarting) marks
         the instance down and tries another; with none left, all are tried again ``retry_delay_s`` later, at most
         ``connect_retries`` times in all. The instance's in-flight count is raised: :meth:`done` lowers it."""
@@ -182,11 +189,11 @@ class Router:
         tried: set[int] = set()
         last = ""
         for _ in range(self.connect_retries + 1):
-            b = pool.pick(token_ids, tried)
+            b = pool.pick(token_ids, tried, place)
             if b is None:  # every instance refused this request: wait for one to come back
                 await asyncio.sleep(self.retry_delay_s)
                 tried.clear()
-                b = pool.pick(token_ids, tried)
+                b = pool.pick(token_ids, tried, place)
             req = self.client.build_request(method, b.url + path, headers=headers, json=body)
             b.in_flight += 1
             try:
@@ -228,19 +235,22 @@ class Router:
                 if not isinstance(prompt, str):
                     return None
                 if self.tokenizer is not None:
-                    return await asyncio.to_thread(
-                        lambda: self.tokenizer(prompt, add_special_tokens=body.get("add_special_tokens", True)
-                                               is not False)["input_ids"])
+                    special = body.get("add_special_tokens", True) is not False
+                    return await self._in_tokenizer_thread(
+                        lambda: self.tokenizer(prompt, add_special_tokens=special)["input_ids"])
                 return await self._remote_tokenize(role, headers, {"model": body.get("model"), "prompt": prompt})
             messages = body.get("messages")
             if not isinstance(messages, list):
                 return None
             if self.tokenizer is not None:
-                return await asyncio.to_thread(self._chat_ids, messages, body)
+                return await self._in_tokenizer_thread(lambda: self._chat_ids(messages, body))
             return await self._remote_tokenize(role, headers, {"model": body.get("model"), "messages": messages})
         except Exception as e:  # noqa: BLE001 - a prompt the router cannot tokenize is placed by load
             logger.debug("router: no token ids for routing (%s)", e)
             return None
+
+    async def _in_tokenizer_thread(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, fn)
 
     def _chat_ids(self, messages: list, body: dict) -> Optional[list[int]]:
         flat = []
@@ -325,7 +335,7 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
         role = "decode" if self.disaggregated else "backend"
         try:
-            _, r = await self.send(role, "GET", path, headers)
+            _, r = await self.send(role, "GET", path, headers, place=False)
         except BackendDown as e:
             return unavailable(str(e))
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
