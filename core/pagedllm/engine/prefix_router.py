@@ -1,7 +1,7 @@
 """Cache-aware routing over data-parallel replicas (SGLang router's ``cache_aware`` policy, on block hashes).
 
 The server keeps, per replica, an approximate record of the prompt prefixes it sent there: the chained hashes of each
-prompt's full blocks, computed as that replica's prefix cache computes them (``sched.kv_manager.hash_block``, the
+prompt's full blocks, computed as that replica's prefix cache computes them (``sched.block_hash.hash_block``, the
 replica's block size, a LoRA adapter's id keyed into the first block), in an LRU bounded by the replica's KV pool so
 that entries age out roughly as the replica evicts them. A request goes to the replica whose record holds the longest
 leading run of its hashes (ties: the less loaded, then round robin), unless that replica's load exceeds the
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from pagedllm.errors import ParamError
-from pagedllm.sched.kv_manager import hash_block
+from pagedllm.sched.block_hash import hash_block
 
 #: ``--dp-routing`` values: the longest cached prefix within the load bound (default), or load alone.
 ROUTING_POLICIES = ("cache_aware", "least_loaded")
