@@ -123,3 +123,56 @@ class Router:
                 self.proc.wait(10)
         self.log.close()
         os.unlink(self.log.name)
+
+
+class ReplicaRouter:
+    """``pagedllm router --backend URL ...`` (``extra``: more flags) on a free port; ``healthy=False``: wait only
+    until it answers (its backends may all be down)."""
+
+    def __init__(self, backends: Sequence[str], *extra: str, healthy: bool = True, timeout_s: float = 60):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-router-", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "pagedllm.cli", "router", "--port", str(self.port), "--timeout", str(timeout_s),
+               *[a for url in backends for a in ("--backend", url)], *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, open(self.log.name).read()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200 or not healthy:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError("the router did not come up")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name, errors="replace") as f:
+            return f.read()[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+        os.unlink(self.log.name)
+
+
+def router_samples(url: str, name: str, role: Optional[str] = None) -> dict[tuple[str, ...], float]:
+    """A metric of ``pagedllm router``'s /metrics as {label values after ``role`` (backend, decision ...): value};
+    ``role``: that role's samples only (P/D: ``prefill`` or ``decode``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[tuple[str, ...], float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", headers=AUTH, timeout=10).text):
+        for s in fam.samples:
+            if s.name == name and role in (None, s.labels.get("role")):
+                out[tuple(v for k, v in s.labels.items() if k != "role")] = s.value
+    return out

@@ -14,6 +14,7 @@ import os
 import shlex
 import statistics
 import tempfile
+from typing import Callable
 
 from pagedllm.bench.server_process import ServeProcess, bench_serve
 from pagedllm.engine.prefix_router import ROUTING_POLICIES
@@ -29,6 +30,12 @@ def add_parser(sub) -> None:
     p.add_argument("--serve-args", default=SERVE_DEFAULT,
                    help=f"more `pagedllm serve` flags, one string (default {SERVE_DEFAULT!r}); e.g. --kv-cache-memory "
                         "so that a replica's pool holds only part of the tenants' prefixes")
+    add_workload_args(p)
+    p.set_defaults(func=main)
+
+
+def add_workload_args(p) -> None:
+    """The multi-tenant shared-prefix workload's flags (also ``bench router-routing``'s)."""
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--num-prompts", type=int, default=128)
     p.add_argument("--num-prefixes", type=int, default=8, help="tenants, each with its own shared prefix")
@@ -38,7 +45,17 @@ def add_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: inf)")
     p.add_argument("--max-concurrency", type=int, default=32)
     p.add_argument("--json", default=None, help="write every round's results as JSON here")
-    p.set_defaults(func=main)
+
+
+def workload_args(args) -> list[str]:
+    """``pagedllm bench serve`` flags of the workload."""
+    bench = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
+             str(args.output_len), "--request-rate", str(args.request_rate),
+             "--prefix-repetition-num-prefixes", str(args.num_prefixes),
+             "--prefix-repetition-prefix-len", str(args.prefix_len)]
+    if args.max_concurrency:
+        bench += ["--max-concurrency", str(args.max_concurrency)]
+    return bench
 
 
 def run_one(args, mode: str) -> dict:
@@ -47,15 +64,9 @@ def run_one(args, mode: str) -> dict:
     os.close(fd)
     serve = ["--served-model-name", "m", "--data-parallel-size", str(args.data_parallel_size), "--dp-routing", mode,
              *shlex.split(args.serve_args)]
-    bench = ["--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len), "--output-len",
-             str(args.output_len), "--request-rate", str(args.request_rate),
-             "--prefix-repetition-num-prefixes", str(args.num_prefixes),
-             "--prefix-repetition-prefix-len", str(args.prefix_len)]
-    if args.max_concurrency:
-        bench += ["--max-concurrency", str(args.max_concurrency)]
     server = ServeProcess(args.model, serve, log, timeout=600)
     try:
-        r = bench_serve(server.base_url, bench, log + ".json")
+        r = bench_serve(server.base_url, workload_args(args), log + ".json")
     finally:
         server.stop()
     os.unlink(log)
@@ -64,13 +75,19 @@ def run_one(args, mode: str) -> dict:
 
 
 def main(args) -> int:
+    return alternate(args, run_one, f"DP={args.data_parallel_size}")
+
+
+def alternate(args, run_one: Callable[[object, str], dict], what: str) -> int:
+    """``run_one(args, mode)`` for each routing mode, alternated ``args.rounds`` times (the first mode swapped
+    every round); prints the medians per mode and the TTFT ratio."""
     modes = list(ROUTING_POLICIES)
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for i in range(args.rounds):
         for mode in (modes if i % 2 == 0 else modes[::-1]):
             runs[mode].append(run_one(args, mode))
             print(i, mode, runs[mode][-1], flush=True)
-    print(f"DP={args.data_parallel_size}, {args.num_prompts} prompts: {args.num_prefixes} tenants x "
+    print(f"{what}, {args.num_prompts} prompts: {args.num_prefixes} tenants x "
           f"{args.prefix_len}-token prefix + {args.input_len} own tokens -> {args.output_len}; "
           f"medians of {args.rounds} rounds")
     for m in modes:

@@ -15,8 +15,8 @@ BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.
            "pagedllm.bench.quant_linear", "pagedllm.bench.perplexity", "pagedllm.bench.serve_vs_offline",
            "pagedllm.bench.dp_ep", "pagedllm.bench.quant", "pagedllm.bench.quant_alternated",
            "pagedllm.bench.llama_cpp", "pagedllm.bench.llama_cpp_parity", "pagedllm.bench.llama_cpp_perplexity",
-           "pagedllm.bench.graph", "pagedllm.bench.prefix_routing", "pagedllm.bench.kv_offload",
-           "pagedllm.bench.random_model", "pagedllm.bench.kv_memory", "pagedllm.bench.pd",
+           "pagedllm.bench.graph", "pagedllm.bench.prefix_routing", "pagedllm.bench.router_routing",
+           "pagedllm.bench.kv_offload", "pagedllm.bench.random_model", "pagedllm.bench.kv_memory", "pagedllm.bench.pd",
            "pagedllm.bench.mm_throughput")
 
 

@@ -1,7 +1,7 @@
 """Cache-aware routing over data-parallel replicas (SGLang router's ``cache_aware`` policy, on block hashes).
 
 The server keeps, per replica, an approximate record of the prompt prefixes it sent there: the chained hashes of each
-prompt's full blocks, computed as that replica's prefix cache computes them (``sched.kv_manager.hash_block``, the
+prompt's full blocks, computed as that replica's prefix cache computes them (``sched.block_hash.hash_block``, the
 replica's block size, a LoRA adapter's id keyed into the first block), in an LRU bounded by the replica's KV pool so
 that entries age out roughly as the replica evicts them. A request goes to the replica whose record holds the longest
 leading run of its hashes (ties: the less loaded, then round robin), unless that replica's load exceeds the
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from pagedllm.errors import ParamError
-from pagedllm.sched.kv_manager import hash_block
+from pagedllm.sched.block_hash import hash_block
 
 #: ``--dp-routing`` values: the longest cached prefix within the load bound (default), or load alone.
 ROUTING_POLICIES = ("cache_aware", "least_loaded")
@@ -116,7 +116,8 @@ class PrefixIndex:
 
 
 class PrefixRouter:
-    """Chooses a replica per request (see the module docstring); one per :class:`DataParallelEngine`.
+    """Chooses a replica per request (see the module docstring); one per :class:`DataParallelEngine`, and one per
+    pool of ``pagedllm router`` (its replicas, or its prefill instances).
 
     ``block_size`` / ``capacities``: each replica's KV block size and pool size in blocks (a capacity of 0, or a
     replica without prefix caching, records nothing)."""
@@ -134,16 +135,22 @@ class PrefixRouter:
     def cache_aware(self) -> bool:
         return self.config.policy == "cache_aware" and self.block_size > 0 and any(i.capacity for i in self.indexes)
 
-    def route(self, token_ids: Optional[Sequence[int]], loads: Sequence[int], lora_int_id: int = 0) -> int:
+    def route(self, token_ids: Optional[Sequence[int]], loads: Sequence[int], lora_int_id: int = 0,
+              available: Optional[Sequence[bool]] = None) -> int:
         """The replica for a prompt of ``token_ids`` (None: not known, placed by load) given each replica's
-        ``loads``; records the prompt's blocks there."""
+        ``loads``; records the prompt's blocks there. ``available`` (default: all): the replicas that may take it
+        (``pagedllm router`` leaves out a backend that is down; its record stays for when it is back)."""
         n = len(self.indexes)
         if len(loads) != n:
             raise ValueError(f"loads: {len(loads)} values for {n} replicas")
+        up = [True] * n if available is None else list(available)
+        if len(up) != n or not any(up):
+            raise ValueError(f"available: {up} for {n} replicas (at least one must be)")
+        loads = [load if ok else float("inf") for load, ok in zip(loads, up)]
         hashes = self._hashes(token_ids, lora_int_id) if self.cache_aware else []
         # The replica serves at most the blocks before the prompt's last token (one token is always computed).
         lookup = hashes[:(len(token_ids) - 1) // self.block_size] if hashes else []
-        matches = [idx.match(lookup) for idx in self.indexes]
+        matches = [idx.match(lookup) if ok else 0 for idx, ok in zip(self.indexes, up)]
         best = max(matches)
         decision = "least_loaded"
         if best > 0:

@@ -8,27 +8,17 @@ only cost a miss, never wrong K/V.
 
 from __future__ import annotations
 
-import array
-import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 from pagedllm.multimodal.inputs import mm_hashes_in
+from pagedllm.sched.block_hash import hash_block
 from pagedllm.sched.request import Request
 from pagedllm.sched.state_slots import StateSlotPool, StateSwapSpace
 
 logger = logging.getLogger(__name__)
-
-
-def hash_block(parent: Optional[bytes], token_ids: Sequence[int], extra: object = None) -> bytes:
-    """Chained sha256 of one full block; ``extra`` covers anything else that changes its K/V (e.g. a LoRA id)."""
-    h = hashlib.sha256(parent or b"")
-    h.update(array.array("q", token_ids).tobytes())
-    if extra is not None:
-        h.update(repr(extra).encode())
-    return h.digest()
 
 
 class KVBlock:
