@@ -384,8 +384,12 @@ def _attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
                sliding_window: Optional[int], soft_cap: Optional[float],
                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     kernel = _decode_kernel(query, kv_cache, meta)
-    plan = _get_plan(meta, sliding_window, kv_cache.shape[1], decodes=kernel is None)
     out = torch.empty_like(query)
+    if kernel is not None and meta.num_decodes == query.shape[0]:  # a pure decode step: one call, no plan or slices
+        kernel(out, query, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window or 0, soft_cap or 0.0,
+               alibi_slopes, sinks)
+        return out
+    plan = _get_plan(meta, sliding_window, kv_cache.shape[1], decodes=kernel is None)
     if kernel is not None:
         nd = meta.num_decodes
         kernel(out[:nd], query[:nd], kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window or 0,
