@@ -133,6 +133,7 @@ def pagedllm_paged_attention(query, kv_cache, meta, scale, sliding_window, soft_
         if sliding_window:
             keep &= q_pos - pos[None, :] < sliding_window
         scores = scores.masked_fill(~keep.to(scores.device)[None], float("-inf"))
+        v = v.masked_fill(~keep.any(0).to(v.device)[:, None, None], 0.0)  # a freed window block may hold NaN
         out[start:end] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v).to(query.dtype)
     return out
 

@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
+
+
+class KVLayerHooks(Protocol):
+    """A KV connector's per-layer calls for one step (``kv_transfer/runtime.py``), handed to the model in its
+    metadata rather than through a global (vLLM's ``get_forward_context()``). The layer is named by its cache."""
+
+    def wait_for_layer_load(self, kv_cache: Any) -> None:
+        """Before the layer reads ``kv_cache``: its loads have landed."""
+
+    def save_kv_layer(self, kv_cache: Any, meta: "AttentionMetadata") -> None:
+        """After the layer wrote ``kv_cache``: the connector may save it."""
 
 
 @dataclass
@@ -55,6 +66,11 @@ class AttentionMetadata:
     # Sliding-window KV groups (``sched/kv_groups.py``), else None: each group's ``(block_tables, slot_mapping)``
     # (a freed block reads as block 0, outside the window). A layer runs on ``for_kv_group(its group)``.
     kv_group_tables: Optional[list[tuple[torch.Tensor, torch.Tensor]]] = None
+
+    # An eager step with a KV connector (docs/kv-offload.md), else None: each attention layer calls
+    # ``kv_connector.wait_for_layer_load(kv_cache)`` before it reads its cache and ``save_kv_layer(kv_cache, meta)``
+    # after it wrote it (vLLM's ``wait_for_kv_layer_from_connector`` / ``maybe_save_kv_layer_to_connector``).
+    kv_connector: Optional[KVLayerHooks] = None
 
     def for_kv_group(self, group: int) -> "AttentionMetadata":
         """This step as one KV group's layers see it: its block table and slots, its own ``extra`` (a backend's

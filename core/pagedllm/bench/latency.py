@@ -3,7 +3,16 @@
 One request at a time, stepped token by token with a timestamp per new token, for pagedllm and optionally vLLM (a
 peer process, ``--compare-vllm``) and HF transformers ``generate`` (``--compare-hf``) on the same random prompts,
 alternated per iteration. Beside them the memory-bandwidth floor: batch-1 decode reads every weight once per token,
-so tokens/s cannot exceed (measured copy bandwidth) / (weight bytes).
+so tokens/s cannot exceed (read bandwidth) / (weight bytes). Two bandwidths: ``Tensor.copy_``'s (read + write, any
+backend) and, where the backend's op library registers ``pagedllm_<backend>::stream_read`` (the CPU plugin's
+``csrc/stream_read.cpp``: every byte of a buffer several times the last-level cache read once, as decode reads its
+weights), the streaming-read one, found through torch's op registry so core imports no plugin; "floor reached" is
+pagedllm's decode rate over the streaming-read floor (the copy floor where there is none).
+
+Memory: the engine is sized for the workload as llama-bench sizes its context (``-p + -n``): unless
+``--max-model-len``, ``--kv-cache-memory`` or ``--gpu-memory-utilization`` is given, ``max_model_len`` is the
+longest request the run makes and ``max_num_seqs`` 1 (one request at a time), so the KV pool holds what the run uses.
+The peak RSS is read before the bandwidth probes, whose buffers are not the engine's.
 
 ``--llama-bench PATH`` (a GGUF ``--model``) adds a current llama.cpp (``ci/setup_llamacpp_peer.sh``) on the same
 file and threads, alternated per iteration: its ``llama-bench`` tg (``-p 0 -n OUTPUT_LEN``, from an empty context:
@@ -16,6 +25,7 @@ step outside the model's forward and LM head (scheduling, inputs, sampling, outp
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import resource
@@ -25,12 +35,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from pagedllm.bench.ceiling import weight_bytes_per_token
 from pagedllm.bench.llama_cpp_bench import LlamaBenchFault, LlamaBenchRun, cpu_kind, run_llama_bench
 from pagedllm.bench.peer import VLLMPeer
 from pagedllm.errors import ParamError
+from pagedllm.proc_mem import rss_bytes
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -86,6 +98,12 @@ class LatencyResult:
     peak_rss_bytes: int = 0  # this process's (pagedllm's; HF's too with --compare-hf)
     file_bytes: Optional[int] = None  # the model file's size when it is one file (GGUF)
     llama_cpp: Optional[LlamaCppPeer] = None
+    stream_read_gb_s: Optional[float] = None  # the backend's streaming-read op, where it has one
+    stream_floor_tok_s: Optional[float] = None  # stream-read bandwidth / weight bytes
+    floor_reached_pct: Optional[float] = None  # pagedllm decode tok/s over the stream floor (else the copy floor)
+    base_rss_bytes: int = 0  # this process's RSS before the engine was built (Python, torch, pagedllm)
+    max_model_len: int = 0  # the engine's (sized for the workload unless given)
+    max_num_seqs: int = 0
 
 
 def summarize(stamps_per_iter: list[list[float]]) -> Latency:
@@ -107,6 +125,51 @@ def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 7) -> float:
         b.copy_(a)
         times.append(time.perf_counter() - t)
     return 2 * nbytes / statistics.median(times)
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size (sysfs; 0 where unknown)."""
+    size = 0
+    for index in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size")):
+        try:
+            with open(index) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        size = max(size, int(text.rstrip("KMG")) * unit)
+    return size
+
+
+def stream_read_op(backend_name: str):
+    """The backend's ``stream_read(buf) -> checksum`` op (``torch.ops.pagedllm_<backend>``), or None: looked up in
+    torch's op registry, where the backend's library registered it, so the bench imports no plugin."""
+    namespace = getattr(torch.ops, f"pagedllm_{backend_name.replace('-', '_')}")
+    return getattr(namespace, "stream_read", None) if hasattr(namespace, "stream_read") else None
+
+
+def stream_read_bandwidth(op, nbytes: int = 0, repeats: int = 7) -> float:
+    """Bytes/s ``op`` reads (each byte once) over a buffer of ``nbytes`` (default: 8x the last-level cache, at least
+    256 MiB); the median. The buffer holds the words 0, 1, 2...: the op's checksum (their XOR) is checked, so its
+    loads cannot have been skipped."""
+    nbytes = nbytes or max(256 << 20, 8 * llc_bytes())
+    nbytes -= nbytes % 64
+    buf = torch.arange(nbytes // 8, dtype=torch.int64)
+    want = int(np.bitwise_xor.reduce(buf.numpy()))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        got = op(buf)
+        times.append(time.perf_counter() - t)
+        if got != want:
+            raise RuntimeError(f"stream_read checksum {got} != {want}: the op did not read the buffer")
+    return nbytes / statistics.median(times)
+
+
+def workload_len(args) -> int:
+    """Tokens of the longest request the run makes (prompt + output, the prefill test's prompt + 1)."""
+    prefill = args.prefill_len + 1 if args.llama_bench and args.prefill_len else 0
+    return max(args.input_len + args.output_len, prefill)
 
 
 def stream_ours(engine, prompt: list[int], max_tokens: int) -> list[float]:
@@ -222,6 +285,9 @@ def run(args) -> LatencyResult:
     from pagedllm.entrypoints.llm import LLM  # heavy: torch, not at CLI start
     from pagedllm.models import resolve_model_path  # heavy: torch, not at CLI start
 
+    if args.max_model_len is None and args.kv_cache_memory is None and args.gpu_memory_utilization is None:
+        args.max_model_len = workload_len(args)  # the KV pool of llama-bench's context: what the run uses
+        args.max_num_seqs = args.max_num_seqs or 1
     cfg = engine_config(args)
     path = resolve_model_path(cfg.model)
     gguf = path if path.endswith(".gguf") else None
@@ -230,6 +296,7 @@ def run(args) -> LatencyResult:
         if gguf is None:
             raise ParamError("model", f"--llama-bench needs a GGUF file as --model (llama.cpp runs only GGUF); got "
                                       f"{path}")
+    base_rss = rss_bytes() or 0  # the interpreter, torch, pagedllm: before any model byte
     t0 = time.perf_counter()
     llm = LLM(**vars(cfg))
     load_s = time.perf_counter() - t0
@@ -283,16 +350,23 @@ def run(args) -> LatencyResult:
         peer.close()
     engine.kv.reset_prefix_cache()
     host_us = host_us_per_step(engine, prompts[-1], min(args.output_len, 32))
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the probes' buffers
     bw = copy_bandwidth()
+    op = stream_read_op(engine.worker.backend.name)
+    stream_bw = stream_read_bandwidth(op) if op is not None else None
     wbytes = weight_bytes_per_token(engine.model)
     kv = kv_bytes_per_token(engine, args.input_len + args.output_len / 2)
     res = LatencyResult(engine.model_path, str(engine.dtype).removeprefix("torch."), engine.config.quantization,
                         args.input_len, args.output_len, args.num_iters, threads, wbytes, bw / 1e9,
                         bw / wbytes, cpu=cpu_kind(), kv_bytes_per_token=kv, bytes_per_token=wbytes + kv,
                         host_us_per_step=host_us, load_s=load_s,
-                        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                        file_bytes=os.path.getsize(gguf) if gguf else None)
+                        peak_rss_bytes=peak_rss, file_bytes=os.path.getsize(gguf) if gguf else None,
+                        max_model_len=engine.config.max_model_len, max_num_seqs=engine.worker.max_num_seqs,
+                        base_rss_bytes=base_rss)
     res.engines = {name: summarize(s) for name, s in stamps.items()}
+    if stream_bw is not None:
+        res.stream_read_gb_s, res.stream_floor_tok_s = stream_bw / 1e9, stream_bw / wbytes
+    res.floor_reached_pct = 100 * res.engines["pagedllm"].decode_tok_s / (res.stream_floor_tok_s or res.floor_tok_s)
     if tg:
         med = statistics.median
         peer_res = LlamaCppPeer(tg[0].build, tg[0].model_type, res.file_bytes, peer_args["tg"], peer_args["pp"],
@@ -341,6 +415,13 @@ def main(args) -> int:
         print(f"{name:10} {lat.ttft_s:8.3f} {lat.decode_tok_s:13.1f} {lat.itl_p50_ms:11.2f} {lat.itl_p99_ms:11.2f}")
     print(f"memory-bandwidth floor: {res.weight_bytes / 1e6:.0f} MB of weights / {res.copy_bandwidth_gb_s:.1f} GB/s "
           f"copy bandwidth = {res.floor_tok_s:.1f} tok/s at most")
+    if res.stream_read_gb_s is not None:
+        print(f"streaming-read floor: {res.weight_bytes / 1e6:.0f} MB of weights / {res.stream_read_gb_s:.1f} GB/s "
+              f"read bandwidth = {res.stream_floor_tok_s:.1f} tok/s at most; floor reached "
+              f"{res.floor_reached_pct:.0f}%")
+    else:
+        print(f"streaming-read floor: n/a (the backend has no stream_read op); copy floor reached "
+              f"{res.floor_reached_pct:.0f}%")
     print(f"bytes read per decode token: {res.bytes_per_token / 1e6:.1f} MB (weights {res.weight_bytes / 1e6:.1f} + "
           f"KV cache {res.kv_bytes_per_token / 1e6:.1f} at the mean context "
           f"{res.input_len + res.output_len / 2:.0f})")
@@ -348,7 +429,12 @@ def main(args) -> int:
     print(f"host time per decode step outside the forward and LM head (scheduling, inputs, sampling, outputs): {host}")
     mb = 1 / 1e6
     of_file = f" ({res.peak_rss_bytes / res.file_bytes:.2f}x the file)" if res.file_bytes else ""
-    print(f"pagedllm: load {res.load_s:.1f} s, peak RSS {res.peak_rss_bytes * mb:,.0f} MB{of_file}")
+    engine_rss = res.peak_rss_bytes - res.base_rss_bytes
+    of_file_engine = f" ({engine_rss / res.file_bytes:.2f}x the file)" if res.file_bytes else ""
+    print(f"pagedllm: load {res.load_s:.1f} s, peak RSS {res.peak_rss_bytes * mb:,.0f} MB{of_file}: "
+          f"{res.base_rss_bytes * mb:,.0f} MB before loading (Python, torch, pagedllm) + "
+          f"{engine_rss * mb:,.0f} MB{of_file_engine} the model, KV cache and steps (max_model_len "
+          f"{res.max_model_len}, max_num_seqs {res.max_num_seqs})")
     lc = res.llama_cpp
     if lc is not None:
         print(f"llama.cpp {lc.build} ({lc.model_type}), same file, {res.threads} threads, alternated; file "

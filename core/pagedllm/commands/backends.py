@@ -29,7 +29,7 @@ def rows() -> list[dict]:
                     "priority": b.info.priority, "device_type": b.info.device_type, "api_version": b.info.api_version,
                     "device_name": probe.device_name, "reason": probe.reason,
                     "quantization": list(b.capabilities.quantization),
-                    "kv_cache_dtypes": list(b.capabilities.kv_cache_dtypes)})
+                    "kv_cache_dtypes": list(b.capabilities.kv_cache_dtypes), "kv_cache_groups": kv_cache_groups(b)})
     installed = {d.backend.info.extra for d in found.values() if d.backend is not None} | set(found)
     for extra in registry.known_extras():
         if extra not in installed:
@@ -38,11 +38,20 @@ def rows() -> list[dict]:
     return out
 
 
+def kv_cache_groups(backend: registry.Backend) -> str:
+    """``own``: the backend allocates the KV cache groups itself (contract v4's
+    ``pagedllm_allocate_kv_cache_groups``); ``reference``: core builds them from its allocate_kv_cache /
+    allocate_state_cache (its own or core's), as for a v3 plugin."""
+    return "own" if backend.implements("pagedllm_allocate_kv_cache_groups") else "reference"
+
+
+KV_GROUPS_TEXT = {"own": "own allocator", "reference": "core's reference allocator"}
 WIDTH = 100  # the table's width: an 80-100 column terminal shows it unwrapped; long reasons wrap under "detail"
 
 
 def table(data: list[dict], width: int = WIDTH) -> str:
-    """One row per backend; the detail (device, or why it is unusable; quantization methods) wraps within ``width``."""
+    """One row per backend; the detail (device, or why it is unusable; quantization methods; who allocates the KV
+    cache groups) wraps within ``width``."""
     head = f"{'backend':<11}{'usable':<7}{'prio':>4}  {'distribution':<17}"
     lines = [head + "detail"]
     for r in data:
@@ -50,6 +59,8 @@ def table(data: list[dict], width: int = WIDTH) -> str:
         detail = (r.get("device_name") or "usable") if r["usable"] else r["reason"]
         if r["usable"] and r.get("quantization"):
             detail += "; quantization: " + ", ".join(r["quantization"])
+        if r["usable"] and r.get("kv_cache_groups"):
+            detail += "; KV cache groups: " + KV_GROUPS_TEXT[r["kv_cache_groups"]]
         left = f"{r['name']:<11}{'yes' if r['usable'] else 'no':<7}{prio:>4}  {r['distribution']:<17}"
         wrapped = textwrap.wrap(detail, width - len(head), break_on_hyphens=False) or [""]
         lines.append(left + wrapped[0])

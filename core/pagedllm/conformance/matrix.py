@@ -42,6 +42,23 @@ def _cell(report: Report, feature: str) -> str:
     return f"{MARK[NOT_VERIFIED]} ({why})"
 
 
+KV_GROUPS = {"own": "its own allocator (`pagedllm_allocate_kv_cache_groups`)",
+             "reference": "core's reference allocator (from its `allocate_kv_cache` / `allocate_state_cache`)"}
+
+
+def kv_groups_line(report: Report) -> str:
+    """``- `name`: who allocates its KV cache groups; how its ``kv_cache.groups.*`` cases went`` ("" for a report
+    from before contract v4, which says neither)."""
+    who = report.environment.get("kv_cache_groups")
+    rows = [r for r in report.results if r.kernel.startswith("kv_cache.groups.") and not r.not_applicable]
+    if who is None and not rows:
+        return ""
+    ok, bad = (sum(r.status == s for r in rows) for s in ("passing", "failing"))
+    rest = len(rows) - ok - bad
+    return (f"- `{report.backend}`: {KV_GROUPS.get(who, 'not recorded')}; kv_cache.groups cases: {ok}/{len(rows)} "
+            "passing" + f", {bad} failing" * bool(bad) + f", {rest} not run" * bool(rest))
+
+
 def support_matrix(reports: Sequence[Report], backends: Iterable[str] = ()) -> str:
     """Markdown: every backend with a report, then every other name in ``backends`` as not verified."""
     by_name = {r.backend: r for r in reports}
@@ -72,6 +89,14 @@ def support_matrix(reports: Sequence[Report], backends: Iterable[str] = ()) -> s
                                                                        else "")
                   + (f" (evidence: {r.evidence})" if r.evidence else "")
                   + "; " + ", ".join(f"{k} {v}" for k, v in r.environment.items()) for r in envs]
+    groups = [kv_groups_line(r) for r in reports]
+    if any(groups):
+        lines += ["", "## KV cache groups", "",
+                  "Who allocates each backend's KV cache groups (contract v4): its own "
+                  "`pagedllm_allocate_kv_cache_groups`, or core's reference allocator (the groups' caches from its "
+                  "`allocate_kv_cache` / `allocate_state_cache`, as for a v3 plugin); the `kv_cache.groups.*` cases "
+                  "check either way that every layer's caches work with its kernels.", ""]
+        lines += [g for g in groups if g]
     failing = [(r.backend, x) for r in reports if r.status == FAIL for x in r.failing]
     if failing:
         lines += ["", "## Failing cases", ""]

@@ -14,8 +14,8 @@ import torch
 
 import pagedllm
 from pagedllm.backend.registry import Backend, BackendError, get_backend
-from pagedllm.conformance import (checks_e2e, checks_kernels as K, checks_layout, checks_runtime as R, checks_ssm,
-                                  checks_state, checks_static)
+from pagedllm.conformance import (checks_e2e, checks_kernels as K, checks_kv_groups as G, checks_layout,
+                                  checks_runtime as R, checks_ssm, checks_state, checks_static)
 from pagedllm.conformance.evidence import device_evidence
 from pagedllm.conformance.harness import CaseContext, CheckFailed, NotApplicable, Untested, case_seed
 from pagedllm.conformance.report import NOT_VERIFIED, SIMULATION, CaseResult, Report, case_id
@@ -88,6 +88,9 @@ CHECK_HOOKS = {
     checks_state.check_state_carry_e2e: OP_HOOKS + ("pagedllm_causal_conv1d_fn", "pagedllm_causal_conv1d_update",
                                                     "pagedllm_allocate_state_cache"),
     checks_static.check_static_shapes: ("pagedllm_batch_policy",),
+    G.check_full_and_sliding: G.GROUP_HOOKS + ("pagedllm_write_kv", "pagedllm_paged_attention"),
+    G.check_mla_group: G.GROUP_HOOKS + ("pagedllm_write_mla_kv", "pagedllm_mla_attention"),
+    G.check_state_group: G.GROUP_HOOKS + ("pagedllm_allocate_state_cache", "pagedllm_causal_conv1d_update"),
     **checks_ssm.CHECK_HOOKS,
 }
 
@@ -159,6 +162,20 @@ def enumerate_cases(backend: Backend, gqa_ratios: Iterable[int] = GQA_RATIOS) ->
             for scenario in ("decode", "mixed"):
                 cases.append(Case("attention", f"paged_attention.{kvd}.{scenario}", f"hs{hs0}-bs{bs}-gqa3", dt,
                                   K.check_attention, dict(fp8, scenario=scenario, gqa=3)))
+        g = max(gqa_ratios)
+        for bs in caps.block_sizes:  # KV cache groups (v4): full + sliding window sharing tensors, MLA, state
+            cases.append(Case("kv_cache", "kv_cache.groups.full_sliding", f"hs{hs0}-bs{bs}-gqa{g}", dt,
+                              G.check_full_and_sliding, dict(head_size=hs0, block_size=bs, gqa=g,
+                                                             sliding_window=bs // 2 + 3),
+                              untested="" if caps.sliding_window else "capabilities do not declare sliding_window"))
+        # the MLA and state groups count under the features of their kernels (the mla_attention and conv cases)
+        cases.append(Case("fused_ops", "kv_cache.groups.mla", f"latent40-rope16-h5-bs{bs0}", dt, G.check_mla_group,
+                          dict(kv_lora_rank=40, rope=16, heads=5, block_size=bs0),
+                          untested="" if caps.mla else "capabilities do not declare mla"))
+        no_conv = ("capabilities' state_ops leave out conv" if "conv" not in (caps.state_ops or ("conv",))
+                   else f"capabilities' state_dtypes leave out {dt}" if dt not in (caps.state_dtypes or (dt,)) else "")
+        cases.append(Case("state", "kv_cache.groups.state", f"dim64-w4-hs{hs0}-bs{bs0}", dt, G.check_state_group,
+                          dict(dim=64, width=4, head_size=hs0, block_size=bs0), untested=no_conv))
         cases.append(Case("fused_ops", "rms_norm", "hidden576", dt, K.check_rms_norm, dict(hidden=576)))
         cases.append(Case("fused_ops", "fused_add_rms_norm", "hidden576", dt, K.check_fused_add_rms_norm,
                           dict(hidden=576)))
@@ -325,7 +342,8 @@ def run_conformance(backend: Union[str, Backend], report_dir: Optional[str] = No
     caps = be.capabilities
     report = Report(be.name, str(be.device()), environment={
         "pagedllm": getattr(pagedllm, "__version__", "?"), "torch": torch.__version__,
-        "device_name": be.probe.device_name, "graph_capture": caps.graph_capture, "seed": seed})
+        "device_name": be.probe.device_name, "graph_capture": caps.graph_capture, "seed": seed,
+        "kv_cache_groups": "own" if be.implements("pagedllm_allocate_kv_cache_groups") else "reference"})
     simulated = simulated if simulated is not None else os.environ.get(SIMULATED_ENV, "")
     if simulated:
         report.verification, report.simulated = SIMULATION, simulated

@@ -553,15 +553,15 @@ class LLMEngine:
         aborted while its batch was in flight is skipped (its blocks were freed at the abort)."""
         generated = self.stats.generation_tokens
         self.stats.num_steps += 1
-        if self.kv_transfer is not None:
-            self.kv_transfer.after_forward(sched)
+        # requests whose KV-connector loads failed: rolled back, their step's tokens discarded (recomputed)
+        discarded = self.kv_transfer.after_forward(sched) if self.kv_transfer is not None else set()
         self.scheduler.update(sched)
         for req, first, plogits in step.prompt_logits:
-            if not req.is_finished:
+            if not req.is_finished and req.request_id not in discarded:
                 self.output_processor.record_prompt_logprobs(req, first, plogits)
         outputs: list[Any] = []
         for req, data in step.pooled:  # pooling requests whose prompt completed: done, blocks freed at once
-            if req.is_finished:
+            if req.is_finished or req.request_id in discarded:
                 continue
             parent = self.requests[req.request_id][0]
             self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
@@ -572,7 +572,7 @@ class LLMEngine:
         if step.requests:
             now = time.time()
             for i, req in enumerate(step.requests):
-                if req.is_finished:
+                if req.is_finished or req.request_id in discarded:
                     continue
                 parent = self.requests[req.request_id][0]
                 # A speculative row emits its accepted drafts plus one token; stop conditions apply per token.

@@ -31,20 +31,23 @@ Worker side (with the device caches):
   1. :meth:`~KVConnectorBase_V1.register_kv_caches` once, with the device caches (``{layer name: cache}``, in the
      backend's own layout).
   2. each step: ``bind_connector_metadata(meta)``, :meth:`~KVConnectorBase_V1.handle_preemptions` (copy out blocks
-     about to be overwritten: evictions), :meth:`~KVConnectorBase_V1.start_load_kv`, then
-     :meth:`~KVConnectorBase_V1.wait_for_layer_load` for every layer before the forward (pagedllm waits for the
-     whole model before it; a connector that pipelines per layer still works, it just overlaps less), the forward,
-     :meth:`~KVConnectorBase_V1.save_kv_layer` for every layer and :meth:`~KVConnectorBase_V1.wait_for_save`,
-     :meth:`~KVConnectorBase_V1.get_finished`, ``clear_connector_metadata()``.
+     about to be overwritten: evictions), :meth:`~KVConnectorBase_V1.start_load_kv`, the forward, in which each
+     attention layer calls :meth:`~KVConnectorBase_V1.wait_for_layer_load` right before it reads its cache and
+     :meth:`~KVConnectorBase_V1.save_kv_layer` right after it wrote it (vLLM's attention layer; on paths that
+     cannot call back per layer — replayed graphs, a backend's own runner, several ranks — every wait comes before
+     the forward and every save after it), then :meth:`~KVConnectorBase_V1.wait_for_save`,
+     :meth:`~KVConnectorBase_V1.get_block_ids_with_load_errors`, :meth:`~KVConnectorBase_V1.get_finished`,
+     ``clear_connector_metadata()``.
 
 Device <-> host copies go through the backend's swap hooks (:attr:`KVConnectorContext.allocate_host_kv_cache`,
 :attr:`~KVConnectorContext.swap_kv_blocks`, :attr:`~KVConnectorContext.gather_kv_blocks`), so a connector works on
 any backend's layout without a hook of its own.
 
 Failures are first class: a block the worker side could not load (missing, corrupted, timed out) is reported by
-:meth:`~KVConnectorBase_V1.get_block_ids_with_load_errors` in the same step; core then recomputes that request from
-the first failed block (its tokens computed this step move back; no wrong K/V is ever read) and drops the failed
-blocks from the prefix cache. A connector that raises in a worker call fails the loads of that step the same way.
+:meth:`~KVConnectorBase_V1.get_block_ids_with_load_errors` after the step's forward (a layer may find it late, after
+earlier layers read the block); core then discards that request's step (its sampled token is never emitted), rolls
+its computed tokens back to the first failed block, drops the failed blocks from the prefix cache and recomputes
+them. A connector that raises in a worker call fails the loads of that step the same way.
 ``pagedllm.kv_transfer.conformance.check_connector`` exercises this contract against a class.
 """
 
@@ -120,15 +123,17 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
 
     @abstractmethod
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Block until ``layer_name``'s loads are in the device cache. Bound the wait (a remote peer may be gone):
-        a load that times out goes into ``get_block_ids_with_load_errors`` and its request is recomputed; core
-        cannot interrupt a call that never returns."""
+        """Block until ``layer_name``'s loads are in the device cache (called inside the forward, right before that
+        layer reads its cache; load only that layer's blocks here to overlap the earlier layers). Bound the wait (a
+        remote peer may be gone): a load that times out goes into ``get_block_ids_with_load_errors`` and its request
+        is recomputed; core cannot interrupt a call that never returns."""
 
     @abstractmethod
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        """Start saving what the bound metadata asks of ``layer_name`` (called after the forward wrote it).
-        pagedllm passes ``attn_metadata=None`` and the step's ``ScheduledRequest`` list as ``scheduled``: the block
-        ids to save come from the connector's own metadata."""
+        """Start saving what the bound metadata asks of ``layer_name`` (called right after the layer wrote its cache).
+        ``attn_metadata`` is the step's ``AttentionMetadata`` (None on the whole-model paths, called after the
+        forward); ``scheduled`` is the step's ``ScheduledRequest`` list. The block ids to save may come from the
+        connector's own metadata."""
 
     @abstractmethod
     def wait_for_save(self) -> None:
@@ -160,8 +165,8 @@ class KVConnectorBase_V1(ABC):  # noqa: N801 - vLLM's name
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """Tokens beyond ``num_computed_tokens`` (the device prefix-cache hit) the connector can load: a multiple
         of the block size, leaving at least the request's last token to compute, and only what is loadable now.
-        Returns ``(tokens, load_async)``; pagedllm loads synchronously before the step's forward, so ``load_async``
-        must be False (None tokens means "ask again next step")."""
+        Returns ``(tokens, load_async)``; pagedllm loads within the step (started before the forward, waited for
+        per layer), so ``load_async`` must be False (None tokens means "ask again next step")."""
 
     @abstractmethod
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:

@@ -4,9 +4,11 @@ A full prefix-cache block that leaves the device pool's free queue for reuse is 
 (``cpu_bytes_to_use``); a block the host LRU drops goes to the disk tier when there is one (``disk_path``,
 ``disk_bytes_to_use``; without a host tier evicted blocks go straight to disk). A later request whose prefix misses
 the device cache is matched block by block against host, then disk, and the hits are copied back into its fresh
-blocks before the step's forward. The scheduler side keeps the index (which hash sits in which host slot, which
-files exist); the worker side holds the host caches (the backend's host layout, through its swap hooks) and does the
-copies and file I/O. A disk block that does not verify is a load error: core recomputes that request from it.
+blocks: host hits layer by layer inside the forward (``wait_for_layer_load`` of layer i copies layer i's blocks, so
+the copies overlap the earlier layers' compute), disk hits through the staging block in ``start_load_kv``. The
+scheduler side keeps the index (which hash sits in which host slot, which files exist); the worker side holds the host
+caches (the backend's host layout, through its swap hooks) and does the copies and file I/O. A disk block that does
+not verify is a load error: core recomputes that request from it.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class OffloadingConnector(KVConnectorBase_V1):
                 self.disk = DiskStore(self.disk_path, context.model_identity, self.disk_bytes, quiet=True)
         else:
             self.device_caches: list = []
+            self.layer_index: dict[str, int] = {}
+            self.host_loads: list[tuple[int, int]] = []  # this step's (host slot, device block): copied per layer
+            self.layers_loaded: set[int] = set()
             self.host_caches: list = []
             self.staging: list = []
             self.load_errors: set[int] = set()
@@ -181,6 +186,7 @@ class OffloadingConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         ctx = self.context
         self.device_caches = list(kv_caches.values())
+        self.layer_index = {name: i for i, name in enumerate(kv_caches)}
         def host_spec(n: int) -> Any:
             return replace(ctx.kv_spec, num_blocks=n, device=torch.device("cpu"))
         try:
@@ -224,6 +230,7 @@ class OffloadingConnector(KVConnectorBase_V1):
     def start_load_kv(self, **kwargs: Any) -> None:
         meta = self.get_connector_metadata()
         self.load_errors = set()
+        self.host_loads, self.layers_loaded = [], set()
         bpb = self.context.bytes_per_block
         for ops in meta.loads.values():
             failed = False
@@ -233,7 +240,7 @@ class OffloadingConnector(KVConnectorBase_V1):
                     self.load_errors.add(target)
                     continue
                 if op[0] == "host" and self.host_caches:
-                    self._copy(self.host_caches, self.device_caches, op[1], target)
+                    self.host_loads.append((op[1], target))  # copied in wait_for_layer_load, layer by layer
                     self._stat("host_hits", 1)
                     self._stat("host_bytes_loaded", bpb)
                     continue
@@ -251,7 +258,14 @@ class OffloadingConnector(KVConnectorBase_V1):
         self.step_stats[key] = self.step_stats.get(key, 0) + value
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are synchronous copies
+        """This layer's host hits, one copy call for all of them (disk hits landed in ``start_load_kv``)."""
+        i = self.layer_index[layer_name]
+        if not self.host_loads or i in self.layers_loaded:
+            return
+        self.layers_loaded.add(i)
+        src, dst = zip(*self.host_loads)
+        self.context.swap_kv_blocks([self.host_caches[i]], [self.device_caches[i]], torch.tensor(src),
+                                    torch.tensor(dst))
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # this tier saves on eviction (handle_preemptions), not after the forward

@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from pagedllm.errors import ParamError
 from pagedllm.kv_transfer.base import KVConnectorBase_V1, KVConnectorContext, KVConnectorRole
@@ -61,27 +61,92 @@ def build_kv_transfer(config: Any, worker: Any, kv: Any, scheduler: Any, backend
         swap_kv_blocks=backend.swap_kv_blocks, gather_kv_blocks=backend.gather_kv_blocks,
         pin_memory=backend.memory_info(worker.device).pinned_host)
     rt = KVTransfer(cls(tc, KVConnectorRole.SCHEDULER, ctx), cls(tc, KVConnectorRole.WORKER, ctx), kv,
-                    dict(zip(names, worker.kv_caches)))
+                    dict(zip(names, worker.kv_caches)), runner=lambda: layerwise_runner(config, worker))
     rt.worker_side.register_kv_caches(rt.caches)
     scheduler.connector = rt
     kv.pool.on_evict = rt.on_evict
     return rt
 
 
+def layerwise_runner(config: Any, worker: Any) -> Any:
+    """The worker's model runner when its steps call the connector per layer (eager, core's runner, one rank),
+    else None, logged once: the connector then gets the whole-model calls."""
+    runner = getattr(worker, "runner", None)
+    level = getattr(worker, "graph_level", "none")
+    why = ("the backend runs its own model runner" if not hasattr(runner, "kv_connector")
+           else f"steps replay captured graphs ({level})" if level != "none"
+           else "steps run on several ranks" if config.tensor_parallel_size * config.pipeline_parallel_size > 1
+           else None)
+    if why is None:
+        return runner
+    logger.info("KV connector: %s, so its loads are waited for before each forward and its saves made after it "
+                "(not per layer)", why)
+    return None
+
+
+class LayerwiseStep:
+    """One step's per-layer connector calls (:class:`pagedllm.backend.attention.KVLayerHooks`), handed to the model
+    in ``AttentionMetadata.kv_connector``: the layer is named by its cache, as ``register_kv_caches`` got it. It
+    records which layers waited and saved, so the runtime knows after the forward whether every layer read its cache
+    after its loads landed; a connector's exception is kept for the runtime, never raised into the forward."""
+
+    def __init__(self, worker_side: KVConnectorBase_V1, names: dict[int, str], scheduled: list):
+        self.worker_side = worker_side
+        self.names = names  # id(device cache) -> layer name
+        self.scheduled = scheduled
+        self.waited: list[str] = []
+        self.saved: list[str] = []
+        self.load_error: Optional[BaseException] = None  # a wait_for_layer_load raised: this step's loads failed
+        self.save_error: Optional[BaseException] = None  # a save_kv_layer raised: no more saves this step
+
+    def wait_for_layer_load(self, kv_cache: Any) -> None:
+        name = self.names.get(id(kv_cache))
+        if name is None:  # not a registered cache: its layer never counts as waited (the step's loads then fail)
+            return
+        self.waited.append(name)
+        if self.load_error is None:
+            try:
+                self.worker_side.wait_for_layer_load(name)
+            except Exception as e:  # noqa: BLE001 - a connector's failure costs a recompute, never the forward
+                self.load_error = e
+
+    def save_kv_layer(self, kv_cache: Any, meta: Any) -> None:
+        name = self.names.get(id(kv_cache))
+        if name is None:
+            return
+        self.saved.append(name)
+        if self.save_error is None:
+            try:
+                self.worker_side.save_kv_layer(name, kv_cache, meta, scheduled=self.scheduled)
+            except Exception as e:  # noqa: BLE001 - a failed save is a later miss
+                self.save_error = e
+
+
 class KVTransfer:
     """What the scheduler calls (``get_num_new_matched_tokens``, ``update_state_after_alloc``,
-    ``request_finished``) and what the engine calls around each step (``before_forward``, ``after_forward``)."""
+    ``request_finished``) and what the engine calls around each step (``before_forward``, ``after_forward``).
+
+    Where the step runs the model eagerly through core's model runner, the connector's ``wait_for_layer_load`` and
+    ``save_kv_layer`` run inside the forward, per attention layer (:class:`LayerwiseStep`), so loads overlap compute;
+    captured graphs (static buckets, decode graphs), a backend's own model runner and tensor/pipeline parallel steps
+    get the whole-model calls: every wait before the forward, every save after it. Either way load errors are
+    collected after the forward, where the affected requests' step is discarded and rolled back."""
 
     def __init__(self, scheduler_side: KVConnectorBase_V1, worker_side: KVConnectorBase_V1, kv: Any,
-                 caches: dict[str, Any]):
+                 caches: dict[str, Any], runner: Optional[Callable[[], Any]] = None):
         self.scheduler_side, self.worker_side = scheduler_side, worker_side
         self.kv = kv
         self.caches = caches  # layer name -> device cache
         self.layer_names = list(caches)
+        self.cache_names = {id(c): name for name, c in caches.items()}
+        # () -> the model runner that takes a LayerwiseStep (its ``kv_connector``), or None: whole-model calls
+        self.runner = runner or (lambda: None)
+        self.layerwise: Optional[Any] = None  # the runner, once known to run per layer; False: whole-model
         self.finished_ids: set[str] = set()
         self.delayed: dict[str, tuple[Any, float]] = {}  # request id -> (request, finish time): blocks kept
         self.num_recomputes = 0  # requests recomputed from a failed load
         self.num_load_errors = 0  # blocks that did not load
+        self.open: Optional[tuple[Any, Optional[LayerwiseStep], Optional[BaseException]]] = None  # the step begun
 
     # ---- scheduler -------------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -112,45 +177,103 @@ class KVTransfer:
         return bool(self.delayed)
 
     # ---- the step --------------------------------------------------------------------------------------------
+    def _layerwise_runner(self) -> Any:
+        if self.layerwise is None:
+            self.layerwise = self.runner() or False
+        return self.layerwise
+
     def before_forward(self, sched: Any) -> None:
-        """Saves of evicted blocks, then this step's loads; a request whose load failed is recomputed from its first
-        failed block. A step with nothing to run completes here (saves, ``get_finished``)."""
+        """Saves of evicted blocks, then this step's loads: started here and waited for per layer inside the
+        forward (or all here, on the whole-model paths). A step with nothing to run completes here."""
+        if self.open is not None:  # the engine dropped the step it scheduled: its forward never ran
+            self.after_forward(self.open[0], ran=False)
         self._poll_finished()
         meta = self.scheduler_side.build_connector_meta(sched)
         w = self.worker_side
         w.bind_connector_metadata(meta)
+        step, error = None, None
         try:
             w.handle_preemptions(meta)
             w.start_load_kv()
-            for name in self.layer_names:
-                w.wait_for_layer_load(name)
-            failed = set(w.get_block_ids_with_load_errors())
         except Exception as e:  # noqa: BLE001 - a connector's failure costs a recompute, never the engine
-            failed = set(self.kv.pending_load)
-            if failed:
-                logger.warning("KV connector %s: loading failed (%s: %s); recomputing this step's loads",
-                               type(w).__name__, type(e).__name__, e)
-        if failed:
-            self._recompute(sched, failed)
+            error = e
+        runner = self._layerwise_runner() if sched.scheduled else None
+        if runner:
+            step = LayerwiseStep(w, self.cache_names, sched.scheduled)
+            if error is not None:
+                step.load_error = error
+            runner.kv_connector = step  # the model runner puts it in this step's AttentionMetadata
+        elif error is None:
+            try:
+                for name in self.layer_names:
+                    w.wait_for_layer_load(name)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        self.open = (sched, step, error)
+        if not sched.scheduled:
+            self.after_forward(sched, ran=False)
+
+    def after_forward(self, sched: Any, ran: bool = True) -> set[str]:
+        """Saves (whole-model paths), ``wait_for_save``, then the step's load errors: a request whose loads failed
+        has its step discarded (its sampled token must not be emitted) and its computed tokens rolled back to its
+        first failed block. Returns the ids of those requests."""
+        if self.open is None or self.open[0] is not sched:
+            return set()
+        _, step, error = self.open
+        self.open = None
+        w = self.worker_side
+        if step is not None:
+            runner = self._layerwise_runner()
+            if runner and getattr(runner, "kv_connector", None) is step:
+                runner.kv_connector = None
+            error = error or step.load_error
+            if error is None and ran and not set(self.layer_names) <= set(step.waited):
+                # the model does not call the per-layer hooks: its reads did not wait, so nothing loaded is trusted
+                logger.warning("KV connector: %s's attention layers do not call the connector's per-layer hooks; "
+                               "waiting for the whole model before each forward from now on",
+                               type(getattr(runner, "model", None)).__name__)
+                error = RuntimeError("layers read their caches without waiting for their loads")
+                self.layerwise = False
+            elif error is None and not ran:
+                try:  # nothing read the caches: waiting now is still in time
+                    for name in self.layer_names:
+                        w.wait_for_layer_load(name)
+                except Exception as e:  # noqa: BLE001
+                    error = e
+        save_error = step.save_error if step is not None else None
+        try:
+            if save_error is None and (step is None or (ran and set(self.layer_names) - set(step.saved))):
+                saved = set(step.saved) if step is not None else set()
+                for name, cache in self.caches.items():
+                    if name not in saved:
+                        w.save_kv_layer(name, cache, None, scheduled=sched.scheduled)
+            if save_error is None:
+                w.wait_for_save()
+        except Exception as e:  # noqa: BLE001 - a failed save is a later miss
+            save_error = e
+        if save_error is not None:
+            logger.warning("KV connector %s: saving failed (%s: %s)", type(w).__name__, type(save_error).__name__,
+                           save_error)
+        try:
+            failed = set(w.get_block_ids_with_load_errors()) if error is None else set(self.kv.pending_load)
+        except Exception as e:  # noqa: BLE001
+            error, failed = e, set(self.kv.pending_load)
+        if error is not None and failed:
+            logger.warning("KV connector %s: loading failed (%s: %s); recomputing this step's loads",
+                           type(w).__name__, type(error).__name__, error)
+        discarded = self._recompute(sched, failed) if failed else set()
         self.kv.pending_load.clear()
         self.scheduler_side.update_connector_output(w.build_connector_worker_meta())
-        if not sched.scheduled:
-            self.after_forward(sched)
-
-    def after_forward(self, sched: Any) -> None:
-        w = self.worker_side
-        try:
-            for name, cache in self.caches.items():
-                w.save_kv_layer(name, cache, None, scheduled=sched.scheduled)
-            w.wait_for_save()
-        except Exception:  # noqa: BLE001 - a failed save is a later miss
-            logger.exception("KV connector %s: saving failed", type(w).__name__)
         w.clear_connector_metadata()
         self._poll_finished()
+        return discarded
 
-    def _recompute(self, sched: Any, failed: set[int]) -> None:
+    def _recompute(self, sched: Any, failed: set[int]) -> set[str]:
+        """Roll each scheduled request whose blocks did not load back to its first failed block: the step's
+        ``update`` then advances it by nothing and its sampled token is discarded."""
         bs = self.kv.block_size
         self.num_load_errors += len(failed)
+        discarded = set()
         for s in sched.scheduled:
             req = s.request
             ids = self.kv.block_ids(req.request_id)
@@ -162,10 +285,11 @@ class KVTransfer:
                            -(-(s.num_computed_tokens - valid) // bs), valid)
             self.kv.forget_from(req, bad)
             s.num_computed_tokens = req.num_computed_tokens = valid
-            s.num_new_tokens = min(s.num_new_tokens, req.num_tokens - valid)  # same budget, earlier tokens
-            s.samples = valid + s.num_new_tokens >= req.num_tokens
+            s.num_new_tokens, s.samples = 0, False  # (the scheduler's update adds nothing)
             req.num_cached_tokens = min(req.num_cached_tokens, valid)
+            discarded.add(req.request_id)
             self.num_recomputes += 1
+        return discarded
 
     def _poll_finished(self) -> None:
         ids, self.finished_ids = self.finished_ids, set()

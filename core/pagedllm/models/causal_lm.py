@@ -103,6 +103,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         if meta.kv_group_tables is not None:
             meta = meta.for_kv_group(self.kv_group)
+        if meta.kv_connector is not None:  # the layer's KV-connector loads land before it reads its cache
+            meta.kv_connector.wait_for_layer_load(kv_cache)
         lora = getattr(meta, "lora_mapping", None)
         qkv = self.qkv_proj(x)
         if lora is not None:
@@ -128,6 +130,8 @@ class Attention(nn.Module):
             else:
                 out = self.paged_attention(q, kv_cache, meta, self.scale, self.sliding_window, self.soft_cap,
                                            self.k_scale, self.v_scale)
+        if meta.kv_connector is not None:  # and its new K/V may be saved once written
+            meta.kv_connector.save_kv_layer(kv_cache, meta)
         out = out.reshape(t, self.num_heads * self.head_size)
         y = self.o_proj(out)
         if lora is not None:

@@ -69,6 +69,8 @@ class FalconAttention(nn.Module):
             q, k, v = qkv.view(t, -1, d).split([self.num_heads, 1, 1], dim=1)
         else:
             q, k, v = qkv.view(t, self.num_heads, 3, d).unbind(2)
+        if meta.kv_connector is not None:  # the layer's KV-connector loads land before it reads its cache
+            meta.kv_connector.wait_for_layer_load(kv_cache)
         if self.alibi:
             if self.alibi_slopes is None or self.alibi_slopes.device != q.device:
                 self.alibi_slopes = (alibi_slopes(self.num_heads) * self.scale).to(q.device)
@@ -79,6 +81,8 @@ class FalconAttention(nn.Module):
             q, k = self.rotary(positions, q, k, cos_sin_cache)
             self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
             out = self.paged_attention(q, kv_cache, meta, self.scale, None, None, self.k_scale, self.v_scale)
+        if meta.kv_connector is not None:  # and its new K/V may be saved once written
+            meta.kv_connector.save_kv_layer(kv_cache, meta)
         return self.dense(out.reshape(t, self.num_heads * d))
 
 

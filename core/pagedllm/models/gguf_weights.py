@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import mmap
 import re
-from typing import Any, NamedTuple, Optional
+import warnings
+from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -92,6 +93,23 @@ def drop_pages(data: np.ndarray) -> None:
     mm.madvise(mmap.MADV_DONTNEED, first, min(start + data.nbytes + _DROP_MARGIN, len(mm)) - first)
 
 
+def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """Every tensor a module holds: parameters, buffers, and kernel states (tensors in attributes, tuples, lists)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, torch.nn.Module):
+        for m in obj.modules():
+            for key, value in vars(m).items():
+                if key != "_modules":
+                    yield from _tensors(value, depth + 1)
+    elif isinstance(obj, dict) and depth < 6:
+        for value in obj.values():
+            yield from _tensors(value, depth + 1)
+    elif isinstance(obj, (list, tuple)) and depth < 6:
+        for value in obj:
+            yield from _tensors(value, depth + 1)
+
+
 #: An HF per-expert tensor name: (stacked module, expert index, projection).
 _EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 #: An HF per-head norm (StableLM's ``q_layernorm.norms.H.weight``): row H of the converter's stacked ``attn_q_norm``.
@@ -131,6 +149,7 @@ class GGUFWeights:
         self._qwen35 = Qwen35Layout(config, self.arch) if self.arch in QWEN35_GGUF_ARCHS else None  # gguf_qwen35.py
         self._granite = (GraniteHybridLayout(self._tensors.__contains__) if self.arch == GRANITE_HYBRID_ARCH
                          else None)  # gguf_granite_hybrid.py
+        self._in_place: dict[int, np.ndarray] = {}  # quantized()'s views of the mapping, by address, until release
 
     def gguf_name(self, name: str) -> Optional[str]:
         if name.endswith("e_score_correction_bias"):  # the converter writes it as ``...e_score_correction.bias``
@@ -278,7 +297,24 @@ class GGUFWeights:
             return None  # out_proj's columns are reordered: read dense (``take``)
         raw = np.asarray(t.data)
         rows = self._rows(t.name, raw.shape[0])
-        raw = raw.copy() if rows is None else raw[rows]  # owned rows: the mmap is read-only
-        drop_pages(t.data)
+        if rows is None:  # the file's bytes in place (``release`` unmaps them unless the kernel keeps them)
+            with warnings.catch_warnings():  # the mapping is read-only; kernels only read their weights
+                warnings.simplefilter("ignore", UserWarning)
+                data = torch.from_numpy(raw)
+            self._in_place[data.data_ptr()] = t.data
+        else:  # owned rows, permuted
+            data = torch.from_numpy(raw[rows])
+            drop_pages(t.data)
         in_features, out_features = (int(d) for d in t.shape)  # GGUF lists dims innermost first
-        return QuantizedWeight("gguf", t.tensor_type.name, torch.from_numpy(raw), (out_features, in_features))
+        return QuantizedWeight("gguf", t.tensor_type.name, data, (out_features, in_features))
+
+    def release(self, parts: list[Optional[QuantizedWeight]], module: torch.nn.Module) -> None:
+        """Unmap the file pages of ``parts`` (from ``quantized``) that ``module``'s kernels did not keep: a repacked,
+        fused or dequantized copy replaces them, and read pages count towards RSS for as long as the file is mapped.
+        Parts the kernel reads in place (CPU Q8_0 and K-quants) stay the file's pages, as llama.cpp's mmap: no
+        anonymous copy, shared with the page cache."""
+        kept = {t.untyped_storage().data_ptr() for t in _tensors(module)}
+        for p in parts:
+            view = None if p is None else self._in_place.pop(p.data.data_ptr(), None)
+            if view is not None and p.data.untyped_storage().data_ptr() not in kept:
+                drop_pages(view)

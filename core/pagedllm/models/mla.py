@@ -75,10 +75,14 @@ class MLAAttention(nn.Module):
         c = self.kv_a_layernorm(c)
         q_pe, k_pe = self.rotary(positions, self._deinterleave(q_pe), self._deinterleave(k_pe).view(t, 1, self.rope),
                                  cos_sin_cache)
+        if meta.kv_connector is not None:  # the layer's KV-connector loads land before it reads its cache
+            meta.kv_connector.wait_for_layer_load(kv_cache)
         self.write_mla_kv(torch.cat((c, k_pe.view(t, self.rope)), dim=-1), kv_cache, meta.slot_mapping)
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
         q_latent = torch.einsum("thn,hnl->thl", q_nope, w_uk)
         out = self.mla_attention(torch.cat((q_latent, q_pe), dim=-1), kv_cache, meta, self.scale, self.kv_lora_rank)
+        if meta.kv_connector is not None:  # and its new K/V may be saved once written
+            meta.kv_connector.save_kv_layer(kv_cache, meta)
         out = torch.einsum("thl,hvl->thv", out, w_uv).reshape(t, self.num_heads * self.v_head_dim)
         return self.o_proj(out)

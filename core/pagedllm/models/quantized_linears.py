@@ -45,6 +45,8 @@ def quantize_linears(model: nn.Module, weights: Any, backend: Any, dtype: torch.
                                                         for p in parts], module.bias is not None))
         else:
             setattr(parent, leaf, make_quantized_linear(backend, weight, module.bias is not None, dtype, device))
+        if hasattr(weights, "release"):  # GGUF: unmap the file pages of parts the kernel copied rather than kept
+            weights.release(parts, getattr(parent, leaf))
         swapped += 1
         if progress is not None:
             progress(1)

@@ -110,8 +110,12 @@ class StableLmAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.rotary_dim:
             q, k = self.rotary(positions, q, k, cos_sin_cache)
+        if meta.kv_connector is not None:  # the layer's KV-connector loads land before it reads its cache
+            meta.kv_connector.wait_for_layer_load(kv_cache)
         self.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = self.paged_attention(q, kv_cache, meta, self.scale, None, None, self.k_scale, self.v_scale)
+        if meta.kv_connector is not None:  # and its new K/V may be saved once written
+            meta.kv_connector.save_kv_layer(kv_cache, meta)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_size))
 
 

@@ -53,9 +53,14 @@ def paged_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
+    hooks = pagedllm.meta.kv_connector  # a KV connector's loads land before the read; the write may be saved
+    if hooks is not None:
+        hooks.wait_for_layer_load(cache)
     pagedllm.write_kv(k, v, cache, pagedllm.meta.slot_mapping, 1.0, 1.0)  # fp8 KV: unit scales (docs/quantization.md)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = pagedllm.paged_attention(q.contiguous(), cache, pagedllm.meta, scale, sliding_window, softcap, 1.0, 1.0)
+    if hooks is not None:
+        hooks.save_kv_layer(cache, pagedllm.meta)
     return out.unsqueeze(0), None
 
 

@@ -87,6 +87,9 @@ class ModelRunner:
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))  # Qwen-VL's 3-D positions (multimodal/mrope.py)
         # Sliding-window KV groups (sched/kv_groups.py): one block table per group, a metadata view each
         self.kv_groups = getattr(kv, "layout", None) is not None and self.requires_kv_cache
+        # The step's per-layer KV-connector calls (kv_transfer.runtime.LayerwiseStep), bound by the connector runtime
+        # for one step and handed to the model in the step's metadata; None: no connector, or whole-model calls
+        self.kv_connector: Any = None
 
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         bs = self.block_size
@@ -146,6 +149,7 @@ class ModelRunner:
             query_start_loc_cpu=qsl.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
             lora_mapping=lora_mapping,
+            kv_connector=self.kv_connector,
         )
         if mpos is not None:  # a step with image tokens: their 3-D positions (padding rows at 0)
             meta.extra["mrope_positions"] = torch.from_numpy(
