@@ -71,6 +71,7 @@ class Attention(nn.Module):
         self.head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
         self.split_sizes = [q_size, kv_size, kv_size]
+        self.head_splits = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=spec.qkv_bias(config))
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=spec.o_bias(config))
         if spec.qk_norm:
@@ -108,10 +109,8 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         if lora is not None:
             self.add_lora(qkv, x, *self.lora_qkv, lora)
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
-        q = q.view(t, self.num_heads, self.head_size)
-        k = k.view(t, self.num_kv_heads, self.head_size)
-        v = v.view(t, self.num_kv_heads, self.head_size)
+        # one view and one split (the same [T, heads, D] views as splitting first): fewer ops per layer at decode
+        q, k, v = qkv.view(t, -1, self.head_size).split(self.head_splits, dim=1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_interleaved_dim:

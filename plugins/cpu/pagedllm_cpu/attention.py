@@ -37,6 +37,7 @@ from pagedllm.backend.attention import AttentionMetadata
 from pagedllm.backend.kv_quant import is_fp8, quantize_kv
 from pagedllm.backend.ref_ops import same_span
 from pagedllm_cpu import native
+from pagedllm_cpu.ops import direct
 
 _PLAN_KEY = "pagedllm_cpu.plan"
 _SPLIT_MIN_BLOCKS = 8  # decode batches whose longest context fits in this many blocks stay one group
@@ -67,7 +68,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     lib = native.lib
     if (lib is not None and key.dtype == kv_cache.dtype and value.dtype == kv_cache.dtype and kv_cache.is_contiguous()
             and key.stride(-1) == 1 and value.stride(-1) == 1):
-        lib.write_kv(kv_cache, key, value, slot_mapping)
+        direct.write_kv(kv_cache, key, value, slot_mapping)
         return
     _, nb, bs, h, d = kv_cache.shape
     slots = slot_mapping
@@ -384,8 +385,12 @@ def _attention(query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
                sliding_window: Optional[int], soft_cap: Optional[float],
                alibi_slopes: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     kernel = _decode_kernel(query, kv_cache, meta)
-    plan = _get_plan(meta, sliding_window, kv_cache.shape[1], decodes=kernel is None)
     out = torch.empty_like(query)
+    if kernel is not None and meta.num_decodes == query.shape[0]:  # a pure decode step: one call, no plan or slices
+        kernel(out, query, kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window or 0, soft_cap or 0.0,
+               alibi_slopes, sinks)
+        return out
+    plan = _get_plan(meta, sliding_window, kv_cache.shape[1], decodes=kernel is None)
     if kernel is not None:
         nd = meta.num_decodes
         kernel(out[:nd], query[:nd], kv_cache, meta.block_tables, meta.seq_lens, scale, sliding_window or 0,

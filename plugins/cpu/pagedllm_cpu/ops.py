@@ -12,6 +12,22 @@ from pagedllm_cpu import native
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+class _Direct:
+    """``native.lib``'s ops as the callables of their one overload, resolved on first use: calling the packet
+    (``lib.rms_norm(...)``) matches the arguments against its overloads on every call, ~1.5 us of a ~3 us call at
+    decode sizes, and a decode layer makes five such calls here. Read only once ``native.lib`` is loaded."""
+
+    def __getattr__(self, name: str):
+        overload = getattr(native.lib, name).default
+        fn = getattr(overload, "_op", overload)  # the bound C++ op; the OpOverload itself if torch renames it
+        setattr(self, name, fn)
+        return fn
+
+
+#: ``direct.rms_norm(...)``: the library's ops without the per-call overload matching (see ``_Direct``).
+direct = _Direct()
+
+
 def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
            cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``ref_ops.rotary`` bit for bit (x1*cos - x2*sin, x2*cos + x1*sin): one C++ call (``csrc/rotary.cpp``), or
@@ -20,7 +36,7 @@ def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
     lib = native.lib
     if (lib is not None and query.dtype in _NATIVE_DTYPES and cos_sin_cache.dtype in (torch.float32, query.dtype)
             and query.stride(-1) == 1 and key.stride(-1) == 1 and key.dtype == query.dtype):
-        return lib.rotary(positions, query, key, cos_sin_cache)
+        return direct.rotary(positions, query, key, cos_sin_cache)
     cs = cos_sin_cache.index_select(0, positions.long())
     half = cs.shape[-1] // 2
     rot = 2 * half
@@ -47,7 +63,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """One C++ call (``csrc/rms_norm.cpp``, HF's order of casts); else, fp32: torch's fused kernel (one pass
     instead of five ops, ~25% faster at decode sizes), other dtypes the reference."""
     if _native_norm(x, weight):
-        return native.lib.rms_norm(x, weight, eps)
+        return direct.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return ref_ops.rms_norm(x, weight, eps)
@@ -58,7 +74,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """``x += residual`` then its RMSNorm in one C++ pass over the row; else the add, then ``rms_norm``."""
     if (_native_norm(x, weight) and x.dim() == 2 and residual.shape == x.shape and residual.dtype == x.dtype
             and x.stride(-1) == 1 and residual.stride(-1) == 1):
-        return native.lib.fused_add_rms_norm(x, residual, weight, eps), x
+        return direct.fused_add_rms_norm(x, residual, weight, eps), x
     x.add_(residual)
     return rms_norm(x, weight, eps), x
 
@@ -67,7 +83,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """One C++ pass per row (``csrc/silu_and_mul.cpp``; 64 x 1536 fp32: ~23 us against ~43 for torch's silu then
     mul); else the reference's math, multiplying in place into silu's output (one temporary fewer)."""
     if native.lib is not None and x.dtype in _NATIVE_DTYPES and x.dim() == 2 and x.stride(-1) == 1 and x.numel():
-        return native.lib.silu_and_mul(x)
+        return direct.silu_and_mul(x)
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]).mul_(x[..., d:])
 
