@@ -106,9 +106,9 @@ def _batched_bf16(x: torch.Tensor, threshold: Optional[int]) -> bool:
 
 
 #: Rows of x up to which Q8_0 / Q4_0 / Q4_1 linears take ``q8act_gemv`` (int8 activations). One thread on an AMX
-#: Xeon: 1.2-2x the fp32 kernels at 1-4 rows, about even at 8 (docs/cpu-backend.md); larger
+#: Xeon: 1.3-2.4x the fp32 kernels at 1-8 rows (docs/cpu-backend.md); larger
 #: batches keep the fp32 kernels and the bf16 GEMM (prefill: no int8 error where it costs nothing).
-INT8_ACT_MAX_ROWS = 4
+INT8_ACT_MAX_ROWS = 8
 _int8_act_config: Optional[int] = None
 
 

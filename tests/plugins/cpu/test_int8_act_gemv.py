@@ -152,14 +152,14 @@ def test_decodes_take_int8_activations_larger_batches_fp32(lib, fresh_int8_confi
     """Through the hook: up to ``INT8_ACT_MAX_ROWS`` rows of x exactly the int8 kernel (on a CPU with AVX2 or
     VNNI), more rows exactly today's fp32 kernels, fp32 and bf16 models alike."""
     assert lib.q8act_best_isa() >= 1, "an x86 CPU with AVX2 is expected here"
-    assert quant.int8_act_rows() == quant.INT8_ACT_MAX_ROWS == 4
+    assert quant.int8_act_rows() == quant.INT8_ACT_MAX_ROWS == 8
     w = _weight(weight_type, 37, 576)
     kernel = quant.quantized_linear("gguf", weight_type)
     state = kernel.prepare(w, dtype, "cpu")
-    for rows in (1, 4, 5, 9):
+    for rows in (1, 4, 8, 9, 15):  # (from 16 rows a bf16 model takes the bf16 GEMM)
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
         got = kernel.apply(state, x, None)
-        if rows <= 4:
+        if rows <= 8:
             expected = lib.q8act_gemv(x, _layout(w), weight_type, 37)
         elif weight_type == "Q8_0":
             expected = lib.q8_gemv(x, w.data.reshape(37, -1))
@@ -197,7 +197,7 @@ def _engine_greedy(path, prompts: list[list[int]], kernel: str, q8_head: bool) -
     model = llm.llm_engine.model
     assert {m.kernel_name for m in model.modules() if isinstance(m, QuantizedLinear)} == {kernel}
     assert (model.lm_head_kernel is not None and model.lm_head_kernel[0] is quant.Q8.apply) == q8_head
-    assert quant.int8_act_rows() == quant.INT8_ACT_MAX_ROWS  # batch-1..4 decodes on the int8 kernel
+    assert quant.int8_act_rows() == quant.INT8_ACT_MAX_ROWS  # batch-1..8 decodes on the int8 kernel
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -225,6 +225,11 @@ def test_smollm2_q4_1_greedy_24_tokens_equal_hf(lib, smollm2_hf, fresh_int8_conf
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 32, open: on this Q8_0 GGUF the int8 path matches the oracle for 24 tokens on prompts 0 and 1 but "
+    "diverges on prompt 2 at token 3 (oracle top-2 logit margin 0.029) and prompt 3 at token 5 (margin 0.062); the "
+    "fp32-exact path (PAGEDLLM_CPU_INT8_ACT=0) diverges too, on prompts 1, 2, 3 at tokens 10, 3, 12: the "
+    "write_hf_as_gguf + dequantized-HF oracle is not fp32-tight for this model yet"))
 def test_smollm2_q8_0_greedy_24_tokens_equal_the_dequantized_reference(lib, smollm2_hf, fresh_int8_config,
                                                                        tmp_path):
     """SmolLM2-135M re-quantized to a Q8_0 GGUF (gguf's reference quantizer; the tied embedding F32) against HF
@@ -237,6 +242,7 @@ def test_smollm2_q8_0_greedy_24_tokens_equal_the_dequantized_reference(lib, smol
     hf_dir = tmp_path / "hf"  # the fp32 weights HF read from the Q4_1 file, as a plain checkpoint
     config = copy.deepcopy(smollm2_hf.config)
     del config.quantization_config  # (transformers will not save a GGUF-loaded model itself)
+    config.rope_parameters["rope_theta"] = 10000.0  # what write_hf_as_gguf's header writes (SmolLM2 has 1e5)
     assert config.tie_word_embeddings
     config.save_pretrained(hf_dir)
     save_file({n: t.contiguous() for n, t in smollm2_hf.state_dict().items() if n != "lm_head.weight"},
