@@ -106,9 +106,10 @@ def _batched_bf16(x: torch.Tensor, threshold: Optional[int]) -> bool:
 
 
 #: Rows of x up to which Q8_0 / Q4_0 / Q4_1 linears take ``q8act_gemv`` (int8 activations). One thread on an AMX
-#: Xeon: 1.3-2.4x the fp32 kernels at 1-8 rows (docs/cpu-backend.md); larger
-#: batches keep the fp32 kernels and the bf16 GEMM (prefill: no int8 error where it costs nothing).
-INT8_ACT_MAX_ROWS = 8
+#: Xeon: 1.3-2.4x the fp32 kernels at 1-8 rows (docs/cpu-backend.md), but a cut-off of 8 also quantizes short
+#: prompts' prefill and then the embedded SmolLM2 leaves HF's greedy path (one prompt, token 5): 4 keeps 24-token
+#: parity. Larger batches keep the fp32 kernels and the bf16 GEMM.
+INT8_ACT_MAX_ROWS = 4
 _int8_act_config: Optional[int] = None
 
 

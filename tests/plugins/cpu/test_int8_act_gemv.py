@@ -152,14 +152,14 @@ def test_decodes_take_int8_activations_larger_batches_fp32(lib, fresh_int8_confi
     """Through the hook: up to ``INT8_ACT_MAX_ROWS`` rows of x exactly the int8 kernel (on a CPU with AVX2 or
     VNNI), more rows exactly today's fp32 kernels, fp32 and bf16 models alike."""
     assert lib.q8act_best_isa() >= 1, "an x86 CPU with AVX2 is expected here"
-    assert quant.int8_act_rows() == quant.INT8_ACT_MAX_ROWS == 8
+    assert quant.int8_act_rows() == quant.INT8_ACT_MAX_ROWS == 4
     w = _weight(weight_type, 37, 576)
     kernel = quant.quantized_linear("gguf", weight_type)
     state = kernel.prepare(w, dtype, "cpu")
-    for rows in (1, 4, 8, 9, 15):  # (from 16 rows a bf16 model takes the bf16 GEMM)
+    for rows in (1, 4, 5, 15):  # (from 16 rows a bf16 model takes the bf16 GEMM)
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).to(dtype)
         got = kernel.apply(state, x, None)
-        if rows <= 8:
+        if rows <= 4:
             expected = lib.q8act_gemv(x, _layout(w), weight_type, 37)
         elif weight_type == "Q8_0":
             expected = lib.q8_gemv(x, w.data.reshape(37, -1))
@@ -197,7 +197,7 @@ def _engine_greedy(path, prompts: list[list[int]], kernel: str, q8_head: bool) -
     model = llm.llm_engine.model
     assert {m.kernel_name for m in model.modules() if isinstance(m, QuantizedLinear)} == {kernel}
     assert (model.lm_head_kernel is not None and model.lm_head_kernel[0] is quant.Q8.apply) == q8_head
-    assert quant.int8_act_rows() == quant.INT8_ACT_MAX_ROWS  # batch-1..8 decodes on the int8 kernel
+    assert quant.int8_act_rows() == quant.INT8_ACT_MAX_ROWS  # batch-1..4 decodes on the int8 kernel
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
