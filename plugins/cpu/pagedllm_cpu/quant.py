@@ -9,6 +9,12 @@ matches the fp32 reference up to summation order; it beats ``_weight_int4pack_mm
 scales) at every batch measured (1.7x at one row, 1.2x at 64, docs/cpu-backend.md), so it is the only copy kept.
 Until the library is loaded (or without a compiler) calls go to torch's int4 kernel on a copy made then.
 
+Decode-sized calls (up to ``INT8_ACT_MAX_ROWS`` rows of x) of Q8_0 / Q4_0 / Q4_1 go to ``csrc/q8act_gemv.cpp``
+instead, as llama.cpp does: x quantized once per call to ggml's Q8_0 / Q8_1 blocks, integer dot products per block
+(AVX-512 VNNI, AVX2), the same weight bytes; the fp32 kernels convert every weight to fp32 and are compute-bound at
+one row. The price is int8 activation error (~0.5% of a layer's output); ``PAGEDLLM_CPU_INT8_ACT=0`` keeps the
+fp32-exact kernels (comparisons against an fp32 reference).
+
 ``aten._weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with ``W[n, k] = (q - 8) * scale + zero`` per group; the
 kernel wants bf16 activations (fp32 ones measured 10-20x slower), so fp32 activations are cast around it.
 """
@@ -99,6 +105,35 @@ def _batched_bf16(x: torch.Tensor, threshold: Optional[int]) -> bool:
     return threshold is not None and x.numel() >= threshold * x.shape[-1]
 
 
+#: Rows of x up to which Q8_0 / Q4_0 / Q4_1 linears take ``q8act_gemv`` (int8 activations). One thread on an AMX
+#: Xeon: 1.3-2.4x the fp32 kernels at 1-8 rows (docs/cpu-backend.md), but a cut-off of 8 also quantizes short
+#: prompts' prefill and then the embedded SmolLM2 leaves HF's greedy path (one prompt, token 5): 4 keeps 24-token
+#: parity. Larger batches keep the fp32 kernels and the bf16 GEMM.
+INT8_ACT_MAX_ROWS = 4
+_int8_act_config: Optional[int] = None
+
+
+def int8_act_rows() -> int:
+    """Rows of x up to which GGUF Q8_0 / Q4_0 / Q4_1 linears quantize x to int8 (``csrc/q8act_gemv.cpp``):
+    ``INT8_ACT_MAX_ROWS`` where the CPU has AVX2 or AVX-512 VNNI, else 0 (the portable integer loop is slower than
+    the fp32 kernel), and 0 with ``PAGEDLLM_CPU_INT8_ACT=0``. Decided once per process (after the library loaded),
+    so every step of a run takes the same path for the same batch."""
+    global _int8_act_config
+    if native.lib is None:
+        return 0
+    if _int8_act_config is None:
+        env = os.environ.get("PAGEDLLM_CPU_INT8_ACT", "").strip().lower()
+        if env not in ("", "0", "1", "off", "on", "false", "true"):
+            raise ValueError(f"PAGEDLLM_CPU_INT8_ACT={env!r}: expected 0 (fp32 activations) or 1")
+        off = env in ("0", "off", "false")
+        _int8_act_config = 0 if off or native.lib.q8act_best_isa() < 1 else INT8_ACT_MAX_ROWS
+    return _int8_act_config
+
+
+def _int8_act(x: torch.Tensor) -> bool:
+    return x.numel() <= int8_act_rows() * x.shape[-1]
+
+
 @dataclass
 class Q4State:
     """A GGUF Q4 weight in ``q4_gemv``'s layout; ``int4pack`` is torch's packed copy (bf16 scale and zero = m + 8d),
@@ -127,7 +162,9 @@ def _without_library(state: Q4State, x: torch.Tensor) -> torch.Tensor:
 
 
 def _apply(state: Q4State, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if native.lib is not None and _batched_bf16(x, state.bf16_rows):
+    if native.lib is not None and _int8_act(x):
+        y = native.lib.q8act_gemv(x, state.packed, "Q4_1" if state.has_min else "Q4_0", state.n)
+    elif native.lib is not None and _batched_bf16(x, state.bf16_rows):
         y = native.lib.kquant_mm_bf16(x, state.packed, "Q4_1" if state.has_min else "Q4_0", state.n)
     elif native.lib is not None:
         y = native.lib.q4_gemv(x, state.packed, state.n, state.has_min)
@@ -144,12 +181,15 @@ Q4 = QuantizedLinearKernel(_prepare, _apply, name="cpu-q4-gemv")
 def _prepare_q8(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> torch.Tensor:
     """GGUF Q8_0 (``w = d * q``, fp16 d and 32 int8 q a block) needs no repack: ``q8_gemv`` reads the blocks where
     they are (a tied LM head: the token embedding's blocks in the file's mapping, no copy); batches from
-    ``bf16_min_rows`` rows (of x's dtype) are a bf16 GEMM over the same blocks."""
+    ``bf16_min_rows`` rows (of x's dtype) are a bf16 GEMM over the same blocks, decodes up to ``int8_act_rows``
+    ``q8act_gemv`` (int8 activations) over them."""
     return weight.data.reshape(weight.shape[0], -1)
 
 
 def _apply_q8(blocks: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if _batched_bf16(x, bf16_min_rows(x.dtype)):
+    if _int8_act(x):
+        y = native.lib.q8act_gemv(x, blocks, "Q8_0")
+    elif _batched_bf16(x, bf16_min_rows(x.dtype)):
         y = native.lib.kquant_mm_bf16(x, blocks, "Q8_0")
     else:
         y = native.lib.q8_gemv(x, blocks)

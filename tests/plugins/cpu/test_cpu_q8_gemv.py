@@ -17,6 +17,14 @@ from pagedllm_cpu import native, quant
 SHAPES = [(37, 64), (96, 576), (19, 1536)]  # (out, in)  ("lib": tests/plugins/cpu/conftest.py)
 
 
+@pytest.fixture(autouse=True)
+def fp32_kernels(monkeypatch):
+    """The fp32 kernels, held to fp32 tolerance: decodes' int8 activations (``q8act_gemv``, tested in
+    test_int8_act_gemv.py) off."""
+    monkeypatch.setenv("PAGEDLLM_CPU_INT8_ACT", "0")
+    monkeypatch.setattr(quant, "_int8_act_config", None)
+
+
 def _weight(n: int, k: int) -> QuantizedWeight:
     blocks = random_blocks("Q8_0", n, k, np.random.default_rng(n * k))
     return QuantizedWeight("gguf", "Q8_0", torch.from_numpy(blocks), (n, k))
