@@ -4,7 +4,8 @@
 ``write_kv.cpp`` do in one op call what takes torch two to twenty at decode sizes, where dispatch and temporaries cost
 more than the arithmetic (``ops.py`` and ``attention.py`` call them when loaded, else their torch paths); ``q4_gemv.cpp`` runs GGUF Q4_0 / Q4_1 linears,
 ``q8_gemv.cpp`` Q8_0 ones and a tied LM head over a Q8_0 embedding, ``kquant_gemv.cpp`` Q4_K / Q5_K / Q6_K ones
-(``quant.py``; it picks its own SIMD level at run time, all three compiled in with function target attributes).
+with fp32 activations and ``kquant_q8k.cpp`` with int8 ones for few rows (``quant.py``; both pick their own SIMD level
+at run time, every level compiled in with function target attributes).
 
 Built with ``torch.utils.cpp_extension`` (g++, ninja) for the SIMD level ATen itself detected
 (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, or the portable default), never by the machine's name.

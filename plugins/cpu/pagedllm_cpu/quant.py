@@ -164,8 +164,16 @@ Q8 = QuantizedLinearKernel(_prepare_q8, _apply_q8, name="cpu-q8-gemv")
 
 #: GGUF K-quant types ``kquant_gemv`` reads in place (super-blocks of 256 weights).
 KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
-#: ``PAGEDLLM_CPU_KQUANT_ISA`` forces a SIMD level of ``kquant_gemv`` (comparisons): avx512, avx2 or portable.
-ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
+#: ``PAGEDLLM_CPU_KQUANT_ISA`` forces a SIMD level of ``kquant_gemv`` and ``kquant_q8k_gemv`` (comparisons): avx512vnni
+#: (the int8 kernel's ``vpdpbusd``; the fp32 one runs avx512), avx512, avx2 or portable.
+ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
+#: ``kquant_gemv``'s highest level (it has no VNNI variant: its arithmetic is fp32).
+_FP32_TOP_LEVEL = 2
+#: Up to this many rows of x a K-quant linear runs on ``kquant_q8k_gemv`` (x quantized to int8 per call, integer dot
+#: products, as llama.cpp decodes); from it the fp32 kernel, whose decode to fp32 is shared by up to 64 rows of x
+#: (one thread, AMX Xeon, docs/cpu-backend.md).
+INT8_MAX_ROWS = 4
+INT8_ACT_ENV = "PAGEDLLM_CPU_INT8_ACT"
 
 
 def kquant_isa() -> int:
@@ -176,21 +184,34 @@ def kquant_isa() -> int:
     return ISA_LEVELS.get(name, -1)
 
 
+def int8_activations() -> bool:
+    """Whether few-row calls quantize x to int8 (``PAGEDLLM_CPU_INT8_ACT``, default on; ``0`` keeps the fp32
+    kernels, exact to the reference up to summation order)."""
+    value = os.environ.get(INT8_ACT_ENV, "1").strip().lower()
+    if value not in ("0", "1", "off", "on", "false", "true"):
+        raise ValueError(f"{INT8_ACT_ENV}={value!r}: expected 1 or 0")
+    return value in ("1", "on", "true")
+
+
 def _prepare_kquant(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple:
     """No repack and no copy: ``kquant_gemv`` decodes the file's super-blocks where they lie (the file's mapping),
     so a K-quant model's weights cost their file size in memory instead of 7x as fp32. The state: (blocks, type,
     SIMD level, rows of x from which a call is a bf16 GEMM: ``bf16_min_rows``, never with a level forced, which
-    runs that level's fp32 kernel)."""
+    runs that level's fp32 kernel; rows of x up to which a call takes int8 activations, 0 when off)."""
     isa = kquant_isa()
-    return weight.data.reshape(weight.shape[0], -1), weight.weight_type, isa, bf16_min_rows(dtype) if isa == -1 else None
+    bf16_rows = bf16_min_rows(dtype) if isa == -1 else None
+    int8_rows = INT8_MAX_ROWS if int8_activations() else 0
+    return weight.data.reshape(weight.shape[0], -1), weight.weight_type, isa, bf16_rows, int8_rows
 
 
 def _apply_kquant(state: tuple, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    blocks, weight_type, isa, bf16_rows = state
+    blocks, weight_type, isa, bf16_rows, int8_rows = state
     if _batched_bf16(x, bf16_rows):
         y = native.lib.kquant_mm_bf16(x, blocks, weight_type)
+    elif x.numel() <= int8_rows * x.shape[-1]:
+        y = native.lib.kquant_q8k_gemv(x, blocks, weight_type, isa)
     else:
-        y = native.lib.kquant_gemv(x, blocks, weight_type, isa)
+        y = native.lib.kquant_gemv(x, blocks, weight_type, min(isa, _FP32_TOP_LEVEL))
     if bias is not None:
         y.add_(bias)
     return y
