@@ -16,7 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization import QuantizedLinear, dequantize
 from pagedllm.quantization.gguf import random_blocks
-from pagedllm_cpu import quant
+from pagedllm_cpu import native, quant
 
 from gguf_utils import write_tied_kquant_gguf
 
@@ -203,26 +203,69 @@ def test_hook_takes_int8_activations_for_few_rows(lib, monkeypatch):
         assert torch.equal(quant.KQUANT.apply(forced, x8, None), lib.kquant_gemv(x8, w.data, "Q4_K", min(isa, 2)))
 
 
+class Int8Emulation:
+    """``torch.ops.pagedllm_cpu`` with ``kquant_q8k_gemv`` computed in torch: x quantized by ``q8k_reference`` and
+    dequantized, times ``gguf.quants``' dequantized weights, in float64 (what int8 activations mean, summed
+    exactly); every other op the library's."""
+
+    def __init__(self, lib):
+        self._lib, self._weights = lib, {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._lib, name)
+
+    def kquant_q8k_gemv(self, x: torch.Tensor, blocks: torch.Tensor, weight_type: str, isa: int) -> torch.Tensor:
+        key = (blocks.data_ptr(), tuple(blocks.shape))
+        if key not in self._weights:
+            n, k = blocks.shape[0], blocks.shape[1] // {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[weight_type] * 256
+            self._weights[key] = dequantize(QuantizedWeight("gguf", weight_type, blocks.contiguous(), (n, k))).double()
+        rows = x.reshape(-1, x.shape[-1]).float()
+        q, d, _ = q8k_reference(rows)
+        xd = (q.double().reshape(rows.shape[0], -1, 256) * d.double().unsqueeze(-1)).reshape(rows.shape)
+        return (xd @ self._weights[key].T).float().reshape(*x.shape[:-1], -1).to(x.dtype)
+
+
+def _greedy(path: str, tokens: int = 24) -> list[list[int]]:
+    llm = LLM(path, device="cpu", skip_tokenizer_init=True, max_model_len=128, kv_cache_memory=16 << 20)
+    model = llm.llm_engine.model
+    packed = [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.kernel_name == "cpu-kquant-gemv"]
+    if packed:  # decodes of both prompts (2 rows) take int8 activations in every linear and the head
+        assert model.lm_head_kernel[0] is quant.KQUANT.apply and model.lm_head_kernel[1][4] >= len(PROMPTS)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("weight_type", TYPES)
-def test_tiny_kquant_gguf_greedy_equals_the_dequantized_reference(lib, tmp_path, monkeypatch, weight_type):
-    """A tied 2-layer Llama K-quant GGUF (Q4_K_M-like mix, the LM head over the embedding's Q6_K blocks): decodes of
-    both prompts (2 rows: int8 activations in every linear and the head) and core's reference (the blocks
-    dequantized at load, fp32 activations) give the same first 24 greedy tokens."""
+def test_tiny_kquant_gguf_greedy_equals_int8_emulation(lib, tmp_path, monkeypatch, weight_type):
+    """A tied 2-layer Llama K-quant GGUF (Q4_K_M-like mix, the LM head over the embedding's Q6_K blocks): the
+    engine's first 24 greedy tokens of both prompts through the kernel equal those with the kernel replaced by its
+    float64 torch emulation."""
     path = write_tied_kquant_gguf(str(tmp_path / f"tied-{weight_type}.gguf"), weight_type)
-    kw = dict(device="cpu", skip_tokenizer_init=True, max_model_len=128, kv_cache_memory=16 << 20)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    runs = {}
-    for name in ("int8", "reference"):
-        if name == "reference":
-            monkeypatch.setattr(quant, "KQUANT_TYPES", ())  # no kernel offered: core dequantizes at load
-        llm = LLM(path, **kw)
-        model = llm.llm_engine.model
-        linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-        if name == "int8":
-            assert linears and all(m.kernel_name == "cpu-kquant-gemv" for m in linears)
-            assert model.lm_head_kernel[0] is quant.KQUANT.apply and model.lm_head_kernel[1][4] >= len(PROMPTS)
-        runs[name] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                                                   params, use_tqdm=False)]
-        del llm
-    assert runs["int8"] == runs["reference"]
+    kernel = _greedy(path)
+    monkeypatch.setattr(native, "lib", Int8Emulation(lib))
+    assert kernel == _greedy(path)
+
+
+#: Measured: int8 activations move these random models' logits by 0.2-3% per linear (most in ffn_down, whose input
+#: has amax / rms up to 13 per 256 values), enough to flip near-ties; the kernel equals its emulation on all three.
+DIVERGENT = {
+    "Q4_K": "prompt 1 token 2: reference 301 (logprob -2.142) over 171 (-2.722); int8 171 (-2.339), 301 not in its top 3",
+    "Q6_K": "prompt 0 token 6: reference 270 (-2.3624) over 114 (-2.3757), int8 114 (-2.182) over 270 (-2.268); "
+            "prompt 1 token 5: reference 67 (-1.842) over 78 (-2.042), int8 78 (-1.749) over 67 (-1.870)",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_type", [
+    pytest.param(t, marks=pytest.mark.xfail(t in DIVERGENT, strict=True, raises=AssertionError,
+                                            reason=DIVERGENT.get(t, ""))) for t in TYPES])
+def test_tiny_kquant_gguf_greedy_equals_the_dequantized_reference(lib, tmp_path, monkeypatch, weight_type):
+    """The same GGUF through the kernel and through core's reference (the blocks dequantized at load, fp32
+    activations): the first 24 greedy tokens of both prompts. Equal for Q5_K; Q4_K and Q6_K diverge (``DIVERGENT``),
+    strict xfails: a change that makes them pass must say so here."""
+    path = write_tied_kquant_gguf(str(tmp_path / f"tied-{weight_type}.gguf"), weight_type)
+    int8 = _greedy(path)
+    monkeypatch.setattr(quant, "KQUANT_TYPES", ())  # no kernel offered: core dequantizes at load
+    assert int8 == _greedy(path)
