@@ -1,6 +1,7 @@
 """Block-quantized linear layers on the CPU, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) on
 ``csrc/q4_gemv.cpp``, GGUF Q8_0 on ``csrc/q8_gemv.cpp`` (the blocks as stored), GGUF K-quants (Q4_K, Q5_K, Q6_K:
-what Q4_K_M / Q5_K_M files are made of) on ``csrc/kquant_gemv.cpp`` (the blocks as stored),
+what Q4_K_M / Q5_K_M files are made of) on ``csrc/kquant_gemv.cpp`` (the blocks as stored; decodes with int8
+activations on ``csrc/kquant_q8k.cpp``),
 GPTQ / AWQ / compressed-tensors W4A16 (``GROUPED_INT4``) on torch's int4 kernel; INT8 W8A8 is in ``int8.py``.
 
 GGUF Q4_1 stores ``W = d * q + m`` per block of 32 (q in 0..15), Q4_0 ``W = d * (q - 8)``. ``q4_gemv`` reads the
@@ -169,10 +170,12 @@ KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
 #: ``kquant_gemv``'s highest level (it has no VNNI variant: its arithmetic is fp32).
 _FP32_TOP_LEVEL = 2
-#: Up to this many rows of x a K-quant linear runs on ``kquant_q8k_gemv`` (x quantized to int8 per call, integer dot
-#: products, as llama.cpp decodes); from it the fp32 kernel, whose decode to fp32 is shared by up to 64 rows of x
-#: (one thread, AMX Xeon, docs/cpu-backend.md).
-INT8_MAX_ROWS = 4
+#: Up to this many rows of x (decode batches) a K-quant linear runs on ``kquant_q8k_gemv`` (x quantized to int8 per
+#: call, integer dot products, as llama.cpp decodes), beyond it the fp32 kernel (its decode to fp32 shared by up to 64
+#: rows of x). Measured (one thread, AMX Xeon, docs/cpu-backend.md): int8 1.5-2.5x faster at 1-8 rows, 1.2-1.8x at
+#: 16, 1.1-1.35x at 32, even at 48-64. Not 16: prefill chunks of 9-16 tokens would lose precision too
+#: (test_quantization's Q6_K logits: 4.8e-2 relative error at 16 against its bound of 2x HF bf16's, 4.2e-2).
+INT8_MAX_ROWS = 8
 INT8_ACT_ENV = "PAGEDLLM_CPU_INT8_ACT"
 
 

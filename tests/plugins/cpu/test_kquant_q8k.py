@@ -71,7 +71,8 @@ def _fields(w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
                 lo = (ql[..., 64 * h + 32 * (j & 1):64 * h + 32 * (j & 1) + 32] >> (4 * (j >> 1))) & 0xF
                 hi = (qh[..., 32 * h:32 * h + 32] >> (2 * j)) & 3
                 q[..., 128 * h + 32 * j:128 * h + 32 * j + 32] = (lo | (hi << 4)) - 32
-                s[..., 128 * h + 32 * j:128 * h + 32 * j + 32] = sc[..., 8 * h + 2 * j:8 * h + 2 * j + 2].repeat_interleave(16, -1)
+                i = 8 * h + 2 * j  # the scales of the two 16s
+                s[..., 128 * h + 32 * j:128 * h + 32 * j + 32] = sc[..., i:i + 2].repeat_interleave(16, -1)
         return (s * q).double(), torch.zeros_like(q, dtype=torch.float64), d, torch.zeros_like(d)
     d = raw[..., 0:2].contiguous().view(torch.float16).double().squeeze(-1)
     dmin = raw[..., 2:4].contiguous().view(torch.float16).double().squeeze(-1)
@@ -199,8 +200,8 @@ def test_hook_takes_int8_activations_for_few_rows(lib, monkeypatch):
         forced = quant.KQUANT.prepare(w, torch.float32, "cpu")
         assert forced[2] == isa
         assert torch.equal(quant.KQUANT.apply(forced, x, None), lib.kquant_q8k_gemv(x, w.data, "Q4_K", isa))
-        x8 = _x(8, 512)
-        assert torch.equal(quant.KQUANT.apply(forced, x8, None), lib.kquant_gemv(x8, w.data, "Q4_K", min(isa, 2)))
+        xn = _x(quant.INT8_MAX_ROWS + 1, 512)
+        assert torch.equal(quant.KQUANT.apply(forced, xn, None), lib.kquant_gemv(xn, w.data, "Q4_K", min(isa, 2)))
 
 
 class Int8Emulation:
@@ -251,7 +252,8 @@ def test_tiny_kquant_gguf_greedy_equals_int8_emulation(lib, tmp_path, monkeypatc
 #: Measured: int8 activations move these random models' logits by 0.2-3% per linear (most in ffn_down, whose input
 #: has amax / rms up to 13 per 256 values), enough to flip near-ties; the kernel equals its emulation on all three.
 DIVERGENT = {
-    "Q4_K": "prompt 1 token 2: reference 301 (logprob -2.142) over 171 (-2.722); int8 171 (-2.339), 301 not in its top 3",
+    "Q4_K": "prompt 1 token 2: reference 301 (logprob -2.142) over 171 (-2.722); int8 171 (-2.339), 301 not in its "
+            "top 3",
     "Q6_K": "prompt 0 token 6: reference 270 (-2.3624) over 114 (-2.3757), int8 114 (-2.182) over 270 (-2.268); "
             "prompt 1 token 5: reference 67 (-1.842) over 78 (-2.042), int8 78 (-1.749) over 67 (-1.870)",
 }
