@@ -21,7 +21,9 @@ from pagedllm_cpu import native, quant
 from gguf_utils import write_tied_kquant_gguf
 
 TYPES = ("Q4_K", "Q5_K", "Q6_K")
-SHAPES = [(37, 256), (19, 1280), (5, 512)]  # (out, in): N not a multiple of the 16-row grain; 1, 5 and 2 super-blocks
+#: (out, in): N not a multiple of the 16-row work item; 1, 5, 2 and 17 super-blocks (beyond one tile of x the kernel
+#: takes the inputs in chunks of 16 super-blocks: two chunks)
+SHAPES = [(37, 256), (19, 1280), (5, 512), (3, 4352)]
 ROWS = (1, 3, 6)  # a tile of 1, 3, and 4 + 2 rows of x
 PROMPTS = [[5, 17, 301, 42, 7, 99, 3, 250, 11, 64, 8], [200, 9, 33, 401, 12, 77, 5, 6]]
 LEVELS = {0: "portable", 1: "avx2", 2: "avx512", 3: "avx512vnni"}
