@@ -30,9 +30,9 @@ needs_llama_cpp = pytest.mark.skipif(
 TYPES = ("Q4_K_M", "Q5_K_M", "Q8_0")
 
 
-def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     p = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", *args], capture_output=True, text=True,
-                       timeout=timeout)
+                       timeout=timeout, env={**os.environ, **(env or {})})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 
@@ -83,9 +83,13 @@ def tiny_ggufs(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.slow
 def test_llama_cpp_k_quants_run_packed_with_greedy_parity(tiny_ggufs, tmp_path):
     """Files from llama.cpp's own quantizer: every linear on a packed kernel (Q4_K_M mixes Q4_K and Q6_K, Q5_K_M
-    Q5_K and Q6_K), greedy tokens equal to the same file dequantized to float32 by gguf.quants."""
+    Q5_K and Q6_K), greedy tokens equal to the same file dequantized to float32 by gguf.quants. On the fp32-activation
+    kernels: these random weights have near-ties at the first tokens, which decode's int8 activations (the default,
+    llama.cpp's arithmetic) may swap; that path's parity is measured on SmolLM2 (docs/benchmarks.md) and against its
+    float64 emulation (tests/plugins/cpu/test_kquant_q8k.py)."""
     out = tmp_path / "parity.json"
-    p = _cli("gguf-parity", "--tokens", "12", "--json", str(out), *tiny_ggufs.values())
+    p = _cli("gguf-parity", "--tokens", "12", "--json", str(out), *tiny_ggufs.values(),
+             env={"PAGEDLLM_CPU_INT8_ACT": "0"})
     res = {os.path.basename(r["path"]): r for r in json.loads(out.read_text())}
     kernels = {k for r in res.values() for k in r["kernels"]}
     assert {"Q4_K -> cpu-kquant-gemv", "Q5_K -> cpu-kquant-gemv", "Q6_K -> cpu-kquant-gemv",

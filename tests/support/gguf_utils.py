@@ -4,6 +4,7 @@ by ``gguf.quants.quantize`` (llama.cpp's reference quantizers), q/k rows permute
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -259,7 +260,8 @@ def add_spm_vocab(w, pieces: list[tuple[str, float, int]]) -> None:
 
 def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name: str = "tiny",
                      dequantized_dir: str | None = None, split_kv_b: bool = True,
-                     tokenizer: tuple[str, str] | list | None = None, relay_chatglm: bool = True) -> str:
+                     tokenizer: tuple[str, str] | list | None = None, relay_chatglm: bool = True,
+                     rope_theta: float = 10000.0) -> str:
     """The safetensors checkpoint in ``hf_dir`` as llama.cpp's converter lays it out in ``path``: metadata under
     ``arch``'s keys, q/k rows permuted for arch "llama" (Llama, Mistral), MoE experts stacked, the shared-expert gate
     as ``[hidden]``, a tied head left out; "chatglm" from a HF Glm checkpoint re-laid as ChatGLM2/3; "deepseek2" with
@@ -287,7 +289,7 @@ def write_hf_as_gguf(hf_dir: str, path: str, arch: str, qtype: str = "F32", name
     elif arch == "chatglm":
         _chatglm_header(w, c)
     else:
-        add_model_header(w, c)
+        add_model_header(w, c, rope_theta=rope_theta)
         w.add_layer_norm_rms_eps(c.rms_norm_eps)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         rotary = (getattr(c, "rope_parameters", None) or {}).get("partial_rotary_factor") or 1.0
@@ -383,3 +385,39 @@ def assert_engine_greedy_matches_hf(path: str, oracle: str) -> None:
                         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     for p, o in zip(wave, outs):
         assert list(o.outputs[0].token_ids) == hf_oracle.hf_greedy(hf, p, NEW_TOKENS)
+
+
+def write_tied_kquant_gguf(path: str, weight_type: str) -> str:
+    """A 2-layer Llama GGUF laid out as llama.cpp's Q4_K_M writes a tied model: the linears in ``weight_type`` but
+    layer 0's v and down projections in Q6_K (so its q/k/v parts differ in type), the token embedding (also the LM
+    head: no ``output.weight``) in Q6_K, norms F32; random valid blocks."""
+    import gguf
+
+    c = SimpleNamespace(max_position_embeddings=128, hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2)
+    w = gguf.GGUFWriter(path, "llama")
+    add_model_header(w, c)
+    w.add_layer_norm_rms_eps(1e-5)
+    rng = np.random.default_rng(0)
+
+    def blocks(name: str, qtype: str, n: int, k: int) -> None:
+        raw = random_blocks(qtype, n, k, rng)
+        if qtype in ("Q4_K", "Q5_K"):  # centre the weights (min = scale, dmin = d * mid-q) so the model is not
+            sb = raw.reshape(n, k // 256, -1)  # degenerate (all-positive weights repeat one token)
+            sb[..., 8:12] = (sb[..., 8:12] & 0x0F) | (sb[..., 8:12] << 4)
+            sb[..., 4:8] = sb[..., 0:4]
+            d = sb[..., 0:2].copy().view(np.float16)
+            sb[..., 2:4] = (d * np.float16(7.5 if qtype == "Q4_K" else 15.5)).view(np.uint8)
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
+
+    blocks("token_embd.weight", "Q6_K", c.vocab_size, c.hidden_size)
+    w.add_tensor("output_norm.weight", np.ones(c.hidden_size, np.float32))
+    kv = c.hidden_size // c.num_attention_heads * c.num_key_value_heads
+    for i in range(c.num_hidden_layers):
+        for name, n, k in [("attn_q", 256, 256), ("attn_k", kv, 256), ("attn_v", kv, 256), ("attn_output", 256, 256),
+                           ("ffn_gate", 512, 256), ("ffn_up", 512, 256), ("ffn_down", 256, 512)]:
+            mixed = i == 0 and name in ("attn_v", "ffn_down")  # Q4_K_M's Q6_K v and down in some layers
+            blocks(f"blk.{i}.{name}.weight", "Q6_K" if mixed else weight_type, n, k)
+        for name in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(c.hidden_size, np.float32))
+    return finish(w, path)

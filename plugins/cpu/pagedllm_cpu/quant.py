@@ -1,6 +1,7 @@
 """Block-quantized linear layers on the CPU, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) on
 ``csrc/q4_gemv.cpp``, GGUF Q8_0 on ``csrc/q8_gemv.cpp`` (the blocks as stored), GGUF K-quants (Q4_K, Q5_K, Q6_K:
-what Q4_K_M / Q5_K_M files are made of) on ``csrc/kquant_gemv.cpp`` (the blocks as stored),
+what Q4_K_M / Q5_K_M files are made of) on ``csrc/kquant_gemv.cpp`` (the blocks as stored; decodes with int8
+activations on ``csrc/kquant_q8k.cpp``),
 GPTQ / AWQ / compressed-tensors W4A16 (``GROUPED_INT4``) on torch's int4 kernel; INT8 W8A8 is in ``int8.py``.
 
 GGUF Q4_1 stores ``W = d * q + m`` per block of 32 (q in 0..15), Q4_0 ``W = d * (q - 8)``. ``q4_gemv`` reads the
@@ -105,28 +106,36 @@ def _batched_bf16(x: torch.Tensor, threshold: Optional[int]) -> bool:
     return threshold is not None and x.numel() >= threshold * x.shape[-1]
 
 
-#: Rows of x up to which Q8_0 / Q4_0 / Q4_1 linears take ``q8act_gemv`` (int8 activations). One thread on an AMX
-#: Xeon: 1.3-2.4x the fp32 kernels at 1-8 rows (docs/cpu-backend.md), but a cut-off of 8 also quantizes short
-#: prompts' prefill and then the embedded SmolLM2 leaves HF's greedy path (one prompt, token 5): 4 keeps 24-token
-#: parity. Larger batches keep the fp32 kernels and the bf16 GEMM.
+#: Rows of x up to which GGUF linears quantize x to int8 (``q8act_gemv`` for Q8_0 / Q4_0 / Q4_1, ``kquant_q8k_gemv``
+#: for K-quants), as llama.cpp decodes. One thread on an AMX Xeon: 1.3-2.5x the fp32 kernels at 1-8 rows
+#: (docs/cpu-backend.md), but the cut-off counts a call's rows, so 8 also quantizes short prompts' prefill and the
+#: embedded SmolLM2 then leaves HF's greedy path (one prompt, token 5): 4 keeps 24-token parity there. Larger batches
+#: keep the fp32 kernels and the bf16 GEMM.
 INT8_ACT_MAX_ROWS = 4
+INT8_ACT_ENV = "PAGEDLLM_CPU_INT8_ACT"
 _int8_act_config: Optional[int] = None
+
+
+def int8_activations() -> bool:
+    """Whether decode-sized calls quantize x to int8 (default, llama.cpp's arithmetic: faster, ~0.5% error per
+    layer); ``PAGEDLLM_CPU_INT8_ACT=0``: the fp32 kernels, exact to the dequantized reference up to summation order."""
+    value = os.environ.get(INT8_ACT_ENV, "1").strip().lower()
+    if value not in ("0", "1", "off", "on", "false", "true"):
+        raise ValueError(f"{INT8_ACT_ENV}={value!r}: expected 1 or 0")
+    return value in ("1", "on", "true")
 
 
 def int8_act_rows() -> int:
     """Rows of x up to which GGUF Q8_0 / Q4_0 / Q4_1 linears quantize x to int8 (``csrc/q8act_gemv.cpp``):
-    ``INT8_ACT_MAX_ROWS`` where the CPU has AVX2 or AVX-512 VNNI, else 0 (the portable integer loop is slower than
-    the fp32 kernel), and 0 with ``PAGEDLLM_CPU_INT8_ACT=0``. Decided once per process (after the library loaded),
-    so every step of a run takes the same path for the same batch."""
+    ``INT8_ACT_MAX_ROWS`` with int8 activations on where the CPU has AVX2 or AVX-512 VNNI (the portable integer loop
+    is slower than the fp32 kernel), else 0. Decided once per process (after the library loaded), so every step of a
+    run takes the same path for the same batch."""
     global _int8_act_config
     if native.lib is None:
         return 0
     if _int8_act_config is None:
-        env = os.environ.get("PAGEDLLM_CPU_INT8_ACT", "").strip().lower()
-        if env not in ("", "0", "1", "off", "on", "false", "true"):
-            raise ValueError(f"PAGEDLLM_CPU_INT8_ACT={env!r}: expected 0 (fp32 activations) or 1")
-        off = env in ("0", "off", "false")
-        _int8_act_config = 0 if off or native.lib.q8act_best_isa() < 1 else INT8_ACT_MAX_ROWS
+        on = int8_activations()
+        _int8_act_config = INT8_ACT_MAX_ROWS if on and native.lib.q8act_best_isa() >= 1 else 0
     return _int8_act_config
 
 
@@ -204,8 +213,11 @@ Q8 = QuantizedLinearKernel(_prepare_q8, _apply_q8, name="cpu-q8-gemv")
 
 #: GGUF K-quant types ``kquant_gemv`` reads in place (super-blocks of 256 weights).
 KQUANT_TYPES = ("Q4_K", "Q5_K", "Q6_K")
-#: ``PAGEDLLM_CPU_KQUANT_ISA`` forces a SIMD level of ``kquant_gemv`` (comparisons): avx512, avx2 or portable.
-ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2}
+#: ``PAGEDLLM_CPU_KQUANT_ISA`` forces a SIMD level of ``kquant_gemv`` and ``kquant_q8k_gemv`` (comparisons): avx512vnni
+#: (the int8 kernel's ``vpdpbusd``; the fp32 one runs avx512), avx512, avx2 or portable.
+ISA_LEVELS = {"portable": 0, "avx2": 1, "avx512": 2, "avx512vnni": 3}
+#: ``kquant_gemv``'s highest level (it has no VNNI variant: its arithmetic is fp32).
+_FP32_TOP_LEVEL = 2
 
 
 def kquant_isa() -> int:
@@ -220,17 +232,21 @@ def _prepare_kquant(weight: QuantizedWeight, dtype: torch.dtype, device: Any) ->
     """No repack and no copy: ``kquant_gemv`` decodes the file's super-blocks where they lie (the file's mapping),
     so a K-quant model's weights cost their file size in memory instead of 7x as fp32. The state: (blocks, type,
     SIMD level, rows of x from which a call is a bf16 GEMM: ``bf16_min_rows``, never with a level forced, which
-    runs that level's fp32 kernel)."""
+    runs that level's fp32 kernel; rows of x up to which a call takes int8 activations, 0 when off)."""
     isa = kquant_isa()
-    return weight.data.reshape(weight.shape[0], -1), weight.weight_type, isa, bf16_min_rows(dtype) if isa == -1 else None
+    bf16_rows = bf16_min_rows(dtype) if isa == -1 else None
+    int8_rows = INT8_ACT_MAX_ROWS if int8_activations() else 0
+    return weight.data.reshape(weight.shape[0], -1), weight.weight_type, isa, bf16_rows, int8_rows
 
 
 def _apply_kquant(state: tuple, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    blocks, weight_type, isa, bf16_rows = state
+    blocks, weight_type, isa, bf16_rows, int8_rows = state
     if _batched_bf16(x, bf16_rows):
         y = native.lib.kquant_mm_bf16(x, blocks, weight_type)
+    elif x.numel() <= int8_rows * x.shape[-1]:
+        y = native.lib.kquant_q8k_gemv(x, blocks, weight_type, isa)
     else:
-        y = native.lib.kquant_gemv(x, blocks, weight_type, isa)
+        y = native.lib.kquant_gemv(x, blocks, weight_type, min(isa, _FP32_TOP_LEVEL))
     if bias is not None:
         y.add_(bias)
     return y

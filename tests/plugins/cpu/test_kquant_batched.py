@@ -28,6 +28,13 @@ REPACKED_TYPES = ("Q4_0", "Q4_1")  # read in q4_gemv's layout
 BF16_TOL = 1e-2
 
 
+@pytest.fixture(autouse=True)
+def fp32_activations(monkeypatch):
+    """Few-row calls here are the fp32 kernel's (``PAGEDLLM_CPU_INT8_ACT=0``; int8 activations:
+    test_kquant_q8k.py)."""
+    monkeypatch.setenv("PAGEDLLM_CPU_INT8_ACT", "0")
+
+
 def _weight(weight_type: str, n: int, k: int) -> QuantizedWeight:
     blocks = random_blocks(weight_type, n, k, np.random.default_rng(n * k))
     return QuantizedWeight("gguf", weight_type, torch.from_numpy(blocks), (n, k))

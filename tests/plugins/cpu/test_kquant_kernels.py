@@ -7,8 +7,6 @@ tokens through the packed path equal those through the dequantized reference."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -20,9 +18,18 @@ from pagedllm.quantization.gguf import random_blocks
 from pagedllm.quantization.linear import SplitQuantizedLinear
 from pagedllm_cpu import native, quant
 
+from gguf_utils import write_tied_kquant_gguf
+
 TYPES = ("Q4_K", "Q5_K", "Q6_K")
 SHAPES = [(37, 256), (70, 1280), (19, 512)]  # (out, in): N % 16 and N % 4 != 0; K = 256, 2.5 chunks, 1 chunk
 PROMPTS = [[5, 17, 301, 42, 7, 99, 3, 250, 11, 64, 8], [200, 9, 33, 401, 12, 77, 5, 6]]
+
+
+@pytest.fixture(autouse=True)
+def fp32_activations(monkeypatch):
+    """Few-row calls here are the fp32 kernel's (``PAGEDLLM_CPU_INT8_ACT=0``; int8 activations:
+    test_kquant_q8k.py)."""
+    monkeypatch.setenv("PAGEDLLM_CPU_INT8_ACT", "0")
 
 
 def _weight(weight_type: str, n: int, k: int) -> QuantizedWeight:
@@ -109,50 +116,13 @@ def test_hook_offers_kquant_only_with_the_library(monkeypatch, lib):
     assert all(quant.quantized_linear("gguf", t) is None for t in TYPES)  # core's reference: no torch path
 
 
-def _write_tied_kquant_gguf(path: str, weight_type: str) -> str:
-    """A 2-layer Llama GGUF laid out as llama.cpp's Q4_K_M writes a tied model: the linears in ``weight_type`` but
-    layer 0's v and down projections in Q6_K (so its q/k/v parts differ in type), the token embedding (also the LM
-    head: no ``output.weight``) in Q6_K, norms F32; random valid blocks."""
-    import gguf
-    from gguf_utils import add_model_header, finish
-
-    c = SimpleNamespace(max_position_embeddings=128, hidden_size=256, num_hidden_layers=2, intermediate_size=512,
-                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, bos_token_id=1, eos_token_id=2)
-    w = gguf.GGUFWriter(path, "llama")
-    add_model_header(w, c)
-    w.add_layer_norm_rms_eps(1e-5)
-    rng = np.random.default_rng(0)
-
-    def blocks(name: str, qtype: str, n: int, k: int) -> None:
-        raw = random_blocks(qtype, n, k, rng)
-        if qtype in ("Q4_K", "Q5_K"):  # centre the weights (min = scale, dmin = d * mid-q) so the model is not
-            sb = raw.reshape(n, k // 256, -1)  # degenerate (all-positive weights repeat one token)
-            sb[..., 8:12] = (sb[..., 8:12] & 0x0F) | (sb[..., 8:12] << 4)
-            sb[..., 4:8] = sb[..., 0:4]
-            d = sb[..., 0:2].copy().view(np.float16)
-            sb[..., 2:4] = (d * np.float16(7.5 if qtype == "Q4_K" else 15.5)).view(np.uint8)
-        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[qtype])
-
-    blocks("token_embd.weight", "Q6_K", c.vocab_size, c.hidden_size)
-    w.add_tensor("output_norm.weight", np.ones(c.hidden_size, np.float32))
-    kv = c.hidden_size // c.num_attention_heads * c.num_key_value_heads
-    for i in range(c.num_hidden_layers):
-        for name, n, k in [("attn_q", 256, 256), ("attn_k", kv, 256), ("attn_v", kv, 256), ("attn_output", 256, 256),
-                           ("ffn_gate", 512, 256), ("ffn_up", 512, 256), ("ffn_down", 256, 512)]:
-            mixed = i == 0 and name in ("attn_v", "ffn_down")  # Q4_K_M's Q6_K v and down in some layers
-            blocks(f"blk.{i}.{name}.weight", "Q6_K" if mixed else weight_type, n, k)
-        for name in ("attn_norm", "ffn_norm"):
-            w.add_tensor(f"blk.{i}.{name}.weight", np.ones(c.hidden_size, np.float32))
-    return finish(w, path)
-
-
 @pytest.mark.parametrize("weight_type", TYPES)
 def test_tiny_kquant_gguf_greedy_equals_the_dequantized_reference(lib, tmp_path, monkeypatch, weight_type):
     """A tied 2-layer Llama written as a K-quant GGUF: the packed path (every linear on ``cpu-kquant-gemv``, a fused
     q/k/v of mixed types split into one kernel per part, the LM head on it too over the embedding's Q6_K blocks: no
     dense copy) and core's reference (the same blocks
     dequantized at load, an fp32 head) give the same greedy tokens."""
-    path = _write_tied_kquant_gguf(str(tmp_path / f"tied-{weight_type}.gguf"), weight_type)
+    path = write_tied_kquant_gguf(str(tmp_path / f"tied-{weight_type}.gguf"), weight_type)
     kw = dict(device="cpu", skip_tokenizer_init=True, max_model_len=128, kv_cache_memory=16 << 20)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
     runs = {}

@@ -114,26 +114,34 @@ void decode_portable(Type t, const uint8_t* b, float* out) {
 }
 
 #ifdef PAGEDLLM_KQ_X86
+// Q6_K: the weights 128 n + 32 j + 16 h + (0..15) of a super-block (j = 0..3) as fp32, w[j] = (d * sc) * q: the
+// integer decode the fp32 and the bf16 decoders share (they differ only in the store).
+PAGEDLLM_T512 inline void decode_q6_avx512(const uint8_t* b, const float* dl, int n, int h, __m512 w[4]) {
+  const __m512i low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+  const uint8_t* ql = b + 64 * n + 16 * h;
+  const __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)));
+  const __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32)));
+  const __m512i hv =
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * n + 16 * h)));
+  const __m512i lo[4] = {_mm512_and_si512(l0, low4), _mm512_and_si512(l1, low4), _mm512_srli_epi32(l0, 4),
+                         _mm512_srli_epi32(l1, 4)};
+  for (int j = 0; j < 4; ++j) {
+    const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hv, 2 * j), three), 4);
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo[j], hi), bias));
+    w[j] = _mm512_mul_ps(_mm512_set1_ps(dl[8 * n + 2 * j + h]), q);
+  }
+}
+
 PAGEDLLM_T512 void decode_avx512(Type t, const uint8_t* b, float* out) {
   const __m512i low4 = _mm512_set1_epi32(0xF);
   if (t == kQ6K) {
     float dl[16];
     scales_q6(b, dl);
-    const __m512i three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
     for (int n = 0; n < 2; ++n)
       for (int h = 0; h < 2; ++h) {
-        const uint8_t* ql = b + 64 * n + 16 * h;
-        const __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)));
-        const __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32)));
-        const __m512i hv =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * n + 16 * h)));
-        const __m512i lo[4] = {_mm512_and_si512(l0, low4), _mm512_and_si512(l1, low4), _mm512_srli_epi32(l0, 4),
-                               _mm512_srli_epi32(l1, 4)};
-        for (int j = 0; j < 4; ++j) {
-          const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hv, 2 * j), three), 4);
-          const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo[j], hi), bias));
-          _mm512_storeu_ps(out + 128 * n + 32 * j + 16 * h, _mm512_mul_ps(_mm512_set1_ps(dl[8 * n + 2 * j + h]), q));
-        }
+        __m512 w[4];
+        decode_q6_avx512(b, dl, n, h, w);
+        for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + 128 * n + 32 * j + 16 * h, w[j]);
       }
     return;
   }
@@ -565,27 +573,18 @@ PAGEDLLM_TBF16 void to_bf16_avx512(const float* in, int64_t count, uint16_t* out
 // One super-block (Q4_K / Q5_K / Q6_K) straight to 256 bf16, the values of the fp32 decoders above rounded once.
 // Q4_K / Q5_K: per sub-block of 32 the 16 (32) possible weights d * sc * q - dmin * m are computed as a bf16 table,
 // and one vpermw looks 32 weights up from their nibbles (Q5_K: the fifth bit merged into the index). Q6_K (a scale
-// per 16 weights, 64 values): the integer decode of the fp32 path, scaled, rounded 16 at a time.
+// per 16 weights, 64 values): the fp32 path's integer decode (``decode_q6_avx512``), rounded 16 at a time.
 PAGEDLLM_TBF16 void decode_bf16_avx512(Type t, const uint8_t* b, uint16_t* out) {
   if (t == kQ6K) {
     float dl[16];
     scales_q6(b, dl);
-    const __m512i low4 = _mm512_set1_epi32(0xF), three = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
     for (int n = 0; n < 2; ++n)
       for (int h = 0; h < 2; ++h) {
-        const uint8_t* ql = b + 64 * n + 16 * h;
-        const __m512i l0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql)));
-        const __m512i l1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ql + 32)));
-        const __m512i hv =
-            _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * n + 16 * h)));
-        const __m512i lo[4] = {_mm512_and_si512(l0, low4), _mm512_and_si512(l1, low4), _mm512_srli_epi32(l0, 4),
-                               _mm512_srli_epi32(l1, 4)};
-        for (int j = 0; j < 4; ++j) {
-          const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hv, 2 * j), three), 4);
-          const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_or_si512(lo[j], hi), bias));
-          const __m512 w = _mm512_mul_ps(_mm512_set1_ps(dl[8 * n + 2 * j + h]), q);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 * n + 32 * j + 16 * h), (__m256i)_mm512_cvtneps_pbh(w));
-        }
+        __m512 w[4];
+        decode_q6_avx512(b, dl, n, h, w);  // the fp32 decoder's values, rounded once
+        for (int j = 0; j < 4; ++j)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 128 * n + 32 * j + 16 * h),
+                              (__m256i)_mm512_cvtneps_pbh(w[j]));
       }
     return;
   }
