@@ -228,6 +228,11 @@ PAGEDLLM_Q8A_T256 void q8_rows_avx2(const uint8_t* w, int64_t rs, int64_t r0, in
   }
 }
 
+// Weights are read this many bytes ahead with software prefetches: on this project's VMs the hardware prefetcher alone
+// left the batch-1 Q8_0 decode waiting on memory (1.7B Q8_0, 2 threads: ~14 GB/s of weights without, see
+// docs/benchmarks.md; kquant_q8k.cpp measured the same). Past a row's end it touches the next row's blocks (harmless).
+constexpr int64_t kPrefetch = 1024;
+
 // Two rows per register (row r in the low 256 bits, r + 1 in the high ones).
 template <int MT>
 PAGEDLLM_Q8A_T512 void q8_rows_avx512(const uint8_t* w, int64_t rs, int64_t r0, int64_t r1, int64_t nb,
@@ -242,6 +247,8 @@ PAGEDLLM_Q8A_T512 void q8_rows_avx512(const uint8_t* w, int64_t rs, int64_t r0, 
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* a = pa + b * kQ8Bytes;
       const uint8_t* c = pb + b * kQ8Bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(a + kPrefetch), _MM_HINT_T0);  // see kPrefetch
+      _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetch), _MM_HINT_T0);
       const __m512i wq = _mm512_xor_si512(
           _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2))),
                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 2)), 1),
