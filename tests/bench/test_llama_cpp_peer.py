@@ -84,7 +84,7 @@ def tiny_ggufs(tmp_path_factory) -> dict[str, str]:
 def test_llama_cpp_k_quants_run_packed_with_greedy_parity(tiny_ggufs, tmp_path):
     """Files from llama.cpp's own quantizer: every linear on a packed kernel (Q4_K_M mixes Q4_K and Q6_K, Q5_K_M
     Q5_K and Q6_K), greedy tokens equal to the same file dequantized to float32 by gguf.quants. On the fp32-activation
-    kernels: these random weights have near-ties at the first tokens, which decode's int8 activations (the default,
+    kernels: these random weights have near-ties at the first tokens, which decode's int8 activations (opt-in,
     llama.cpp's arithmetic) may swap; that path's parity is measured on SmolLM2 (docs/benchmarks.md) and against its
     float64 emulation (tests/plugins/cpu/test_kquant_q8k.py)."""
     out = tmp_path / "parity.json"

@@ -10,11 +10,11 @@ matches the fp32 reference up to summation order; it beats ``_weight_int4pack_mm
 scales) at every batch measured (1.7x at one row, 1.2x at 64, docs/cpu-backend.md), so it is the only copy kept.
 Until the library is loaded (or without a compiler) calls go to torch's int4 kernel on a copy made then.
 
-Decode-sized calls (up to ``INT8_ACT_MAX_ROWS`` rows of x) of Q8_0 / Q4_0 / Q4_1 go to ``csrc/q8act_gemv.cpp``
-instead, as llama.cpp does: x quantized once per call to ggml's Q8_0 / Q8_1 blocks, integer dot products per block
+With ``PAGEDLLM_CPU_INT8_ACT=1``, decode-sized calls (up to ``INT8_ACT_MAX_ROWS`` rows of x) of Q8_0 / Q4_0 / Q4_1
+go to ``csrc/q8act_gemv.cpp`` instead (K-quants to ``csrc/kquant_q8k.cpp``), as llama.cpp does: x quantized once per call to ggml's Q8_0 / Q8_1 blocks, integer dot products per block
 (AVX-512 VNNI, AVX2), the same weight bytes; the fp32 kernels convert every weight to fp32 and are compute-bound at
-one row. The price is int8 activation error (~0.5% of a layer's output); ``PAGEDLLM_CPU_INT8_ACT=0`` keeps the
-fp32-exact kernels (comparisons against an fp32 reference).
+one row. The price is int8 activation error (~0.5% of a layer's output), which flips near-ties of greedy decoding
+against the dequantized reference, so the default keeps the fp32-exact kernels (``int8_activations``).
 
 ``aten._weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with ``W[n, k] = (q - 8) * scale + zero`` per group; the
 kernel wants bf16 activations (fp32 ones measured 10-20x slower), so fp32 activations are cast around it.
@@ -117,9 +117,11 @@ _int8_act_config: Optional[int] = None
 
 
 def int8_activations() -> bool:
-    """Whether decode-sized calls quantize x to int8 (default, llama.cpp's arithmetic: faster, ~0.5% error per
-    layer); ``PAGEDLLM_CPU_INT8_ACT=0``: the fp32 kernels, exact to the dequantized reference up to summation order."""
-    value = os.environ.get(INT8_ACT_ENV, "1").strip().lower()
+    """Whether decode-sized calls quantize x to int8 (``PAGEDLLM_CPU_INT8_ACT=1``: llama.cpp's arithmetic, 1.3-2.5x
+    faster kernels, ~0.5% error per layer, which flips near-ties: the embedded SmolLM2 leaves the dequantized
+    reference's greedy path at token 1 of "The history of the city begins in the year", a gap of 0.12). Default
+    off: the fp32 kernels, exact to the dequantized reference up to summation order."""
+    value = os.environ.get(INT8_ACT_ENV, "0").strip().lower()
     if value not in ("0", "1", "off", "on", "false", "true"):
         raise ValueError(f"{INT8_ACT_ENV}={value!r}: expected 1 or 0")
     return value in ("1", "on", "true")

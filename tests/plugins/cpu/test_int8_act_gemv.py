@@ -141,9 +141,10 @@ def test_bad_arguments_are_refused_by_name(lib):
 
 @pytest.fixture
 def fresh_int8_config(monkeypatch):
-    """``int8_act_rows`` decided again under this test's environment (it is decided once per process)."""
+    """``int8_act_rows`` decided again under this test's environment (it is decided once per process), with int8
+    activations switched on (``PAGEDLLM_CPU_INT8_ACT=1``; off by default)."""
     monkeypatch.setattr(quant, "_int8_act_config", None)
-    monkeypatch.delenv("PAGEDLLM_CPU_INT8_ACT", raising=False)
+    monkeypatch.setenv("PAGEDLLM_CPU_INT8_ACT", "1")
     return monkeypatch
 
 

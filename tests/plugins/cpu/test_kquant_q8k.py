@@ -23,6 +23,12 @@ from pagedllm_cpu import native, quant
 
 from gguf_utils import write_tied_kquant_gguf
 
+
+@pytest.fixture(autouse=True)
+def int8_activations_on(monkeypatch):
+    """These tests are of the int8 path, off by default (``PAGEDLLM_CPU_INT8_ACT=1`` switches it on)."""
+    monkeypatch.setenv("PAGEDLLM_CPU_INT8_ACT", "1")
+
 TYPES = ("Q4_K", "Q5_K", "Q6_K")
 #: (out, in): N not a multiple of the 16-row work item; 1, 5, 2 and 17 super-blocks (beyond one tile of x the kernel
 #: takes the inputs in chunks of 16 super-blocks: two chunks)
