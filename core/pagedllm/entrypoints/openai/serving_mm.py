@@ -167,6 +167,8 @@ def render_processor(config: Any) -> Any:
 
     try:
         path = resolve_model_path(config.model)
+        if str(path).endswith(".gguf"):  # text models only; reading its metadata on this thread also raced the main
+            return None  # thread's import of transformers' lazy GGUF modules (an ImportError at start-up, seen once)
         hf_config = load_config(path)
         for key, value in (getattr(config, "hf_overrides", None) or {}).items():
             setattr(hf_config, key, value)
