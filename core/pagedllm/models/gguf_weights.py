@@ -313,7 +313,8 @@ class GGUFWeights:
         fused or dequantized copy replaces them, and read pages count towards RSS for as long as the file is mapped.
         Parts the kernel reads in place (CPU Q8_0 and K-quants) stay the file's pages, as llama.cpp's mmap: no
         anonymous copy, shared with the page cache."""
-        kept = {t.untyped_storage().data_ptr() for t in _tensors(module)}
+        kept = {t.untyped_storage().data_ptr() for t in _tensors(module)
+                if t.layout == torch.strided and not t.is_mkldnn}  # oneDNN's packed (opaque) weights are copies
         for p in parts:
             view = None if p is None else self._in_place.pop(p.data.data_ptr(), None)
             if view is not None and p.data.untyped_storage().data_ptr() not in kept:
