@@ -50,17 +50,19 @@ class GGUFTensor(NamedTuple):
 def read_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
     """(architecture, tensors) of a GGUF file. transformers' header reader parses only the tensor table (~10 ms for
     SmolLM2); ``gguf.GGUFReader`` also parses every metadata array (2.2 s for its 49k-token vocabulary), so it is
-    the fallback for transformers versions without one."""
+    the fallback for transformers versions without one, and for files holding a type transformers' reader cannot
+    size (MXFP4: GPT-OSS's experts)."""
     import gguf  # heavy: gguf
 
     try:
         from transformers.integrations.gguf.reader import GgufHeader  # heavy: transformers
-    except ImportError:
+
+        header = GgufHeader.from_file(path)
+    except (ImportError, ValueError):
         reader = gguf.GGUFReader(path)
         field = reader.fields["general.architecture"]
         return bytes(field.parts[field.data[0]]).decode(), [
             GGUFTensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data) for t in reader.tensors]
-    header = GgufHeader.from_file(path)
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = []
     for info in header.tensors:
