@@ -36,6 +36,7 @@ tensor names, so only the config is ours. Keys are those llama.cpp's ``convert_h
   ``gguf_qwen35``.
 - ``granitehybrid`` (Granite-4.0-H, llama.cpp's ``GraniteHybridModel``): config and tensor transforms in
   ``gguf_granite_hybrid``.
+- ``gpt-oss`` (GPT-OSS, llama.cpp's ``GptOssModel``): config and tensor transforms in ``gguf_gpt_oss``.
 
 Falcon goes through transformers' GGUF config, which can only say Falcon-7B's layout (multi-query, one layernorm);
 ``complete_falcon_config`` adds what a Falcon-40B/180B / Falcon 2 file means (llama.cpp's rule): a second layernorm
@@ -66,11 +67,12 @@ import functools
 import os
 from typing import Any
 
+from pagedllm.models.gguf_gpt_oss import gpt_oss_config
 from pagedllm.models.gguf_granite_hybrid import granite_hybrid_config
 from pagedllm.models.gguf_weights import read_tensors
 
 #: GGUF architectures whose config is built here (the rest go through transformers).
-OWN_CONFIG_ARCHS = ("glm4", "baichuan", "chatglm", "deepseek2", "mamba2", "qwen3next", "granitehybrid")
+OWN_CONFIG_ARCHS = ("glm4", "baichuan", "chatglm", "deepseek2", "mamba2", "qwen3next", "granitehybrid", "gpt-oss")
 
 
 def gguf_architecture(path: str) -> str:
@@ -332,4 +334,5 @@ def own_gguf_config(path: str, arch: str) -> Any:
     """The HF config of a GGUF file of an ``OWN_CONFIG_ARCHS`` architecture."""
     return {"glm4": glm4_config, "baichuan": baichuan_config, "chatglm": chatglm_config,
             "deepseek2": deepseek2_config, "mamba2": mamba2_config, "qwen3next": qwen3next_config,
-            "granitehybrid": lambda p: granite_hybrid_config(p, *_file_metadata(p))}[arch](path)
+            "granitehybrid": lambda p: granite_hybrid_config(p, *_file_metadata(p)),
+            "gpt-oss": lambda p: gpt_oss_config(p, *_file_metadata(p))}[arch](path)

@@ -10,6 +10,8 @@ Falcon: the converter reorders ``query_key_value`` from HF's per-KV-group ``[q..
 keys, then all values (identity for multi-query Falcon-7B); rows are put back per group here.
 Granite-4.0-H (``granitehybrid``): q/k rows as Llama's; the rest (Mamba2 transforms, the split ``input_linear``) is
 undone by ``gguf_granite_hybrid``.
+GPT-OSS (``gpt-oss``): sinks renamed, ``gate_up_proj`` split into gate and up, expert transposes: undone by
+``gguf_gpt_oss`` (expert stacks, MXFP4 included, are read dense).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedllm.backend.hookspec import QuantizedWeight
+from pagedllm.models.gguf_gpt_oss import ARCH as GPT_OSS_ARCH, GptOssLayout
 from pagedllm.models.gguf_granite_hybrid import ARCH as GRANITE_HYBRID_ARCH, GraniteHybridLayout
 from pagedllm.models.gguf_qwen35 import (QWEN35_GGUF_ARCHS, Qwen35Layout,
     converter_name as qwen35_converter_name)
@@ -47,17 +50,19 @@ class GGUFTensor(NamedTuple):
 def read_tensors(path: str) -> tuple[str, list[GGUFTensor]]:
     """(architecture, tensors) of a GGUF file. transformers' header reader parses only the tensor table (~10 ms for
     SmolLM2); ``gguf.GGUFReader`` also parses every metadata array (2.2 s for its 49k-token vocabulary), so it is
-    the fallback for transformers versions without one."""
+    the fallback for transformers versions without one, and for files holding a type transformers' reader cannot
+    size (MXFP4: GPT-OSS's experts)."""
     import gguf  # heavy: gguf
 
     try:
         from transformers.integrations.gguf.reader import GgufHeader  # heavy: transformers
-    except ImportError:
+
+        header = GgufHeader.from_file(path)
+    except (ImportError, ValueError):
         reader = gguf.GGUFReader(path)
         field = reader.fields["general.architecture"]
         return bytes(field.parts[field.data[0]]).decode(), [
             GGUFTensor(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data) for t in reader.tensors]
-    header = GgufHeader.from_file(path)
     blob = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = []
     for info in header.tensors:
@@ -149,6 +154,8 @@ class GGUFWeights:
         self._qwen35 = Qwen35Layout(config, self.arch) if self.arch in QWEN35_GGUF_ARCHS else None  # gguf_qwen35.py
         self._granite = (GraniteHybridLayout(self._tensors.__contains__) if self.arch == GRANITE_HYBRID_ARCH
                          else None)  # gguf_granite_hybrid.py
+        self._gpt_oss = (GptOssLayout({t.name: t.tensor_type.name for t in tensors}) if self.arch == GPT_OSS_ARCH
+                         else None)  # gguf_gpt_oss.py
         self._in_place: dict[int, np.ndarray] = {}  # quantized()'s views of the mapping, by address, until release
 
     def gguf_name(self, name: str) -> Optional[str]:
@@ -160,6 +167,8 @@ class GGUFWeights:
         if self._granite is not None:
             return self._granite.gguf_name(name) or self._map.get_name(
                 self._granite.converter_name(name), try_suffixes=(".weight", ".bias"))
+        if self._gpt_oss is not None:
+            return self._gpt_oss.gguf_name(name) or self._map.get_name(name, try_suffixes=(".weight", ".bias"))
         name = converter_name(self.arch, name) if self._qwen35 is None else qwen35_converter_name(name)
         return self._map.get_name(name, try_suffixes=(".weight", ".bias"))
 
@@ -186,11 +195,18 @@ class GGUFWeights:
             return None
         return [self._tensors[g] for g in found[0]], found[1]
 
+    def _split_gpt_oss(self, name: str) -> Optional[list[GGUFTensor]]:
+        """(gate, up) of a GPT-OSS ``gate_up_proj`` (or its bias) the converter split."""
+        found = self._gpt_oss.parts(name) if self._gpt_oss is not None else None
+        if found is None or not all(g in self._tensors for g in found):
+            return None
+        return [self._tensors[g] for g in found]
+
     def __contains__(self, name: str) -> bool:
         g = self.gguf_name(name)
         if g is None or g not in self._tensors:
             return (self._split_kv_b(name) is not None or self._split_qkvz(name) is not None
-                    or self._split_granite(name) is not None)
+                    or self._split_granite(name) is not None or self._split_gpt_oss(name) is not None)
         s = _stacked(name)
         return s is None or s[1] < self._tensors[g].data.shape[0]
 
@@ -243,6 +259,14 @@ class GGUFWeights:
             for t in parts:
                 drop_pages(t.data)
             return torch.from_numpy(joined)
+        gate_up = self._split_gpt_oss(name)
+        if gate_up is not None:  # GPT-OSS's gate_up_proj (or bias): gate and up transposed back, re-interleaved
+            joined = self._gpt_oss.join(*(np.asarray(t.data if t.tensor_type.name == "F32" else
+                                                     dequantize(t.data, t.tensor_type), dtype=np.float32)
+                                          for t in gate_up))
+            for t in gate_up:
+                drop_pages(t.data)
+            return torch.from_numpy(joined)
         t = self._tensor(name)
         data = t.data if t.tensor_type.name in ("F32",) else dequantize(t.data, t.tensor_type)
         data = np.asarray(data, dtype=np.float32)
@@ -252,6 +276,8 @@ class GGUFWeights:
             data = data[None]  # llama.cpp stores the shared-expert gate as [hidden]; HF's is [1, hidden]
         undone = (undo_converter(self.arch, t.name, data) if self._granite is None  # LFM2 / Mamba2: gguf_ssm.py
                   else self._granite.undo(t.name, data))
+        if self._gpt_oss is not None:
+            undone = self._gpt_oss.undo(t.name, data)
         if undone is not None:
             data = undone
         if self._qwen35 is not None:
@@ -267,7 +293,8 @@ class GGUFWeights:
     def blocks(self, name: str) -> Optional[GGUFTensor]:
         """The file's own tensor for ``name`` (``data``: its read-only mapping, not copied) when it is a 2-D block
         type with rows in HF order; None otherwise."""
-        if name not in self or self._split_qkvz(name) is not None or self._split_granite(name) is not None:
+        if (name not in self or self._split_qkvz(name) is not None or self._split_granite(name) is not None
+                or self._split_gpt_oss(name) is not None):
             return None
         t = self._tensor(name)
         if t.tensor_type.name in DENSE_TYPES or len(t.shape) != 2 or self._rows(t.name, t.data.shape[0]) is not None:
@@ -278,7 +305,8 @@ class GGUFWeights:
 
     def quantized(self, name: str) -> Optional[QuantizedWeight]:
         """The packed blocks of a 2-D block-quantized tensor, rows in HF order; None for dense tensors."""
-        if self._split_kv_b(name) is not None or self._split_qkvz(name) is not None:
+        if (self._split_kv_b(name) is not None or self._split_qkvz(name) is not None
+                or self._split_gpt_oss(name) is not None):
             return None
         granite = self._split_granite(name)
         if granite is not None:  # a 2-D input_linear whose parts share a block type: their packed rows joined

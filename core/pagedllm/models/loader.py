@@ -154,9 +154,6 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
         model = build(path, config, backend, dtype, device)
         stage("weights read in %.1fs: %s", time.perf_counter() - t0, weights_summary(model, path, dtype))
         return model
-    if spec.moe == "gpt_oss" and is_gguf(path):
-        raise UnsupportedModelError(f"{shown}: GGUF files of GPT-OSS are not supported (its expert and sink tensors "
-                                    "are not mapped); load the safetensors checkpoint")
     full_config, par = config, get_parallel_state()
     if par is not None:  # one rank of a distributed engine: this rank's heads, columns and layers
         if quantization is not None:

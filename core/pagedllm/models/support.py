@@ -32,7 +32,8 @@ VERIFIED: dict[str, str] = {
     "Qwen2MoeForCausalLM": "tests/models/test_moe.py; GGUF: test_gguf_qwen_mistral.py",
     "Qwen3MoeForCausalLM": "tests/models/test_moe.py (routing vs HF); GGUF: test_gguf_qwen_mistral.py",
     "GptOssForCausalLM": "tests/models/test_gpt_oss.py (sinks, alternating windows, YaRN, clamped SwiGLU experts vs "
-                         "HF); sinks vs HF's eager formula: tests/core/test_attention_sinks.py",
+                         "HF); sinks vs HF's eager formula: tests/core/test_attention_sinks.py; GGUF: "
+                         "test_gguf_gpt_oss.py",
     "DeepseekV2ForCausalLM": "tests/models/test_deepseek_mla.py (routing vs HF, latent KV asserted from the "
                              "allocator); GGUF: test_gguf_glm_baichuan_deepseek.py",
     "DeepseekV3ForCausalLM": "tests/models/test_deepseek_mla.py (routing vs HF, latent KV asserted from the "
@@ -117,7 +118,10 @@ _GGUF_TESTED = {"LlamaForCausalLM": "yes (tested)",
                                          "from its metadata by pagedllm; YaRN with mscale = mscale_all_dim)",
                 "ChatGLMModel": "yes (tested; arch chatglm, config from its metadata by pagedllm, run as Glm)",
                 "GlmForCausalLM": "yes (tested; llama.cpp writes GLM as arch chatglm, which loads as Glm)",
-                "GptOssForCausalLM": "no (refused at load: its expert and sink tensors are not mapped yet)",
+                "GptOssForCausalLM": "yes (tested; arch gpt-oss from llama.cpp's own converter, F32, Q8_0 and "
+                                     "MXFP4 experts: config from its metadata by pagedllm, sinks, split gate/up "
+                                     "and expert transposes undone; expert tensors dequantized at load, MXFP4 "
+                                     "included; tokenizer untested)",
                 "Lfm2ForCausalLM": "yes (tested; arch lfm2, F32 and Q8_0: config by transformers' GGUF reader, "
                                    "conv layers from the per-layer KV head counts)",
                 "Qwen3NextForCausalLM": "yes (tested; arch qwen3next, F32 and Q8_0: config from its metadata by "
