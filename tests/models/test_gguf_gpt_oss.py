@@ -33,7 +33,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gguf_utils import add_placeholder_vocab
+from gguf_utils import add_placeholder_vocab, assert_same_gguf
 from logit_parity import hf_eager
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.llama_cpp_bench import llama_cpp_bin
@@ -435,19 +435,5 @@ def test_missing_key_is_refused_naming_it(files, tmp_path, key):
 def test_writer_is_the_converter(files, tmp_path, qtype):
     """:func:`write_gpt_oss_gguf` (the file CI without the peer tests) writes what llama.cpp's converter writes: the
     same ``gpt-oss.*`` metadata and the same tensors (names, types, shapes, bytes; MXFP4 repacked alike)."""
-    from gguf import GGUFReader
-
     source = files["hf"][1] if qtype == "MXFP4" else files["hf"][0]
-    theirs = GGUFReader(files[qtype][0])
-    ours = GGUFReader(write_gpt_oss_gguf(source, str(tmp_path / "ours.gguf"), qtype))
-
-    def meta(r):
-        return {k: f.contents() for k, f in r.fields.items() if k.startswith("gpt-oss.")}
-
-    assert meta(ours) == meta(theirs)
-    assert sorted(t.name for t in ours.tensors) == sorted(t.name for t in theirs.tensors)
-    by_name = {t.name: t for t in theirs.tensors}
-    for t in ours.tensors:
-        o = by_name[t.name]
-        assert (t.tensor_type, list(t.shape)) == (o.tensor_type, list(o.shape)), t.name
-        assert np.array_equal(np.asarray(t.data), np.asarray(o.data)), t.name
+    assert_same_gguf(write_gpt_oss_gguf(source, str(tmp_path / "ours.gguf"), qtype), files[qtype][0], "gpt-oss.")

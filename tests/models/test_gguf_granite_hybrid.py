@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from engine_parity import hf_model, run
-from gguf_utils import add_placeholder_vocab
+from gguf_utils import add_placeholder_vocab, assert_same_gguf
 from hf_recompute import hf_greedy_recompute
 from pagedllm import LLM, SamplingParams
 from pagedllm.bench.llama_cpp_bench import llama_cpp_bin
@@ -336,19 +336,6 @@ def test_missing_key_is_refused_naming_it(files, tmp_path, key):
 def test_writer_is_the_converter(files, tmp_path, variant, qtype):
     """:func:`write_granite_gguf` (the file CI without the peer tests) writes what llama.cpp's converter writes: the
     same ``granitehybrid.*`` metadata and the same tensors (names, types, shapes, bytes)."""
-    from gguf import GGUFReader
-
     hf_dir = files[variant, "F32"][1]  # (the F32 file's oracle is the checkpoint itself)
-    theirs = GGUFReader(files[variant, qtype][0])
-    ours = GGUFReader(write_granite_gguf(hf_dir, str(tmp_path / "ours.gguf"), qtype))
-
-    def meta(r):
-        return {k: f.contents() for k, f in r.fields.items() if k.startswith("granitehybrid.")}
-
-    assert meta(ours) == meta(theirs)
-    assert sorted(t.name for t in ours.tensors) == sorted(t.name for t in theirs.tensors)
-    by_name = {t.name: t for t in theirs.tensors}
-    for t in ours.tensors:
-        o = by_name[t.name]
-        assert (t.tensor_type, list(t.shape)) == (o.tensor_type, list(o.shape)), t.name
-        assert np.array_equal(np.asarray(t.data), np.asarray(o.data)), t.name
+    assert_same_gguf(write_granite_gguf(hf_dir, str(tmp_path / "ours.gguf"), qtype), files[variant, qtype][0],
+                     "granitehybrid.")

@@ -421,3 +421,22 @@ def write_tied_kquant_gguf(path: str, weight_type: str) -> str:
         for name in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{name}.weight", np.ones(c.hidden_size, np.float32))
     return finish(w, path)
+
+
+def assert_same_gguf(ours: str, theirs: str, meta_prefix: str) -> None:
+    """Two GGUF files hold the same ``meta_prefix``-keyed metadata and the same tensors (names, types, shapes,
+    bytes): a test writer against llama.cpp's converter."""
+    from gguf import GGUFReader
+
+    a, b = GGUFReader(ours), GGUFReader(theirs)
+
+    def meta(r):
+        return {k: f.contents() for k, f in r.fields.items() if k.startswith(meta_prefix)}
+
+    assert meta(a) == meta(b)
+    assert sorted(t.name for t in a.tensors) == sorted(t.name for t in b.tensors)
+    by_name = {t.name: t for t in b.tensors}
+    for t in a.tensors:
+        o = by_name[t.name]
+        assert (t.tensor_type, list(t.shape)) == (o.tensor_type, list(o.shape)), t.name
+        assert np.array_equal(np.asarray(t.data), np.asarray(o.data)), t.name
