@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -62,6 +63,7 @@ from pagedllm.entrypoints.openai.protocol_responses import ResponseDeleted, Resp
 from pagedllm.entrypoints.openai.render_pool import RenderPool, warm_up_forkserver
 from pagedllm.entrypoints.openai.response_store import DEFAULT_MAX_BYTES, DEFAULT_MAX_ITEMS, ResponseStore
 from pagedllm.entrypoints.openai.serving_chat import ChatServing
+from pagedllm.entrypoints.openai.serving_common import GIL_SWITCH_INTERVAL_S
 from pagedllm.entrypoints.openai.serving_completions import CompletionServing
 from pagedllm.entrypoints.openai.serving_mm import (MultiModalInputs, content_texts, looks_multimodal,
     render_processor)
@@ -172,6 +174,7 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
             await renderer.start()
             await start_grammar_pool(engine)  # grammar compile workers (grammar_gate.py)
         freeze_startup_heap()  # (engine/gc_policy.py: no full GC pass may stall the loop for long)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # render threads get the GIL back quickly (serving_common.py)
         try:
             yield
         finally:

@@ -78,6 +78,11 @@ SSE_DONE = "data: [DONE]\n\n"
 
 #: Longest stretch the event loop is held while a whole response is assembled (``json_response``).
 ASSEMBLY_SLICE_S = 0.002
+#: The HTTP process's GIL switch interval (CPython's default: 5 ms). Render round trips and large-body checks run on
+#: threads beside the loop; while the loop works through an assembly, such a thread waits up to this long each time it
+#: wants the GIL back (several times per round trip): at 5 ms a one-word render next to an n=128, logprobs=20 response
+#: took 30-540 ms, at 0.5 ms 12-31 ms (issue 34's probe, 2 cores).
+GIL_SWITCH_INTERVAL_S = 0.0005
 _encode = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode  # JSONResponse's
 
 
