@@ -49,6 +49,25 @@ def test_weight_bytes_per_token_counts_every_linear_and_the_head(tiny_llama):
     assert gemm_step_seconds(model, 4, repeats=2) > 0
 
 
+def test_weight_bytes_per_token_of_a_packed_gguf_equal_the_files_tensors():
+    """The embedded SmolLM2 Q4_1 file runs on packed kernels whose state is a record (the Q4 blocks), not a bare
+    tensor: a step still reads every projection's blocks and the Q8_0 tied head, byte for byte as in the file (the
+    Q4 blocks are repacked 16 rows at a time; 576 x 576 and up are whole groups)."""
+    import re
+
+    from gguf import GGUFReader
+
+    from pagedllm.bench.ceiling import weight_bytes_per_token
+    from pagedllm.entrypoints.llm import LLM
+    from pagedllm.models.paths import default_model_path
+
+    linear = re.compile(r"\.(attn_[qkv]|attn_output|ffn_gate|ffn_up|ffn_down)\.weight$")
+    want = sum(int(t.n_bytes) for t in GGUFReader(default_model_path()).tensors
+               if linear.search(t.name) or t.name == "token_embd.weight")
+    model = LLM(device="cpu", max_model_len=64, kv_cache_memory=4 << 20).llm_engine.model
+    assert weight_bytes_per_token(model) == want
+
+
 def test_gemm_workload_floor_counts_prefill_chunks_and_decode_steps(monkeypatch):
     """The throughput workload's GEMM floor: prompts in chunks of the token budget (LM head on the prompts each
     chunk completes), then output_len - 1 decode steps at the full batch."""

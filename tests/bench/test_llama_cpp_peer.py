@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from pagedllm.bench.llama_cpp_bench import cpu_kind, llama_bench_command, llama_cpp_bin
+from pagedllm.bench.llama_cpp_bench import cpu_kind, llama_bench_command, llama_cpp_bin, wait_with_peak_rss
 
 QUANTIZE, BENCH, PERPLEXITY, CONVERT = (llama_cpp_bin(t) for t in ("llama-quantize", "llama-bench",
                                                                     "llama-perplexity", "convert_hf_to_gguf"))
@@ -47,6 +47,17 @@ def test_llama_bench_command_and_cpu_kind():
     with open("/proc/cpuinfo") as f:
         name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     assert cpu_kind().startswith(name) and cpu_kind().endswith(f"{os.cpu_count()} CPUs")
+
+
+def test_a_childs_peak_rss_is_its_own_not_its_parents():
+    """The peer's peak RSS is the child's own address space: wait4's ru_maxrss for a subprocess child counted this
+    (parent) process's 400 MB peak, which made llama-bench's column read pagedllm's own RSS when run beside it."""
+    ballast = b"x" * (400 << 20)  # this process's peak, well above the child's
+    child = subprocess.Popen([sys.executable, "-c", "b = b'y' * (64 << 20); import time; time.sleep(0.3)"])
+    status, peak = wait_with_peak_rss(child.pid)
+    child.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must not wait again
+    assert child.returncode == 0 and len(ballast) == 400 << 20
+    assert (64 << 20) < peak < (64 << 20) + (60 << 20), peak  # the child's 64 MB and its interpreter, not 400 MB
 
 
 @pytest.fixture(scope="module")

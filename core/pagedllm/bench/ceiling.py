@@ -8,6 +8,8 @@ than that, since everything else (attention, norms, sampling, scheduling) comes 
 
 from __future__ import annotations
 
+import dataclasses
+
 import statistics
 import time
 from typing import Any, Iterator
@@ -64,11 +66,16 @@ def gemm_workload_seconds(model: nn.Module, num_prompts: int, input_len: int, ou
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a kernel's state: a tensor, tuples / lists of them, or a dataclass's fields (a backend's
+    state record, e.g. the CPU Q4 kernels' packed blocks; missed before, the 135M Q4_1 model counted only its head)."""
     if isinstance(x, torch.Tensor):
         yield x
     elif isinstance(x, (tuple, list)):
         for y in x:
             yield from _tensors(y)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            yield from _tensors(getattr(x, f.name))
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:

@@ -4,7 +4,8 @@ threads.
 
 Each call is one repeat (``-r 1``, after llama-bench's own warm-up) of either token generation (``-p 0 -n N``, from
 an empty context) or prompt processing (``-p N -n 0``); the rate comes from llama-bench's JSON output, its build
-number and commit beside it, and the child's peak RSS from ``wait4``.
+number and commit beside it, and the child's peak RSS (``VmHWM``, read until it exits: ``wait4``'s figure includes
+the peak of the process that started it, ``proc_mem.peak_rss_bytes``).
 
 Seen on a 2-core Xeon VM with AMX (b11434, ``GGML_NATIVE``): every batched matmul on ggml's AMX buffer type
 (prompt processing, the depth run of ``-d``) dies (SIGILL on ``tilezero`` or SIGSEGV) while batch-1 generation
@@ -20,8 +21,11 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Sequence
+
+from pagedllm.proc_mem import peak_rss_bytes
 
 #: Where ``ci/setup_llamacpp_peer.sh`` builds by default (its ``bin/`` holds llama-bench, llama-quantize,
 #: llama-perplexity and the converter wrapper); ``PAGEDLLM_LLAMA_CPP`` names another build.
@@ -72,6 +76,18 @@ def llama_bench_command(binary: str, model: str, threads: int, n_prompt: int, n_
             "-t", str(threads), "-r", str(repeats), *extra_args, "-o", "json"]
 
 
+def wait_with_peak_rss(pid: int, interval_s: float = 0.05) -> tuple[int, int]:
+    """Reap child ``pid``: (its wait status, the peak RSS of its own address space in bytes, 0 if never read).
+    The peak only grows, so the last read before exit (``interval_s`` apart) stands for the whole run."""
+    peak = 0
+    while True:
+        peak = max(peak, peak_rss_bytes(pid) or 0)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status, peak
+        time.sleep(interval_s)
+
+
 def run_llama_bench(binary: str, model: str, threads: int, n_prompt: int, n_gen: int, depth: int = 0,
                     extra_args: Sequence[str] = ()) -> LlamaBenchRun:
     """One llama-bench repeat of one test; its rate, the process's peak RSS and llama.cpp's build."""
@@ -79,7 +95,7 @@ def run_llama_bench(binary: str, model: str, threads: int, n_prompt: int, n_gen:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err)
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            status, peak_rss = wait_with_peak_rss(proc.pid)
         except BaseException:
             proc.kill()
             proc.wait()
@@ -97,6 +113,6 @@ def run_llama_bench(binary: str, model: str, threads: int, n_prompt: int, n_gen:
         (row,) = json.loads(stdout)
     except ValueError as e:
         raise RuntimeError(f"llama-bench printed no single JSON result: {stdout[-1000:]!r}") from e
-    return LlamaBenchRun(tok_s=float(row["avg_ts"]), peak_rss_bytes=usage.ru_maxrss * 1024,
+    return LlamaBenchRun(tok_s=float(row["avg_ts"]), peak_rss_bytes=peak_rss,
                          build=f"b{row['build_number']} ({row['build_commit']})", model_type=row["model_type"],
                          n_threads=int(row["n_threads"]))

@@ -240,6 +240,11 @@ PAGEDLLM_T512 inline void scales_k4_vec(const uint8_t* b, __m256* dl, __m256* ml
   *ml = _mm256_mul_ps(_mm256_set1_ps(half_at(b + 2)), mn);
 }
 
+// Each super-block's bytes this far ahead are prefetched into L1: at 1-4 rows of x the hardware prefetcher alone
+// leaves the loop waiting on DRAM (2 threads, 2048 x 8192 matrices streamed from 1.1 GB, Xeon with AMX: Q4_K 11.5 ->
+// 15.5 / 17.8 / 18.0 GB/s at 1 / 2 / 3 KB ahead, Q6_K 10.9 -> 16.1). Past the end: a no-op (prefetches never fault).
+constexpr int64_t kFusedPrefetch = 2048;
+
 // One output row (its nsb super-blocks at w) for MT rows of permuted x (stride xs) and their sub-block sums
 // (xsum, stride ss): y[m * ys].
 template <int MT>
@@ -258,6 +263,8 @@ PAGEDLLM_T512 void row_fused_avx512(Type t, const uint8_t* w, int64_t nsb, int64
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* b = w + sb * bb;
     const float* xb = x + sb * kQK;
+    for (int64_t o = 0; o < bb; o += 64)  // see kFusedPrefetch
+      _mm_prefetch(reinterpret_cast<const char*>(b + kFusedPrefetch + o), _MM_HINT_T0);
     if (t == kQ6K) {
       __m256 dl8[2];
       {

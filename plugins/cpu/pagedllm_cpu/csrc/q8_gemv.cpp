@@ -24,6 +24,11 @@ namespace {
 constexpr int64_t kBlock = 32;       // weights per block
 constexpr int64_t kBlockBytes = 34;  // fp16 d + 32 int8
 constexpr int64_t kTile = 8;         // rows of x per pass over a weight row
+// Each block's cache line this many bytes ahead is prefetched into L1: at one row of x the loop is too short for the
+// hardware prefetcher alone to keep DRAM busy (2 threads, Q8_0 2048 x 8192 matrices streamed from 1.1 GB, Xeon with
+// AMX: 14.5 GB/s without, 20.0 / 23.7 / 26.0 / 24.5 GB/s at 1 / 2 / 3 / 4 KB ahead; the streaming-read floor is
+// 26-28). Past the end of the blocks it is a no-op (prefetches never fault).
+constexpr int64_t kPrefetch = 3072;
 
 inline uint16_t scale_bits(const uint8_t* p) {
   uint16_t bits;
@@ -39,6 +44,7 @@ void row_dot(const uint8_t* w, int64_t nb, const float* x, int64_t xs, float* y,
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = w + b * kBlockBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
     const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(scale_bits(p))));  // d in every lane
     const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2))));
     const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 18))));
@@ -54,6 +60,7 @@ void row_dot(const uint8_t* w, int64_t nb, const float* x, int64_t xs, float* y,
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = w + b * kBlockBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0);
     const __m256 d = _mm256_cvtph_ps(_mm_set1_epi16(static_cast<short>(scale_bits(p))));
     __m256 q[4];
     for (int c = 0; c < 4; ++c)
