@@ -16,6 +16,7 @@ from pagedllm.sched.kv_manager import BlockPool, KVCacheManager
 from pagedllm.models import load_model, resolve_model_path
 from pagedllm.models.gguf_weights import read_tensors
 from pagedllm.models.quantized_embedding import QuantizedEmbedding
+from int8_act import use_int8_activations
 
 MiB = 1 << 20
 
@@ -39,10 +40,10 @@ def _smollm2(backend, quantization):
 
 
 def test_smollm2_embedding_is_the_files_q8_0_blocks_and_the_file_is_unmapped(monkeypatch):
-    from pagedllm_cpu import native, quant
+    from pagedllm_cpu import native
 
-    monkeypatch.setenv("PAGEDLLM_CPU_INT8_ACT", "0")  # the head's fp32 kernel, held to fp32 tolerance below (a
-    monkeypatch.setattr(quant, "_int8_act_config", None)  # decode's int8 activations: test_int8_act_gemv.py)
+    use_int8_activations(monkeypatch, False)  # the head's fp32 kernel, held to fp32 tolerance below (a decode's int8
+    # activations: test_int8_act_gemv.py)
 
     assert native.get(wait=True, timeout=600) is not None, native.error()  # the Q8_0 head kernel is in the library
     path = resolve_model_path(None)

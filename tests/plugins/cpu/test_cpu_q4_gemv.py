@@ -13,6 +13,7 @@ from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization import dequantize
 from pagedllm.quantization.gguf import random_blocks
 from pagedllm_cpu import native, quant
+from int8_act import use_int8_activations
 
 SHAPES = [(37, 64), (96, 576), (19, 1536)]  # (out, in)  ("lib": tests/plugins/cpu/conftest.py)
 
@@ -21,8 +22,7 @@ SHAPES = [(37, 64), (96, 576), (19, 1536)]  # (out, in)  ("lib": tests/plugins/c
 def fp32_kernels(monkeypatch):
     """The fp32 kernels, held to fp32 tolerance: decodes' int8 activations (``q8act_gemv``, tested in
     test_int8_act_gemv.py) off."""
-    monkeypatch.setenv("PAGEDLLM_CPU_INT8_ACT", "0")
-    monkeypatch.setattr(quant, "_int8_act_config", None)
+    use_int8_activations(monkeypatch, False)
 
 
 def _weight(qtype: str, n: int, k: int) -> QuantizedWeight:

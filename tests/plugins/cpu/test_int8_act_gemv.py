@@ -20,6 +20,7 @@ from pagedllm.backend.hookspec import QuantizedWeight
 from pagedllm.quantization import dequantize
 from pagedllm.quantization.gguf import random_blocks
 from pagedllm_cpu import quant
+from int8_act import use_int8_activations
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1")
 SHAPES = [(37, 96), (70, 1280), (5, 32), (19, 576)]  # (out, in): N not a multiple of 16 nor of 2; K = 32 * odd
@@ -143,8 +144,7 @@ def test_bad_arguments_are_refused_by_name(lib):
 def fresh_int8_config(monkeypatch):
     """``int8_act_rows`` decided again under this test's environment (it is decided once per process), with int8
     activations switched on (``PAGEDLLM_CPU_INT8_ACT=1``; off by default)."""
-    monkeypatch.setattr(quant, "_int8_act_config", None)
-    monkeypatch.setenv("PAGEDLLM_CPU_INT8_ACT", "1")
+    use_int8_activations(monkeypatch, True)
     return monkeypatch
 
 
@@ -171,14 +171,13 @@ def test_decodes_take_int8_activations_larger_batches_fp32(lib, fresh_int8_confi
 
 
 def test_env_keeps_the_fp32_kernels_and_names_itself(lib, fresh_int8_config):
-    fresh_int8_config.setenv("PAGEDLLM_CPU_INT8_ACT", "0")
+    use_int8_activations(fresh_int8_config, False)
     assert quant.int8_act_rows() == 0
     w = _weight("Q8_0", 37, 96)
     x = torch.randn(1, 96)
     torch.testing.assert_close(quant.Q8.apply(quant.Q8.prepare(w, torch.float32, "cpu"), x, None),
                                lib.q8_gemv(x, w.data.reshape(37, -1)), rtol=0, atol=0)
-    fresh_int8_config.setattr(quant, "_int8_act_config", None)
-    fresh_int8_config.setenv("PAGEDLLM_CPU_INT8_ACT", "yes please")
+    use_int8_activations(fresh_int8_config, "yes please")
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_INT8_ACT='yes please'"):
         quant.int8_act_rows()
 
@@ -260,8 +259,7 @@ def test_smollm2_q8_0_int8_greedy_leaves_the_fp32_path_only_at_near_ties(lib, sm
                             rope_theta=config.rope_parameters["rope_theta"])
     prompts = _prompt_ids()
     int8 = _engine_greedy(path, prompts, "cpu-q8-gemv", False)
-    fresh_int8_config.setenv("PAGEDLLM_CPU_INT8_ACT", "0")
-    fresh_int8_config.setattr(quant, "_int8_act_config", None)
+    use_int8_activations(fresh_int8_config, False)
     margins: list = []
     exact = _engine_greedy(path, prompts, "cpu-q8-gemv", False, int8_rows=0, margins=margins)
     for p, (a, b, gaps) in enumerate(zip(int8, exact, margins)):
