@@ -9,7 +9,6 @@ than that, since everything else (attention, norms, sampling, scheduling) comes 
 from __future__ import annotations
 
 import dataclasses
-
 import statistics
 import time
 from typing import Any, Iterator
