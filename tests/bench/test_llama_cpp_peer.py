@@ -146,3 +146,17 @@ def test_perplexity_on_llama_cpps_tokens_matches_llama_perplexity(tiny_ggufs, tm
     assert res["chunks"] == 2 and res["ctx"] == 128 and res["scored_tokens"] == 2 * 63
     assert res["quantization"] == "gguf" and res["llama_cpp"] > 1
     assert abs(res["ratio"] - 1) < 0.005, res
+
+
+@needs_llama_cpp
+@pytest.mark.slow
+def test_perplexity_f32_peer_separates_llama_cpps_8bit_activations(tiny_ggufs, tmp_path):
+    """``--f32-peer``: llama-perplexity on the file dequantized to F32 by llama-quantize, on the same tokens. pagedllm's
+    packed K-quant kernels (float32 activations) equal the dequantized weights, so they sit on that figure (measured
+    on SmolLM2: +0.01% / -0.00%), while llama.cpp's own quantized run carries its 8-bit activations' rounding."""
+    out = tmp_path / "ppl.json"
+    p = _cli("llama-cpp-perplexity", "--llama-perplexity", PERPLEXITY, "--model", tiny_ggufs["Q4_K_M"], "--ctx",
+             "128", "--chunks", "2", "--llama-args=--no-repack", "--f32-peer", "--json", str(out))
+    res = json.loads(out.read_text())
+    assert res["llama_cpp_f32"] > 1 and abs(res["ratio_f32"] - 1) < 0.001, res
+    assert "dequantized to F32" in p.stdout

@@ -3,6 +3,11 @@ the same text and the very same tokens (llama.cpp's own tokenization, read back 
 ``--kl-divergence-base`` writes), scored llama-perplexity's way: the text in chunks of ``--ctx`` tokens, the first
 replaced by BOS when the vocabulary adds one, and only each chunk's second half scored (the first half is context).
 The issue's goal: pagedllm's perplexity within 0.5% of llama.cpp's.
+
+``--f32-peer`` also scores, with llama-perplexity, the file dequantized to F32 by llama.cpp's own ``llama-quantize``
+(beside llama-perplexity): ggml multiplies quantized weights by activations quantized to 8 bits (Q8_0 / Q8_1 /
+Q8_K), pagedllm's default kernels by float32 activations, so the F32 figure separates that rounding of llama.cpp's
+from any error of pagedllm's packed kernels (which equal the dequantized weights).
 """
 
 from __future__ import annotations
@@ -47,6 +52,24 @@ def run_llama_perplexity(binary: str, model: str, text_file: str, ctx: int, chun
     return float(m.group(1))
 
 
+def llama_perplexity_f32(binary: str, model: str, tmp: str, text_file: str, ctx: int, chunks: int, threads: int,
+                         extra_args: Sequence[str], tokens: list[list[int]]) -> float:
+    """llama-perplexity on ``model`` dequantized to F32 by the ``llama-quantize`` beside ``binary``; the tokens must
+    be the quantized run's (same vocabulary, same text), which is checked."""
+    quantize = os.path.join(os.path.dirname(binary), "llama-quantize")
+    f32 = os.path.join(tmp, "f32.gguf")
+    p = subprocess.run([quantize, "--allow-requantize", model, f32, "F32"], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{quantize} --allow-requantize {model} F32 failed ({p.returncode}): "
+                           f"{(p.stdout + p.stderr)[-2000:]}")
+    base = os.path.join(tmp, "base-f32.bin")
+    ppl = run_llama_perplexity(binary, f32, text_file, ctx, chunks, threads, base, extra_args)
+    if read_base_tokens(base)[1] != tokens:
+        raise RuntimeError("llama-perplexity tokenized the text differently for the F32 file")
+    os.unlink(f32)
+    return ppl
+
+
 def chunked_perplexity(llm: Any, chunks: list[list[int]], bos: int | None) -> float:
     """llama-perplexity's estimate on ``chunks``: per chunk (first token -> BOS when ``bos``), the mean NLL of the
     tokens after position n_ctx/2 given everything before them."""
@@ -75,6 +98,9 @@ def add_parser(sub) -> None:
     p.add_argument("--llama-args", default=None, metavar="ARGS",
                    help="extra llama-perplexity options, e.g. '--no-repack' where ggml's AMX path faults "
                         "(llama_cpp_bench)")
+    p.add_argument("--f32-peer", action="store_true",
+                   help="also run llama-perplexity on the file dequantized to F32 by llama-quantize (same tokens): "
+                        "llama.cpp without its 8-bit activations; needs 4 bytes per weight on disk")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.set_defaults(func=main)
@@ -102,6 +128,10 @@ def main(args) -> int:
         theirs = run_llama_perplexity(args.llama_perplexity, model, text_file, args.ctx, args.chunks, threads, base,
                                       shlex.split(args.llama_args or ""))
         n_ctx, chunks = read_base_tokens(base)
+        theirs_f32 = None
+        if args.f32_peer:
+            theirs_f32 = llama_perplexity_f32(args.llama_perplexity, model, tmp, text_file, args.ctx, args.chunks,
+                                              threads, shlex.split(args.llama_args or ""), chunks)
     # 1 GiB of KV: 2.7k float32 tokens of the 1.7B model
     llm = LLM(model, device=args.device, max_model_len=max(n_ctx + 8, 256), kv_cache_memory=1 << 30)
     tok = llm.get_tokenizer()
@@ -115,6 +145,11 @@ def main(args) -> int:
     print(f"perplexity on {args.text} ({len(chunks)} chunks of {n_ctx} tokens, second halves scored, llama.cpp's "
           f"tokens): llama.cpp {theirs:.4f}, pagedllm ({res['quantization'] or 'dense'}) {ours:.4f}: "
           f"{100 * (ours / theirs - 1):+.2f}%")
+    if theirs_f32 is not None:
+        res.update(llama_cpp_f32=theirs_f32, ratio_f32=ours / theirs_f32)
+        print(f"llama.cpp on the file dequantized to F32 (no 8-bit activations): {theirs_f32:.4f}; pagedllm "
+              f"{100 * (ours / theirs_f32 - 1):+.2f}% from it; llama.cpp's quantized run "
+              f"{100 * (theirs / theirs_f32 - 1):+.2f}% from it")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
