@@ -81,3 +81,15 @@ def test_gemm_workload_floor_counts_prefill_chunks_and_decode_steps(monkeypatch)
     calls.clear()
     assert ceiling.gemm_workload_seconds(None, 10, 32, 5, 100) == (4.0, 4.0)  # 3 + 3 + 3 + 1 prompts per chunk
     assert calls == [(96, 3), (96, 3), (96, 3), (32, 1), (10, None)]
+
+
+def test_the_vllm_peer_gets_pagedllms_kv_pool_rounded_up_to_whole_gib(tiny_llama):
+    """`--compare-vllm` gives vLLM (VLLM_CPU_KVCACHE_SPACE, whole GiB) at least pagedllm's KV pool: with a fixed
+    2 GiB (10.9k tokens of the 1.7B model) against pagedllm's 4 GiB, vLLM could not hold 64 x 256 tokens at once."""
+    from pagedllm.bench.peer import kv_pool_gib
+    from pagedllm.entrypoints.llm import LLM
+
+    engine = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=64,
+                 kv_cache_memory=(1 << 30) + (8 << 20)).llm_engine
+    pool = engine.worker.num_blocks * engine.worker._bytes_per_block()
+    assert (1 << 30) < pool <= (1 << 30) + (8 << 20) and kv_pool_gib(engine) == 2

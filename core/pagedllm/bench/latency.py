@@ -40,7 +40,7 @@ import torch
 
 from pagedllm.bench.ceiling import weight_bytes_per_token
 from pagedllm.bench.llama_cpp_bench import LlamaBenchFault, LlamaBenchRun, cpu_kind, run_llama_bench
-from pagedllm.bench.peer import VLLMPeer
+from pagedllm.bench.peer import VLLMPeer, kv_pool_gib
 from pagedllm.errors import ParamError
 from pagedllm.proc_mem import rss_bytes
 from pagedllm.sampling_params import SamplingParams
@@ -324,7 +324,7 @@ def run(args) -> LatencyResult:
     peer = None
     if args.compare_vllm:
         peer = VLLMPeer(args.compare_vllm, engine.model_path, str(engine.dtype).removeprefix("torch."),
-                        cfg.max_model_len, cfg.seed)
+                        cfg.max_model_len, cfg.seed, kv_cache_gib=kv_pool_gib(engine))
         streams["vllm"] = peer.stream
     if args.compare_hf:
         streams["hf"] = hf_streamer(engine.model_path)

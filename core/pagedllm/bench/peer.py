@@ -11,6 +11,7 @@ the peer idle beside them). Each engine then runs with nothing else on the machi
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -45,18 +46,26 @@ def hf_folder(model_path: str) -> str:
     return str(out)
 
 
+def kv_pool_gib(engine: Any) -> int:
+    """pagedllm's KV pool in whole GiB, rounded up (vLLM's CPU KV space is set in GiB)."""
+    worker = engine.worker
+    return max(1, math.ceil(worker.num_blocks * worker._bytes_per_block() / 2**30))
+
+
 class VLLMPeer:
     """One long-lived vLLM ``LLM`` in a child process; ``generate``/``stream`` block until the peer replies."""
 
     def __init__(self, python: str, model_path: str, dtype: str, max_model_len: int, seed: int = 0,
-                 max_num_seqs: Optional[int] = None):
+                 max_num_seqs: Optional[int] = None, kv_cache_gib: int = 2):
+        """``kv_cache_gib``: vLLM's KV pool (``VLLM_CPU_KVCACHE_SPACE``); callers pass pagedllm's (``kv_pool_gib``)
+        so neither engine batches or preempts for want of KV the other had."""
         folder = hf_folder(model_path)
         args: dict[str, Any] = dict(model=folder, dtype=dtype, max_model_len=max_model_len, seed=seed,
                                     skip_tokenizer_init=not any(Path(folder).glob("tokenizer*")))
         if max_num_seqs:
             args["max_num_seqs"] = max_num_seqs
         ncpu = len(os.sched_getaffinity(0))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
                "VLLM_CPU_OMP_THREADS_BIND": f"0-{ncpu - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         for k in ("PYTHONPATH", "OMP_NUM_THREADS"):  # our paths and thread caps are not the peer's
             env.pop(k, None)

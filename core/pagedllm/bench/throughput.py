@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from pagedllm.bench.peer import VLLMPeer
+from pagedllm.bench.peer import VLLMPeer, kv_pool_gib
 from pagedllm.bench.spec_workload import repeat_prompts
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -68,6 +68,7 @@ class ThroughputResult:
     spec_acceptance_rate: Optional[float] = None
     spec_mean_accepted_length: Optional[float] = None
     vllm_init_s: Optional[float] = None  # --compare-vllm: the peer's LLM() construction
+    vllm_kv_cache_gib: Optional[int] = None  # the peer's KV space: pagedllm's pool, rounded up to whole GiB
     vllm_elapsed_s: list[float] = field(default_factory=list)  # alternated with elapsed_s, same prompts
     vllm_output_tok_s: Optional[float] = None
     vs_vllm: Optional[float] = None  # median of per-repeat ratios vLLM time / our time (>1: we are faster)
@@ -164,8 +165,9 @@ def run(args) -> ThroughputResult:
         llm.generate(batch[:1], schema_sp.clone(max_tokens=2), use_tqdm=False)  # compile once, outside timing
     peer = None
     if args.compare_vllm:
-        peer = VLLMPeer(args.compare_vllm, engine.model_path, res.dtype, cfg.max_model_len, cfg.seed)
-        res.vllm_init_s = peer.init_s
+        peer = VLLMPeer(args.compare_vllm, engine.model_path, res.dtype, cfg.max_model_len, cfg.seed,
+                        kv_cache_gib=kv_pool_gib(engine))
+        res.vllm_init_s, res.vllm_kv_cache_gib = peer.init_s, kv_pool_gib(engine)
     hf = HFPeer(engine.model_path, prompts, args.output_len) if args.compare_hf else None
     prefill, plain_tok, json_tok = [], [], []
     for _ in range(args.repeats):
@@ -338,7 +340,8 @@ def main(args) -> int:
               f"{res.spec_speedup:.3f}x (median of per-repeat ratios)")
     if res.vs_vllm is not None:
         print(f"vLLM: {res.vllm_output_tok_s:.1f} output tok/s (median of {res.repeats}: "
-              f"{', '.join(f'{t:.2f}s' for t in res.vllm_elapsed_s)}, alternated; LLM() {res.vllm_init_s:.1f} s); "
+              f"{', '.join(f'{t:.2f}s' for t in res.vllm_elapsed_s)}, alternated; LLM() {res.vllm_init_s:.1f} s; "
+              f"KV space {res.vllm_kv_cache_gib} GiB, as pagedllm's pool); "
               f"pagedllm / vLLM {res.vs_vllm:.3f}x (median of per-repeat ratios); same greedy tokens on "
               f"{res.vllm_same_tokens:.0%} of requests")
     if res.hf_output_tok_s:
