@@ -125,13 +125,14 @@ def main(args) -> int:
         with open(text_file, "w") as f:
             f.write(text(args.text))
         base = os.path.join(tmp, "base.bin")
+        extra = shlex.split(args.llama_args or "")
         theirs = run_llama_perplexity(args.llama_perplexity, model, text_file, args.ctx, args.chunks, threads, base,
-                                      shlex.split(args.llama_args or ""))
+                                      extra)
         n_ctx, chunks = read_base_tokens(base)
         theirs_f32 = None
         if args.f32_peer:
             theirs_f32 = llama_perplexity_f32(args.llama_perplexity, model, tmp, text_file, args.ctx, args.chunks,
-                                              threads, shlex.split(args.llama_args or ""), chunks)
+                                              threads, extra, chunks)
     # 1 GiB of KV: 2.7k float32 tokens of the 1.7B model
     llm = LLM(model, device=args.device, max_model_len=max(n_ctx + 8, 256), kv_cache_memory=1 << 30)
     tok = llm.get_tokenizer()

@@ -65,8 +65,9 @@ class VLLMPeer:
         if max_num_seqs:
             args["max_num_seqs"] = max_num_seqs
         ncpu = len(os.sched_getaffinity(0))
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-               "VLLM_CPU_OMP_THREADS_BIND": f"0-{ncpu - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{ncpu - 1}",
+               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
         for k in ("PYTHONPATH", "OMP_NUM_THREADS"):  # our paths and thread caps are not the peer's
             env.pop(k, None)
         script = str(Path(__file__).with_name("vllm_peer.py"))

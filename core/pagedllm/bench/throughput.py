@@ -165,9 +165,10 @@ def run(args) -> ThroughputResult:
         llm.generate(batch[:1], schema_sp.clone(max_tokens=2), use_tqdm=False)  # compile once, outside timing
     peer = None
     if args.compare_vllm:
+        res.vllm_kv_cache_gib = kv_pool_gib(engine)
         peer = VLLMPeer(args.compare_vllm, engine.model_path, res.dtype, cfg.max_model_len, cfg.seed,
-                        kv_cache_gib=kv_pool_gib(engine))
-        res.vllm_init_s, res.vllm_kv_cache_gib = peer.init_s, kv_pool_gib(engine)
+                        kv_cache_gib=res.vllm_kv_cache_gib)
+        res.vllm_init_s = peer.init_s
     hf = HFPeer(engine.model_path, prompts, args.output_len) if args.compare_hf else None
     prefill, plain_tok, json_tok = [], [], []
     for _ in range(args.repeats):
