@@ -13,37 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from pagedllm.backend import Capabilities, KVCacheConfig, MambaSpec
+from pagedllm.backend import Capabilities, KVCacheConfig
 from pagedllm.backend.registry import get_backend, register_backend
 from pagedllm.commands.backends import kv_cache_groups, rows, table
 from pagedllm.conformance.matrix import support_matrix
 from pagedllm.conformance.runner import run_conformance
-from plugin_factory import REFERENCE_FEATURES, make_plugin
+from plugin_factory import REFERENCE_FEATURES, make_plugin, per_layer_allocator
 
 GROUPS = ["kv_cache.groups.*[*|float32]"]
 SIM = str(Path(__file__).resolve().parents[1] / "support" / "sim")
 CAPS = Capabilities(**REFERENCE_FEATURES, dtypes=("float32",), head_sizes=(16,), block_sizes=(8,))
-
-
-def per_layer_allocator(alias: tuple[int, ...] = ()):
-    """A backend's ``pagedllm_allocate_kv_cache_groups``: a distinct canonical tensor per paged layer (core's
-    sharing ignored: allowed) and its own state tensors; the layers of ``alias`` all get the first one's tensor."""
-    def allocate(config: KVCacheConfig) -> dict:
-        caches = {}
-        for group in config.kv_cache_groups:
-            spec = group.kv_cache_spec
-            for layer in group.layer_ids:
-                if isinstance(spec, MambaSpec):
-                    caches[layer] = tuple(torch.zeros((spec.num_slots, *s), dtype=d, device=spec.device)
-                                          for s, d in zip(spec.shapes, spec.dtypes))
-                else:
-                    caches[layer] = torch.zeros(spec.canonical_shape(config.num_blocks), dtype=spec.dtype,
-                                                device=config.device)
-        for layer in alias[1:]:
-            caches[layer] = caches[alias[0]]
-        return caches
-    return allocate
 
 
 def groups_run(backend) -> dict:
@@ -77,7 +56,7 @@ def test_sliding_layers_aliasing_each_others_blocks_fail():
     """Layers 0 and 2 form the sliding-window group: the same block ids hold different layers' keys, so one
     tensor for both loses layer 0's keys to layer 2's writes. The registry's checks (every layer, shape, dtype)
     cannot see it; attention read back can."""
-    name = register_backend(make_plugin("kvg-alias", CAPS, allocate_kv_cache_groups=per_layer_allocator((0, 2))),
+    name = register_backend(make_plugin("kvg-alias", CAPS, allocate_kv_cache_groups=per_layer_allocator(alias=(0, 2))),
                             "kvg-alias").name
     r = groups_run(name)["kv_cache.groups.full_sliding"]
     assert r.status == "failing"
@@ -88,7 +67,7 @@ def test_sliding_layers_aliasing_each_others_blocks_fail():
 def test_full_and_sliding_layer_aliasing_against_disjoint_blocks_passes():
     """Core's own layout: a full and a sliding layer on one tensor, at disjoint blocks of one pool (the null block
     0 of the sliding table never read)."""
-    name = register_backend(make_plugin("kvg-share", CAPS, allocate_kv_cache_groups=per_layer_allocator((1, 0))),
+    name = register_backend(make_plugin("kvg-share", CAPS, allocate_kv_cache_groups=per_layer_allocator(alias=(1, 0))),
                             "kvg-share").name
     r = groups_run(name)["kv_cache.groups.full_sliding"]
     assert r.status == "passing", r.error

@@ -14,7 +14,7 @@ from pagedllm.backend import (API_VERSION, BackendInfo, Capabilities, FullAttent
                               MambaSpec, SlidingWindowSpec, hookimpl)
 from pagedllm.backend.registry import BackendError, register_backend
 from pagedllm.sched.kv_groups import HybridKVCacheManager
-from plugin_factory import REFERENCE_FEATURES, make_plugin
+from plugin_factory import REFERENCE_FEATURES, make_plugin, per_layer_allocator
 from stateful import LFM2, QWEN3_NEXT
 from tiny_models import make_fallback_model, save_random_model
 
@@ -30,25 +30,6 @@ def dirs(tmp_path_factory) -> dict[str, str]:
             "lfm2": save_random_model(LFM2, root / "lfm2"),  # conv, attention, conv, conv, attention
             "qwen3_next": save_random_model(QWEN3_NEXT, root / "qwen3_next"),  # the same, Gated DeltaNet
             "deepseek_v2": make_fallback_model("deepseek_v2", root / "deepseek_v2")}  # MLA: one latent row
-
-
-def own_layout_allocator(seen: list):
-    """A backend's ``pagedllm_allocate_kv_cache_groups``: a distinct canonical tensor per paged layer (ignoring
-    core's sharing, so a sliding and a global layer no longer alias one tensor) and its own state tensors."""
-    def allocate(config: KVCacheConfig) -> dict:
-        caches = {}
-        seen.append((config, caches))
-        for group in config.kv_cache_groups:
-            spec = group.kv_cache_spec
-            for layer in group.layer_ids:
-                if isinstance(spec, MambaSpec):
-                    caches[layer] = tuple(torch.zeros((spec.num_slots, *shape), dtype=dtype, device=spec.device)
-                                          for shape, dtype in zip(spec.shapes, spec.dtypes))
-                else:
-                    caches[layer] = torch.zeros(spec.canonical_shape(config.num_blocks), dtype=spec.dtype,
-                                                device=config.device)
-        return caches
-    return allocate
 
 
 def backend(name: str, **ops) -> str:
@@ -89,7 +70,7 @@ GROUPS = {
 @pytest.mark.parametrize("name", ["gemma2", "gemma3", "lfm2", "qwen3_next", "deepseek_v2"])
 def test_own_layout_per_group_matches_the_default_path(dirs, name):
     seen: list = []
-    own = backend(f"kvspec-own-{name}", allocate_kv_cache_groups=own_layout_allocator(seen))
+    own = backend(f"kvspec-own-{name}", allocate_kv_cache_groups=per_layer_allocator(seen))
     default = backend(f"kvspec-default-{name}")
     ref = engine(dirs[name], default)
     vocab = ref.llm_engine.worker.model.vocab_size
@@ -128,7 +109,7 @@ def test_one_table_path_hands_full_groups_that_keep_the_window(dirs):
     """With the hybrid manager off, every layer keeps all its blocks: Gemma 2's sliding layer comes as a
     ``FullAttentionSpec`` with its ``sliding_window`` (vLLM's field), one tensor per layer."""
     seen: list = []
-    name = backend("kvspec-one-table", allocate_kv_cache_groups=own_layout_allocator(seen))
+    name = backend("kvspec-one-table", allocate_kv_cache_groups=per_layer_allocator(seen))
     engine(dirs["gemma2"], name, disable_hybrid_kv_cache_manager=True)
     config = seen[0][0]
     assert groups_of(config) == [((1,), "FullAttentionSpec", None), ((0,), "FullAttentionSpec", 8)]
@@ -179,7 +160,7 @@ def test_v3_plugin_without_the_hook_runs_on_its_old_allocators(dirs, name):
 def bad_allocator(break_layer):
     """Core's groups, then ``break_layer(config, caches)`` spoils one."""
     def allocate(config: KVCacheConfig) -> dict:
-        caches = own_layout_allocator([])(config)
+        caches = per_layer_allocator()(config)
         break_layer(config, caches)
         return caches
     return allocate

@@ -90,55 +90,19 @@ class Instance:
             pass
 
 
-class Router:
-    """``pagedllm router`` on a free port."""
+class _RouterProcess:
+    """``pagedllm router ARGS`` on a free port; ``healthy=False``: wait only until it answers (its backends may all
+    be down)."""
 
-    def __init__(self, prefill: str, decode: str, timeout_s: float = 60, connect_retries: int = 4):
+    def __init__(self, args: Sequence[str], healthy: bool = True, startup_s: float = 60):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-router-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "router", "--prefill", prefill, "--decode",
-                                      decode, "--port", str(self.port), "--timeout", str(timeout_s),
-                                      "--connect-retries", str(connect_retries)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "router", "--port", str(self.port), *args],
                                      stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + startup_s
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, open(self.log.name).read()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError("the router did not come up")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
-
-
-class ReplicaRouter:
-    """``pagedllm router --backend URL ...`` (``extra``: more flags) on a free port; ``healthy=False``: wait only
-    until it answers (its backends may all be down)."""
-
-    def __init__(self, backends: Sequence[str], *extra: str, healthy: bool = True, timeout_s: float = 60):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="pagedllm-router-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "pagedllm.cli", "router", "--port", str(self.port), "--timeout", str(timeout_s),
-               *[a for url in backends for a in ("--backend", url)], *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, open(self.log.name).read()
+            assert self.proc.poll() is None, self.output()
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200 or not healthy:
                     return
@@ -163,6 +127,22 @@ class ReplicaRouter:
                 self.proc.wait(10)
         self.log.close()
         os.unlink(self.log.name)
+
+
+class Router(_RouterProcess):
+    """``pagedllm router`` in front of one prefill and one decode instance."""
+
+    def __init__(self, prefill: str, decode: str, timeout_s: float = 60, connect_retries: int = 4):
+        super().__init__(["--prefill", prefill, "--decode", decode, "--timeout", str(timeout_s),
+                          "--connect-retries", str(connect_retries)])
+
+
+class ReplicaRouter(_RouterProcess):
+    """``pagedllm router --backend URL ...`` (``extra``: more flags) over replicas."""
+
+    def __init__(self, backends: Sequence[str], *extra: str, healthy: bool = True, timeout_s: float = 60):
+        super().__init__(["--timeout", str(timeout_s), *[a for url in backends for a in ("--backend", url)], *extra],
+                         healthy=healthy, startup_s=120)
 
 
 def router_samples(url: str, name: str, role: Optional[str] = None) -> dict[tuple[str, ...], float]:

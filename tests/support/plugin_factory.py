@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Callable, Optional
 
-from pagedllm.backend.hookspec import BackendInfo, Capabilities, MemoryInfo, ProbeResult, hookimpl
+import torch
+
+from pagedllm.backend.hookspec import (BackendInfo, Capabilities, KVCacheConfig, MambaSpec, MemoryInfo, ProbeResult,
+                                      hookimpl)
 
 
 #: What core's reference ops run: a plugin that leaves attention and MLA to them states these features.
@@ -163,3 +167,26 @@ def pagedllm_graph_runner(model, max_num_seqs, device):
 
 def v1_backend_source(name: str, block_offset_bug: bool = False) -> str:
     return V1_BACKEND.replace("NAME", name).replace("= BUG", f"= {int(block_offset_bug)}")
+
+
+def per_layer_allocator(seen: Optional[list] = None, alias: tuple[int, ...] = ()) -> Callable[[KVCacheConfig], dict]:
+    """A backend's ``pagedllm_allocate_kv_cache_groups``: a distinct canonical tensor per paged layer (core's sharing
+    across sliding-window groups ignored: allowed) and its own state tensors; the layers of ``alias`` all get the
+    first one's tensor (a broken backend); ``seen`` collects (config, caches) per call."""
+    def allocate(config: KVCacheConfig) -> dict:
+        caches: dict = {}
+        if seen is not None:
+            seen.append((config, caches))
+        for group in config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            for layer in group.layer_ids:
+                if isinstance(spec, MambaSpec):
+                    caches[layer] = tuple(torch.zeros((spec.num_slots, *shape), dtype=dtype, device=spec.device)
+                                          for shape, dtype in zip(spec.shapes, spec.dtypes))
+                else:
+                    caches[layer] = torch.zeros(spec.canonical_shape(config.num_blocks), dtype=spec.dtype,
+                                                device=config.device)
+        for layer in alias[1:]:
+            caches[layer] = caches[alias[0]]
+        return caches
+    return allocate
