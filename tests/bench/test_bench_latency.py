@@ -90,6 +90,6 @@ def test_the_vllm_peer_gets_pagedllms_kv_pool_rounded_up_to_whole_gib(tiny_llama
     from pagedllm.entrypoints.llm import LLM
 
     engine = LLM(tiny_llama, device="cpu", dtype="float32", max_model_len=64, kv_cache_memory=8 << 20).llm_engine
-    pool = engine.worker.num_blocks * engine.worker._bytes_per_block()
+    pool = engine.worker.num_blocks * engine.worker.bytes_per_block()
     gib = kv_pool_gib(engine)
     assert 0 < pool <= gib << 30 and (gib == 1 or (gib - 1) << 30 < pool)

@@ -49,7 +49,7 @@ def hf_folder(model_path: str) -> str:
 def kv_pool_gib(engine: Any) -> int:
     """pagedllm's KV pool in whole GiB, rounded up (vLLM's CPU KV space is set in GiB)."""
     worker = engine.worker
-    return max(1, math.ceil(worker.num_blocks * worker._bytes_per_block() / 2**30))
+    return max(1, math.ceil(worker.num_blocks * worker.bytes_per_block() / 2**30))
 
 
 class VLLMPeer:

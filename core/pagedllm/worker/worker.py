@@ -105,7 +105,7 @@ class Worker:
             self.num_blocks = par.world_group.all_reduce_min(self.num_blocks)
         if self.requires_kv_cache:
             stage("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB, %s)", self.num_blocks, self.block_size,
-                  self.num_blocks * self.block_size, self.num_blocks * self._bytes_per_block() / 2**30,
+                  self.num_blocks * self.block_size, self.num_blocks * self.bytes_per_block() / 2**30,
                   str(self.kv_dtype).removeprefix("torch."))
         else:
             stage("KV cache: none (%s is encoder-only: each prompt runs whole in one step)", info.architecture)
@@ -132,14 +132,14 @@ class Worker:
         draft_spec = self._draft_kv_spec(self.num_blocks)
         if draft_spec is not None:
             self.draft_model.kv_caches = backend.allocate_kv_cache(draft_spec)
-        self.num_host_blocks = (int(config.swap_space * (1 << 30) // self._bytes_per_block())
+        self.num_host_blocks = (int(config.swap_space * (1 << 30) // self.bytes_per_block())
                                 if self.requires_kv_cache and self.model.num_layers else 0)
         #: Host slots for swapped-out requests' recurrent state (worker/state_swap.py); None: no state swap
         self.host_state_caches: Optional[list] = None
         self.num_host_state_slots = 0
         if self.state_spec is not None and config.swap_space > 0:  # a swapped request takes its state slot along
             self.num_host_blocks, self.num_host_state_slots = split_swap_space(
-                int(config.swap_space * (1 << 30)), self._bytes_per_block(), self.state_spec,
+                int(config.swap_space * (1 << 30)), self.bytes_per_block(), self.state_spec,
                 -(-self.max_model_len // self.block_size))
         if self.kv_layout is not None and self.num_host_blocks:  # (swap moves one block table per request)
             logger.info("%s: preemption recomputes (no swap space for KV groups)", self.kv_layout.describe())
@@ -200,7 +200,7 @@ class Worker:
         return KVCacheSpec(d.num_layers, num_blocks, self.block_size, d.num_kv_heads, d.head_size, self.kv_dtype,
                            self.device, mla=getattr(d, "kv_cache_mla", False))
 
-    def _bytes_per_block(self) -> int:
+    def bytes_per_block(self) -> int:
         """Bytes one block id costs: the target's K/V plus the draft's (which lives at the same block ids)."""
         draft = self._draft_kv_spec(1)
         return self._kv_spec(1).bytes_per_block + (draft.bytes_per_block if draft is not None else 0)
@@ -355,7 +355,7 @@ class Worker:
 
     def _num_blocks(self) -> int:
         c = self.config
-        bpb = self._bytes_per_block()
+        bpb = self.bytes_per_block()
         per_seq = (-(-self.max_model_len // self.block_size) if self.kv_layout is None else
                    self.kv_layout.blocks_per_seq(self.max_model_len, self.block_size, self.max_num_batched_tokens))
         if c.num_gpu_blocks_override is not None:
