@@ -42,6 +42,7 @@ from pagedllm.backend import build_lock, cache_root, wait_requested
 logger = logging.getLogger(__name__)
 
 _SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.cpp"))
+_HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))  # included by the sources: part of the build key
 _ENV = "PAGEDLLM_CPU_PAGED_DECODE"
 _LOCK = "pagedllm_cpu"  # the build lock's name (``pagedllm bench`` names it while it is held)
 BUILD_COMMAND = "pagedllm-cpu-build"
@@ -70,7 +71,7 @@ def _capability() -> str:
 
 def _build_key(cap: str) -> str:
     h = hashlib.sha256()
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
     h.update(f"{torch.__version__}:{sys.version_info[:2]}:{cap}".encode())
     return h.hexdigest()[:20]

@@ -25,6 +25,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -46,16 +48,12 @@ constexpr int64_t kKC = 512;   // inputs per chunk (a multiple of kQK)
 constexpr int64_t kMB = 64;    // rows of x per block
 constexpr int64_t kV = 16;     // floats per partial sum (the AVX-512 width; narrower paths use a prefix)
 
-enum Type { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
+using pagedllm_cpu::half_at;
+using pagedllm_cpu::kQ4K;
+using pagedllm_cpu::kQ5K;
+using pagedllm_cpu::kQ6K;
+using Type = pagedllm_cpu::KQuant;
 enum Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
-
-int64_t type_bytes(Type t) { return t == kQ4K ? 144 : t == kQ5K ? 176 : 210; }
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-}
 
 // Q4_K / Q5_K: the 8 sub-block scales (d * sc) and mins (dmin * m) of a super-block (ggml's get_scale_min_k4).
 inline void scales_k4(const uint8_t* b, float* dl, float* ml) {
@@ -263,8 +261,7 @@ PAGEDLLM_T512 void row_fused_avx512(Type t, const uint8_t* w, int64_t nsb, int64
   for (int64_t sb = 0; sb < nsb; ++sb) {
     const uint8_t* b = w + sb * bb;
     const float* xb = x + sb * kQK;
-    for (int64_t o = 0; o < bb; o += 64)  // see kFusedPrefetch
-      _mm_prefetch(reinterpret_cast<const char*>(b + kFusedPrefetch + o), _MM_HINT_T0);
+    pagedllm_cpu::prefetch_ahead<kFusedPrefetch>(b, bb);  // see kFusedPrefetch
     if (t == kQ6K) {
       __m256 dl8[2];
       {
@@ -378,7 +375,7 @@ void fused_gemv(Type t, const float* xp, int64_t mrows, int64_t k, const uint8_t
     for (int64_t j = 0; j < 32; ++j) s += xp[i * 32 + j];
     xsum[i] = s;
   }
-  const int64_t nsb = k / kQK, bb = type_bytes(t);
+  const int64_t nsb = k / kQK, bb = pagedllm_cpu::kquant_bytes(t);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < mrows; m0 += 4) {
       const int mt = static_cast<int>(std::min<int64_t>(4, mrows - m0));
@@ -474,33 +471,17 @@ void decode(Isa isa, Type t, const uint8_t* b, float* out) {
   decode_portable(t, b, out);
 }
 
-int64_t best_isa() {
-#ifdef PAGEDLLM_KQ_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return kAvx2;
-#endif
-  return kPortable;
-}
-
-Type parse_type(const std::string& s) {
-  if (s == "Q4_K") return kQ4K;
-  if (s == "Q5_K") return kQ5K;
-  TORCH_CHECK(s == "Q6_K", "kquant_gemv: weight_type must be Q4_K, Q5_K or Q6_K, got ", s);
-  return kQ6K;
-}
+int64_t best_isa() { return pagedllm_cpu::cpu_avx512() ? kAvx512 : pagedllm_cpu::cpu_avx2() ? kAvx2 : kPortable; }
 
 // x [..., K] (K a multiple of 256; reduced dtypes computed in fp32), blocks uint8 [N, K / 256 * bytes] (rows may be
 // strided, bytes within a row contiguous): y [..., N] in x's dtype. isa: 0 portable, 1 AVX2, 2 AVX-512, -1 the best.
 at::Tensor kquant_gemv(const at::Tensor& x, const at::Tensor& blocks, const std::string& weight_type, int64_t isa) {
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kquant_gemv: x must be floating point");
-  const Type t = parse_type(weight_type);
+  const Type t = pagedllm_cpu::parse_kquant(weight_type, "kquant_gemv");
   const int64_t best = best_isa();
   TORCH_CHECK(isa >= -1 && isa <= best, "kquant_gemv: isa ", isa, " is not supported by this CPU (best: ", best, ")");
   const Isa level = static_cast<Isa>(isa < 0 ? best : isa);
-  const int64_t k = x.size(-1), nsb = k / kQK, bb = type_bytes(t);
+  const int64_t k = x.size(-1), nsb = k / kQK, bb = pagedllm_cpu::kquant_bytes(t);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && k % kQK == 0 &&
                   blocks.size(1) == nsb * bb,
               "kquant_gemv: blocks must be uint8 [N, K / 256 * ", bb, "] with contiguous rows for K = ", k);
@@ -658,7 +639,7 @@ Format parse_format(const std::string& s) {
   if (s == "Q4_1") return kFmtQ4_1;
   TORCH_CHECK(s == "Q4_K" || s == "Q5_K" || s == "Q6_K", "kquant_mm_bf16: weight_type must be Q4_K, Q5_K, Q6_K, Q8_0, ",
               "Q4_0 or Q4_1, got ", s);
-  return static_cast<Format>(parse_type(s));
+  return static_cast<Format>(pagedllm_cpu::parse_kquant(s, "kquant_mm_bf16"));
 }
 
 // Q8_0: one row of k weights (k / 32 blocks of fp16 d + 32 int8) to fp32, w = d * q.
@@ -705,7 +686,7 @@ at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const s
                     blocks.size(0) == (n + 15) / 16 && blocks.size(1) == k / 32 && blocks.size(2) == bb,
                 "kquant_mm_bf16: ", weight_type, " blocks must be q4_gemv's uint8 [ceil(N / 16), K / 32, ", bb, "]");
   } else {
-    bb = f == kFmtQ8_0 ? 34 : type_bytes(static_cast<Type>(f));
+    bb = f == kFmtQ8_0 ? 34 : pagedllm_cpu::kquant_bytes(static_cast<Type>(f));
     TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 &&
                     blocks.size(1) == k / unit * bb,
                 "kquant_mm_bf16: blocks must be uint8 [N, K / ", unit, " * ", bb, "] with contiguous rows for K = ", k);

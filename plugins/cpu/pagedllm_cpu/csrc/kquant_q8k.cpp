@@ -21,6 +21,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -44,16 +46,12 @@ constexpr int kTile = 4;      // rows of x per decode of a weight row
 constexpr int64_t kGroup = 16;  // output rows per work item
 constexpr int64_t kChunk = 16;  // super-blocks of x per pass of a work item's rows (beyond one tile)
 
-enum Type { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
+using pagedllm_cpu::half_at;
+using pagedllm_cpu::kQ4K;
+using pagedllm_cpu::kQ5K;
+using pagedllm_cpu::kQ6K;
+using Type = pagedllm_cpu::KQuant;
 enum Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kVnni = 3 };
-
-int64_t type_bytes(Type t) { return t == kQ4K ? 144 : t == kQ5K ? 176 : 210; }
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-}
 
 #ifdef PAGEDLLM_Q8K_X86
 // fp16 -> fp32 in one F16C instruction (the SIMD paths; ``half_at`` converts in software, ~20 instructions).
@@ -130,7 +128,7 @@ void row_portable(Type t, const uint8_t* w, int64_t nsb, int64_t s0, int64_t s1,
   const int16_t* bs = x.bsums + m * (x.k / 16);
   float sum = 0.f;
   for (int64_t sb = s0; sb < s1; ++sb) {
-    const uint8_t* b = w + sb * type_bytes(t);
+    const uint8_t* b = w + sb * pagedllm_cpu::kquant_bytes(t);
     const int8_t* xq = q8 + sb * kQK;
     const int16_t* xs = bs + sb * 16;
     int32_t sumi = 0;
@@ -179,9 +177,7 @@ void row_portable(Type t, const uint8_t* w, int64_t nsb, int64_t s0, int64_t s1,
 // without, 1.2 with; 512-2048 bytes ahead all alike). Past the end of the blocks: a no-op (prefetches never fault).
 constexpr int64_t kPrefetch = 1024;
 
-inline void prefetch(const uint8_t* b, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetch + o), _MM_HINT_T0);
-}
+inline void prefetch(const uint8_t* b, int64_t bytes) { pagedllm_cpu::prefetch_ahead<kPrefetch>(b, bytes); }
 
 // ---- AVX2: 32 weights a vector, vpmaddubsw then vpmaddwd by the scale (ggml's AVX2 path) ------------------------
 
@@ -200,7 +196,7 @@ template <int MT>
 PAGEDLLM_Q8K_T256 void row_avx2(Type t, const uint8_t* w, int64_t nsb, int64_t s0, int64_t s1, const Q8K& x,
                                 int64_t m0, float* y, int64_t ys) {
   const __m256i low4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
-  const int64_t bb = type_bytes(t), k16 = x.k / 16;
+  const int64_t bb = pagedllm_cpu::kquant_bytes(t), k16 = x.k / 16;
   __m256 acc[MT], accm[MT];
   for (int m = 0; m < MT; ++m) acc[m] = accm[m] = _mm256_setzero_ps();
   for (int64_t sb = s0; sb < s1; ++sb) {
@@ -303,7 +299,7 @@ PAGEDLLM_Q8K_T512 inline float hsum256_512(__m256 v) {
   const __m512i sh02 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);                              \
   const __m512i sh46 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);                              \
   const __m512i mask16 = _mm512_set1_epi32(0xFFFF);                                                                    \
-  const int64_t bb = type_bytes(t), k16 = x.k / 16;                                                                    \
+  const int64_t bb = pagedllm_cpu::kquant_bytes(t), k16 = x.k / 16;                                                                    \
   __m512 acc[MT];                                                                                                      \
   __m256 accm[MT];                                                                                                     \
   for (int m = 0; m < MT; ++m) {                                                                                       \
@@ -409,21 +405,8 @@ void run_rows(int mt, Isa isa, Type t, const uint8_t* w, int64_t nsb, int64_t s0
 }
 
 int64_t best_isa() {
-#ifdef PAGEDLLM_Q8K_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq"))
-    return __builtin_cpu_supports("avx512vnni") ? kVnni : kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return kAvx2;
-#endif
-  return kPortable;
-}
-
-Type parse_type(const std::string& s) {
-  if (s == "Q4_K") return kQ4K;
-  if (s == "Q5_K") return kQ5K;
-  TORCH_CHECK(s == "Q6_K", "kquant_q8k_gemv: weight_type must be Q4_K, Q5_K or Q6_K, got ", s);
-  return kQ6K;
+  using namespace pagedllm_cpu;
+  return cpu_avx512_vnni() ? kVnni : cpu_avx512() ? kAvx512 : cpu_avx2() ? kAvx2 : kPortable;
 }
 
 // x [..., K] (K a multiple of 256, any float dtype) as Q8_K: q int8 [M, K], d fp32 [M, K / 256], bsums int16
@@ -452,12 +435,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kquant_q8k_quantize(const at::Ten
 // row contiguous): y [..., N] in x's dtype. isa: 0 portable, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI, -1 the best.
 at::Tensor kquant_q8k_gemv(const at::Tensor& x, const at::Tensor& blocks, const std::string& weight_type,
                            int64_t isa) {
-  const Type t = parse_type(weight_type);
+  const Type t = pagedllm_cpu::parse_kquant(weight_type, "kquant_q8k_gemv");
   const int64_t best = best_isa();
   TORCH_CHECK(isa >= -1 && isa <= best, "kquant_q8k_gemv: isa ", isa, " is not supported by this CPU (best: ", best,
               ")");
   const Isa level = static_cast<Isa>(isa < 0 ? best : isa);
-  const int64_t k = x.size(-1), nsb = k / kQK, bb = type_bytes(t);
+  const int64_t k = x.size(-1), nsb = k / kQK, bb = pagedllm_cpu::kquant_bytes(t);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && k % kQK == 0 &&
                   blocks.size(1) == nsb * bb,
               "kquant_q8k_gemv: blocks must be uint8 [N, K / 256 * ", bb, "] with contiguous rows for K = ", k);

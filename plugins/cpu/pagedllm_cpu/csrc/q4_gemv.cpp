@@ -15,6 +15,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <cstdint>
 #include <vector>
 
@@ -36,9 +38,7 @@ int64_t block_bytes(bool has_min) { return kRows * 2 * (has_min ? 2 : 1) + kRows
 // end of the group: the next group's blocks, or a no-op (prefetches never fault).
 constexpr int64_t kPrefetch = 3072;
 
-inline void prefetch_block(const uint8_t* p, int64_t bb) {
-  for (int64_t o = 0; o < bb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + o), _MM_HINT_T0);
-}
+inline void prefetch_block(const uint8_t* p, int64_t bb) { pagedllm_cpu::prefetch_ahead<kPrefetch>(p, bb); }
 #endif
 
 struct Args {

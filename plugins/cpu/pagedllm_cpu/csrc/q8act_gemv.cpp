@@ -23,6 +23,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -384,14 +386,7 @@ PAGEDLLM_Q8A_T512 void q4_group_avx512(const uint8_t* g, int64_t nb, bool has_mi
 #endif
 
 int64_t best_isa() {
-#ifdef PAGEDLLM_Q8A_X86
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni"))
-    return kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) return kAvx2;
-#endif
-  return kPortable;
+  return pagedllm_cpu::cpu_avx512_vnni() ? kAvx512 : pagedllm_cpu::cpu_avx2() ? kAvx2 : kPortable;
 }
 
 template <int MT>

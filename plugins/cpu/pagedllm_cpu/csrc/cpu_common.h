@@ -1,0 +1,77 @@
+// What several kernels share: the SIMD levels the running CPU has, fp16 bits to float, GGUF K-quant super-block
+// types, and the software prefetch of a block's bytes a fixed distance ahead. Header-only (inline): each kernel file
+// stays one translation unit with its own anonymous namespace.
+#pragma once
+
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define PAGEDLLM_CPU_X86 1
+#endif
+
+namespace pagedllm_cpu {
+
+// AVX-512 F/BW/VL/DQ (the kernels' AVX-512 paths), and AVX2 + FMA + F16C (their AVX2 paths), on the running CPU.
+inline bool cpu_avx512() {
+#ifdef PAGEDLLM_CPU_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+inline bool cpu_avx2() {
+#ifdef PAGEDLLM_CPU_X86
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+inline bool cpu_avx512_vnni() {
+#ifdef PAGEDLLM_CPU_X86
+  return cpu_avx512() && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+// fp16 bits at an unaligned address to float, in software (the portable paths).
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// GGUF K-quant super-blocks of 256 weights: Q4_K 144 bytes, Q5_K 176, Q6_K 210.
+enum KQuant { kQ4K = 0, kQ5K = 1, kQ6K = 2 };
+
+inline int64_t kquant_bytes(KQuant t) { return t == kQ4K ? 144 : t == kQ5K ? 176 : 210; }
+
+inline KQuant parse_kquant(const std::string& s, const char* op) {
+  if (s == "Q4_K") return kQ4K;
+  if (s == "Q5_K") return kQ5K;
+  TORCH_CHECK(s == "Q6_K", op, ": weight_type must be Q4_K, Q5_K or Q6_K, got ", s);
+  return kQ6K;
+}
+
+#ifdef PAGEDLLM_CPU_X86
+// Every cache line of [p + Ahead, p + Ahead + bytes) into L1: at a few rows of x a weight-streaming loop is too short
+// for the hardware prefetcher alone to keep DRAM busy. Past the end of the weights it is a no-op (prefetches never
+// fault). Each kernel measured its own distance (see its kPrefetch).
+template <int64_t Ahead>
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + Ahead + o), _MM_HINT_T0);
+}
+#endif
+
+}  // namespace pagedllm_cpu
