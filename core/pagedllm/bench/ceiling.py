@@ -1,5 +1,6 @@
-"""Hardware ceilings to state beside measured rates: the GEMM-only time of a decode step, and the weight bytes a
-step streams (batch-1 decode cannot beat copy bandwidth / weight bytes).
+"""Hardware ceilings to state beside measured rates: the GEMM-only time of a decode step, the weight bytes a step
+streams (batch-1 decode cannot beat copy bandwidth / weight bytes), and the FLOPs of a step's linear layers (no GEMM
+beats them / the matrix unit's peak, where the backend's op library measures one: ``matmul_peak``).
 
 The GEMM ceiling times the model's own linear layers (whatever kernel each runs on: packed dense, quantized, or
 ``F.linear``) and its LM head, at the step's batch size, on random activations: a decode step can go no faster
@@ -47,6 +48,26 @@ def gemm_step_seconds(model: nn.Module, batch: int, repeats: int = 7, head_rows:
                 f(xs[k, r])
             times.append(time.perf_counter() - t)
     return statistics.median(times[1:])
+
+
+def linear_flops(model: nn.Module, batch: int) -> float:
+    """Multiply-adds x 2 of one step's linear layers and LM head at ``batch`` tokens."""
+    total = 0
+    for name, m in model.named_modules():
+        if name != "lm_head" and (isinstance(m, nn.Linear) or hasattr(m, "kernel_name")):
+            total += m.in_features * m.out_features
+    total += model.hidden_size * model.vocab_size
+    return 2.0 * batch * total
+
+
+def matmul_peak_tflops(backend_name: str, seconds: float = 0.5) -> float | None:
+    """The backend's ``matmul_peak(seconds) -> TFLOP/s`` op (``torch.ops.pagedllm_<backend>``: its matrix unit's
+    bf16 peak on all threads, 0 where it has none), or None where the backend registers no such op."""
+    namespace = getattr(torch.ops, f"pagedllm_{backend_name.replace('-', '_')}")
+    if not hasattr(namespace, "matmul_peak"):
+        return None
+    peak = float(namespace.matmul_peak(seconds))
+    return peak or None
 
 
 def gemm_workload_seconds(model: nn.Module, num_prompts: int, input_len: int, output_len: int,

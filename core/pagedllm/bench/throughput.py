@@ -77,6 +77,8 @@ class ThroughputResult:
     gemm_ceiling_tok_s: Optional[float] = None  # --gemm-ceiling: batch / GEMM-only time of one decode step
     decode_vs_ceiling: Optional[float] = None  # decode_tok_s / gemm_ceiling_tok_s
     gemm_workload_s: Optional[tuple[float, float]] = None  # --gemm-ceiling: the whole workload's GEMMs alone (s)
+    step_linear_gflop: Optional[float] = None  # --gemm-ceiling: one decode step's linear layers + LM head
+    matmul_peak_tflops: Optional[float] = None  # --gemm-ceiling, bf16: the matrix unit's peak on all threads
 
 
 def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
@@ -228,12 +230,16 @@ def run(args) -> ThroughputResult:
     res.prefill_tok_s = args.num_prompts * args.input_len / statistics.median(prefill)
     res.decode_tok_s = args.num_prompts * (args.output_len - 1) / (med - statistics.median(prefill))
     if args.gemm_ceiling:
-        from pagedllm.bench.ceiling import gemm_step_seconds, gemm_workload_seconds  # heavy: torch, not at CLI start
+        from pagedllm.bench.ceiling import (gemm_step_seconds, gemm_workload_seconds, linear_flops,  # heavy: torch
+                                            matmul_peak_tflops)
 
         res.gemm_ceiling_tok_s = args.num_prompts / gemm_step_seconds(engine.model, args.num_prompts)
         res.decode_vs_ceiling = res.decode_tok_s / res.gemm_ceiling_tok_s
         res.gemm_workload_s = gemm_workload_seconds(engine.model, args.num_prompts, args.input_len, args.output_len,
                                                     engine.config.max_num_batched_tokens)
+        res.step_linear_gflop = linear_flops(engine.model, args.num_prompts) / 1e9
+        if engine.model.dtype == torch.bfloat16:
+            res.matmul_peak_tflops = matmul_peak_tflops(engine.worker.backend.name)
     if schema_sp is not None:
         res.json_output_tok_s = statistics.median(json_tok)
         res.unconstrained_output_tok_s = statistics.median(plain_tok)
@@ -320,6 +326,14 @@ def main(args) -> int:
             vllm = statistics.median(res.vllm_elapsed_s)
             line += (f", vLLM's {floor / vllm:.0%}; {vllm / floor:.2f}x vLLM is the most these GEMMs allow "
                      f"(1.3x: {vllm / 1.3:.2f} s)")
+        print(line)
+        step_s = args.num_prompts / res.gemm_ceiling_tok_s
+        line = (f"one decode step's linears: {res.step_linear_gflop:.0f} GFLOP in {step_s * 1e3:.0f} ms = "
+                f"{res.step_linear_gflop / step_s / 1e3:.2f} TFLOP/s")
+        if res.matmul_peak_tflops:
+            line += (f"; the matrix unit's bf16 peak measured now: {res.matmul_peak_tflops:.2f} TFLOP/s on {res.threads}"
+                     f" threads (operands in registers), so at least "
+                     f"{res.step_linear_gflop / res.matmul_peak_tflops:.0f} ms")
         print(line)
     if res.json_output_tok_s:
         print(f"json schema on every request: {res.json_output_tok_s:.1f} output tok/s vs unconstrained "

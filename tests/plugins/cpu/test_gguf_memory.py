@@ -154,6 +154,34 @@ def test_bench_finds_the_stream_read_op_through_the_registry(lib):
     assert stream_read_bandwidth(op, nbytes=8 << 20, repeats=2) > 0  # the checksum is checked inside
 
 
+def test_matmul_peak_runs_the_tile_unit_where_the_cpu_has_amx(lib):
+    """The matrix-unit probe: a positive bf16 peak where /proc/cpuinfo lists AMX (tile dot products ran), 0 where not;
+    the bench finds it through the registry and states nothing for a backend without it."""
+    from pagedllm.bench.ceiling import matmul_peak_tflops
+
+    with open("/proc/cpuinfo") as f:
+        amx = any(line.startswith("flags") and {"amx_tile", "amx_bf16"} <= set(line.split()) for line in f)
+    peak = lib.matmul_peak(0.05)
+    assert (peak > 0) if amx else peak == 0
+    assert (matmul_peak_tflops("cpu", 0.05) is not None) == amx
+    assert matmul_peak_tflops("no-such-backend") is None
+
+
+def test_linear_flops_are_the_configs_matrix_shapes(tiny_llama):
+    """FLOPs of a step's linears and LM head, against the arithmetic of the HF config (q, k, v, o, gate, up, down per
+    layer; hidden x vocab once)."""
+    from pagedllm import LLM
+    from pagedllm.bench.ceiling import linear_flops
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(tiny_llama)
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    h, i = c.hidden_size, c.intermediate_size
+    layer = h * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + 3 * h * i
+    llm = LLM(tiny_llama, device="cpu", dtype="bfloat16", max_model_len=64, kv_cache_memory=1 << 20)
+    assert linear_flops(llm.llm_engine.model, 8) == 2 * 8 * (c.num_hidden_layers * layer + h * c.vocab_size)
+
+
 @pytest.mark.slow
 def test_bench_latency_reports_the_stream_floor_and_sizes_the_engine(lib, tiny_llama, tmp_path):
     """``bench latency`` on the CPU backend: the streaming-read floor beside the copy one, "floor reached", the

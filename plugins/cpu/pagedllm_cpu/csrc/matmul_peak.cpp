@@ -1,0 +1,106 @@
+// The matrix unit's bf16 peak behind ``pagedllm bench throughput --gemm-ceiling``: at batch 64 a decode step's linear
+// layers are bf16 GEMMs, and on CPUs with AMX the tile unit, not memory, can bound them. ``matmul_peak(seconds)``
+// runs AMX tile dot products (``tdpbf16ps``, 16 x 16 x 32 a call, four independent accumulator tiles so latency never
+// sets the pace) on every thread at once for about ``seconds`` and returns the FLOP/s they did together in TFLOP/s;
+// 0 where the CPU has no AMX-BF16 or the kernel refuses the tile state (Linux's ARCH_REQ_XCOMP_PERM). Operands
+// stay in tile registers: what no GEMM can beat, memory aside. Measured on a 2-core VM's Xeon: 1.1-2.7 TFLOP/s a core
+// minutes apart (the unit is shared with whatever else the host runs), so the bench measures it beside its run.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_common.h"
+
+// AMX intrinsics: GCC 11+, clang 12+; older compilers build the library without the probe (it returns 0).
+#if defined(PAGEDLLM_CPU_X86) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEDLLM_AMX 1
+#endif
+
+namespace {
+
+#ifdef PAGEDLLM_AMX
+constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an XSAVE feature's state
+constexpr int kXfeatureXtiledata = 18;     // AMX tile data
+
+bool amx_usable() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool tile = d & (1u << 24), bf16 = d & (1u << 22);
+  return tile && bf16 && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+struct TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// ``calls`` rounds of 4 tile dot products; 16 x 16 x 32 multiply-adds each.
+__attribute__((target("amx-tile,amx-bf16"))) void tile_dots(int64_t calls) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  alignas(64) static const uint16_t operand[16 * 32] = {};  // zeros: the unit's timing does not depend on values
+  // GCC does not see ldtilecfg read the struct and drops the stores above (measured: a #GP, SIGSEGV); the barrier
+  // makes them happen.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, operand, 64);
+  _tile_loadd(5, operand, 64);
+  _tile_loadd(6, operand, 64);
+  _tile_loadd(7, operand, 64);
+  for (int64_t i = 0; i < calls; ++i) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_release();
+}
+#endif
+
+double matmul_peak(double seconds) {
+#ifdef PAGEDLLM_AMX
+  if (!amx_usable()) return 0.0;
+  constexpr int64_t kCalls = 1 << 14;  // ~0.1-0.3 ms a batch per thread
+  constexpr double kFlops = 4.0 * 2 * 16 * 16 * 32 * kCalls;
+  const int threads = at::get_num_threads();
+  std::atomic<int64_t> batches{0};
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      int64_t done = 0;
+      do {
+        tile_dots(kCalls);
+        ++done;
+      } while (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < seconds);
+      batches.fetch_add(done, std::memory_order_relaxed);
+    }
+  });
+  const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return batches.load() * kFlops / elapsed / 1e12;
+#else
+  (void)seconds;
+  return 0.0;
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("matmul_peak(float seconds=0.5) -> float", &matmul_peak); }
