@@ -130,14 +130,14 @@ def test_persistent_compilation_cache_serves_a_second_process(tiny_model_dirs, t
 #: Conformance cases that apply to this backend, selected to keep the run in minutes (the full suite, every head
 #: size x block size x GQA ratio x dtype, is ``PAGEDLLM_TPU_PLATFORM=cpu pagedllm conformance --device tpu``).
 #: Every block size (16, 32, 64, 128) runs write_kv, gather and attention; the engine's greedy parity (~30 s of XLA
-#: compiles each) runs at the smallest and the largest. The plugin's code never branches on the page size (the jnp
-#: attention, the KV writes and the runner take it as a shape), so greedy parity at 32 and 64 ran the same programs
-#: at other shapes: what differs per block size is covered by the kernel cases.
+#: compiles) runs at 16. The plugin's code never branches on the page size (the jnp attention, the KV writes and the
+#: runner take it as a shape), so greedy parity at another size runs the same programs at other shapes: what differs
+#: per block size is covered by the kernel cases.
 CONFORMANCE_ALLOW = ["memory_info", "write_kv*[hs64-*", "write_kv*[hs16-*", "gather_kv_blocks*",
                      "swap_kv_blocks*", "paged_attention.*[hs64-bs16-*", "paged_attention.*[hs16-bs128-*",
                      "paged_attention.*[hs80-bs32-gqa3*", "paged_attention.mixed[hs64-bs64-gqa4*", "rms_norm*",
                      "silu_and_mul*", "rotary*[hs64*", "rotary*[hs16*", "graph_runner.replay_vs_eager*",
-                     "greedy_parity_vs_hf[*-bs16|*", "greedy_parity_vs_hf[*-bs128|*"]
+                     "greedy_parity_vs_hf[*-bs16|*"]
 
 
 @pytest.mark.slow
@@ -158,8 +158,7 @@ def test_conformance_applicable_cases():
     assert untested == {"swap_kv_blocks", "graph_runner.replay_vs_eager"}, untested
     block_sizes = {x["model"].split("-")[1] for x in ran if x["kernel"].startswith("paged_attention")}
     assert block_sizes == {"bs16", "bs32", "bs64", "bs128"}, block_sizes  # attention at every block size
-    assert sorted(x["model"] for x in ran if x["kernel"] == "greedy_parity_vs_hf") == [
-        "tiny-llama-hs64-bs128", "tiny-llama-hs64-bs16"]
+    assert [x["model"] for x in ran if x["kernel"] == "greedy_parity_vs_hf"] == ["tiny-llama-hs64-bs16"]
     kernels = {x["kernel"] for x in ran}
     assert {"write_kv", "gather_kv_blocks", "paged_attention.decode", "paged_attention.prefill",
             "paged_attention.mixed", "paged_attention.sliding_window", "paged_attention.soft_cap", "rms_norm",
