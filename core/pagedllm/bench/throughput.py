@@ -295,7 +295,8 @@ def add_parser(sub) -> None:
                         "ci/setup_vllm_cpu_peer.sh) on the same prompts, alternated per repeat, and print the ratio")
     p.add_argument("--gemm-ceiling", action="store_true",
                    help="also time the model's linear layers and LM head alone at the batch size (the GEMM "
-                        "ceiling of a decode step) and report decode speed as a fraction of it")
+                        "ceiling of a decode step) and report decode speed as a fraction of it; on a bf16 model also "
+                        "the step's linear FLOPs against the matrix unit's peak, where the backend measures one")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run every repeat with this JSON schema on every request (alternated with the "
