@@ -51,7 +51,8 @@ def gemm_step_seconds(model: nn.Module, batch: int, repeats: int = 7, head_rows:
 
 
 def linear_flops(model: nn.Module, batch: int) -> float:
-    """Multiply-adds x 2 of one step's linear layers and LM head at ``batch`` tokens."""
+    """Multiply-adds x 2 of one step's linear layers and LM head at ``batch`` tokens (a MoE's experts all counted:
+    for MoE models it overstates a step)."""
     total = 0
     for name, m in model.named_modules():
         if name != "lm_head" and (isinstance(m, nn.Linear) or hasattr(m, "kernel_name")):

@@ -332,8 +332,8 @@ def main(args) -> int:
         line = (f"one decode step's linears: {res.step_linear_gflop:.0f} GFLOP in {step_s * 1e3:.0f} ms = "
                 f"{res.step_linear_gflop / step_s / 1e3:.2f} TFLOP/s")
         if res.matmul_peak_tflops:
-            line += (f"; the matrix unit's bf16 peak measured now: {res.matmul_peak_tflops:.2f} TFLOP/s on {res.threads}"
-                     f" threads (operands in registers), so at least "
+            line += (f"; the matrix unit's bf16 peak measured now: {res.matmul_peak_tflops:.2f} TFLOP/s on "
+                     f"{res.threads} threads (operands in registers), so at least "
                      f"{res.step_linear_gflop / res.matmul_peak_tflops:.0f} ms")
         print(line)
     if res.json_output_tok_s:
