@@ -3,8 +3,8 @@
 // runs AMX tile dot products (``tdpbf16ps``, 16 x 16 x 32 a call, four independent accumulator tiles so latency never
 // sets the pace) on every thread at once for about ``seconds`` and returns the FLOP/s they did together in TFLOP/s;
 // 0 where the CPU has no AMX-BF16 or the kernel refuses the tile state (Linux's ARCH_REQ_XCOMP_PERM). Operands
-// stay in tile registers: what no GEMM can beat, memory aside. Measured on a 2-core VM's Xeon: 1.1-2.7 TFLOP/s a core
-// minutes apart (the unit is shared with whatever else the host runs), so the bench measures it beside its run.
+// stay in tile registers: what no GEMM can beat, memory aside. Measured on a 2-core VM's Xeon: 1.1-2.9 TFLOP/s a core
+// minutes apart (a shared host; cause not determined), so the bench measures it beside its run.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
