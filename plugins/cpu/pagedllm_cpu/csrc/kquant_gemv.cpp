@@ -49,6 +49,7 @@ constexpr int64_t kMB = 64;    // rows of x per block
 constexpr int64_t kV = 16;     // floats per partial sum (the AVX-512 width; narrower paths use a prefix)
 
 using pagedllm_cpu::half_at;
+using pagedllm_cpu::kquant_bytes;
 using pagedllm_cpu::kQ4K;
 using pagedllm_cpu::kQ5K;
 using pagedllm_cpu::kQ6K;
@@ -375,7 +376,7 @@ void fused_gemv(Type t, const float* xp, int64_t mrows, int64_t k, const uint8_t
     for (int64_t j = 0; j < 32; ++j) s += xp[i * 32 + j];
     xsum[i] = s;
   }
-  const int64_t nsb = k / kQK, bb = pagedllm_cpu::kquant_bytes(t);
+  const int64_t nsb = k / kQK, bb = kquant_bytes(t);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < mrows; m0 += 4) {
       const int mt = static_cast<int>(std::min<int64_t>(4, mrows - m0));
@@ -481,7 +482,7 @@ at::Tensor kquant_gemv(const at::Tensor& x, const at::Tensor& blocks, const std:
   const int64_t best = best_isa();
   TORCH_CHECK(isa >= -1 && isa <= best, "kquant_gemv: isa ", isa, " is not supported by this CPU (best: ", best, ")");
   const Isa level = static_cast<Isa>(isa < 0 ? best : isa);
-  const int64_t k = x.size(-1), nsb = k / kQK, bb = pagedllm_cpu::kquant_bytes(t);
+  const int64_t k = x.size(-1), nsb = k / kQK, bb = kquant_bytes(t);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && k % kQK == 0 &&
                   blocks.size(1) == nsb * bb,
               "kquant_gemv: blocks must be uint8 [N, K / 256 * ", bb, "] with contiguous rows for K = ", k);
@@ -686,7 +687,7 @@ at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const s
                     blocks.size(0) == (n + 15) / 16 && blocks.size(1) == k / 32 && blocks.size(2) == bb,
                 "kquant_mm_bf16: ", weight_type, " blocks must be q4_gemv's uint8 [ceil(N / 16), K / 32, ", bb, "]");
   } else {
-    bb = f == kFmtQ8_0 ? 34 : pagedllm_cpu::kquant_bytes(static_cast<Type>(f));
+    bb = f == kFmtQ8_0 ? 34 : kquant_bytes(static_cast<Type>(f));
     TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 &&
                     blocks.size(1) == k / unit * bb,
                 "kquant_mm_bf16: blocks must be uint8 [N, K / ", unit, " * ", bb, "] with contiguous rows for K = ", k);

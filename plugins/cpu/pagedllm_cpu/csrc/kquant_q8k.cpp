@@ -47,6 +47,7 @@ constexpr int64_t kGroup = 16;  // output rows per work item
 constexpr int64_t kChunk = 16;  // super-blocks of x per pass of a work item's rows (beyond one tile)
 
 using pagedllm_cpu::half_at;
+using pagedllm_cpu::kquant_bytes;
 using pagedllm_cpu::kQ4K;
 using pagedllm_cpu::kQ5K;
 using pagedllm_cpu::kQ6K;
@@ -128,7 +129,7 @@ void row_portable(Type t, const uint8_t* w, int64_t nsb, int64_t s0, int64_t s1,
   const int16_t* bs = x.bsums + m * (x.k / 16);
   float sum = 0.f;
   for (int64_t sb = s0; sb < s1; ++sb) {
-    const uint8_t* b = w + sb * pagedllm_cpu::kquant_bytes(t);
+    const uint8_t* b = w + sb * kquant_bytes(t);
     const int8_t* xq = q8 + sb * kQK;
     const int16_t* xs = bs + sb * 16;
     int32_t sumi = 0;
@@ -196,7 +197,7 @@ template <int MT>
 PAGEDLLM_Q8K_T256 void row_avx2(Type t, const uint8_t* w, int64_t nsb, int64_t s0, int64_t s1, const Q8K& x,
                                 int64_t m0, float* y, int64_t ys) {
   const __m256i low4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
-  const int64_t bb = pagedllm_cpu::kquant_bytes(t), k16 = x.k / 16;
+  const int64_t bb = kquant_bytes(t), k16 = x.k / 16;
   __m256 acc[MT], accm[MT];
   for (int m = 0; m < MT; ++m) acc[m] = accm[m] = _mm256_setzero_ps();
   for (int64_t sb = s0; sb < s1; ++sb) {
@@ -299,7 +300,7 @@ PAGEDLLM_Q8K_T512 inline float hsum256_512(__m256 v) {
   const __m512i sh02 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);                              \
   const __m512i sh46 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);                              \
   const __m512i mask16 = _mm512_set1_epi32(0xFFFF);                                                                    \
-  const int64_t bb = pagedllm_cpu::kquant_bytes(t), k16 = x.k / 16;                                                                    \
+  const int64_t bb = kquant_bytes(t), k16 = x.k / 16;                                                                  \
   __m512 acc[MT];                                                                                                      \
   __m256 accm[MT];                                                                                                     \
   for (int m = 0; m < MT; ++m) {                                                                                       \
@@ -440,7 +441,7 @@ at::Tensor kquant_q8k_gemv(const at::Tensor& x, const at::Tensor& blocks, const 
   TORCH_CHECK(isa >= -1 && isa <= best, "kquant_q8k_gemv: isa ", isa, " is not supported by this CPU (best: ", best,
               ")");
   const Isa level = static_cast<Isa>(isa < 0 ? best : isa);
-  const int64_t k = x.size(-1), nsb = k / kQK, bb = pagedllm_cpu::kquant_bytes(t);
+  const int64_t k = x.size(-1), nsb = k / kQK, bb = kquant_bytes(t);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 && k % kQK == 0 &&
                   blocks.size(1) == nsb * bb,
               "kquant_q8k_gemv: blocks must be uint8 [N, K / 256 * ", bb, "] with contiguous rows for K = ", k);
