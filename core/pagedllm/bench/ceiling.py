@@ -61,14 +61,18 @@ def linear_flops(model: nn.Module, batch: int) -> float:
     return 2.0 * batch * total
 
 
-def matmul_peak_tflops(backend_name: str, seconds: float = 0.5) -> float | None:
-    """The backend's ``matmul_peak(seconds) -> TFLOP/s`` op (``torch.ops.pagedllm_<backend>``: its matrix unit's
-    bf16 peak on all threads, 0 where it has none), or None where the backend registers no such op."""
+def backend_op(backend_name: str, op: str) -> Any:
+    """The backend's op ``op`` (``torch.ops.pagedllm_<backend>.<op>``), or None: looked up in torch's op registry,
+    where the backend's library registered it, so the bench imports no plugin."""
     namespace = getattr(torch.ops, f"pagedllm_{backend_name.replace('-', '_')}")
-    if not hasattr(namespace, "matmul_peak"):
-        return None
-    peak = float(namespace.matmul_peak(seconds))
-    return peak or None
+    return getattr(namespace, op) if hasattr(namespace, op) else None
+
+
+def matmul_peak_tflops(backend_name: str, seconds: float = 0.5) -> float | None:
+    """The backend's ``matmul_peak(seconds) -> TFLOP/s`` op (its matrix unit's bf16 peak on all threads, 0 where it
+    has none), or None where the backend registers no such op or measures 0."""
+    op = backend_op(backend_name, "matmul_peak")
+    return (float(op(seconds)) or None) if op is not None else None
 
 
 def gemm_workload_seconds(model: nn.Module, num_prompts: int, input_len: int, output_len: int,

@@ -38,7 +38,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from pagedllm.bench.ceiling import weight_bytes_per_token
+from pagedllm.bench.ceiling import backend_op, weight_bytes_per_token
 from pagedllm.bench.llama_cpp_bench import LlamaBenchFault, LlamaBenchRun, cpu_kind, run_llama_bench
 from pagedllm.bench.peer import VLLMPeer, kv_pool_gib
 from pagedllm.errors import ParamError
@@ -142,10 +142,8 @@ def llc_bytes() -> int:
 
 
 def stream_read_op(backend_name: str):
-    """The backend's ``stream_read(buf) -> checksum`` op (``torch.ops.pagedllm_<backend>``), or None: looked up in
-    torch's op registry, where the backend's library registered it, so the bench imports no plugin."""
-    namespace = getattr(torch.ops, f"pagedllm_{backend_name.replace('-', '_')}")
-    return getattr(namespace, "stream_read", None) if hasattr(namespace, "stream_read") else None
+    """The backend's ``stream_read(buf) -> checksum`` op (``torch.ops.pagedllm_<backend>``), or None."""
+    return backend_op(backend_name, "stream_read")
 
 
 def stream_read_bandwidth(op, nbytes: int = 0, repeats: int = 7) -> float:
