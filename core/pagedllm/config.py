@@ -42,7 +42,7 @@ class EngineConfig:
     block_size: Optional[int] = None  # None: the backend's preferred size (config hook, else its first)
     enable_prefix_caching: bool = True
     max_num_seqs: Optional[int] = None  # None: DEFAULT_MAX_NUM_SEQS, after the backend's update_config
-    max_num_batched_tokens: Optional[int] = None  # default: max(2048, max_model_len) capped at 8192
+    max_num_batched_tokens: Optional[int] = None  # default: the backend's, else max(2048, max_model_len) <= 8192
     # vision-language models: encoder output tokens (image placeholders) one step may encode, and the encoder
     # cache's size; default max_num_batched_tokens, at least one image (docs/multimodal.md)
     max_num_encoder_input_tokens: Optional[int] = None
@@ -207,6 +207,7 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
     read, with a :class:`ParamError` naming the field. Returns a new config with dtype, block_size, max_model_len,
     max_num_seqs, max_num_batched_tokens and enforce_eager filled in."""
     user_dtype = config.dtype
+    config = replace(config, runner=runner_type(config.runner, config.convert, info.architecture))
     changes = backend.update_config(config, info) or {}
     refused = sorted(set(changes) - set(BACKEND_SETTABLE))
     if refused:
@@ -261,7 +262,6 @@ def resolve_config(config: EngineConfig, backend: Any, info: Any) -> EngineConfi
         logger.warning("speculative_config: backend %r captures graphs (%s); speculation runs eager, so "
                        "enforce_eager is set", name, caps.graph_capture)
         config.enforce_eager = True
-    config.runner = runner_type(config.runner, config.convert, info.architecture)
     if config.runner == "pooling":
         check_pooling(config)
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1:

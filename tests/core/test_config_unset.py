@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 
@@ -42,6 +43,25 @@ def test_update_config_sees_the_users_value_even_when_it_equals_the_default(fiel
     seen, cfg = _resolve_seeing(EngineConfig(**{field: value}))
     assert seen == {**UNSET, field: value}
     assert getattr(cfg, field) == value
+
+
+@pytest.mark.parametrize("config,architecture,runner", [
+    (EngineConfig(), "LlamaForCausalLM", "generate"),
+    (EngineConfig(), "BertModel", "pooling"),
+    (EngineConfig(convert="embed"), "LlamaForCausalLM", "pooling"),
+    (EngineConfig(runner="generate"), "LlamaForCausalLM", "generate"),
+])
+def test_update_config_sees_the_runner_resolved(config, architecture, runner):
+    """A backend's defaults may depend on the runner (the CPU plugin's step budget is for generation only)."""
+    seen: dict = {}
+
+    def update_config(config, model_info):
+        seen.update(runner=config.runner)
+
+    be = Backend(make_plugin("watcher", Capabilities(head_sizes=(64,)), update_config=update_config), "watcher")
+    resolved = resolve_config(config, be, dataclasses.replace(INFO, architecture=architecture))
+    assert seen == {"runner": runner} and resolved.runner == runner
+    assert config.runner in ("auto", "generate")  # the caller's config is not changed
 
 
 def test_cli_leaves_unset_flags_none_and_documents_the_default():

@@ -475,8 +475,9 @@ class BackendSpec:
         ``dtype``, ``max_num_batched_tokens``, ``max_num_seqs``, ``enforce_eager`` (others are refused), or raise
         :class:`~pagedllm.backend.ParamError` naming the field the device cannot run. ``config`` holds the
         user's values: each of those fields is ``None`` (``dtype``: ``"auto"``) when the user left it unset, so
-        a user's ``max_num_seqs=256`` is told from the default; core fills what stays unset afterwards (from the
-        checkpoint, ``Capabilities`` and its defaults). Default: no change."""
+        a user's ``max_num_seqs=256`` is told from the default; ``runner`` is already resolved (``generate`` or
+        ``pooling``); core fills what stays unset afterwards (from the checkpoint, ``Capabilities`` and its
+        defaults). Default: no change."""
 
     @hookspec(firstresult=True)
     def pagedllm_batch_policy(self, ctx: RunnerContext) -> "BatchPolicy":

