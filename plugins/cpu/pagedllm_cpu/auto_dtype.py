@@ -7,7 +7,7 @@ bf16 halves the bytes every weight and KV row streams, and oneDNN's packed bf16 
 emulates it more slowly than fp32, so the choice needs the instruction flags as well as oneDNN's answer. Decided by
 capability, never by the CPU's name. A checkpoint stored in float32 stays float32 (rounding it would change the
 model), and so does a quantized one (GGUF and the int4/int8 kernels take float32 activations; core's quantized
-reference is float32).
+reference is float32; GGUF prefill chunks run as bf16 GEMMs where the CPU has bf16, ``quant.bf16_min_rows``).
 """
 
 from __future__ import annotations

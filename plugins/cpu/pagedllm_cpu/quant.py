@@ -75,9 +75,9 @@ def _dequantize(packed: torch.Tensor, n: int, has_min: bool) -> torch.Tensor:
 def bf16_min_rows(dtype: torch.dtype, default: Optional[int] = None) -> Optional[int]:
     """Rows of x from which a GGUF block-quantized linear of a ``dtype`` model runs as a bf16 GEMM
     (``kquant_mm_bf16``: a panel of the weights decoded to bf16 per call, oneDNN on AMX / AVX512-BF16), else None.
-    By default (from ``default`` rows, ``BF16_MIN_ROWS`` unless given) bf16 models on CPUs with bf16 dot products;
-    float32 models keep the fp32 kernels (the reference's
-    weights, fp32 sums), and so do CPUs without them (AVX2-only, portable).
+    On CPUs with bf16 dot products: bf16 models from ``default`` rows (``BF16_MIN_ROWS`` unless given), float32
+    models from ``FLOAT32_GEMM_MIN_ROWS`` (prefill-sized calls; decodes keep the fp32 kernels: the reference's
+    weights, fp32 sums); CPUs without them (AVX2-only, portable) keep the fp32 kernels.
     ``PAGEDLLM_CPU_KQUANT_BF16_ROWS=N`` takes the GEMM from N rows for every model dtype, ``off`` never. Decided once
     per process (after the library loaded), so every step of a run takes the same path for the same batch."""
     global _bf16_config
@@ -92,13 +92,23 @@ def bf16_min_rows(dtype: torch.dtype, default: Optional[int] = None) -> Optional
     env, hardware = _bf16_config
     if env:
         return None if env == "off" else int(env)
-    return (default or BF16_MIN_ROWS) if hardware and dtype == torch.bfloat16 else None
+    if not hardware:
+        return None
+    if dtype == torch.bfloat16:
+        return default or BF16_MIN_ROWS
+    return FLOAT32_GEMM_MIN_ROWS if dtype == torch.float32 else None
 
 
 #: From this many rows of x the bf16 GEMM beats the fp32 kernels on an AMX Xeon (one thread, docs/cpu-backend.md);
 #: Q4_0 / Q4_1 from more (their decode to bf16 is scalar code, ``q4_gemv`` is fast: crossover ~32-48 rows).
 BF16_MIN_ROWS = 16
 BF16_MIN_ROWS_Q4 = 48
+#: A float32 model's calls from this many rows (a prefill chunk: 64 prompts of 8 tokens, or one long prompt's
+#: 512-token step) are the bf16 GEMM (x, the weights and the result rounded to bf16, fp32 sums; llama.cpp rounds x to
+#: 8 bits on every call): the fp32 kernels are compute-bound there, a 1.7B Q4_K_M's pp2048 ran at 0.39-0.41x
+#: llama.cpp's on them, 1.28-1.32x on the GEMM (docs/benchmarks.md). Decode batches of up to 255 sequences keep the
+#: fp32-exact kernels.
+FLOAT32_GEMM_MIN_ROWS = 256
 _bf16_config: Optional[tuple[str, bool]] = None
 
 

@@ -100,13 +100,14 @@ def fresh_threshold(monkeypatch):
 
 
 def test_threshold_follows_the_cpu_the_dtype_and_the_override(lib, fresh_threshold):
-    """bf16 models on CPUs with bf16 dot products take the GEMM from ``BF16_MIN_ROWS`` rows; float32 models and
-    AVX2-only / portable CPUs keep the fp32 kernels (exact to summation order, as before);
-    ``PAGEDLLM_CPU_KQUANT_BF16_ROWS`` sets the threshold for every dtype or turns it off, a misspelt value names the
-    variable."""
+    """On CPUs with bf16 dot products, bf16 models take the GEMM from ``BF16_MIN_ROWS`` rows, float32 models from
+    ``FLOAT32_GEMM_MIN_ROWS`` (prefill chunks; decodes keep the fp32 kernels), float16 ones never; AVX2-only /
+    portable CPUs keep the fp32 kernels (exact to summation order); ``PAGEDLLM_CPU_KQUANT_BF16_ROWS`` sets the
+    threshold for every dtype or turns it off, a misspelt value names the variable."""
     assert bool(lib.kquant_has_bf16()) == _bf16_cpu()
     assert quant.bf16_min_rows(torch.bfloat16) == (quant.BF16_MIN_ROWS if _bf16_cpu() else None)
-    assert quant.bf16_min_rows(torch.float32) is None
+    assert quant.bf16_min_rows(torch.float32) == (quant.FLOAT32_GEMM_MIN_ROWS if _bf16_cpu() else None)
+    assert quant.bf16_min_rows(torch.float16) is None
     for value, expected in (("off", None), ("3", 3)):
         fresh_threshold.setattr(quant, "_bf16_config", None)
         fresh_threshold.setenv("PAGEDLLM_CPU_KQUANT_BF16_ROWS", value)
@@ -131,7 +132,30 @@ def test_bf16_model_takes_the_gemm_by_default_where_the_cpu_has_bf16(lib, fresh_
         assert torch.equal(quant.KQUANT.apply(state, x, None), fp32_kernel)
     q4 = quant.Q4.prepare(_weight("Q4_1", 40, 512), torch.bfloat16, "cpu")  # scalar decode: a later crossover
     assert q4.bf16_rows == (quant.BF16_MIN_ROWS_Q4 if _bf16_cpu() else None)
-    assert quant.Q4.prepare(_weight("Q4_1", 40, 512), torch.float32, "cpu").bf16_rows is None
+    q4_fp32 = quant.Q4.prepare(_weight("Q4_1", 40, 512), torch.float32, "cpu")
+    assert q4_fp32.bf16_rows == (quant.FLOAT32_GEMM_MIN_ROWS if _bf16_cpu() else None)
+
+
+@pytest.mark.parametrize("weight_type", ("Q4_K", "Q8_0", "Q4_1"))
+def test_float32_model_prefills_on_the_gemm_and_decodes_exact(lib, fresh_threshold, weight_type):
+    """A float32 model (GGUF under ``dtype=auto``) on a CPU with bf16 dot products: a call of
+    ``FLOAT32_GEMM_MIN_ROWS`` rows (a prefill chunk) is the bf16 GEMM, within bf16's rounding of the dequantized
+    reference; one row fewer (a batch of decodes) is the fp32 kernel, exact to summation order."""
+    kernel = quant.quantized_linear("gguf", weight_type)
+    w = _weight(weight_type, 40, 512)
+    state = kernel.prepare(w, torch.float32, "cpu")
+    rows = quant.FLOAT32_GEMM_MIN_ROWS
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(3))
+    reference = torch.nn.functional.linear(x, dequantize(w))
+    prefill, decode = kernel.apply(state, x, None), kernel.apply(state, x[: rows - 1], None)
+    assert prefill.dtype == decode.dtype == torch.float32
+    torch.testing.assert_close(decode, reference[: rows - 1], rtol=2e-5, atol=2e-5 * reference.abs().max().item())
+    if _bf16_cpu():
+        assert torch.equal(prefill, _run(lib, w, x))
+        assert (prefill - reference).abs().max() <= 1e-2 * reference.abs().max()
+        assert not torch.equal(prefill[: rows - 1], decode)
+    else:
+        torch.testing.assert_close(prefill, reference, rtol=2e-5, atol=2e-5 * reference.abs().max().item())
 
 
 @pytest.mark.parametrize("weight_type", ("Q4_K", "Q8_0", "Q4_1"))
