@@ -106,8 +106,8 @@ BF16_MIN_ROWS_Q4 = 48
 #: A float32 model's calls from this many rows (a prefill chunk: 64 prompts of 8 tokens, or one long prompt's
 #: 512-token step) are the bf16 GEMM (x, the weights and the result rounded to bf16, fp32 sums; llama.cpp rounds x to
 #: 8 bits on every call): the fp32 kernels are compute-bound there, a 1.7B Q4_K_M's pp2048 ran at 0.39-0.41x
-#: llama.cpp's on them, 1.28-1.32x on the GEMM (docs/benchmarks.md). Decode batches of up to 255 sequences keep the
-#: fp32-exact kernels.
+#: llama.cpp's on them, 1.28-1.32x on the GEMM (docs/benchmarks.md). A choice, not a crossover (the GEMM wins from
+#: 16-48 rows): decode batches of up to 255 sequences keep the fp32-exact kernels.
 FLOAT32_GEMM_MIN_ROWS = 256
 _bf16_config: Optional[tuple[str, bool]] = None
 
