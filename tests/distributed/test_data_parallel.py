@@ -21,7 +21,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_utils import ServerProcess, cmdline, descendants, gone, tiny_chat_model
+from server_utils import ServerProcess, cmdline, descendants, gone, tiny_chat_model, wait_for_grammar_zygote
 
 from pagedllm.engine.dp_client import split_cpus
 from pagedllm.engine.prefix_router import least_loaded
@@ -209,6 +209,7 @@ def test_replica_death_exits_server_by_default():
     either replica), the server exits non-zero within 5 s, and no process is left behind."""
     srv = ServerProcess(tiny_chat_model(), "-dp", "2", "--max-model-len", str(MAX_LEN), api_key=None)
     try:
+        wait_for_grammar_zygote(srv.proc.pid)  # (started after /health: its processes must go too)
         procs = descendants(srv.proc.pid)
         engines = [p for p in procs if "spawn_main" in cmdline(p)]
         assert len(engines) == 2, [cmdline(p) for p in procs]

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from latency_probe import LatencyProbe
 from server_utils import (API_KEY, ServerProcess, children, cmdline, is_grammar_process, rss_kb,
-                          tiny_chat_model)
+                          tiny_chat_model, wait_for_grammar_zygote)
 
 from lora_utils import write_adapter
 
@@ -143,6 +143,7 @@ def test_render_workers_are_recycled_when_they_grow(server):
         return {p: rss_kb(p) for p in children(forkserver[0]) if not is_grammar_process(p)}  # (the grammar
         # compile pool's zygote is forked from the same forkserver)
 
+    wait_for_grammar_zygote(server.proc.pid)
     before = workers()
     assert len(before) == 2, before
     text = " ".join(f"w{i}" for i in range(125_000))  # ~1 MB of distinct words: a large tokenisation

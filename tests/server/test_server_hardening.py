@@ -22,7 +22,8 @@ import time
 
 import httpx
 import pytest
-from server_utils import ServerProcess, children, cmdline, descendants, gone, tiny_chat_model, wait_idle
+from server_utils import (ServerProcess, children, cmdline, descendants, gone, tiny_chat_model,
+                          wait_for_grammar_zygote, wait_idle)
 
 KEYS = ("key-one", "key-two", "key-from-file", "key-from-env")
 ORIGIN = "http://allowed.example"
@@ -332,6 +333,7 @@ def test_engine_killed_exits_nonzero_within_5s():
     """--exit-on-engine-failure (the default): fail the in-flight streams, exit with code 1, leave no process."""
     srv = ServerProcess(tiny_chat_model(), "--max-model-len", str(MAX_LEN), api_key=None)
     try:
+        wait_for_grammar_zygote(srv.proc.pid)  # (started after /health: its processes must go too)
         procs = descendants(srv.proc.pid)
         assert any("forkserver" in cmdline(p) for p in procs) and len(procs) >= 5  # engine, tracker, fs, 2 workers
         took, killed = _streams_under_kill(srv)

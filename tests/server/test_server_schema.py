@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 from server_utils import (ServerProcess, cmdline, descendants, gone, is_grammar_process, tiny_chat_model,
-                          wait_idle)
+                          wait_for_grammar_zygote, wait_idle)
 
 MAX_EXAMPLES = 40  # per operation and generation mode (valid and invalid data)
 SLOWEST_S = 15.0
@@ -34,6 +34,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 def schema_server():
     srv = ServerProcess(tiny_chat_model(), "--max-model-len", "128", "--max-num-queued-reqs", "16",
                         "--request-timeout", "10", api_key=None)
+    wait_for_grammar_zygote(srv.proc.pid)
     srv.procs_at_start = _census(srv.proc.pid)
     yield srv
     srv.stop()

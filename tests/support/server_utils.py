@@ -232,3 +232,19 @@ def wait_idle(base_url: str, timeout: float = 20.0, api_key: Optional[str] = API
         time.sleep(0.1)
         m = metrics(base_url, api_key)
     return m
+
+
+def wait_for_grammar_zygote(pid: int, timeout: float = 60.0) -> None:
+    """Wait until the server ``pid``'s grammar compile pool has its zygote, named: the pool starts in the background
+    after /health answers, and a census of the server's processes taken before would count a zygote not yet named."""
+    deadline = time.monotonic() + timeout
+    while not any(_is_named_zygote(p) for p in descendants(pid)):
+        assert time.monotonic() < deadline, "the grammar compile pool's zygote did not start"
+        time.sleep(0.05)
+
+
+def _is_named_zygote(pid: int) -> bool:
+    try:
+        return comm(pid) == "grammar-zygote"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

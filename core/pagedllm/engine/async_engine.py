@@ -177,11 +177,13 @@ class AsyncEngine:
     async def start(self) -> None:
         """Attach both pipes to the running event loop (non-blocking transports: no thread, no GIL hand-offs)."""
         self._loop = asyncio.get_running_loop()
+        # Each transport gets a duplicate descriptor of its own: uvloop closes the descriptor it watches when the
+        # transport closes (asyncio's loop does not), and the pipes' own descriptors are closed once, by the
+        # finalizer; sharing one number, the second close hit a descriptor the process had reused meanwhile.
         self._reader, _ = await self._loop.connect_read_pipe(
-            lambda: _MessageReader(self._on_message, self._on_eof),
-            os.fdopen(self._conn.fileno(), "rb", buffering=0, closefd=False))
+            lambda: _MessageReader(self._on_message, self._on_eof), os.fdopen(os.dup(self._conn.fileno()), "rb", 0))
         self._writer, _ = await self._loop.connect_write_pipe(
-            asyncio.Protocol, os.fdopen(self._cmd_conn.fileno(), "wb", buffering=0, closefd=False))
+            asyncio.Protocol, os.fdopen(os.dup(self._cmd_conn.fileno()), "wb", 0))
 
     def begin_shutdown(self) -> None:
         """Abort whatever is left and tell the engine process to stop, without waiting (idempotent; a caller that
@@ -355,11 +357,13 @@ class AsyncEngine:
         self._writer.write(struct.pack("!i", len(data)) + data)
 
     def _on_eof(self) -> None:
-        try:
-            self._proc.join(0.5)  # usually already gone: its exit code tells a crash from a kill
-            code = self._proc.exitcode
-        except ValueError:  # shut down: the process object is closed
-            code = None
+        code = None
+        if not self._stopping:  # (else shutdown reaps it: two threads in waitpid made one think it never exited)
+            try:
+                self._proc.join(0.5)  # usually already gone: its exit code tells a crash from a kill
+                code = self._proc.exitcode
+            except ValueError:  # shut down: the process object is closed
+                pass
         self._die(EngineDeadError("engine shut down" if self._stopping else "engine process exited unexpectedly"
                                   + (f" (exit code {code})" if code is not None else "")))
 

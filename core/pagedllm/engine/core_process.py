@@ -25,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from multiprocessing.connection import Connection
 from typing import Any, Optional, Sequence
 
@@ -57,6 +58,11 @@ def run_engine_core(config: EngineConfig, commands: Connection, outputs: Connect
     try:
         if parent is not None:
             exit_with_parent(*parent)
+        # tqdm's default lock is a named semaphore, which ``os._exit`` leaves for the resource tracker to complain
+        # about; one process writes these bars, so a thread lock does.
+        from tqdm import tqdm
+
+        tqdm.set_lock(threading.RLock())
         _run(config, commands, outputs, log_level, cpus, lora_modules, dp_ep)
         code = 0
     finally:

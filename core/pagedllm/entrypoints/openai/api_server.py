@@ -172,7 +172,7 @@ def build_app(engine: Union[AsyncEngine, DataParallelEngine], served_model_names
         await engine.start()
         if renderer is not None:
             await renderer.start()
-            await start_grammar_pool(engine)  # grammar compile workers (grammar_gate.py)
+            start_grammar_pool(engine)  # grammar compile workers, in the background (grammar_gate.py)
         freeze_startup_heap()  # (engine/gc_policy.py: no full GC pass may stall the loop for long)
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # render threads get the GIL back quickly (serving_common.py)
         try:

@@ -56,15 +56,18 @@ async def _start_pool(engine: Any, tokenizer: Any) -> GrammarCompilePool:
     return pool
 
 
-async def start_grammar_pool(engine: Any) -> None:
-    """Start the compile workers with the server (they take seconds to import their libraries), so the first
-    grammar does not wait for them; a failure is logged and retried on the first grammar."""
+def start_grammar_pool(engine: Any) -> None:
+    """Start the compile workers in the background with the server (they take seconds to import their libraries, and
+    starting their zygote took ~1 s that /health need not wait for), so the first grammar does not wait for them; a
+    failure is logged and retried on the first grammar."""
     if getattr(engine, "tokenizer", None) is None:
         return
-    try:
-        await compile_pool(engine, engine.tokenizer)
-    except Exception as e:  # noqa: BLE001 - e.g. no process could be started; the first grammar retries
-        logger.warning("grammar compile workers did not start: %s", e)
+    asyncio.ensure_future(compile_pool(engine, engine.tokenizer)).add_done_callback(_log_start_failure)
+
+
+def _log_start_failure(f: asyncio.Future) -> None:
+    if not f.cancelled() and f.exception() is not None:  # e.g. no process could be started; the first grammar retries
+        logger.warning("grammar compile workers did not start: %s", f.exception())
 
 
 async def stop_grammar_pool(engine: Any) -> None:
