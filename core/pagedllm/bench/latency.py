@@ -102,6 +102,9 @@ class LatencyResult:
     stream_floor_tok_s: Optional[float] = None  # stream-read bandwidth / weight bytes
     floor_reached_pct: Optional[float] = None  # pagedllm decode tok/s over the stream floor (else the copy floor)
     base_rss_bytes: int = 0  # this process's RSS before the engine was built (Python, torch, pagedllm)
+    # The least peak RSS this process can have: every weight a decode token reads stays resident (re-reading it from
+    # disk each token would be slower still), on top of what was resident before loading.
+    rss_floor_bytes: int = 0  # base_rss_bytes + weight_bytes
     max_model_len: int = 0  # the engine's (sized for the workload unless given)
     max_num_seqs: int = 0
 
@@ -360,7 +363,7 @@ def run(args) -> LatencyResult:
                         host_us_per_step=host_us, load_s=load_s,
                         peak_rss_bytes=peak_rss, file_bytes=os.path.getsize(gguf) if gguf else None,
                         max_model_len=engine.config.max_model_len, max_num_seqs=engine.worker.max_num_seqs,
-                        base_rss_bytes=base_rss)
+                        base_rss_bytes=base_rss, rss_floor_bytes=base_rss + wbytes)
     res.engines = {name: summarize(s) for name, s in stamps.items()}
     if stream_bw is not None:
         res.stream_read_gb_s, res.stream_floor_tok_s = stream_bw / 1e9, stream_bw / wbytes
@@ -433,6 +436,10 @@ def main(args) -> int:
           f"{res.base_rss_bytes * mb:,.0f} MB before loading (Python, torch, pagedllm) + "
           f"{engine_rss * mb:,.0f} MB{of_file_engine} the model, KV cache and steps (max_model_len "
           f"{res.max_model_len}, max_num_seqs {res.max_num_seqs})")
+    floor_of_file = f" ({res.rss_floor_bytes / res.file_bytes:.2f}x the file)" if res.file_bytes else ""
+    print(f"peak RSS floor: {res.base_rss_bytes * mb:,.0f} MB before loading + {res.weight_bytes * mb:,.0f} MB of "
+          f"weights read per token (resident) = {res.rss_floor_bytes * mb:,.0f} MB{floor_of_file}; above it: "
+          f"{(res.peak_rss_bytes - res.rss_floor_bytes) * mb:,.0f} MB")
     lc = res.llama_cpp
     if lc is not None:
         print(f"llama.cpp {lc.build} ({lc.model_type}), same file, {res.threads} threads, alternated; file "

@@ -185,7 +185,8 @@ def test_linear_flops_are_the_configs_matrix_shapes(tiny_llama):
 @pytest.mark.slow
 def test_bench_latency_reports_the_stream_floor_and_sizes_the_engine(lib, tiny_llama, tmp_path):
     """``bench latency`` on the CPU backend: the streaming-read floor beside the copy one, "floor reached", the
-    engine sized for the run (no KV size given: the longest request, one sequence), the peak split at load."""
+    engine sized for the run (no KV size given: the longest request, one sequence), the peak split at load, and the
+    peak's floor (what was resident before loading plus the weights every token reads)."""
     import json
     import subprocess
     import sys
@@ -202,4 +203,5 @@ def test_bench_latency_reports_the_stream_floor_and_sizes_the_engine(lib, tiny_l
     assert res["floor_reached_pct"] == pytest.approx(100 * decode / res["stream_floor_tok_s"])
     assert (res["max_model_len"], res["max_num_seqs"]) == (26, 1)
     assert 0 < res["base_rss_bytes"] < res["peak_rss_bytes"]
-    assert "streaming-read floor" in p.stdout and "floor reached" in p.stdout
+    assert res["rss_floor_bytes"] == res["base_rss_bytes"] + res["weight_bytes"] <= res["peak_rss_bytes"]
+    assert "streaming-read floor" in p.stdout and "floor reached" in p.stdout and "peak RSS floor" in p.stdout
