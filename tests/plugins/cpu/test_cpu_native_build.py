@@ -67,3 +67,29 @@ def test_missing_ops_are_named_in_one_line_and_a_failed_build_leaves_nothing(cac
                          env=env)
     assert cli.returncode == 1 and cli.stderr.count("\n") == 1, cli.stderr
     assert cli.stderr.startswith("pagedllm-cpu-build: could not build the C++ ops"), cli.stderr
+
+
+def test_sources_with_per_function_simd_levels_build_without_isa_flags():
+    """The portable build (``DEFAULT``: a CPU without AVX2, or ``ATEN_CPU_CAPABILITY=default``) compiles every file
+    with no ``-mavx*`` flag; files that pick their SIMD level at run time carry it in function target attributes, and
+    an intrinsic reached without one (a lambda inside such a function inherits none) does not inline there, failing
+    the whole library. Compiled as the build does, at -O0 (always-inline intrinsics are inlined at every level)."""
+    import subprocess
+    import sysconfig
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pagedllm_cpu import native
+    from torch.utils.cpp_extension import include_paths
+
+    sources = [s for s in native._SOURCES if "__attribute__((target" in s.read_text()]
+    assert len(sources) >= 3  # the runtime-dispatch kernels (kquant_gemv, q8act_gemv, stream_read, ...)
+    flags = ["-std=c++20", "-O0", "-fopenmp", "-DCPU_CAPABILITY=DEFAULT", "-I", sysconfig.get_paths()["include"]]
+    flags += [arg for p in include_paths() for arg in ("-I", p)]
+
+    def compile_one(src):
+        return src.name, subprocess.run(["c++", *flags, "-c", "-o", "/dev/null", str(src)], capture_output=True,
+                                        text=True, timeout=300)
+
+    with ThreadPoolExecutor(2) as pool:
+        for name, out in pool.map(compile_one, sources):
+            assert out.returncode == 0, f"{name}: {out.stderr[-1500:]}"

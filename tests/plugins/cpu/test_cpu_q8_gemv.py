@@ -67,3 +67,17 @@ def test_gemv_of_reduced_dtypes_rounds_the_fp32_result(lib, dtype):
 def test_hook_offers_q8_only_with_the_library(monkeypatch, lib):
     monkeypatch.setattr(native, "lib", None)
     assert quant.quantized_linear("gguf", "Q8_0") is None  # core's reference then: the kernel has no torch path
+
+
+def test_gemv_reads_every_kind_of_fp16_scale(lib):
+    """Subnormal, signed-zero, negative and the largest finite fp16 scales dequantize as ``gguf.quants`` does."""
+    w = _weight(8, 64)
+    blocks = w.data.view(8, 2, 34).clone()
+    scales = torch.tensor([0x0001, 0x03FF, 0x8000, 0x0400, 0x3C00, 0xBC00, 0x7BFF, 0xFBFF, 0x2E66, 0xA1D5, 0x0200,
+                           0x8001, 0x1400, 0x9400, 0x3555, 0x4000], dtype=torch.int32).to(torch.int16)
+    blocks[:, :, :2] = scales.view(8, 2, 1).view(torch.uint8)
+    w = QuantizedWeight("gguf", "Q8_0", blocks.reshape(8, 68), (8, 64))
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(3)) * 1e-3
+    expected = x.double() @ dequantize(w).double().T
+    torch.testing.assert_close(lib.q8_gemv(x, w.data).double(), expected, rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())

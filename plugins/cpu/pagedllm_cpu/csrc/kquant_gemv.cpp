@@ -165,11 +165,15 @@ PAGEDLLM_T512 void decode_avx512(Type t, const uint8_t* b, float* out) {
   }
 }
 
+// Eight bytes widened to int32 lanes. A function of its own, not a lambda: a lambda does not inherit its enclosing
+// function's target attribute, so where the file is built without -mavx2 (the portable build) its intrinsic would
+// not inline.
+PAGEDLLM_T256 inline __m256i load8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
 PAGEDLLM_T256 void decode_avx2(Type t, const uint8_t* b, float* out) {
   const __m256i low4 = _mm256_set1_epi32(0xF);
-  auto load8 = [](const uint8_t* p) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  };
   if (t == kQ6K) {
     float dl[16];
     scales_q6(b, dl);
