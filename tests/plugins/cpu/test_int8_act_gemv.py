@@ -2,8 +2,8 @@
 x quantized as ggml does (``gguf.quants``' Q8_0 bytes; Q8_1's s), the kernel against a pure-torch reference that
 quantizes x the same way (tight) and against the dequantized weights times fp32 x (loose: int8 activation error),
 every SIMD level forced, odd shapes and 1..8 rows; the dispatch in ``quant.py`` (decodes up to
-``INT8_ACT_MAX_ROWS`` rows, ``PAGEDLLM_CPU_INT8_ACT=0``); and greedy parity of the embedded SmolLM2 Q4_1 GGUF and a
-Q8_0 GGUF of it with their dequantized references for 24 tokens (issue 32's quality bar)."""
+``INT8_ACT_MAX_ROWS`` rows, ``PAGEDLLM_CPU_INT8_ACT=0``); and 24 greedy tokens of the embedded SmolLM2 Q4_1 GGUF and a
+Q8_0 GGUF of it against their fp32 paths (exact to the dequantized references): left only at near ties."""
 
 from __future__ import annotations
 
@@ -220,16 +220,39 @@ def _prompt_ids() -> list[list[int]]:
     return [tok.encode(p) for p in PROMPTS]
 
 
+#: How far int8 activations may move the top-2 log-probability gap of the embedded Q4_1 model from its fp32 path's:
+#: at most 0.42 measured over its 4 prompts x 24 tokens, library built for AVX-512, AVX2 and the portable level.
+GAP_ERROR = 0.6
+
+
 @pytest.mark.slow
-def test_smollm2_q4_1_greedy_24_tokens_equal_hf(lib, smollm2_hf, fresh_int8_config):
-    """The embedded SmolLM2-135M Q4_1 GGUF (Q4_1 linears, a Q8_0 tied head: both on the int8 kernel at decode,
-    one prompt at a time and all together) against HF's fp32 model of the same file."""
+def test_smollm2_q4_1_int8_greedy_leaves_hf_only_at_near_ties(lib, smollm2_hf, fresh_int8_config):
+    """The embedded SmolLM2-135M Q4_1 GGUF (Q4_1 linears, a Q8_0 tied head: both on the int8 kernel at decode, the
+    four prompts together and one at a time) against the same engine on the fp32 kernels, which equals HF's fp32
+    model of the same file for all 24 tokens: until the int8 path leaves it, its top-2 gaps stay within
+    ``GAP_ERROR`` of the fp32 path's (a wrong kernel moves them by units), and it leaves only where the fp32 gap is
+    within that error. Exact equality with HF held on some builds and not others: built for AVX2 on an AVX-512 CPU,
+    three prompts left at the fp32 path's smallest gaps (0.16, 0.14, 0.07), int8 rounding of slightly different
+    fp32 sums."""
     from hf_oracle import hf_greedy
 
     prompts = _prompt_ids()
     expected = [hf_greedy(smollm2_hf, p, NEW_TOKENS) for p in prompts]
-    assert _engine_greedy(None, prompts, "cpu-q4-gemv", True) == expected  # 4 prompts: batch-4 decodes
-    assert [_engine_greedy(None, [p], "cpu-q4-gemv", True)[0] for p in prompts[:2]] == expected[:2]  # batch 1
+    int8_gaps: list = []
+    int8 = _engine_greedy(None, prompts, "cpu-q4-gemv", True, margins=int8_gaps)  # 4 prompts: batch-4 decodes
+    alone = [_engine_greedy(None, [p], "cpu-q4-gemv", True)[0] for p in prompts[:2]]  # batch 1
+    use_int8_activations(fresh_int8_config, False)
+    gaps: list = []
+    assert _engine_greedy(None, prompts, "cpu-q4-gemv", True, int8_rows=0, margins=gaps) == expected
+    for p, (a, b) in enumerate(zip(int8 + alone, expected + expected[:2])):
+        d = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert d is None or gaps[p % 4][d] < GAP_ERROR, (
+            f"prompt {p % 4}: int8 activations leave the fp32 path at token {d}, where its top-2 gap is "
+            f"{gaps[p % 4][d]:.3f}")
+        if p < 4:
+            shared = len(a) if d is None else d
+            moved = max((abs(x - y) for x, y in zip(int8_gaps[p][:shared], gaps[p][:shared])), default=0.0)
+            assert moved < GAP_ERROR, f"prompt {p}: int8 activations move a top-2 gap by {moved:.3f}"
 
 
 #: A log-probability gap between the top two tokens below which int8 activations (~0.5% error per layer) may swap
