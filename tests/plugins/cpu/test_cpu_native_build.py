@@ -1,7 +1,8 @@
 """The CPU plugin builds its C++ ops under the machine-wide build lock (``pagedllm.backend.build_lock``): a process
 that waited for another's build takes its library instead of compiling again, and the lock's holder removes what a
 killed build left. The compiler is replaced by a recorder here (whether it is called is the point; the real build runs
-in this folder's other tests through ``native.get``)."""
+in this folder's other tests through ``native.get``), except where the sources are compiled as the portable build
+would."""
 
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def test_sources_with_per_function_simd_levels_build_without_isa_flags():
     """The portable build (``DEFAULT``: a CPU without AVX2, or ``ATEN_CPU_CAPABILITY=default``) compiles every file
     with no ``-mavx*`` flag; files that pick their SIMD level at run time carry it in function target attributes, and
     an intrinsic reached without one (a lambda inside such a function inherits none) does not inline there, failing
-    the whole library. Compiled as the build does, at -O0 (always-inline intrinsics are inlined at every level)."""
+    the whole library. Compiled with the portable build's flags but at -O0 (quicker; always-inline intrinsics are
+    inlined at every level)."""
     import subprocess
     import sysconfig
     from concurrent.futures import ThreadPoolExecutor
