@@ -85,6 +85,11 @@ def library_path() -> Path:
     return cache_root() / "torch-ext" / f"pagedllm_cpu-{cap.lower()}-{_build_key(cap)}.so"
 
 
+def cflags(cap: str) -> list[str]:
+    """The compiler flags of the library built for SIMD level ``cap`` (AVX512, AVX2, DEFAULT)."""
+    return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DCPU_CAPABILITY={cap}"] + _ISA_FLAGS.get(cap, [])
+
+
 def _compile(target: Path) -> None:
     """Build into ``target`` under the machine-wide lock, unless the lock's previous holder built it meanwhile."""
     from torch.utils import cpp_extension
@@ -99,9 +104,8 @@ def _compile(target: Path) -> None:
         tmp = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
         try:
             name = f"pagedllm_cpu_ops_{cap.lower()}"
-            cflags = ["-O3", "-fopenmp", "-ffp-contract=off", f"-DCPU_CAPABILITY={cap}"] + _ISA_FLAGS.get(cap, [])
             cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES], build_directory=str(tmp),
-                               is_python_module=False, extra_cflags=cflags,
+                               is_python_module=False, extra_cflags=cflags(cap),
                                extra_ldflags=["-fopenmp"], verbose=False)
             os.replace(tmp / f"{name}.so", target)  # atomic: another process sees the whole file or none
         finally:

@@ -85,8 +85,8 @@ def test_sources_with_per_function_simd_levels_build_without_isa_flags():
 
     sources = [s for s in native._SOURCES if "__attribute__((target" in s.read_text()]
     assert len(sources) >= 3  # the runtime-dispatch kernels (kquant_gemv, q8act_gemv, stream_read, ...)
-    flags = ["-std=c++20", "-O0", "-fopenmp", "-DCPU_CAPABILITY=DEFAULT", "-I", sysconfig.get_paths()["include"]]
-    flags += [arg for p in include_paths() for arg in ("-I", p)]
+    flags = ["-std=c++20"] + ["-O0" if f == "-O3" else f for f in native.cflags("DEFAULT")]
+    flags += [arg for p in [sysconfig.get_paths()["include"], *include_paths()] for arg in ("-I", p)]
 
     def compile_one(src):
         return src.name, subprocess.run(["c++", *flags, "-c", "-o", "/dev/null", str(src)], capture_output=True,
