@@ -27,6 +27,8 @@ What hooks receive or may build on:
 - ``cache_root`` — pagedllm's cache folder (compiled kernels may be kept there); ``build_lock``, ``wait_requested``
   (``builds``) — a plugin that compiles ops on the machine builds under the machine-wide lock, and before the engine
   starts when asked (benchmarks ask).
+- ``plain_decoder_layers`` (and its records ``PlainLayer``, ``PlainLinear``, ``PlainLinearPart``) — a plain
+  Llama-family decoder's layers, for a graph runner that runs whole layers itself (the CPU backend's one-call decode).
 - For a backend that owns the whole step (``pagedllm_model_runner``): ``ModelRunner``, ``StepOutput``,
   ``prompt_logit_spans``, ``SamplerOutput``, ``ScheduledRequest``, ``dummy_metadata``.
 
@@ -76,6 +78,10 @@ _LAZY = {
     "cache_root": "pagedllm.backend.builds",
     "build_lock": "pagedllm.backend.builds",
     "wait_requested": "pagedllm.backend.builds",
+    "plain_decoder_layers": "pagedllm.models.plain_decoder",
+    "PlainLayer": "pagedllm.models.plain_decoder",
+    "PlainLinear": "pagedllm.models.plain_decoder",
+    "PlainLinearPart": "pagedllm.models.plain_decoder",
     "ModelRunner": "pagedllm.worker.model_runner",
     "StepOutput": "pagedllm.worker.model_runner",
     "prompt_logit_spans": "pagedllm.worker.model_runner",

@@ -33,7 +33,7 @@ import shlex
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -188,33 +188,30 @@ def stream_ours(engine, prompt: list[int], max_tokens: int) -> list[float]:
 
 
 class ModelClock:
-    """Wall time spent inside the model's forward and its LM head (``compute_logits``), accumulated, so a step's
-    host time is its wall time minus this. Installed only for the one instrumented run (hooks cost a little)."""
+    """Wall time spent inside the step's forward (the graph runner's ``run``: the model, or the backend's path around
+    it) and the LM head (``compute_logits``), accumulated, so a step's host time is its wall time minus this.
+    Installed only for the one instrumented run."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.inside, self._t = 0.0, 0.0
+    def __init__(self, runner: Any, model: torch.nn.Module):
+        self.inside = 0.0
+        self._runner, self._run = runner, runner.run
         self._model, self._logits = model, model.compute_logits
         self._own = "compute_logits" in vars(model)  # an instance attribute already (restored as it was)
-        self._hooks = [model.register_forward_pre_hook(self._start), model.register_forward_hook(self._stop)]
+        runner.run = self._timed(self._run)
+        model.compute_logits = self._timed(self._logits)
 
-        def timed_logits(hidden):
+    def _timed(self, fn: Any) -> Any:
+        def timed(*args, **kwargs):
             t = time.perf_counter()
             try:
-                return self._logits(hidden)
+                return fn(*args, **kwargs)
             finally:
                 self.inside += time.perf_counter() - t
 
-        model.compute_logits = timed_logits
-
-    def _start(self, *_):
-        self._t = time.perf_counter()
-
-    def _stop(self, *_):
-        self.inside += time.perf_counter() - self._t
+        return timed
 
     def remove(self) -> None:
-        for h in self._hooks:
-            h.remove()
+        self._runner.run = self._run
         if self._own:
             self._model.compute_logits = self._logits
         else:
@@ -222,9 +219,12 @@ class ModelClock:
 
 
 def host_us_per_step(engine, prompt: list[int], max_tokens: int) -> Optional[float]:
-    """Median over decode steps of (step wall time - time in the model's forward and LM head), in microseconds;
-    None when the model was never called through its module (a backend's own runner)."""
-    clock = ModelClock(engine.model)
+    """Median over decode steps of (step wall time - time in the forward and LM head), in microseconds; None when
+    the step never went through a graph runner's ``run`` (a backend's own model runner)."""
+    runner = getattr(getattr(engine, "worker", None), "runner", None)
+    if not hasattr(runner, "run"):
+        return None
+    clock = ModelClock(runner, engine.model)
     try:
         engine.add_request("host-time", {"prompt_token_ids": prompt},
                            SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_tokens))

@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "kernels.h"
 
 #include <cstdint>
 #include <cstring>
@@ -761,6 +762,11 @@ at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const s
 int64_t kquant_has_bf16() { return has_bf16_dot() ? 1 : 0; }
 
 }  // namespace
+
+at::Tensor pagedllm_cpu::kernels::kquant_gemv(const at::Tensor& x, const at::Tensor& blocks, const std::string& weight_type,
+                                              int64_t isa) {
+  return ::kquant_gemv(x, blocks, weight_type, isa);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("kquant_gemv(Tensor x, Tensor blocks, str weight_type, int isa=-1) -> Tensor");

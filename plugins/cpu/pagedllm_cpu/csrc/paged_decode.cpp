@@ -10,6 +10,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -260,6 +262,14 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 }
 
 }  // namespace
+
+void pagedllm_cpu::kernels::paged_decode_attention(const at::Tensor& out, const at::Tensor& query,
+                                                   const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                                   const at::Tensor& seq_lens, double scale, int64_t window,
+                                                   double soft_cap) {
+  ::paged_decode_attention(out, query, kv_cache, block_tables, seq_lens, scale, window, soft_cap, std::nullopt,
+                           std::nullopt);
+}
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_tables, "

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "kernels.h"
 
 #include <cstdint>
 #include <vector>
@@ -213,6 +214,10 @@ at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, boo
 }
 
 }  // namespace
+
+at::Tensor pagedllm_cpu::kernels::q4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool has_min) {
+  return ::q4_gemv(x, packed, n, has_min);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("q4_gemv(Tensor x, Tensor packed, int n, bool has_min) -> Tensor"); }
 

@@ -11,6 +11,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -134,6 +136,8 @@ at::Tensor q8_gemv(const at::Tensor& x, const at::Tensor& blocks) {
 }
 
 }  // namespace
+
+at::Tensor pagedllm_cpu::kernels::q8_gemv(const at::Tensor& x, const at::Tensor& blocks) { return ::q8_gemv(x, blocks); }
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("q8_gemv(Tensor x, Tensor blocks) -> Tensor"); }
 

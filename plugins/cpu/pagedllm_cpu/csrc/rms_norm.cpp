@@ -8,6 +8,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cmath>
 #include <vector>
 
@@ -107,6 +109,15 @@ at::Tensor fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weig
 }
 
 }  // namespace
+
+at::Tensor pagedllm_cpu::kernels::rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return ::rms_norm(x, weight, eps);
+}
+
+at::Tensor pagedllm_cpu::kernels::fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                     const at::Tensor& weight, double eps) {
+  return ::fused_add_rms_norm(x, residual, weight, eps);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

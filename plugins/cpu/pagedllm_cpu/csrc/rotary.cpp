@@ -8,6 +8,8 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <tuple>
 #include <type_traits>
@@ -131,6 +133,12 @@ std::tuple<at::Tensor, at::Tensor> rotary(at::Tensor positions, at::Tensor query
 }
 
 }  // namespace
+
+std::tuple<at::Tensor, at::Tensor> pagedllm_cpu::kernels::rotary(const at::Tensor& positions, const at::Tensor& query,
+                                                               const at::Tensor& key,
+                                                               const at::Tensor& cos_sin_cache) {
+  return ::rotary(positions, query, key, cos_sin_cache);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("rotary(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache) -> (Tensor, Tensor)");

@@ -7,6 +7,8 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <algorithm>
 #include <type_traits>
 
@@ -77,6 +79,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 }  // namespace
+
+at::Tensor pagedllm_cpu::kernels::silu_and_mul(const at::Tensor& x) { return ::silu_and_mul(x); }
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) { m.def("silu_and_mul(Tensor x) -> Tensor"); }
 

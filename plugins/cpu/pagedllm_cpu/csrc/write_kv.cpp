@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include <cstring>
 
 namespace {
@@ -41,6 +43,11 @@ void write_kv(at::Tensor kv_cache, at::Tensor key, at::Tensor value, at::Tensor 
 }
 
 }  // namespace
+
+void pagedllm_cpu::kernels::write_kv(const at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
+                                     const at::Tensor& slot_mapping) {
+  ::write_kv(kv_cache, key, value, slot_mapping);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");

@@ -1,0 +1,29 @@
+// The library's per-layer ops as plain C++ functions, for code in the library that runs many of them per call
+// (decode_layers.cpp) with neither Python nor the dispatcher between them. Each is the very function its file
+// registers as an op (defined there, after its anonymous namespace), so both paths compute the same bits.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace pagedllm_cpu::kernels {
+
+at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool has_min);
+at::Tensor q8_gemv(const at::Tensor& x, const at::Tensor& blocks);
+at::Tensor kquant_gemv(const at::Tensor& x, const at::Tensor& blocks, const std::string& weight_type, int64_t isa);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                                          const at::Tensor& cos_sin_cache);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void write_kv(const at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
+              const at::Tensor& slot_mapping);
+void paged_decode_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                            double soft_cap);
+
+}  // namespace pagedllm_cpu::kernels
