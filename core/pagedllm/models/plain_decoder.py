@@ -65,7 +65,7 @@ def _linear(lin: Any) -> Optional[PlainLinear]:
     if any(type(p) is not QuantizedLinear for p in parts):
         return None
     return PlainLinear(tuple(PlainLinearPart(p.kernel_name, p.state, p.bias) for p in parts), joined,
-                  lin.bias if joined else None)
+                       lin.bias if joined else None)
 
 
 def plain_decoder_layers(model: Any) -> tuple[Optional[list[PlainLayer]], str]:

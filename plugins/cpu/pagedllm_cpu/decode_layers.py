@@ -49,27 +49,22 @@ def ineligible(model: Any) -> Optional[str]:
 
 def _add_linear(plan: Any, site: int, lin: PlainLinear, dtype: torch.dtype) -> float:
     """Adds ``lin``'s parts to the plan's last layer; returns the rows of x from which its eager path leaves the
-    fp32 kernels (a bf16 GEMM), or raises ``ValueError`` where no fp32 kernel would run it."""
+    fp32 kernels (a bf16 GEMM), or raises ``ValueError`` where it takes int8 activations (``quant.fp32_rows``)."""
     limit = math.inf
     for p in lin.parts:
+        int8_rows, bf16_rows = quant.fp32_rows(p.kernel, p.state, dtype)
+        if int8_rows:
+            raise ValueError("int8 activations")
         st = p.state
         if p.kernel == quant.Q4.name:
-            if quant.int8_act_rows():
-                raise ValueError("int8 activations")
             plan.add_part(site, _Q4, st.packed, st.n, st.has_min, "", -1, p.bias, lin.joined)
-            rows = st.bf16_rows
         elif p.kernel == quant.Q8.name:
-            if quant.int8_act_rows():
-                raise ValueError("int8 activations")
             plan.add_part(site, _Q8, st, 0, False, "", -1, p.bias, lin.joined)
-            rows = quant.bf16_min_rows(dtype)
         else:
-            blocks, weight_type, isa, rows, int8_rows = st
-            if int8_rows:
-                raise ValueError("int8 activations")
-            plan.add_part(site, _KQUANT, blocks, 0, False, weight_type, min(isa, quant._FP32_TOP_LEVEL), p.bias,
+            blocks, weight_type, isa = st[:3]
+            plan.add_part(site, _KQUANT, blocks, 0, False, weight_type, quant.kquant_fp32_isa(isa), p.bias,
                           lin.joined)
-        limit = min(limit, rows if rows is not None else math.inf)
+        limit = min(limit, bf16_rows if bf16_rows is not None else math.inf)
     if lin.bias is not None:
         plan.set_bias(site, lin.bias)
     return limit
@@ -78,14 +73,15 @@ def _add_linear(plan: Any, site: int, lin: PlainLinear, dtype: torch.dtype) -> f
 def build(model: Any) -> tuple[Optional[Any], float]:
     """(``DecodeLayers`` over ``model``'s layers, the rows of x below which every linear's eager path is its fp32
     kernel), or (None, 0) where the ops would differ from the eager ones: int8 activations, another dtype than the
-    C++ ops take, a non-contiguous cache or norm weight, or no library."""
+    C++ ops take, a cache in another dtype (fp8) or layout, a norm weight in another dtype or layout, or no library
+    (or no caches yet)."""
     from pagedllm.backend import plain_decoder_layers
 
     dtype = model.dtype
     layers, _ = plain_decoder_layers(model)
-    if (layers is None or native.lib is None or dtype not in _NATIVE_DTYPES
+    if (layers is None or native.lib is None or dtype not in _NATIVE_DTYPES or not model.kv_caches
             or model.cos_sin_cache.dtype not in (torch.float32, dtype)
-            or not all(c.is_contiguous() for c in model.kv_caches)):
+            or not all(c.is_contiguous() and c.dtype == dtype for c in model.kv_caches)):
         return None, 0
     plan = torch.classes.pagedllm_cpu.DecodeLayers()
     limit = math.inf
@@ -123,8 +119,7 @@ class DecodeRunner:
         m = self.model
         t = input_ids.shape[0]
         if (self.plan is None or meta.num_decodes != t or t >= self.max_rows or meta.lora_mapping is not None
-                or meta.kv_group_tables is not None or meta.kv_connector is not None
-                or m.kv_caches[0].dtype != m.dtype):
+                or meta.kv_group_tables is not None or meta.kv_connector is not None):
             return m(input_ids, positions, meta)
         h = self.plan.forward(m.embed_tokens(input_ids), positions, meta.slot_mapping, meta.block_tables,
                               meta.seq_lens, m.kv_caches, m.cos_sin_cache)

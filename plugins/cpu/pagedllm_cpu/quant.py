@@ -258,10 +258,28 @@ def _apply_kquant(state: tuple, x: torch.Tensor, bias: Optional[torch.Tensor]) -
     elif x.numel() <= int8_rows * x.shape[-1]:
         y = native.lib.kquant_q8k_gemv(x, blocks, weight_type, isa)
     else:
-        y = native.lib.kquant_gemv(x, blocks, weight_type, min(isa, _FP32_TOP_LEVEL))
+        y = native.lib.kquant_gemv(x, blocks, weight_type, kquant_fp32_isa(isa))
     if bias is not None:
         y.add_(bias)
     return y
+
+
+def kquant_fp32_isa(isa: int) -> int:
+    """The level ``kquant_gemv`` runs for a K-quant state's ``isa`` (-1: best)."""
+    return min(isa, _FP32_TOP_LEVEL)
+
+
+def fp32_rows(kernel: str, state: Any, dtype: torch.dtype) -> tuple[int, Optional[int]]:
+    """(rows of x up to which ``kernel``'s apply over ``state`` takes int8 activations, rows from which it takes the
+    bf16 GEMM or None): between them it runs its fp32 kernel (``q4_gemv``, ``q8_gemv``, ``kquant_gemv``), as the
+    applies above decide per call. For code that calls the fp32 kernels itself (``decode_layers.py``)."""
+    if kernel == Q4.name:
+        return int8_act_rows(), state.bf16_rows
+    if kernel == Q8.name:
+        return int8_act_rows(), bf16_min_rows(dtype)
+    if kernel == KQUANT.name:
+        return state[4], state[3]
+    raise ValueError(f"{kernel!r} is not a GGUF block kernel of this backend")
 
 
 #: Offered only once the library is loaded (``quantized_linear``): it has no torch fallback.
