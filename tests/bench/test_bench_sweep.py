@@ -20,7 +20,7 @@ def test_sweep_writes_results_and_charts(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "pagedllm.cli", "bench", "sweep", "--model", tiny_chat_model(), "--serve-args",
          "--device cpu", "--request-rates", "16", "inf", "--max-num-seqs", "2", "8", "--num-prompts", "6",
-         "--input-len", "16", "--output-len", "6", "--output-dir", str(out), "--plot", str(plots)],
+         "--input-len", "40", "--output-len", "6", "--output-dir", str(out), "--plot", str(plots)],
         capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     rows = json.loads((out / "sweep.json").read_text())
@@ -29,6 +29,9 @@ def test_sweep_writes_results_and_charts(tmp_path):
         assert r["completed"] == 6 and r["failed"] == 0
         assert r["total_output_tokens"] == 6 * 6 and r["output_throughput"] > 0
         assert len(r["e2el_samples_ms"]) == 6 and r["median_ttft_ms"] <= r["p99_ttft_ms"]
+        # every point (and its warm-up) has prompts of its own: 40 tokens are two full 16-token blocks the prefix
+        # cache would hit if a point reused the warm-up's or an earlier point's prompts on the same server
+        assert r["prefix_cache_queries"] == 6 * 40 and r["prefix_cache_hits"] == 0, r
     with open(out / "sweep.csv") as f:
         table = list(csv.DictReader(f))
     assert len(table) == 4 and float(table[0]["output_throughput"]) == rows[0]["output_throughput"]

@@ -213,8 +213,7 @@ async def run_async(base_url: str, num_prompts: int, request_rate: float, input_
             prompts = make_prefix_prompts(num_prompts, num_prefixes, prefix_len, input_len, *token_id_range, seed)
             warm = make_prompts(1, prefix_len + input_len, *token_id_range, seed + 2)[0]  # no tenant's prefix
         else:
-            prompts = make_prompts(num_prompts, input_len, *token_id_range, seed)
-            warm = prompts[0]
+            *prompts, warm = make_prompts(num_prompts + 1, input_len, *token_id_range, seed)  # warm-up: its own
         if warmup:
             w = await _one(client, url, headers, model, warm, min(output_len, 4))
             if not w.ok:

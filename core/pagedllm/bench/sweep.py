@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the sweep's n-th point (from 0) draws its prompts with seed + n")
     p.add_argument("--output-dir", default=".", help="where sweep.json, sweep.csv (and server logs) go")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG charts here (needs matplotlib)")
     p.set_defaults(func=main)
@@ -89,9 +89,13 @@ def run_settings(args) -> dict:
     return {"device": device, "dtype": known.dtype, "commit": source_commit()}
 
 
-def _point(base_url: str, rate: float, args) -> dict:
+def _point(base_url: str, rate: float, args, index: int) -> dict:
+    """One ``bench serve`` run. Point ``index`` of the sweep draws its own prompts (seed ``--seed + index``): a
+    point reusing an earlier point's prompts on the same server would be served partly from its prefix cache, and
+    by how much depends on the server's block size (pagedllm's 16-token blocks hit 7/8 of a 128-token prompt again,
+    vLLM CPU's 128-token blocks none), not on its speed."""
     res = _event_loop_runner()(run_async(base_url, args.num_prompts, rate, args.input_len, args.output_len,
-                                         seed=args.seed, keep_samples=True))
+                                         seed=args.seed + index, keep_samples=True))
     return asdict(res)
 
 
@@ -138,7 +142,8 @@ def main(args) -> int:
             server = ServeProcess(args.model, ["--max-num-seqs", str(mns), *shlex.split(args.serve_args)], log)
         try:
             for rate in args.request_rates:
-                row = {"max_num_seqs": mns, **_point(args.base_url or server.base_url, rate, args), **settings}
+                row = {"max_num_seqs": mns, **_point(args.base_url or server.base_url, rate, args, len(rows)),
+                       **settings}
                 failed += row["failed"]
                 rows.append(row)
                 print(_summary(row), flush=True)
