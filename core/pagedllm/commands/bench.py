@@ -17,7 +17,7 @@ BENCHES = ("pagedllm.bench.throughput", "pagedllm.bench.serve", "pagedllm.bench.
            "pagedllm.bench.llama_cpp", "pagedllm.bench.llama_cpp_parity", "pagedllm.bench.llama_cpp_perplexity",
            "pagedllm.bench.graph", "pagedllm.bench.prefix_routing", "pagedllm.bench.router_routing",
            "pagedllm.bench.kv_offload", "pagedllm.bench.random_model", "pagedllm.bench.kv_memory", "pagedllm.bench.pd",
-           "pagedllm.bench.mm_throughput")
+           "pagedllm.bench.mm_throughput", "pagedllm.bench.paged_attention")
 
 
 def add_parser(sub) -> None:

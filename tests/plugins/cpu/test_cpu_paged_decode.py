@@ -48,13 +48,16 @@ def run_op(op, query, cache, meta, scale, window, cap, slopes):
     return out
 
 
-# Decodes only: lengths 1, a block boundary (16, 32), partly filled last blocks, one long context.
+# Decodes only: lengths 1, a block boundary (16, 32), partly filled last blocks, one long context. Shapes whose token
+# rows (all kv heads) fill a 4 KiB page in some dtype (mha32-d64: 4 KiB in bf16, 8 in fp32; mha6-d176: 4,224 bytes
+# in fp32, a head size with a vector tail) take the kernel's tiled two-walk path.
 DECODES = ([1] * 7, [1, 16, 17, 33, 5, 32, 151])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("heads,head_size", [((10, 2), 48), ((4, 4), 80), ((9, 3), 64), ((8, 1), 128)],
-                         ids=["gqa5-d48", "mha-d80", "gqa3-d64", "mqa-d128"])
+@pytest.mark.parametrize("heads,head_size", [((10, 2), 48), ((4, 4), 80), ((9, 3), 64), ((8, 1), 128),
+                                             ((32, 32), 64), ((6, 6), 176)],
+                         ids=["gqa5-d48", "mha-d80", "gqa3-d64", "mqa-d128", "mha32-d64", "mha6-d176"])
 @pytest.mark.parametrize("window,cap,use_alibi", [(None, None, False), (13, None, False), (None, 30.0, False),
                                                   (None, None, True), (7, 2.0, True)],
                          ids=["plain", "window", "softcap", "alibi", "all"])
