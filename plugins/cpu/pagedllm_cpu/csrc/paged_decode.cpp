@@ -33,10 +33,10 @@ inline Vec load_f(const T* p) {
 }
 
 // The inner loops, for a chunk of G <= 8 query heads of one GQA group (G a compile-time constant, so the per-head
-// accumulators live in registers): each key or value row is loaded once for the whole chunk. Each head's sum is
-// split over NV vectors of the head dimension, so that G * NV >= 4 FMA chains run side by side (with G = 1, MHA,
-// every FMA waited on the one before). The unroll pragmas keep the [G][NV] accumulators in registers: without them
-// GCC left them on the stack.
+// accumulators live in registers): each key or value row is loaded once for the whole chunk. p . V splits the
+// head dimension over NV vectors, so that G * NV >= 4 FMA chains run side by side (with G = 1, MHA, every FMA waited
+// on the one before); each element's sum keeps its order. The unroll pragmas keep the [G][NV] accumulators in
+// registers: without them GCC left them on the stack.
 template <int G>
 constexpr int kChains = G == 1 ? 4 : (G == 2 ? 2 : 1);
 
@@ -46,7 +46,8 @@ constexpr int kChains = G == 1 ? 4 : (G == 2 ? 2 : 1);
 template <int G, typename T>
 void qk_rows(const float* q, int64_t D, int64_t dv, const T* kblk, int64_t tok_s, int64_t t0, int64_t t1, float* sc,
              int64_t bs) {
-  constexpr int NV = kChains<G>;
+  constexpr int NV = 1;  // one chain per head: its sum in the same order whatever G (TP=2 over replicated KV heads
+                        // halves G, and its logits must equal one rank's bit for bit)
   for (int64_t t = t0; t < t1; ++t) {
     const T* k = kblk + t * tok_s;
     Vec d[G][NV];
@@ -121,8 +122,9 @@ constexpr int64_t kPageBytes = 4096;
 // KiB: 4 rows at SmolLM2-1.7B's shape) across every kv head of the item, with the whole block's softmax between the
 // two walks: each kv head walking its own keys, softmax and values visited each 4 KiB row once per kv head, 16 page
 // streams at a time. `pagedllm bench paged-attention` (64 sequences, blocks at random from a 2 GiB pool, AMD EPYC
-// Zen 4, 2 threads, bf16): 8.9-9.6 ms at 192 tokens and 90.3-94.1 at 2,048 before, 5.2-5.4 and 55.0-56.1 after. At
-// rows under a page (GQA) the two walks measured 10-30% slower than the per-head walk, which those shapes keep.
+// Zen 4, 2 threads, bf16): 8.9-9.6 ms at 192 tokens and 90.3-94.1 at 2,048 before (37-44% of the streaming-read
+// floor), 5.1-7.6 and 57.0-68.4 after (61-72%). At rows under a page (GQA) the two walks measured 10-30% slower than
+// the per-head walk, which those shapes keep.
 constexpr int64_t kTileBytes = 16384;
 
 // Request ``rows`` rows of ``width`` elements, ``stride`` apart, into L2.
