@@ -81,12 +81,12 @@ def main(args) -> int:
         got = backend.paged_attention(query, cache, metas[0], scale, None, None, 1.0, 1.0)
         want = ref_ops.paged_attention(query, cache, metas[0], scale, None, None)
         err = (got.float() - want.float()).abs().max().item()
-        if not rows:  # the backend's op library is loaded now (its first call loads it)
-            op = stream_read_op(backend.name)
-            gb_s = stream_read_bandwidth(op) / 1e9 if op is not None else None
         if not err <= _TOL[dtype]:
             print(f"context {ctx}: the backend's output is {err:.3g} from the reference (tolerance {_TOL[dtype]})")
             return 1
+        if not rows:  # the backend's op library is loaded now (its first call loads it)
+            op = stream_read_op(backend.name)
+            gb_s = stream_read_bandwidth(op) / 1e9 if op is not None else None
         times = []
         for meta in metas[1:]:
             backend.synchronize(device)

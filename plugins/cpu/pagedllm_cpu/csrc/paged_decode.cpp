@@ -12,7 +12,6 @@
 
 #include "kernels.h"
 
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -35,37 +34,29 @@ inline Vec load_f(const T* p) {
 // The inner loops, for a chunk of G <= 8 query heads of one GQA group (G a compile-time constant, so the per-head
 // accumulators live in registers): each key or value row is loaded once for the whole chunk. p . V splits the
 // head dimension over NV vectors, so that G * NV >= 4 FMA chains run side by side (with G = 1, MHA, every FMA waited
-// on the one before); each element's sum keeps its order. The unroll pragmas keep the [G][NV] accumulators in
+// on the one before); each element's sum keeps its order. The unroll pragmas keep its [G][NV] accumulators in
 // registers: without them GCC left them on the stack.
 template <int G>
 constexpr int kChains = G == 1 ? 4 : (G == 2 ? 2 : 1);
 
 #define UNROLL _Pragma("GCC unroll 8")
 
-// sc[j * bs + t] = q_j . k_t for t in [t0, t1); q is G rows of D floats.
+// sc[j * bs + t] = q_j . k_t for t in [t0, t1); q is G rows of D floats. One FMA chain a head, unlike p . V: a head's
+// sum keeps its order whatever G (TP=2 over replicated KV heads halves G, and its logits must equal one rank's bit
+// for bit).
 template <int G, typename T>
 void qk_rows(const float* q, int64_t D, int64_t dv, const T* kblk, int64_t tok_s, int64_t t0, int64_t t1, float* sc,
              int64_t bs) {
-  constexpr int NV = 1;  // one chain per head: its sum in the same order whatever G (TP=2 over replicated KV heads
-                        // halves G, and its logits must equal one rank's bit for bit)
   for (int64_t t = t0; t < t1; ++t) {
     const T* k = kblk + t * tok_s;
-    Vec d[G][NV];
-    UNROLL for (int j = 0; j < G; ++j) UNROLL for (int u = 0; u < NV; ++u) d[j][u] = Vec(0.f);
-    int64_t i = 0;
-    for (; i + NV * kW <= dv; i += NV * kW) {
-      Vec kv[NV];
-      UNROLL for (int u = 0; u < NV; ++u) kv[u] = load_f(k + i + u * kW);
-      UNROLL for (int j = 0; j < G; ++j) UNROLL for (int u = 0; u < NV; ++u)
-        d[j][u] = at::vec::fmadd(Vec::loadu(q + j * D + i + u * kW), kv[u], d[j][u]);
-    }
-    for (; i < dv; i += kW) {
+    Vec d[G];
+    UNROLL for (int j = 0; j < G; ++j) d[j] = Vec(0.f);
+    for (int64_t i = 0; i < dv; i += kW) {
       const Vec kv = load_f(k + i);
-      UNROLL for (int j = 0; j < G; ++j) d[j][0] = at::vec::fmadd(Vec::loadu(q + j * D + i), kv, d[j][0]);
+      UNROLL for (int j = 0; j < G; ++j) d[j] = at::vec::fmadd(Vec::loadu(q + j * D + i), kv, d[j]);
     }
     UNROLL for (int j = 0; j < G; ++j) {
-      UNROLL for (int u = 1; u < NV; ++u) d[j][0] = d[j][0] + d[j][u];
-      float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d[j][0]);
+      float s = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, d[j]);
       for (int64_t i = dv; i < D; ++i) s += q[j * D + i] * static_cast<float>(k[i]);
       sc[j * bs + t] = s;
     }
