@@ -8,9 +8,9 @@ hidden states are the eager ones bit for bit (a test holds both paths to that); 
 It takes what it can prove it computes the same: a plain decoder as core describes one
 (``pagedllm.backend.plain_decoder_layers``: Llama layers without q/k norms, ALiBi, sinks, soft-capping or GeGLU) whose
 linears are this backend's GGUF block kernels (Q4_0 / Q4_1, Q8_0, Q4_K / Q5_K / Q6_K; a Q4_K_M's mixed qkv as
-its parts) on their fp32-activation path, and a step of decodes only without LoRA, KV groups or a KV connector. Any
-other model or step runs eager, as does everything under ``enforce_eager``, and with int8 activations
-(``PAGEDLLM_CPU_INT8_ACT=1``) the whole model.
+its parts) on their fp32-activation path, or on their int8-activation one for the calls the eager path sends there
+(``PAGEDLLM_CPU_INT8_ACT=1``), and a step of decodes only without LoRA, KV groups or a KV connector. Any other model
+or step runs eager, as does everything under ``enforce_eager``.
 """
 
 from __future__ import annotations
@@ -48,22 +48,20 @@ def ineligible(model: Any) -> Optional[str]:
 
 
 def _add_linear(plan: Any, site: int, lin: PlainLinear, dtype: torch.dtype) -> float:
-    """Adds ``lin``'s parts to the plan's last layer; returns the rows of x from which its eager path leaves the
-    fp32 kernels (a bf16 GEMM), or raises ``ValueError`` where it takes int8 activations (``quant.fp32_rows``)."""
+    """Adds ``lin``'s parts to the plan's last layer, each with the rows of x up to which its eager path takes int8
+    activations (``quant.fp32_rows``); returns the rows from which that path is a bf16 GEMM instead."""
     limit = math.inf
     for p in lin.parts:
         int8_rows, bf16_rows = quant.fp32_rows(p.kernel, p.state, dtype)
-        if int8_rows:
-            raise ValueError("int8 activations")
         st = p.state
         if p.kernel == quant.Q4.name:
-            plan.add_part(site, _Q4, st.packed, st.n, st.has_min, "", -1, p.bias, lin.joined)
+            plan.add_part(site, _Q4, st.packed, st.n, st.has_min, "", -1, -1, int8_rows, p.bias, lin.joined)
         elif p.kernel == quant.Q8.name:
-            plan.add_part(site, _Q8, st, 0, False, "", -1, p.bias, lin.joined)
+            plan.add_part(site, _Q8, st, 0, False, "", -1, -1, int8_rows, p.bias, lin.joined)
         else:
             blocks, weight_type, isa = st[:3]
-            plan.add_part(site, _KQUANT, blocks, 0, False, weight_type, quant.kquant_fp32_isa(isa), p.bias,
-                          lin.joined)
+            plan.add_part(site, _KQUANT, blocks, 0, False, weight_type, quant.kquant_fp32_isa(isa), isa, int8_rows,
+                          p.bias, lin.joined)
         limit = min(limit, bf16_rows if bf16_rows is not None else math.inf)
     if lin.bias is not None:
         plan.set_bias(site, lin.bias)
@@ -72,9 +70,9 @@ def _add_linear(plan: Any, site: int, lin: PlainLinear, dtype: torch.dtype) -> f
 
 def build(model: Any) -> tuple[Optional[Any], float]:
     """(``DecodeLayers`` over ``model``'s layers, the rows of x below which every linear's eager path is its fp32
-    kernel), or (None, 0) where the ops would differ from the eager ones: int8 activations, another dtype than the
-    C++ ops take, a cache in another dtype (fp8) or layout, a norm weight in another dtype or layout, or no library
-    (or no caches yet)."""
+    kernel), or (None, 0) where the ops would differ from the eager ones: another dtype than the C++ ops take, a
+    cache in another dtype (fp8) or layout, a norm weight in another dtype or layout, or no library (or no caches
+    yet)."""
     from pagedllm.backend import plain_decoder_layers
 
     dtype = model.dtype

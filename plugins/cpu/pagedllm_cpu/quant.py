@@ -272,7 +272,7 @@ def kquant_fp32_isa(isa: int) -> int:
 def fp32_rows(kernel: str, state: Any, dtype: torch.dtype) -> tuple[int, Optional[int]]:
     """(rows of x up to which ``kernel``'s apply over ``state`` takes int8 activations, rows from which it takes the
     bf16 GEMM or None): between them it runs its fp32 kernel (``q4_gemv``, ``q8_gemv``, ``kquant_gemv``), as the
-    applies above decide per call. For code that calls the fp32 kernels itself (``decode_layers.py``)."""
+    applies above decide per call. For code that calls the kernels itself (``decode_layers.py``)."""
     if kernel == Q4.name:
         return int8_act_rows(), state.bf16_rows
     if kernel == Q8.name:

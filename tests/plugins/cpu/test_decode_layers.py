@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.backend import plain_decoder_layers
 from pagedllm_cpu import decode_layers, quant
+from int8_act import use_int8_activations
 
 PROMPTS = [[1, 17, 93, 5, 201, 44, 9], [1, 300, 12], [1, 7, 7, 7, 81, 150, 33, 2, 90, 400, 11]]
 NEW_TOKENS = 12
@@ -57,9 +58,22 @@ def test_embedded_smollm2_q4_1_decodes_as_eager(lib):
     _assert_same_as_eager(None)
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0", "Q4_K_M"])
+def test_int8_activations_decode_as_eager(lib, tmp_path, monkeypatch, qtype):
+    """With ``PAGEDLLM_CPU_INT8_ACT=1`` decodes of up to ``INT8_ACT_MAX_ROWS`` sequences quantize x to int8 in the
+    eager linears (``q8act_gemv``, ``kquant_q8k_gemv``); the plan calls the same kernels for the same calls."""
+    from gguf_utils import write_tied_kquant_gguf, write_tiny_gguf
+
+    use_int8_activations(monkeypatch, True)
+    assert quant.int8_act_rows() == quant.INT8_ACT_MAX_ROWS >= len(PROMPTS)
+    path = (write_tied_kquant_gguf(str(tmp_path / "q4_k_m.gguf"), "Q4_K") if qtype == "Q4_K_M"
+            else write_tiny_gguf(tmp_path, qtype))
+    _assert_same_as_eager(path)
+
+
 def test_models_it_does_not_take_run_eager(lib, tmp_path):
     """A dense model (oneDNN-packed linears) and a q/k-norm model are not plain decoders to core and keep the model
-    as their runner; with int8 activations no plan is built."""
+    as their runner."""
     from pagedllm import LLM
     from tiny_models import make_tiny_model
 
@@ -84,12 +98,6 @@ def test_models_it_does_not_take_run_eager(lib, tmp_path):
     assert decode_layers.ineligible(model) is None
     plan, rows = decode_layers.build(model)
     assert plan is not None and plan.num_layers() == model.num_layers and rows > 1
-    saved = quant._int8_act_config
-    quant._int8_act_config = quant.INT8_ACT_MAX_ROWS  # as PAGEDLLM_CPU_INT8_ACT=1 decides it
-    try:
-        assert decode_layers.build(model) == (None, 0)
-    finally:
-        quant._int8_act_config = saved
     llm.shutdown()
 
 
@@ -102,4 +110,4 @@ def test_plan_refuses_a_linear_without_parts(lib):
                      torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                      [torch.zeros(2, 1, 16, 1, 8)], torch.zeros(16, 8))
     with pytest.raises(RuntimeError, match="kind 7 is not 0-2"):
-        plan.add_part(0, 7, w, 0, False, "", -1, None, False)
+        plan.add_part(0, 7, w, 0, False, "", -1, -1, 0, None, False)

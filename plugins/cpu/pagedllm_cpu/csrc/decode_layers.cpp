@@ -7,7 +7,8 @@
 // ``DecodeLayers`` holds each layer's weights as the eager modules hold them (the same tensors, no copies): norms, and
 // four linears (qkv, o, gate_up, down) of one or more parts, each part a GGUF block kernel of this library (Q4_0 /
 // Q4_1 ``q4_gemv``, Q8_0 ``q8_gemv``, Q4_K / Q5_K / Q6_K ``kquant_gemv``; a Q4_K_M qkv is Q4_K q and k beside a Q6_K
-// v, outputs joined). Which layers it takes, and when a step may use it, is ``decode_layers.py``'s decision.
+// v, outputs joined), or their int8-activation kernels (``q8act_gemv``, ``kquant_q8k_gemv``) for calls of as few rows
+// as the eager path sends there. Which layers it takes, and when a step may use it, is ``decode_layers.py``'s decision.
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -30,7 +31,9 @@ struct Part {
   int64_t n;          // Q4: output rows
   bool has_min;       // Q4: Q4_1
   std::string type;   // K-quant: its GGUF type
-  int64_t isa;        // K-quant: the SIMD level (-1 best)
+  int64_t isa;        // K-quant: the fp32 kernel's SIMD level (-1 best)
+  int64_t int8_isa;   // K-quant: the int8 kernel's
+  int64_t int8_rows;  // calls of up to this many rows of x take int8 activations, as the eager path's (0: none)
   std::optional<at::Tensor> bias;
 };
 
@@ -53,10 +56,15 @@ struct Layer {
 
 at::Tensor run_part(const Part& p, const at::Tensor& x) {
   at::Tensor y;
+  const bool int8 = x.numel() <= p.int8_rows * x.size(-1);
   switch (p.kind) {
-    case kQ4: y = K::q4_gemv(x, p.weight, p.n, p.has_min); break;
-    case kQ8: y = K::q8_gemv(x, p.weight); break;
-    default: y = K::kquant_gemv(x, p.weight, p.type, p.isa); break;
+    case kQ4:
+      y = int8 ? K::q8act_gemv(x, p.weight, p.has_min ? "Q4_1" : "Q4_0", p.n, -1)
+               : K::q4_gemv(x, p.weight, p.n, p.has_min);
+      break;
+    case kQ8: y = int8 ? K::q8act_gemv(x, p.weight, "Q8_0", 0, -1) : K::q8_gemv(x, p.weight); break;
+    default:
+      y = int8 ? K::kquant_q8k_gemv(x, p.weight, p.type, p.int8_isa) : K::kquant_gemv(x, p.weight, p.type, p.isa);
   }
   if (p.bias) y.add_(*p.bias);
   return y;
@@ -91,12 +99,13 @@ class DecodeLayers : public torch::CustomClassHolder {
 
   // One part of the last layer's linear at ``site``; ``split`` marks the linear as joined parts.
   void add_part(int64_t site, int64_t kind, at::Tensor weight, int64_t n, bool has_min, std::string type,
-                int64_t isa, std::optional<at::Tensor> bias, bool split) {
+                int64_t isa, int64_t int8_isa, int64_t int8_rows, std::optional<at::Tensor> bias, bool split) {
     TORCH_CHECK(!layers_.empty(), "DecodeLayers.add_part: add_layer first");
     TORCH_CHECK(site >= kQKV && site <= kDown, "DecodeLayers.add_part: site ", site, " is not 0-3");
     TORCH_CHECK(kind >= kQ4 && kind <= kKQuant, "DecodeLayers.add_part: kind ", kind, " is not 0-2");
     Linear& l = layers_.back().linears[site];
-    l.parts.push_back(Part{kind, std::move(weight), n, has_min, std::move(type), isa, std::move(bias)});
+    l.parts.push_back(
+        Part{kind, std::move(weight), n, has_min, std::move(type), isa, int8_isa, int8_rows, std::move(bias)});
     l.split = l.split || split;
   }
 

@@ -15,6 +15,10 @@ namespace pagedllm_cpu::kernels {
 at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool has_min);
 at::Tensor q8_gemv(const at::Tensor& x, const at::Tensor& blocks);
 at::Tensor kquant_gemv(const at::Tensor& x, const at::Tensor& blocks, const std::string& weight_type, int64_t isa);
+at::Tensor q8act_gemv(const at::Tensor& x, const at::Tensor& weight, const std::string& weight_type, int64_t n,
+                      int64_t isa);
+at::Tensor kquant_q8k_gemv(const at::Tensor& x, const at::Tensor& blocks, const std::string& weight_type,
+                           int64_t isa);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps);
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,

@@ -21,6 +21,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include "cpu_common.h"
 
 #include <algorithm>
@@ -473,6 +475,11 @@ at::Tensor kquant_q8k_gemv(const at::Tensor& x, const at::Tensor& blocks, const 
 int64_t kquant_q8k_best_isa() { return best_isa(); }
 
 }  // namespace
+
+at::Tensor pagedllm_cpu::kernels::kquant_q8k_gemv(const at::Tensor& x, const at::Tensor& blocks,
+                                                 const std::string& weight_type, int64_t isa) {
+  return ::kquant_q8k_gemv(x, blocks, weight_type, isa);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("kquant_q8k_gemv(Tensor x, Tensor blocks, str weight_type, int isa=-1) -> Tensor");

@@ -23,6 +23,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "kernels.h"
+
 #include "cpu_common.h"
 
 #include <cmath>
@@ -511,6 +513,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> q8act_quantize(const at::Tensor& 
 int64_t q8act_best_isa() { return best_isa(); }
 
 }  // namespace
+
+at::Tensor pagedllm_cpu::kernels::q8act_gemv(const at::Tensor& x, const at::Tensor& weight,
+                                            const std::string& weight_type, int64_t n, int64_t isa) {
+  return ::q8act_gemv(x, weight, weight_type, n, isa);
+}
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("q8act_gemv(Tensor x, Tensor weight, str weight_type, int n=0, int isa=-1) -> Tensor");
