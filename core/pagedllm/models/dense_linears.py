@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.backend.hookspec import QuantizedLinearKernel, QuantizedWeight
+from pagedllm.models.gguf_weights import drop_unless_kept
 from pagedllm.models.heap import trim_heap
 from pagedllm.models.quantized_embedding import QuantizedEmbedding
 
@@ -86,9 +87,9 @@ _BLOCK_HEAD_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 def _block_head(model: nn.Module, backend: Any, dtype: torch.dtype, device: Any) -> Optional[tuple]:
     """(apply, state) of a tied LM head on the backend's kernel for the embedding's own blocks (GGUF Q8_0 and the
-    K-quants, whose tied embedding a Q4_K_M file stores as Q6_K: exact dequantization, fp32 accumulation), reading
-    them in the file's mapping: no dense copy at all. None where the embedding is not such blocks or the backend has
-    no kernel for them."""
+    K-quants, whose tied embedding a Q4_K_M file stores as Q6_K), reading them in the file's mapping or in a copy the
+    kernel repacked at load (the same bytes): no dense copy at all. None where the embedding is not such blocks or
+    the backend has no kernel for them."""
     if not _packed_tied_embedding(model) or model.embed_tokens.weight_type.name not in _BLOCK_HEAD_TYPES:
         return None
     e = model.embed_tokens
@@ -99,7 +100,9 @@ def _block_head(model: nn.Module, backend: Any, dtype: torch.dtype, device: Any)
         warnings.simplefilter("ignore", UserWarning)
         blocks = torch.from_numpy(e.blocks)
     weight = QuantizedWeight("gguf", e.weight_type.name, blocks, (e.num_embeddings, e.embedding_dim))
-    return kernel.apply, kernel.prepare(weight, dtype, device)
+    state = kernel.prepare(weight, dtype, device)
+    drop_unless_kept(e.blocks, blocks, state)  # a repacked head: lookups map back only the rows they read
+    return kernel.apply, state
 
 
 def _packed_tied_embedding(model: nn.Module) -> bool:

@@ -115,6 +115,18 @@ def _tensors(obj: Any, depth: int = 0) -> Iterator[torch.Tensor]:
             yield from _tensors(value, depth + 1)
 
 
+def _storages(holder: Any) -> set[int]:
+    """Addresses of the storages ``holder``'s tensors use (oneDNN's packed, opaque weights are copies)."""
+    return {t.untyped_storage().data_ptr() for t in _tensors(holder) if t.layout == torch.strided and not t.is_mkldnn}
+
+
+def drop_unless_kept(view: np.ndarray, data: torch.Tensor, holder: Any) -> None:
+    """``drop_pages(view)`` unless ``holder`` (a module, a kernel's state) keeps ``data``, the tensor over ``view``:
+    a kernel that made its own copy (a repacked layout) leaves the file's pages to whoever still reads them."""
+    if data.untyped_storage().data_ptr() not in _storages(holder):
+        drop_pages(view)
+
+
 #: An HF per-expert tensor name: (stacked module, expert index, projection).
 _EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 #: An HF per-head norm (StableLM's ``q_layernorm.norms.H.weight``): row H of the converter's stacked ``attn_q_norm``.
@@ -341,8 +353,7 @@ class GGUFWeights:
         fused or dequantized copy replaces them, and read pages count towards RSS for as long as the file is mapped.
         Parts the kernel reads in place (CPU Q8_0 and K-quants) stay the file's pages, as llama.cpp's mmap: no
         anonymous copy, shared with the page cache."""
-        kept = {t.untyped_storage().data_ptr() for t in _tensors(module)
-                if t.layout == torch.strided and not t.is_mkldnn}  # oneDNN's packed (opaque) weights are copies
+        kept = _storages(module)
         for p in parts:
             view = None if p is None else self._in_place.pop(p.data.data_ptr(), None)
             if view is not None and p.data.untyped_storage().data_ptr() not in kept:

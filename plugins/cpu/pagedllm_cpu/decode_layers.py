@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_Q4, _Q8, _KQUANT = 0, 1, 2  # csrc/decode_layers.cpp's part kinds
+_Q4, _Q8, _KQUANT, _KQUANT_R16 = 0, 1, 2, 3  # csrc/decode_layers.cpp's part kinds
 _KERNELS = (quant.Q4.name, quant.Q8.name, quant.KQUANT.name)
 
 
@@ -59,9 +59,9 @@ def _add_linear(plan: Any, site: int, lin: PlainLinear, dtype: torch.dtype) -> f
         elif p.kernel == quant.Q8.name:
             plan.add_part(site, _Q8, st, 0, False, "", -1, -1, int8_rows, p.bias, lin.joined)
         else:
-            blocks, weight_type, isa = st[:3]
-            plan.add_part(site, _KQUANT, blocks, 0, False, weight_type, quant.kquant_fp32_isa(isa), isa, int8_rows,
-                          p.bias, lin.joined)
+            blocks, weight_type, isa, r16 = st[0], st[1], st[2], st[5]
+            plan.add_part(site, _KQUANT_R16 if r16 else _KQUANT, blocks, 0, False, weight_type,
+                          quant.kquant_fp32_isa(isa), isa, int8_rows, p.bias, lin.joined)
         limit = min(limit, bf16_rows if bf16_rows is not None else math.inf)
     if lin.bias is not None:
         plan.set_bias(site, lin.bias)

@@ -1,7 +1,8 @@
 """Block-quantized linear layers on the CPU, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) on
 ``csrc/q4_gemv.cpp``, GGUF Q8_0 on ``csrc/q8_gemv.cpp`` (the blocks as stored), GGUF K-quants (Q4_K, Q5_K, Q6_K:
 what Q4_K_M / Q5_K_M files are made of) on ``csrc/kquant_gemv.cpp`` (the blocks as stored; decodes with int8
-activations on ``csrc/kquant_q8k.cpp``),
+activations on ``csrc/kquant_q8k.cpp``), on CPUs with AVX-512 VNNI Q4_K / Q6_K on ``csrc/kquant_r16.cpp`` (repacked
+at load into 16-row groups; x in two int8 terms, 1/32512 of a block's largest value),
 GPTQ / AWQ / compressed-tensors W4A16 (``GROUPED_INT4``) on torch's int4 kernel; INT8 W8A8 is in ``int8.py``.
 
 GGUF Q4_1 stores ``W = d * q + m`` per block of 32 (q in 0..15), Q4_0 ``W = d * (q - 8)``. ``q4_gemv`` reads the
@@ -240,22 +241,44 @@ def kquant_isa() -> int:
     return ISA_LEVELS.get(name, -1)
 
 
+#: K-quant types with a 16-row layout (``csrc/kquant_r16.cpp``); Q5_K keeps the file's blocks.
+R16_TYPES = ("Q4_K", "Q6_K")
+
+
+def _r16(weight: QuantizedWeight, isa: int) -> bool:
+    """Whether ``weight`` runs repacked into ``kquant_r16.cpp``'s 16-row layout: Q4_K / Q6_K with whole groups of 16
+    output rows, on a CPU with AVX-512 VNNI, no SIMD level forced (a forced level runs that level's kernels over the
+    file's blocks)."""
+    return (isa == -1 and weight.weight_type in R16_TYPES and weight.shape[0] % 16 == 0
+            and bool(native.lib.kquant_r16_available()))
+
+
 def _prepare_kquant(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple:
-    """No repack and no copy: ``kquant_gemv`` decodes the file's super-blocks where they lie (the file's mapping),
-    so a K-quant model's weights cost their file size in memory instead of 7x as fp32. The state: (blocks, type,
-    SIMD level, rows of x from which a call is a bf16 GEMM: ``bf16_min_rows``, never with a level forced, which
-    runs that level's fp32 kernel; rows of x up to which a call takes int8 activations, 0 when off)."""
+    """The state: (blocks, type, SIMD level, rows of x from which a call is a bf16 GEMM: ``bf16_min_rows``, never with
+    a level forced, which runs that level's fp32 kernel; rows of x up to which a call takes llama.cpp's int8
+    activations, 0 when off; whether the blocks are ``kquant_r16.cpp``'s 16-row layout). On CPUs with AVX-512 VNNI,
+    Q4_K / Q6_K are repacked once at load (the same bytes give or take 3%: the file's pages are then unmapped) and
+    decode with x in two int8 terms (error below 1/32512 of a block's largest value; 1.5x the fp32 kernel from
+    DRAM); elsewhere no repack and no copy: ``kquant_gemv`` decodes the file's super-blocks where they lie (the
+    file's mapping), so a K-quant model's weights cost their file size in memory instead of 7x as fp32."""
     isa = kquant_isa()
     bf16_rows = bf16_min_rows(dtype) if isa == -1 else None
     int8_rows = INT8_ACT_MAX_ROWS if int8_activations() else 0
-    return weight.data.reshape(weight.shape[0], -1), weight.weight_type, isa, bf16_rows, int8_rows
+    blocks = weight.data.reshape(weight.shape[0], -1)
+    if _r16(weight, isa):
+        return native.lib.kquant_r16_repack(blocks, weight.weight_type), weight.weight_type, isa, bf16_rows, \
+            int8_rows, True
+    return blocks, weight.weight_type, isa, bf16_rows, int8_rows, False
 
 
 def _apply_kquant(state: tuple, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    blocks, weight_type, isa, bf16_rows, int8_rows = state
+    blocks, weight_type, isa, bf16_rows, int8_rows, r16 = state
+    int8 = x.numel() <= int8_rows * x.shape[-1]
     if _batched_bf16(x, bf16_rows):
-        y = native.lib.kquant_mm_bf16(x, blocks, weight_type)
-    elif x.numel() <= int8_rows * x.shape[-1]:
+        y = native.lib.kquant_mm_bf16(x, blocks, weight_type + "_R16" if r16 else weight_type)
+    elif r16:
+        y = native.lib.kquant_r16_gemv(x, blocks, weight_type, 1 if int8 else 2)
+    elif int8:
         y = native.lib.kquant_q8k_gemv(x, blocks, weight_type, isa)
     else:
         y = native.lib.kquant_gemv(x, blocks, weight_type, kquant_fp32_isa(isa))
@@ -271,8 +294,9 @@ def kquant_fp32_isa(isa: int) -> int:
 
 def fp32_rows(kernel: str, state: Any, dtype: torch.dtype) -> tuple[int, Optional[int]]:
     """(rows of x up to which ``kernel``'s apply over ``state`` takes int8 activations, rows from which it takes the
-    bf16 GEMM or None): between them it runs its fp32 kernel (``q4_gemv``, ``q8_gemv``, ``kquant_gemv``), as the
-    applies above decide per call. For code that calls the kernels itself (``decode_layers.py``)."""
+    bf16 GEMM or None): between them it runs its fp32 kernel (``q4_gemv``, ``q8_gemv``, ``kquant_gemv``; a 16-row
+    K-quant state its two-term ``kquant_r16_gemv``), as the applies above decide per call. For code that calls the
+    kernels itself (``decode_layers.py``)."""
     if kernel == Q4.name:
         return int8_act_rows(), state.bf16_rows
     if kernel == Q8.name:

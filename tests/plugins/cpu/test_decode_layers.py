@@ -109,5 +109,5 @@ def test_plan_refuses_a_linear_without_parts(lib):
         plan.forward(torch.zeros(1, 8), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                      torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                      [torch.zeros(2, 1, 16, 1, 8)], torch.zeros(16, 8))
-    with pytest.raises(RuntimeError, match="kind 7 is not 0-2"):
+    with pytest.raises(RuntimeError, match="kind 7 is not 0-3"):
         plan.add_part(0, 7, w, 0, False, "", -1, -1, 0, None, False)

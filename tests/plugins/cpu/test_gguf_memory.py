@@ -1,6 +1,7 @@
 """Memory of a GGUF model on the CPU backend (issue 32): a tied Q8_0 / Q4_K embedding stays the file's blocks (no
-dense fp32 table, its LM head reads the same blocks), no weight is held twice, block types the kernels read in place
-are the file's pages rather than a copy; and the streaming-read probe's checksum is numpy's."""
+dense fp32 table; its LM head reads the same blocks, or on CPUs with AVX-512 VNNI a Q4_K head its repacked copy with
+the file's pages dropped), no weight is held twice, block types the kernels read in place are the file's pages rather
+than a copy, repacked ones leave no file page resident; and the streaming-read probe's checksum is numpy's."""
 
 from __future__ import annotations
 
@@ -91,10 +92,16 @@ def test_tied_block_embedding_has_no_dense_copy_and_no_weight_is_held_twice(lib,
         assert not (t.is_floating_point() and t.shape and t.shape[0] == VOCAB), (name, t.shape, t.dtype)
     head = model.lm_head_kernel[1]
     head_blocks = head if isinstance(head, torch.Tensor) else head[0]
-    assert head_blocks.data_ptr() == emb.blocks.ctypes.data  # the LM head reads the embedding's own blocks
     nbytes = {ptr: t.untyped_storage().nbytes() for ptr, (_, t) in held.items()}
-    nbytes.setdefault(emb.blocks.ctypes.data, emb.blocks.nbytes)  # (the head's state when it reads them)
-    assert sum(nbytes.values()) <= file_tensor_bytes, (held, file_tensor_bytes)  # no second copy of any weight
+    repacked = isinstance(head, tuple) and head[5]  # kquant_r16's 16-row layout: Q4_K's 148 bytes a row for 144
+    if repacked:  # the head is its own copy; the file's pages (the embedding's too) are not resident
+        assert head_blocks.numel() == emb.blocks.nbytes * 148 // 144
+        assert _mapped_rss(path) <= 64 << 10
+    else:
+        assert head_blocks.data_ptr() == emb.blocks.ctypes.data  # the LM head reads the embedding's own blocks
+        nbytes.setdefault(emb.blocks.ctypes.data, emb.blocks.nbytes)  # (the head's state when it reads them)
+    bound = file_tensor_bytes * 148 // 144 if repacked else file_tensor_bytes
+    assert sum(nbytes.values()) <= bound, (held, file_tensor_bytes)  # no second copy of any weight
 
     ids = torch.tensor([[3, 0, VOCAB - 1, 77]])  # a lookup dequantizes exactly the file's rows
     from gguf.quants import dequantize
@@ -102,6 +109,21 @@ def test_tied_block_embedding_has_no_dense_copy_and_no_weight_is_held_twice(lib,
     torch.testing.assert_close(emb(ids)[0], want, rtol=0, atol=0)
     out = llm.generate({"prompt_token_ids": [1, 5, 9]}, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+    if repacked:  # lookups map back only pages of the embedding (each fault maps its 64 KiB window around it)
+        assert _mapped_rss(path) <= emb.blocks.nbytes + (256 << 10) < os.path.getsize(path)
+
+
+def _mapped_rss(path: str) -> int:
+    """Bytes of ``path`` resident in this process's mappings of it (/proc/self/smaps)."""
+    total, current = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5 and ":" in parts[3]:  # a mapping's header line
+                current = len(parts) >= 6 and os.path.realpath(parts[5]) == os.path.realpath(path)
+            elif current and parts[0] == "Rss:":
+                total += int(parts[1]) * 1024
+    return total
 
 
 def _file_backed(t: torch.Tensor, path: str) -> bool:
@@ -119,16 +141,21 @@ def _file_backed(t: torch.Tensor, path: str) -> bool:
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_in_place_block_linears_read_the_files_pages(lib, tmp_path, qtype):
     """Linears of a type the kernel reads in place (unfused, rows in file order: ``o_proj``, ``down_proj``) keep the
-    file's mapping as their weight, as llama.cpp's mmap does: no anonymous copy, pages the kernel can drop."""
+    file's mapping as their weight, as llama.cpp's mmap does: no anonymous copy, pages the kernel can drop. Where the
+    kernel repacks them (Q4_K on a CPU with AVX-512 VNNI) the copy is all there is: no page of the file stays
+    resident."""
     from pagedllm import LLM
 
     path = _tied_gguf(tmp_path, qtype)
     model = LLM(path, device="cpu", dtype="float32", skip_tokenizer_init=True, quantization="gguf", max_model_len=64,
                 kv_cache_memory=4 << 20).llm_engine.model
+    repacked = qtype == "Q4_K" and bool(lib.kquant_r16_available())
     for layer in model.layers:
         for linear in (layer.self_attn.o_proj, layer.mlp.down_proj):
             blocks = linear.state if isinstance(linear.state, torch.Tensor) else linear.state[0]
-            assert _file_backed(blocks, path), (qtype, linear)
+            assert _file_backed(blocks, path) != repacked, (qtype, linear)
+    if repacked:
+        assert _mapped_rss(path) <= 64 << 10
 
 
 @pytest.mark.parametrize("nbytes", [64, 64 * 4097, 3 << 20])

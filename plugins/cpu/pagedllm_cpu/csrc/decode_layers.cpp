@@ -23,11 +23,11 @@ namespace {
 
 namespace K = pagedllm_cpu::kernels;
 
-enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kKQuant = 2 };
+enum Kind : int64_t { kQ4 = 0, kQ8 = 1, kKQuant = 2, kKQuantR16 = 3 };
 
 struct Part {
   int64_t kind;
-  at::Tensor weight;  // the kernel's state: Q4 repacked groups, Q8_0 / K-quant blocks as stored
+  at::Tensor weight;  // the kernel's state: Q4 repacked groups, Q8_0 / K-quant blocks as stored or in 16-row groups
   int64_t n;          // Q4: output rows
   bool has_min;       // Q4: Q4_1
   std::string type;   // K-quant: its GGUF type
@@ -63,6 +63,7 @@ at::Tensor run_part(const Part& p, const at::Tensor& x) {
                : K::q4_gemv(x, p.weight, p.n, p.has_min);
       break;
     case kQ8: y = int8 ? K::q8act_gemv(x, p.weight, "Q8_0", 0, -1) : K::q8_gemv(x, p.weight); break;
+    case kKQuantR16: y = K::kquant_r16_gemv(x, p.weight, p.type, int8 ? 1 : 2); break;
     default:
       y = int8 ? K::kquant_q8k_gemv(x, p.weight, p.type, p.int8_isa) : K::kquant_gemv(x, p.weight, p.type, p.isa);
   }
@@ -102,7 +103,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                 int64_t isa, int64_t int8_isa, int64_t int8_rows, std::optional<at::Tensor> bias, bool split) {
     TORCH_CHECK(!layers_.empty(), "DecodeLayers.add_part: add_layer first");
     TORCH_CHECK(site >= kQKV && site <= kDown, "DecodeLayers.add_part: site ", site, " is not 0-3");
-    TORCH_CHECK(kind >= kQ4 && kind <= kKQuant, "DecodeLayers.add_part: kind ", kind, " is not 0-2");
+    TORCH_CHECK(kind >= kQ4 && kind <= kKQuantR16, "DecodeLayers.add_part: kind ", kind, " is not 0-3");
     Linear& l = layers_.back().linears[site];
     l.parts.push_back(
         Part{kind, std::move(weight), n, has_min, std::move(type), isa, int8_isa, int8_rows, std::move(bias)});

@@ -639,12 +639,15 @@ void to_bf16(const float* in, int64_t count, uint16_t* out, bool hw) {
 
 enum Format { kFmtQ4K = 0, kFmtQ5K = 1, kFmtQ6K = 2, kFmtQ8_0 = 3, kFmtQ4_0 = 4, kFmtQ4_1 = 5 };
 
-Format parse_format(const std::string& s) {
+// weight_type "Q4_K_R16" / "Q6_K_R16": the blocks in kquant_r16.cpp's 16-row layout (``r16`` set).
+Format parse_format(const std::string& s, bool* r16) {
+  *r16 = s == "Q4_K_R16" || s == "Q6_K_R16";
+  if (*r16) return s[1] == '4' ? kFmtQ4K : kFmtQ6K;
   if (s == "Q8_0") return kFmtQ8_0;
   if (s == "Q4_0") return kFmtQ4_0;
   if (s == "Q4_1") return kFmtQ4_1;
   TORCH_CHECK(s == "Q4_K" || s == "Q5_K" || s == "Q6_K", "kquant_mm_bf16: weight_type must be Q4_K, Q5_K, Q6_K, Q8_0, ",
-              "Q4_0 or Q4_1, got ", s);
+              "Q4_0, Q4_1, Q4_K_R16 or Q6_K_R16, got ", s);
   return static_cast<Format>(pagedllm_cpu::parse_kquant(s, "kquant_mm_bf16"));
 }
 
@@ -677,10 +680,13 @@ void decode_q4_group(const uint8_t* g, int64_t nb, bool has_min, int64_t rows, f
 }
 
 // x [..., K], blocks as the format stores them ([N, row bytes] for the GGUF row formats, [ceil(N / 16), K / 32,
-// bytes] for Q4_0 / Q4_1 repacked, with n the output rows): y [..., N] in x's dtype, computed as bf16 x bf16.
+// bytes] for Q4_0 / Q4_1 repacked, with n the output rows, [N / 16, K / 256 * record] for the K-quants' 16-row
+// layout): y [..., N] in x's dtype, computed as bf16 x bf16. The 16-row layout is turned back into the file's
+// super-blocks one record at a time (bit for bit), so both layouts give the same bits.
 at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const std::string& weight_type, int64_t n) {
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kquant_mm_bf16: x must be floating point");
-  const Format f = parse_format(weight_type);
+  bool r16 = false;
+  const Format f = parse_format(weight_type, &r16);
   const int64_t k = x.size(-1);
   const bool q4 = f == kFmtQ4_0 || f == kFmtQ4_1;
   const int64_t unit = f == kFmtQ8_0 || q4 ? 32 : kQK;
@@ -691,6 +697,13 @@ at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const s
     TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 3 &&
                     blocks.size(0) == (n + 15) / 16 && blocks.size(1) == k / 32 && blocks.size(2) == bb,
                 "kquant_mm_bf16: ", weight_type, " blocks must be q4_gemv's uint8 [ceil(N / 16), K / 32, ", bb, "]");
+  } else if (r16) {
+    bb = kquant_bytes(static_cast<Type>(f));
+    const int64_t rec = pagedllm_cpu::kernels::kquant_r16_record_bytes(static_cast<int>(f));
+    TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+                    blocks.size(1) == k / kQK * rec,
+                "kquant_mm_bf16: ", weight_type, " blocks must be contiguous uint8 [N / 16, K / 256 * ", rec, "]");
+    n = blocks.size(0) * 16;
   } else {
     bb = f == kFmtQ8_0 ? 34 : kquant_bytes(static_cast<Type>(f));
     TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 &&
@@ -715,19 +728,31 @@ at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const s
     // work items of 16 output rows (one q4_gemv group), each decoded through a 16 x 256 fp32 scratch
     at::parallel_for(0, (rows + 15) / 16, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> tmp(16 * kQK);
+      std::vector<uint8_t> file_blocks(r16 ? 16 * bb : 0);  // a 16-row record as the file's 16 super-blocks
       for (int64_t it = begin; it < end; ++it) {
         const int64_t r0 = 16 * it, rr = std::min<int64_t>(16, rows - r0);
         for (int64_t k0 = 0; k0 < k; k0 += kQK) {
           const int64_t kc = std::min(kQK, k - k0);
+          int64_t kofs = (k0 / kQK) * bb;  // row r's super-block k0 / 256: row_at(r) + kofs
+          if (r16) {
+            const int64_t rec = blocks.size(1) / (k / kQK);
+            pagedllm_cpu::kernels::kquant_r16_to_blocks(static_cast<int>(f),
+                                                        wp + ((p0 + r0) / 16) * blocks.size(1) + (k0 / kQK) * rec,
+                                                        file_blocks.data());
+            kofs = 0;
+          }
+          auto row_at = [&](int64_t r) {
+            return r16 ? file_blocks.data() + r * bb : wp + (p0 + r0 + r) * row_stride;
+          };
 #ifdef PAGEDLLM_KQ_X86
           if (hw && !q4) {  // straight to bf16
             for (int64_t r = 0; r < rr; ++r) {
-              const uint8_t* row = wp + (p0 + r0 + r) * row_stride;
+              const uint8_t* row = row_at(r);
               uint16_t* o = dst + (r0 + r) * k + k0;
               if (f == kFmtQ8_0) {
                 for (int64_t b = 0; b < kc / 32; ++b) decode_q8_bf16_avx512(row + (k0 / 32 + b) * bb, o + 32 * b);
               } else {
-                decode_bf16_avx512(static_cast<Type>(f), row + (k0 / kQK) * bb, o);
+                decode_bf16_avx512(static_cast<Type>(f), row + kofs, o);
               }
             }
             continue;
@@ -738,11 +763,11 @@ at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const s
                             tmp.data(), kQK);
           } else {
             for (int64_t r = 0; r < rr; ++r) {
-              const uint8_t* row = wp + (p0 + r0 + r) * row_stride;
+              const uint8_t* row = row_at(r);
               if (f == kFmtQ8_0)
                 decode_q8_row(row + (k0 / 32) * bb, kc, tmp.data() + r * kQK);
               else
-                decode(level, static_cast<Type>(f), row + (k0 / kQK) * bb, tmp.data() + r * kQK);
+                decode(level, static_cast<Type>(f), row + kofs, tmp.data() + r * kQK);
             }
           }
           for (int64_t r = 0; r < rr; ++r) to_bf16(tmp.data() + r * kQK, kc, dst + (r0 + r) * k + k0, hw);

@@ -1,0 +1,461 @@
+// y = x @ W.T for GGUF Q4_K / Q6_K weights repacked at load into groups of 16 output rows, with x in two int8 terms:
+// the decode kernel of CPUs with AVX-512 VNNI.
+//
+// Why: at few rows of x the file's layout costs ALU, not memory. Decoding its super-blocks to fp32
+// (``kquant_gemv.cpp``) is ~3 vector ops per 16 weights; llama.cpp's int8 dot products over the same bytes
+// (``kquant_q8k.cpp``) still pay a scale multiply per 64 weights and the scales' unpacking per super-block and row.
+// Here one 64-byte load holds 4 bytes of each of 16 rows, so one ``vpdpbusd`` against 4 broadcast activations
+// advances 16 output rows (one per int32 lane) and the scales, unpacked once at load, are vectors of 16 rows.
+//
+// x is quantized per 32 values to 15 bits, x ~ d * v with d = max|x| / 16256 and v = round(x / d), and v is split
+// into two int8 terms, v = 128 * hi + lo (hi = v >> 7 in -127..127, lo = v & 127 in 0..127): each weight byte meets
+// hi (signed, as ``vpdpbusd``'s second operand) and lo (unsigned, its first operand, the weights 0..63 then the
+// signed one), and the two int32 sums join as 128 * hi_sum + lo_sum (below 2^24: exact in fp32). The error is at most
+// d / 2 = 1/32512 of the largest value of its 32, 128 times below llama.cpp's int8 activations (``terms`` = 1: hi
+// alone as round(x * 127 / max) per 256, llama.cpp's Q8_K, ``PAGEDLLM_CPU_INT8_ACT=1``) and far below bf16's rounding
+// of the batched path. x's and the sub-blocks' scales apply in fp32 per 16 rows; the weights are the file's values.
+//
+// Layouts (uint8 [N / 16, K / 256 * record], one record per group of 16 rows and super-block):
+//   Q4_K, 2368 bytes (148 a row): d fp16 [16], dmin fp16 [16], scales u8 [8][16], mins u8 [8][16], then qs as 32
+//     chunks of 64 bytes, chunk t holding bytes 4t..4t+3 of each row's 128 (low nibbles: weights 64 (t / 8) + 4 (t % 8)
+//     + 0..3, high nibbles the 32 after them).
+//   Q6_K, 3360 bytes (210 a row, the file's size): d fp16 [16], scales i8 [16][16], ql as 32 chunks (bytes 4u..4u+3
+//     of each row's 128), qh as 16 chunks (bytes 4v..4v+3 of each row's 64).
+// ``kquant_r16_unpack`` gives the file's blocks back bit for bit (the batched path's bf16 GEMM reads those).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+#include "cpu_common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define PAGEDLLM_R16_X86 1
+#define PAGEDLLM_R16_TVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")))
+#endif
+
+namespace {
+
+constexpr int64_t kQK = 256;  // values per super-block
+constexpr int64_t kRows = 16;  // output rows per group (one per int32 lane)
+constexpr int64_t kQ4Rec = 32 + 32 + 128 + 128 + 2048;
+constexpr int64_t kQ6Rec = 32 + 256 + 2048 + 1024;
+constexpr float kLevels = 16256.f;  // 127 * 128: v = 128 * hi + lo with hi in -127..127
+
+using pagedllm_cpu::kQ4K;
+using pagedllm_cpu::kQ6K;
+using Type = pagedllm_cpu::KQuant;
+
+Type parse(const std::string& s, const char* op) {
+  const Type t = pagedllm_cpu::parse_kquant(s, op);
+  TORCH_CHECK(t != pagedllm_cpu::kQ5K, op, ": Q5_K has no 16-row layout (it runs kquant_gemv / kquant_q8k_gemv)");
+  return t;
+}
+
+int64_t record_bytes(Type t) { return t == kQ4K ? kQ4Rec : kQ6Rec; }
+
+// Q4_K's 12 scale bytes <-> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4 and its inverse).
+void unpack_scales(const uint8_t* q, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 8; ++j) {
+    if (j < 4) {
+      sc[j] = q[j] & 63;
+      mn[j] = q[j + 4] & 63;
+    } else {
+      sc[j] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+      mn[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+  }
+}
+
+void pack_scales(const uint8_t sc[8], const uint8_t mn[8], uint8_t* q) {
+  std::memset(q, 0, 12);
+  for (int j = 0; j < 8; ++j) {
+    if (j < 4) {
+      q[j] |= sc[j] & 63;
+      q[j + 4] |= mn[j] & 63;
+    } else {
+      q[j + 4] = (sc[j] & 0xF) | ((mn[j] & 0xF) << 4);
+      q[j - 4] |= (sc[j] >> 4) << 6;
+      q[j] |= (mn[j] >> 4) << 6;
+    }
+  }
+}
+
+// One group's record <-> its 16 rows' super-block sb. ``to_record``: file -> record; else record -> file.
+void convert(Type t, bool to_record, uint8_t* rec, uint8_t* const rows[kRows]) {
+  for (int i = 0; i < kRows; ++i) {
+    uint8_t* b = rows[i];
+    auto mv = [&](uint8_t* r, uint8_t* f, size_t n) { to_record ? std::memcpy(r, f, n) : std::memcpy(f, r, n); };
+    if (t == kQ4K) {
+      mv(rec + 2 * i, b, 2);
+      mv(rec + 32 + 2 * i, b + 2, 2);
+      uint8_t sc[8], mn[8];
+      if (to_record) {
+        unpack_scales(b + 4, sc, mn);
+        for (int s = 0; s < 8; ++s) {
+          rec[64 + 16 * s + i] = sc[s];
+          rec[192 + 16 * s + i] = mn[s];
+        }
+      } else {
+        for (int s = 0; s < 8; ++s) {
+          sc[s] = rec[64 + 16 * s + i];
+          mn[s] = rec[192 + 16 * s + i];
+        }
+        pack_scales(sc, mn, b + 4);
+      }
+      for (int c = 0; c < 32; ++c) mv(rec + 320 + 64 * c + 4 * i, b + 16 + 4 * c, 4);
+    } else {
+      mv(rec + 2 * i, b + 208, 2);
+      for (int s = 0; s < 16; ++s) mv(rec + 32 + 16 * s + i, b + 192 + s, 1);
+      for (int u = 0; u < 32; ++u) mv(rec + 288 + 64 * u + 4 * i, b + 4 * u, 4);
+      for (int v = 0; v < 16; ++v) mv(rec + 2336 + 64 * v + 4 * i, b + 128 + 4 * v, 4);
+    }
+  }
+}
+
+void check_blocks(const at::Tensor& blocks, Type t, const char* op) {
+  const int64_t bb = pagedllm_cpu::kquant_bytes(t);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.stride(1) == 1 &&
+                  blocks.size(1) % bb == 0 && blocks.size(0) % kRows == 0,
+              op, ": blocks must be uint8 [N, K / 256 * ", bb, "] with contiguous rows and N a multiple of 16");
+}
+
+// blocks uint8 [N, K / 256 * bytes] (the file's) -> uint8 [N / 16, K / 256 * record].
+at::Tensor kquant_r16_repack(const at::Tensor& blocks, const std::string& weight_type) {
+  const Type t = parse(weight_type, "kquant_r16_repack");
+  check_blocks(blocks, t, "kquant_r16_repack");
+  const int64_t bb = pagedllm_cpu::kquant_bytes(t), rb = record_bytes(t);
+  const int64_t n = blocks.size(0), nsb = blocks.size(1) / bb, rs = blocks.stride(0);
+  at::Tensor out = at::empty({n / kRows, nsb * rb}, blocks.options());
+  uint8_t* w = const_cast<uint8_t*>(blocks.data_ptr<uint8_t>());  // read only (to_record)
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n / kRows, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        uint8_t* rows[kRows];
+        for (int i = 0; i < kRows; ++i) rows[i] = w + (g * kRows + i) * rs + sb * bb;
+        convert(t, true, o + (g * nsb + sb) * rb, rows);
+      }
+  });
+  return out;
+}
+
+// The inverse: uint8 [N / 16, K / 256 * record] -> the file's blocks uint8 [N, K / 256 * bytes], bit for bit.
+at::Tensor kquant_r16_unpack(const at::Tensor& packed, const std::string& weight_type) {
+  const Type t = parse(weight_type, "kquant_r16_unpack");
+  const int64_t bb = pagedllm_cpu::kquant_bytes(t), rb = record_bytes(t);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(1) % rb == 0,
+              "kquant_r16_unpack: packed must be contiguous uint8 [N / 16, K / 256 * ", rb, "]");
+  const int64_t groups = packed.size(0), nsb = packed.size(1) / rb;
+  at::Tensor out = at::empty({groups * kRows, nsb * bb}, packed.options());
+  uint8_t* p = const_cast<uint8_t*>(packed.data_ptr<uint8_t>());  // read only (!to_record)
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        uint8_t* rows[kRows];
+        for (int i = 0; i < kRows; ++i) rows[i] = o + (g * kRows + i) * nsb * bb + sb * bb;
+        convert(t, false, p + (g * nsb + sb) * rb, rows);
+      }
+  });
+  return out;
+}
+
+// ggml's nearest_int: round half to even through the float adder (|v| < 2^22).
+inline int nearest_int(float v) {
+  float f = v + 12582912.f;
+  int32_t i;
+  std::memcpy(&i, &f, 4);
+  return (i & 0x007fffff) - 0x00400000;
+}
+
+// One row of x [k] as the dot products see it: hi int8 [k], lo uint8 [k] (zero for one term), d fp32 [k / 32] and
+// the sums of v per 16 values as fp32 [k / 16] (exact integers), x ~ d * (128 hi + lo) = d * v. Two terms: a scale
+// per 32 values (a Q4_K sub-block; an outlier coarsens only its own 32); one term: llama.cpp's Q8_K, a scale per
+// 256 (repeated per 32 here).
+void quantize_row(const float* x, int64_t k, int terms, int8_t* hi, uint8_t* lo, float* d, float* sums) {
+  const int64_t unit = terms == 1 ? kQK : 32;
+  for (int64_t b = 0; b < k / unit; ++b) {
+    const float* xb = x + b * unit;
+    int8_t* h = hi + b * unit;
+    uint8_t* l = lo + b * unit;
+    float amax = 0.f, max = 0.f;
+    for (int j = 0; j < unit; ++j) {
+      const float a = std::fabs(xb[j]);
+      if (a > amax) {
+        amax = a;
+        max = xb[j];
+      }
+    }
+    int v[kQK];
+    float scale = 0.f;
+    if (amax == 0.f) {
+      std::fill(v, v + unit, 0);
+    } else if (terms == 1) {  // llama.cpp's quantize_row_q8_K_ref
+      const float iscale = -127.f / max;
+      for (int j = 0; j < unit; ++j) v[j] = std::min(127, nearest_int(iscale * xb[j]));
+      scale = 1.f / iscale;
+    } else {
+      const float iscale = kLevels / amax;
+      for (int j = 0; j < unit; ++j)
+        v[j] = std::max(-static_cast<int>(kLevels), std::min(static_cast<int>(kLevels), nearest_int(iscale * xb[j])));
+      scale = amax / kLevels;
+    }
+    for (int j = 0; j < unit / 32; ++j) d[b * (unit / 32) + j] = scale;
+    for (int j = 0; j < unit; ++j) {
+      h[j] = static_cast<int8_t>(terms == 1 ? v[j] : v[j] >> 7);  // arithmetic shift: floor
+      l[j] = static_cast<uint8_t>(terms == 1 ? 0 : v[j] & 127);
+    }
+    for (int s = 0; s < unit / 16; ++s) {
+      int sum = 0;
+      for (int j = 0; j < 16; ++j) sum += v[16 * s + j];
+      sums[b * (unit / 16) + s] = static_cast<float>(sum);
+    }
+  }
+}
+
+struct XQ {
+  const int8_t* hi;
+  const uint8_t* lo;
+  const float* d;
+  const float* sums;
+  int64_t k;
+};
+
+#ifdef PAGEDLLM_R16_X86
+// Q4_K reads a record in address order: each line kPrefetch ahead into L1 (measured the same as none, 29 GB/s on the
+// 1.7B model's 24 layers of Q4_K shapes from DRAM on 2 threads). Q6_K reads three interleaved streams of a record, so
+// it asks for the next record in address order instead (its shapes: 74.5 ms with each stream's line 2 KB ahead,
+// 55-57 ms; half a record or two ahead alike).
+constexpr int64_t kPrefetch = 2048;
+
+PAGEDLLM_R16_TVNNI inline __m512i bcast(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+PAGEDLLM_R16_TVNNI inline __m512 scales_f32(const uint8_t* p, bool is_signed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+// 128 * hi_sum + lo_sum (TERMS 2) or hi_sum, as fp32 (exact: below 2^24).
+template <int TERMS>
+PAGEDLLM_R16_TVNNI inline __m512 joined(__m512i h, __m512i l) {
+  return _mm512_cvtepi32_ps(TERMS == 2 ? _mm512_add_epi32(_mm512_slli_epi32(h, 7), l) : h);
+}
+
+inline void pf(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch), _MM_HINT_T0); }
+
+// The 16 rows' sums over super-block sb of one row of x, x's scales applied (dx: one per 32 values), before the
+// weights' d: Q4_K returns sum(sc * dot) and stores sum(m * sum(x)) (for dmin) in dmin_part.
+template <int TERMS>
+PAGEDLLM_R16_TVNNI __m512 q4k_superblock(const uint8_t* r, const int8_t* h, const uint8_t* l, const float* dx,
+                                         const float* sums, float* dmin_part) {
+  const __m512i m4 = _mm512_set1_epi8(0xF);
+  __m512 S = _mm512_setzero_ps();
+  for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles)
+    __m512i aH = _mm512_setzero_si512(), aL = aH, bH = aH, bL = aH;
+    for (int t = 0; t < 8; ++t) {
+      const uint8_t* q = r + 320 + 64 * (8 * c + t);
+      pf(q);
+      const __m512i v = _mm512_loadu_si512(q);
+      const __m512i q0 = _mm512_and_si512(v, m4), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      const int64_t o = 64 * c + 4 * t;
+      aH = _mm512_dpbusd_epi32(aH, q0, bcast(h + o));
+      bH = _mm512_dpbusd_epi32(bH, q1, bcast(h + o + 32));
+      if (TERMS == 2) {
+        aL = _mm512_dpbusd_epi32(aL, bcast(l + o), q0);
+        bL = _mm512_dpbusd_epi32(bL, bcast(l + o + 32), q1);
+      }
+    }
+    const __m512 s0 = _mm512_mul_ps(scales_f32(r + 64 + 32 * c, false), _mm512_set1_ps(dx[2 * c]));
+    const __m512 s1 = _mm512_mul_ps(scales_f32(r + 64 + 32 * c + 16, false), _mm512_set1_ps(dx[2 * c + 1]));
+    S = _mm512_fmadd_ps(joined<TERMS>(aH, aL), s0, S);
+    S = _mm512_fmadd_ps(joined<TERMS>(bH, bL), s1, S);
+  }
+  __m512 M = _mm512_setzero_ps();
+  for (int s = 0; s < 8; ++s)
+    M = _mm512_fmadd_ps(scales_f32(r + 192 + 16 * s, false), _mm512_set1_ps(dx[s] * (sums[2 * s] + sums[2 * s + 1])),
+                        M);
+  _mm512_storeu_ps(dmin_part, M);
+  return S;
+}
+
+// Q6_K: (q - 32) per weight, the -32 taken off as 32 * the sum of v per sub-block of 16.
+template <int TERMS>
+PAGEDLLM_R16_TVNNI __m512 q6k_superblock(const uint8_t* r, const int8_t* h, const uint8_t* l, const float* dx,
+                                         const float* sums) {
+  const __m512i m4 = _mm512_set1_epi8(0xF), m03 = _mm512_set1_epi8(0x03), m0c = _mm512_set1_epi8(0x0C),
+                m30 = _mm512_set1_epi8(0x30);
+  __m512 S = _mm512_setzero_ps();
+  for (int n = 0; n < 2; ++n)
+    for (int half = 0; half < 2; ++half) {
+      __m512i aH[4], aL[4];
+      for (int j = 0; j < 4; ++j) aH[j] = aL[j] = _mm512_setzero_si512();
+      for (int t = 4 * half; t < 4 * half + 4; ++t) {
+        const uint8_t* p0 = r + 288 + 64 * (16 * n + t);
+        const uint8_t* p1 = p0 + 64 * 8;
+        const uint8_t* ph = r + 2336 + 64 * (8 * n + t);
+        for (int o = 0; o < 256; o += 64)  // the next record, in address order
+          _mm_prefetch(reinterpret_cast<const char*>(r + kQ6Rec + 256 * (8 * n + t) + o), _MM_HINT_T0);
+        const __m512i v0 = _mm512_loadu_si512(p0), v1 = _mm512_loadu_si512(p1), hv = _mm512_loadu_si512(ph);
+        __m512i w[4];
+        w[0] = _mm512_or_si512(_mm512_and_si512(v0, m4), _mm512_slli_epi16(_mm512_and_si512(hv, m03), 4));
+        w[1] = _mm512_or_si512(_mm512_and_si512(v1, m4), _mm512_slli_epi16(_mm512_and_si512(hv, m0c), 2));
+        w[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v0, 4), m4), _mm512_and_si512(hv, m30));
+        w[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v1, 4), m4),
+                               _mm512_and_si512(_mm512_srli_epi16(hv, 2), m30));
+        for (int j = 0; j < 4; ++j) {
+          const int64_t o = 128 * n + 32 * j + 4 * t;
+          aH[j] = _mm512_dpbusd_epi32(aH[j], w[j], bcast(h + o));
+          if (TERMS == 2) aL[j] = _mm512_dpbusd_epi32(aL[j], bcast(l + o), w[j]);
+        }
+      }
+      for (int j = 0; j < 4; ++j) {
+        const int s = 8 * n + 2 * j + half;  // sub-block of 16
+        const __m512 dot = _mm512_sub_ps(joined<TERMS>(aH[j], aL[j]), _mm512_set1_ps(32.f * sums[s]));
+        S = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales_f32(r + 32 + 16 * s, true), _mm512_set1_ps(dx[s / 2])), S);
+      }
+    }
+  return S;
+}
+
+// Output rows g*16 .. g*16 + 15 for every row of x: y[m * ys + 0..15].
+template <int TERMS>
+PAGEDLLM_R16_TVNNI void group(Type t, const uint8_t* w, int64_t nsb, const XQ& x, int64_t mrows, float* y,
+                              int64_t ys) {
+  const int64_t rb = record_bytes(t);
+  std::vector<float> acc(mrows * kRows, 0.f);
+  alignas(64) float dmin_part[kRows];
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* r = w + sb * rb;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
+    for (int64_t m = 0; m < mrows; ++m) {
+      const int8_t* h = x.hi + m * x.k + sb * kQK;
+      const uint8_t* l = x.lo + m * x.k + sb * kQK;
+      const float* dx = x.d + m * (x.k / 32) + sb * 8;
+      const float* sums = x.sums + m * (x.k / 16) + sb * 16;
+      float* a = acc.data() + m * kRows;
+      __m512 av = _mm512_loadu_ps(a);
+      if (t == kQ4K) {
+        const __m512 S = q4k_superblock<TERMS>(r, h, l, dx, sums, dmin_part);
+        const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32)));
+        av = _mm512_fmadd_ps(d, S, av);
+        av = _mm512_fnmadd_ps(dmin, _mm512_loadu_ps(dmin_part), av);
+      } else {
+        av = _mm512_fmadd_ps(d, q6k_superblock<TERMS>(r, h, l, dx, sums), av);
+      }
+      _mm512_storeu_ps(a, av);
+    }
+  }
+  for (int64_t m = 0; m < mrows; ++m) std::memcpy(y + m * ys, acc.data() + m * kRows, kRows * sizeof(float));
+}
+#endif
+
+bool have_vnni() { return pagedllm_cpu::cpu_avx512_vnni(); }
+
+// x [..., K] (K a multiple of 256, any float dtype) as the kernel sees it: (hi int8 [M, K], lo uint8 [M, K], d fp32
+// [M, K / 32], sums fp32 [M, K / 16]) with x ~ d * (128 hi + lo) (terms 2) or d * hi (terms 1), d per 32 values. For
+// tests.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kquant_r16_quantize(const at::Tensor& x, int64_t terms) {
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "kquant_r16_quantize: x must be floating point");
+  TORCH_CHECK(terms == 1 || terms == 2, "kquant_r16_quantize: terms must be 1 or 2, got ", terms);
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(k % kQK == 0, "kquant_r16_quantize: K = ", k, " is not a multiple of 256");
+  const at::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();
+  const int64_t m = rows.size(0);
+  at::Tensor hi = at::empty({m, k}, rows.options().dtype(at::kChar));
+  at::Tensor lo = at::empty({m, k}, rows.options().dtype(at::kByte));
+  at::Tensor d = at::empty({m, k / 32}, rows.options());
+  at::Tensor sums = at::empty({m, k / 16}, rows.options());
+  const float* xp = rows.data_ptr<float>();
+  int8_t* hp = hi.data_ptr<int8_t>();
+  uint8_t* lp = lo.data_ptr<uint8_t>();
+  float* dp = d.data_ptr<float>();
+  float* sp = sums.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      quantize_row(xp + i * k, k, static_cast<int>(terms), hp + i * k, lp + i * k, dp + i * (k / 32),
+                   sp + i * (k / 16));
+  });
+  return {hi, lo, d, sums};
+}
+
+// x [..., K] (read as fp32), packed from ``kquant_r16_repack``: y [..., N] in x's dtype.
+at::Tensor kquant_r16_gemv(const at::Tensor& x, const at::Tensor& packed, const std::string& weight_type,
+                           int64_t terms) {
+  const Type t = parse(weight_type, "kquant_r16_gemv");
+  TORCH_CHECK(have_vnni(), "kquant_r16_gemv: needs AVX-512 VNNI (this CPU has none: kquant_gemv runs instead)");
+  TORCH_CHECK(terms == 1 || terms == 2, "kquant_r16_gemv: terms must be 1 or 2, got ", terms);
+  const int64_t k = x.size(-1), nsb = k / kQK, rb = record_bytes(t);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() && k % kQK == 0 &&
+                  packed.size(1) == nsb * rb,
+              "kquant_r16_gemv: packed must be contiguous uint8 [N / 16, K / 256 * ", rb, "] for K = ", k);
+  auto [hi, lo, d, sums] = kquant_r16_quantize(x, terms);
+  const int64_t mrows = hi.size(0), groups = packed.size(0), n = groups * kRows;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = n;
+  at::Tensor y = at::empty({mrows, n}, d.options());
+  const XQ xq{hi.data_ptr<int8_t>(), lo.data_ptr<uint8_t>(), d.data_ptr<float>(), sums.data_ptr<float>(), k};
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+#ifdef PAGEDLLM_R16_X86
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      if (terms == 2)
+        group<2>(t, wp + g * nsb * rb, nsb, xq, mrows, yp + g * kRows, n);
+      else
+        group<1>(t, wp + g * nsb * rb, nsb, xq, mrows, yp + g * kRows, n);
+    }
+  });
+#endif
+  return y.view(shape).to(x.scalar_type());
+}
+
+bool kquant_r16_available() { return have_vnni(); }
+
+}  // namespace
+
+at::Tensor pagedllm_cpu::kernels::kquant_r16_gemv(const at::Tensor& x, const at::Tensor& packed,
+                                                 const std::string& weight_type, int64_t terms) {
+  return ::kquant_r16_gemv(x, packed, weight_type, terms);
+}
+
+int64_t pagedllm_cpu::kernels::kquant_r16_record_bytes(int type) { return record_bytes(static_cast<Type>(type)); }
+
+void pagedllm_cpu::kernels::kquant_r16_to_blocks(int type, const uint8_t* record, uint8_t* blocks) {
+  const Type t = static_cast<Type>(type);
+  uint8_t* rows[kRows];
+  for (int i = 0; i < kRows; ++i) rows[i] = blocks + i * pagedllm_cpu::kquant_bytes(t);
+  convert(t, false, const_cast<uint8_t*>(record), rows);  // read only (!to_record)
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("kquant_r16_gemv(Tensor x, Tensor packed, str weight_type, int terms=2) -> Tensor");
+  m.def("kquant_r16_repack(Tensor blocks, str weight_type) -> Tensor");
+  m.def("kquant_r16_unpack(Tensor packed, str weight_type) -> Tensor");
+  m.def("kquant_r16_quantize(Tensor x, int terms=2) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("kquant_r16_available() -> bool", &kquant_r16_available);
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("kquant_r16_gemv", &kquant_r16_gemv);
+  m.impl("kquant_r16_repack", &kquant_r16_repack);
+  m.impl("kquant_r16_unpack", &kquant_r16_unpack);
+  m.impl("kquant_r16_quantize", &kquant_r16_quantize);
+}
