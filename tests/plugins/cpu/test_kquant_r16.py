@@ -92,6 +92,10 @@ def test_quantize_two_terms_and_one(lib):
     err = (x - _as_quantized(lib, x, 2).float()).abs().reshape(3, -1, 32)
     assert bool((err <= d[..., None] * 0.5 * (1 + 1e-5)).all())
     assert torch.equal(sums, v.reshape(3, -1, 16).sum(-1).float())
+    xb = x.reshape(3, -1, 32)  # the same fp32 operations in torch: v = round-half-even(x * (16256 / max)), clamped
+    amax = xb.abs().amax(-1, keepdim=True)
+    want = torch.round(xb * (16256 / amax)).clamp(-16256, 16256).reshape(3, -1).int()
+    assert torch.equal(v, want)  # (the AVX-512 path on CPUs with VNNI, else the scalar one)
     q1, d1, s1 = lib.kquant_q8k_quantize(x)
     hi1, lo1, dd1, sums1 = lib.kquant_r16_quantize(x, 1)
     assert torch.equal(hi1, q1) and not bool(lo1.any())
