@@ -4,7 +4,7 @@
 ``write_kv.cpp`` do in one op call what takes torch two to twenty at decode sizes, where dispatch and temporaries cost
 more than the arithmetic (``ops.py`` and ``attention.py`` call them when loaded, else their torch paths); ``q4_gemv.cpp`` runs GGUF Q4_0 / Q4_1 linears,
 ``q8_gemv.cpp`` Q8_0 ones and a tied LM head over a Q8_0 embedding, ``kquant_gemv.cpp`` Q4_K / Q5_K / Q6_K ones
-with fp32 activations, ``kquant_r16.cpp`` Q4_K / Q6_K repacked into 16-row groups with x in two int8 terms (CPUs
+with fp32 activations, ``kquant_r16.cpp`` the K-quants repacked into 16-row groups with x in two int8 terms (CPUs
 with AVX-512 VNNI); ``q8act_gemv.cpp`` (Q8_0 / Q4_0 / Q4_1) and ``kquant_q8k.cpp`` (K-quants) the same with int8
 activations for few rows (``quant.py``; these pick their own SIMD level at run time, every level compiled in with
 function target attributes). ``stream_read.cpp`` is the streaming-read bandwidth probe (``stream_read(buf) ->

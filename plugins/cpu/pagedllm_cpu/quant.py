@@ -1,7 +1,7 @@
 """Block-quantized linear layers on the CPU, kept packed: GGUF Q4_0 / Q4_1 (4.5-5 bits per weight) on
 ``csrc/q4_gemv.cpp``, GGUF Q8_0 on ``csrc/q8_gemv.cpp`` (the blocks as stored), GGUF K-quants (Q4_K, Q5_K, Q6_K:
 what Q4_K_M / Q5_K_M files are made of) on ``csrc/kquant_gemv.cpp`` (the blocks as stored; decodes with int8
-activations on ``csrc/kquant_q8k.cpp``), on CPUs with AVX-512 VNNI Q4_K / Q6_K on ``csrc/kquant_r16.cpp`` (repacked
+activations on ``csrc/kquant_q8k.cpp``), on CPUs with AVX-512 VNNI on ``csrc/kquant_r16.cpp`` (repacked
 at load into 16-row groups; x in two int8 terms, 1/32512 of a block's largest value),
 GPTQ / AWQ / compressed-tensors W4A16 (``GROUPED_INT4``) on torch's int4 kernel; INT8 W8A8 is in ``int8.py``.
 
@@ -241,12 +241,12 @@ def kquant_isa() -> int:
     return ISA_LEVELS.get(name, -1)
 
 
-#: K-quant types with a 16-row layout (``csrc/kquant_r16.cpp``); Q5_K keeps the file's blocks.
-R16_TYPES = ("Q4_K", "Q6_K")
+#: K-quant types with a 16-row layout (``csrc/kquant_r16.cpp``).
+R16_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def _r16(weight: QuantizedWeight, isa: int) -> bool:
-    """Whether ``weight`` runs repacked into ``kquant_r16.cpp``'s 16-row layout: Q4_K / Q6_K with whole groups of 16
+    """Whether ``weight`` runs repacked into ``kquant_r16.cpp``'s 16-row layout: a K-quant with whole groups of 16
     output rows, on a CPU with AVX-512 VNNI, no SIMD level forced (a forced level runs that level's kernels over the
     file's blocks)."""
     return (isa == -1 and weight.weight_type in R16_TYPES and weight.shape[0] % 16 == 0
@@ -257,7 +257,7 @@ def _prepare_kquant(weight: QuantizedWeight, dtype: torch.dtype, device: Any) ->
     """The state: (blocks, type, SIMD level, rows of x from which a call is a bf16 GEMM: ``bf16_min_rows``, never with
     a level forced, which runs that level's fp32 kernel; rows of x up to which a call takes llama.cpp's int8
     activations, 0 when off; whether the blocks are ``kquant_r16.cpp``'s 16-row layout). On CPUs with AVX-512 VNNI,
-    Q4_K / Q6_K are repacked once at load (the same bytes give or take 3%: the file's pages are then unmapped) and
+    K-quants are repacked once at load (the same bytes give or take 3%: the file's pages are then unmapped) and
     decode with x in two int8 terms (error below 1/32512 of a block's largest value; 1.5x the fp32 kernel from
     DRAM); elsewhere no repack and no copy: ``kquant_gemv`` decodes the file's super-blocks where they lie (the
     file's mapping), so a K-quant model's weights cost their file size in memory instead of 7x as fp32."""

@@ -16,8 +16,8 @@ from pagedllm.quantization import dequantize
 from pagedllm.quantization.gguf import random_blocks
 from pagedllm_cpu import native, quant
 
-TYPES = ("Q4_K", "Q6_K")
-RECORD = {"Q4_K": 148, "Q6_K": 210}  # bytes a row per super-block in the 16-row layout (the file's: 144, 210)
+TYPES = ("Q4_K", "Q5_K", "Q6_K")
+RECORD = {"Q4_K": 148, "Q5_K": 180, "Q6_K": 210}  # bytes a row per super-block (the file's: 144, 176, 210)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +71,6 @@ def test_repack_round_trips_bit_for_bit(lib, weight_type, shape):
 
 
 def test_repack_errors_name_the_problem(lib):
-    with pytest.raises(RuntimeError, match="Q5_K has no 16-row layout"):
-        lib.kquant_r16_repack(_weight("Q5_K", 16, 256).data, "Q5_K")
     with pytest.raises(RuntimeError, match="N a multiple of 16"):
         lib.kquant_r16_repack(_weight("Q4_K", 24, 256).data, "Q4_K")
     with pytest.raises(RuntimeError, match="weight_type must be Q4_K, Q5_K or Q6_K, got Q8_0"):
@@ -156,9 +154,9 @@ def test_bf16_gemm_over_the_layout_is_the_gemm_over_the_file(lib, weight_type):
 
 
 def test_hook_repacks_where_the_kernel_runs(vnni, monkeypatch):
-    """Q4_K / Q6_K with whole groups of 16 rows are repacked at load (the decode calls then take two terms, or with
-    ``PAGEDLLM_CPU_INT8_ACT=1`` llama.cpp's one up to ``INT8_ACT_MAX_ROWS`` rows); Q5_K, a row count that is not a
-    multiple of 16, or a SIMD level forced keep the file's blocks."""
+    """K-quants with whole groups of 16 rows are repacked at load (the decode calls then take two terms, or with
+    ``PAGEDLLM_CPU_INT8_ACT=1`` llama.cpp's one up to ``INT8_ACT_MAX_ROWS`` rows); a row count that is not a
+    multiple of 16 or a SIMD level forced keep the file's blocks."""
     lib = vnni
     monkeypatch.setenv("PAGEDLLM_CPU_INT8_ACT", "0")
     w = _weight("Q6_K", 32, 512)
@@ -174,7 +172,8 @@ def test_hook_repacks_where_the_kernel_runs(vnni, monkeypatch):
     x5 = _x(5, 512, 4)  # beyond INT8_ACT_MAX_ROWS: two terms
     assert torch.equal(quant.KQUANT.apply(int8, x5, None), lib.kquant_r16_gemv(x5, int8[0], "Q6_K", 2))
     monkeypatch.setenv("PAGEDLLM_CPU_INT8_ACT", "0")
-    for kept in (_weight("Q5_K", 32, 512), _weight("Q4_K", 40, 512)):
+    assert quant.KQUANT.prepare(_weight("Q5_K", 32, 512), torch.float32, "cpu")[5] is True
+    for kept in (_weight("Q5_K", 40, 512), _weight("Q4_K", 40, 512)):
         st = quant.KQUANT.prepare(kept, torch.float32, "cpu")
         assert st[5] is False and st[0].data_ptr() == kept.data.data_ptr()
     monkeypatch.setenv("PAGEDLLM_CPU_KQUANT_ISA", "avx512vnni")

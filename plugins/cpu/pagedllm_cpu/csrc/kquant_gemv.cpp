@@ -639,15 +639,15 @@ void to_bf16(const float* in, int64_t count, uint16_t* out, bool hw) {
 
 enum Format { kFmtQ4K = 0, kFmtQ5K = 1, kFmtQ6K = 2, kFmtQ8_0 = 3, kFmtQ4_0 = 4, kFmtQ4_1 = 5 };
 
-// weight_type "Q4_K_R16" / "Q6_K_R16": the blocks in kquant_r16.cpp's 16-row layout (``r16`` set).
+// weight_type "Q4_K_R16" / "Q5_K_R16" / "Q6_K_R16": the blocks in kquant_r16.cpp's 16-row layout (``r16`` set).
 Format parse_format(const std::string& s, bool* r16) {
-  *r16 = s == "Q4_K_R16" || s == "Q6_K_R16";
-  if (*r16) return s[1] == '4' ? kFmtQ4K : kFmtQ6K;
+  *r16 = s == "Q4_K_R16" || s == "Q5_K_R16" || s == "Q6_K_R16";
+  if (*r16) return s[1] == '4' ? kFmtQ4K : s[1] == '5' ? kFmtQ5K : kFmtQ6K;
   if (s == "Q8_0") return kFmtQ8_0;
   if (s == "Q4_0") return kFmtQ4_0;
   if (s == "Q4_1") return kFmtQ4_1;
   TORCH_CHECK(s == "Q4_K" || s == "Q5_K" || s == "Q6_K", "kquant_mm_bf16: weight_type must be Q4_K, Q5_K, Q6_K, Q8_0, ",
-              "Q4_0, Q4_1, Q4_K_R16 or Q6_K_R16, got ", s);
+              "Q4_0, Q4_1 or Q{4,5,6}_K_R16, got ", s);
   return static_cast<Format>(pagedllm_cpu::parse_kquant(s, "kquant_mm_bf16"));
 }
 

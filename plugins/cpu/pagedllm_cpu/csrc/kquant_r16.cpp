@@ -1,5 +1,5 @@
-// y = x @ W.T for GGUF Q4_K / Q6_K weights repacked at load into groups of 16 output rows, with x in two int8 terms:
-// the decode kernel of CPUs with AVX-512 VNNI.
+// y = x @ W.T for GGUF Q4_K / Q5_K / Q6_K weights repacked at load into groups of 16 output rows, with x in two int8
+// terms: the decode kernel of CPUs with AVX-512 VNNI.
 //
 // Why: at few rows of x the file's layout costs ALU, not memory. Decoding its super-blocks to fp32
 // (``kquant_gemv.cpp``) is ~3 vector ops per 16 weights; llama.cpp's int8 dot products over the same bytes
@@ -19,6 +19,8 @@
 //   Q4_K, 2368 bytes (148 a row): d fp16 [16], dmin fp16 [16], scales u8 [8][16], mins u8 [8][16], then qs as 32
 //     chunks of 64 bytes, chunk t holding bytes 4t..4t+3 of each row's 128 (low nibbles: weights 64 (t / 8) + 4 (t % 8)
 //     + 0..3, high nibbles the 32 after them).
+//   Q5_K, 2880 bytes (180 a row for 176): Q4_K's record, then the fifth bits as 8 chunks (bytes 4v..4v+3 of each
+//     row's 32: bit 2c of byte l is that of weight 64c + l, bit 2c + 1 of weight 64c + 32 + l).
 //   Q6_K, 3360 bytes (210 a row, the file's size): d fp16 [16], scales i8 [16][16], ql as 32 chunks (bytes 4u..4u+3
 //     of each row's 128), qh as 16 chunks (bytes 4v..4v+3 of each row's 64).
 // ``kquant_r16_unpack`` gives the file's blocks back bit for bit (the batched path's bf16 GEMM reads those).
@@ -51,20 +53,18 @@ namespace {
 constexpr int64_t kQK = 256;  // values per super-block
 constexpr int64_t kRows = 16;  // output rows per group (one per int32 lane)
 constexpr int64_t kQ4Rec = 32 + 32 + 128 + 128 + 2048;
+constexpr int64_t kQ5Rec = kQ4Rec + 512;  // Q4_K's record, then the fifth bits
 constexpr int64_t kQ6Rec = 32 + 256 + 2048 + 1024;
 constexpr float kLevels = 16256.f;  // 127 * 128: v = 128 * hi + lo with hi in -127..127
 
 using pagedllm_cpu::kQ4K;
+using pagedllm_cpu::kQ5K;
 using pagedllm_cpu::kQ6K;
 using Type = pagedllm_cpu::KQuant;
 
-Type parse(const std::string& s, const char* op) {
-  const Type t = pagedllm_cpu::parse_kquant(s, op);
-  TORCH_CHECK(t != pagedllm_cpu::kQ5K, op, ": Q5_K has no 16-row layout (it runs kquant_gemv / kquant_q8k_gemv)");
-  return t;
-}
+Type parse(const std::string& s, const char* op) { return pagedllm_cpu::parse_kquant(s, op); }
 
-int64_t record_bytes(Type t) { return t == kQ4K ? kQ4Rec : kQ6Rec; }
+int64_t record_bytes(Type t) { return t == kQ4K ? kQ4Rec : t == kQ5K ? kQ5Rec : kQ6Rec; }
 
 // Q4_K's 12 scale bytes <-> 8 six-bit scales and 8 six-bit mins (ggml's get_scale_min_k4 and its inverse).
 void unpack_scales(const uint8_t* q, uint8_t sc[8], uint8_t mn[8]) {
@@ -98,7 +98,7 @@ void convert(Type t, bool to_record, uint8_t* rec, uint8_t* const rows[kRows]) {
   for (int i = 0; i < kRows; ++i) {
     uint8_t* b = rows[i];
     auto mv = [&](uint8_t* r, uint8_t* f, size_t n) { to_record ? std::memcpy(r, f, n) : std::memcpy(f, r, n); };
-    if (t == kQ4K) {
+    if (t == kQ4K || t == kQ5K) {
       mv(rec + 2 * i, b, 2);
       mv(rec + 32 + 2 * i, b + 2, 2);
       uint8_t sc[8], mn[8];
@@ -115,7 +115,10 @@ void convert(Type t, bool to_record, uint8_t* rec, uint8_t* const rows[kRows]) {
         }
         pack_scales(sc, mn, b + 4);
       }
-      for (int c = 0; c < 32; ++c) mv(rec + 320 + 64 * c + 4 * i, b + 16 + 4 * c, 4);
+      const int64_t qs = t == kQ5K ? 48 : 16;
+      for (int c = 0; c < 32; ++c) mv(rec + 320 + 64 * c + 4 * i, b + qs + 4 * c, 4);
+      if (t == kQ5K)
+        for (int v = 0; v < 8; ++v) mv(rec + kQ4Rec + 64 * v + 4 * i, b + 16 + 4 * v, 4);
     } else {
       mv(rec + 2 * i, b + 208, 2);
       for (int s = 0; s < 16; ++s) mv(rec + 32 + 16 * s + i, b + 192 + s, 1);
@@ -291,7 +294,7 @@ PAGEDLLM_R16_TVNNI void quantize_row2_avx512(const float* x, int64_t k, int8_t* 
 
 // The 16 rows' sums over super-block sb of one row of x, x's scales applied (dx: one per 32 values), before the
 // weights' d: Q4_K returns sum(sc * dot) and stores sum(m * sum(x)) (for dmin) in dmin_part.
-template <int TERMS>
+template <int TERMS, bool Q5>
 PAGEDLLM_R16_TVNNI __m512 q4k_superblock(const uint8_t* r, const int8_t* h, const uint8_t* l, const float* dx,
                                          const float* sums, float* dmin_part) {
   const __m512i m4 = _mm512_set1_epi8(0xF);
@@ -300,9 +303,22 @@ PAGEDLLM_R16_TVNNI __m512 q4k_superblock(const uint8_t* r, const int8_t* h, cons
     __m512i aH = _mm512_setzero_si512(), aL = aH, bH = aH, bL = aH;
     for (int t = 0; t < 8; ++t) {
       const uint8_t* q = r + 320 + 64 * (8 * c + t);
-      pf(q);
+      if (Q5) {  // its fifth bits (the record's end) are read with each chunk: the next record in address order
+        _mm_prefetch(reinterpret_cast<const char*>(r + kQ5Rec + 128 * (8 * c + t)), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(r + kQ5Rec + 128 * (8 * c + t) + 64), _MM_HINT_T0);
+      } else {
+        pf(q);
+      }
       const __m512i v = _mm512_loadu_si512(q);
-      const __m512i q0 = _mm512_and_si512(v, m4), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      __m512i q0 = _mm512_and_si512(v, m4), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      if (Q5) {  // bit 2c (2c + 1) of the chunk's fifth-bit bytes is bit 4 of its low (high) nibbles' weights
+        const uint8_t* qh = r + kQ4Rec + 64 * t;
+        const __m512i hv = _mm512_loadu_si512(qh), b4 = _mm512_set1_epi8(0x10);
+        const __m512i h0 = c < 2 ? _mm512_slli_epi16(hv, 4 - 2 * c) : _mm512_srli_epi16(hv, 2 * c - 4);
+        const __m512i h1 = c < 2 ? _mm512_slli_epi16(hv, 3 - 2 * c) : _mm512_srli_epi16(hv, 2 * c - 3);
+        q0 = _mm512_or_si512(q0, _mm512_and_si512(h0, b4));
+        q1 = _mm512_or_si512(q1, _mm512_and_si512(h1, b4));
+      }
       const int64_t o = 64 * c + 4 * t;
       aH = _mm512_dpbusd_epi32(aH, q0, bcast(h + o));
       bH = _mm512_dpbusd_epi32(bH, q1, bcast(h + o + 32));
@@ -383,8 +399,9 @@ PAGEDLLM_R16_TVNNI void group(Type t, const uint8_t* w, int64_t nsb, const XQ& x
       const float* sums = x.sums + m * (x.k / 16) + sb * 16;
       float* a = acc + m * kRows;
       __m512 av = _mm512_loadu_ps(a);
-      if (t == kQ4K) {
-        const __m512 S = q4k_superblock<TERMS>(r, h, l, dx, sums, dmin_part);
+      if (t != kQ6K) {
+        const __m512 S = t == kQ5K ? q4k_superblock<TERMS, true>(r, h, l, dx, sums, dmin_part)
+                                   : q4k_superblock<TERMS, false>(r, h, l, dx, sums, dmin_part);
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 32)));
         av = _mm512_fmadd_ps(d, S, av);
         av = _mm512_fnmadd_ps(dmin, _mm512_loadu_ps(dmin_part), av);
