@@ -15,7 +15,8 @@ With ``PAGEDLLM_CPU_INT8_ACT=1``, decode-sized calls (up to ``INT8_ACT_MAX_ROWS`
 go to ``csrc/q8act_gemv.cpp`` instead (K-quants to ``csrc/kquant_q8k.cpp``), as llama.cpp does: x quantized once per call to ggml's Q8_0 / Q8_1 blocks, integer dot products per block
 (AVX-512 VNNI, AVX2), the same weight bytes; the fp32 kernels convert every weight to fp32 and are compute-bound at
 one row. The price is int8 activation error (~0.5% of a layer's output), which flips near-ties of greedy decoding
-against the dequantized reference, so the default keeps the fp32-exact kernels (``int8_activations``).
+against the dequantized reference, so the default keeps the fp32-exact kernels (``int8_activations``), and for
+K-quants on CPUs with AVX-512 VNNI x in two int8 terms (``kquant_r16.cpp``: 128x finer, as fast as one).
 
 ``aten._weight_int4pack_mm_for_cpu`` computes ``x @ W.T`` with ``W[n, k] = (q - 8) * scale + zero`` per group; the
 kernel wants bf16 activations (fp32 ones measured 10-20x slower), so fp32 activations are cast around it.
@@ -131,7 +132,8 @@ def int8_activations() -> bool:
     """Whether decode-sized calls quantize x to int8 (``PAGEDLLM_CPU_INT8_ACT=1``: llama.cpp's arithmetic, 1.3-2.5x
     faster kernels, ~0.5% error per layer, which flips near-ties: the embedded SmolLM2 leaves the dequantized
     reference's greedy path at token 1 of "The history of the city begins in the year", a gap of 0.12). Default
-    off: the fp32 kernels, exact to the dequantized reference up to summation order."""
+    off: the fp32 kernels, exact to the dequantized reference up to summation order (K-quants on CPUs with AVX-512
+    VNNI: ``kquant_r16.cpp``'s two int8 terms, 1/32512 of a block's largest value)."""
     value = os.environ.get(INT8_ACT_ENV, "0").strip().lower()
     if value not in ("0", "1", "off", "on", "false", "true"):
         raise ValueError(f"{INT8_ACT_ENV}={value!r}: expected 1 or 0")
