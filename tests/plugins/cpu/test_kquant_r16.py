@@ -29,7 +29,8 @@ def lib():
 @pytest.fixture()
 def vnni(lib):
     if not lib.kquant_r16_available():
-        pytest.skip("this CPU has no AVX-512 VNNI: kquant_r16 does not run here (test_refused_without_vnni does)")
+        pytest.skip("this CPU has no AVX-512 VNNI: kquant_r16 does not run here (test_runs_with_vnni_and_is_refused_without "
+                    "checks the refusal)")
     return lib
 
 
@@ -51,14 +52,19 @@ def _as_quantized(lib, x: torch.Tensor, terms: int) -> torch.Tensor:
     return (v.reshape(x.shape[0], -1, 32) * d.double()[..., None]).reshape(x.shape)
 
 
-def test_refused_without_vnni(lib):
-    """Where the CPU lacks AVX-512 VNNI the op says so and the hook keeps the file's blocks."""
-    if lib.kquant_r16_available():
-        pytest.skip("this CPU has AVX-512 VNNI (the other tests run the kernel)")
+def test_runs_with_vnni_and_is_refused_without(lib):
+    """Where the CPU has AVX-512 VNNI the op runs and the hook repacks; where it lacks it the op says so and the hook
+    keeps the file's blocks (the kernels of test_kquant_kernels.py run instead)."""
     w = _weight("Q4_K", 16, 256)
-    with pytest.raises(RuntimeError, match="needs AVX-512 VNNI"):
-        lib.kquant_r16_gemv(torch.zeros(1, 256), lib.kquant_r16_repack(w.data, "Q4_K"), "Q4_K", 2)
-    assert quant.KQUANT.prepare(w, torch.float32, "cpu")[5] is False
+    packed = lib.kquant_r16_repack(w.data, "Q4_K")  # (plain C++: every CPU)
+    x = torch.zeros(1, 256)
+    if lib.kquant_r16_available():
+        assert lib.kquant_r16_gemv(x, packed, "Q4_K", 2).shape == (1, 16)
+        assert quant.KQUANT.prepare(w, torch.float32, "cpu")[5] is True
+    else:
+        with pytest.raises(RuntimeError, match="needs AVX-512 VNNI"):
+            lib.kquant_r16_gemv(x, packed, "Q4_K", 2)
+        assert quant.KQUANT.prepare(w, torch.float32, "cpu")[5] is False
 
 
 @pytest.mark.parametrize("weight_type", TYPES)
