@@ -23,11 +23,11 @@
 //     row's 32: bit 2c of byte l is that of weight 64c + l, bit 2c + 1 of weight 64c + 32 + l).
 //   Q6_K, 3360 bytes (210 a row, the file's size): d fp16 [16], scales i8 [16][16], ql as 32 chunks (bytes 4u..4u+3
 //     of each row's 128), qh as 16 chunks (bytes 4v..4v+3 of each row's 64).
-// ``kquant_r16_unpack`` gives the file's blocks back bit for bit (the batched path's bf16 GEMM reads those).
+// ``kquant_r16_to_blocks`` turns a record back into the file's 16 super-blocks bit for bit (the batched path's bf16
+// GEMM decodes those), ``kquant_r16_unpack`` a whole matrix (tests).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "kernels.h"
