@@ -243,16 +243,11 @@ def kquant_isa() -> int:
     return ISA_LEVELS.get(name, -1)
 
 
-#: K-quant types with a 16-row layout (``csrc/kquant_r16.cpp``).
-R16_TYPES = ("Q4_K", "Q5_K", "Q6_K")
-
-
 def _r16(weight: QuantizedWeight, isa: int) -> bool:
     """Whether ``weight`` runs repacked into ``kquant_r16.cpp``'s 16-row layout: a K-quant with whole groups of 16
     output rows, on a CPU with AVX-512 VNNI, no SIMD level forced (a forced level runs that level's kernels over the
     file's blocks)."""
-    return (isa == -1 and weight.weight_type in R16_TYPES and weight.shape[0] % 16 == 0
-            and bool(native.lib.kquant_r16_available()))
+    return isa == -1 and weight.shape[0] % 16 == 0 and bool(native.lib.kquant_r16_available())
 
 
 def _prepare_kquant(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> tuple:

@@ -1,4 +1,4 @@
-// What several kernels share: the SIMD levels the running CPU has, fp16 bits to float, GGUF K-quant super-block
+// What several kernels share: the SIMD levels the running CPU has, fp16 bits to float, ggml's rounding, GGUF K-quant super-block
 // types, and the software prefetch of a block's bytes a fixed distance ahead. Header-only (inline): each kernel file
 // stays one translation unit with its own anonymous namespace.
 #pragma once
@@ -50,6 +50,14 @@ inline float half_at(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, 2);
   return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// ggml's nearest_int: round half to even through the float adder (|v| < 2^22), as llama.cpp's quantizers round.
+inline int nearest_int(float v) {
+  float f = v + 12582912.f;
+  int32_t i;
+  std::memcpy(&i, &f, 4);
+  return (i & 0x007fffff) - 0x00400000;
 }
 
 // GGUF K-quant super-blocks of 256 weights: Q4_K 144 bytes, Q5_K 176, Q6_K 210.

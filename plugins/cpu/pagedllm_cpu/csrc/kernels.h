@@ -21,7 +21,7 @@ at::Tensor kquant_q8k_gemv(const at::Tensor& x, const at::Tensor& blocks, const 
                            int64_t isa);
 at::Tensor kquant_r16_gemv(const at::Tensor& x, const at::Tensor& packed, const std::string& weight_type,
                            int64_t terms);
-// kquant_r16.cpp's layout for kquant_mm_bf16: a record's bytes (type: pagedllm_cpu::KQuant, Q4_K or Q6_K), and one
+// kquant_r16.cpp's layout for kquant_mm_bf16: a record's bytes (type: pagedllm_cpu::KQuant), and one
 // record (16 rows' super-block) back to the file's 16 super-blocks, row after row (16 * bytes).
 int64_t kquant_r16_record_bytes(int type);
 void kquant_r16_to_blocks(int type, const uint8_t* record, uint8_t* blocks);

@@ -691,7 +691,7 @@ at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const s
   const bool q4 = f == kFmtQ4_0 || f == kFmtQ4_1;
   const int64_t unit = f == kFmtQ8_0 || q4 ? 32 : kQK;
   TORCH_CHECK(k % unit == 0, "kquant_mm_bf16: K = ", k, " is not a multiple of ", unit);
-  int64_t row_stride = 0, bb = 0;
+  int64_t row_stride = 0, bb = 0, rec = 0;  // rec: the 16-row layout's record bytes
   if (q4) {
     bb = f == kFmtQ4_1 ? 64 + 256 : 32 + 256;
     TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.is_contiguous() && blocks.dim() == 3 &&
@@ -699,7 +699,7 @@ at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const s
                 "kquant_mm_bf16: ", weight_type, " blocks must be q4_gemv's uint8 [ceil(N / 16), K / 32, ", bb, "]");
   } else if (r16) {
     bb = kquant_bytes(static_cast<Type>(f));
-    const int64_t rec = pagedllm_cpu::kernels::kquant_r16_record_bytes(static_cast<int>(f));
+    rec = pagedllm_cpu::kernels::kquant_r16_record_bytes(static_cast<int>(f));
     TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
                     blocks.size(1) == k / kQK * rec,
                 "kquant_mm_bf16: ", weight_type, " blocks must be contiguous uint8 [N / 16, K / 256 * ", rec, "]");
@@ -735,7 +735,6 @@ at::Tensor kquant_mm_bf16(const at::Tensor& x, const at::Tensor& blocks, const s
           const int64_t kc = std::min(kQK, k - k0);
           int64_t kofs = (k0 / kQK) * bb;  // row r's super-block k0 / 256: row_at(r) + kofs
           if (r16) {
-            const int64_t rec = blocks.size(1) / (k / kQK);
             pagedllm_cpu::kernels::kquant_r16_to_blocks(static_cast<int>(f),
                                                         wp + ((p0 + r0) / 16) * blocks.size(1) + (k0 / kQK) * rec,
                                                         file_blocks.data());

@@ -53,6 +53,7 @@ using pagedllm_cpu::kquant_bytes;
 using pagedllm_cpu::kQ4K;
 using pagedllm_cpu::kQ5K;
 using pagedllm_cpu::kQ6K;
+using pagedllm_cpu::nearest_int;
 using Type = pagedllm_cpu::KQuant;
 enum Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kVnni = 3 };
 
@@ -64,14 +65,6 @@ __attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 #endif
-
-// ggml's nearest_int: round half to even through the float adder (|v| <= 127 here).
-inline int nearest_int(float v) {
-  float f = v + 12582912.f;
-  int32_t i;
-  std::memcpy(&i, &f, 4);
-  return (i & 0x007fffff) - 0x00400000;
-}
 
 // One row of k values (a multiple of 256) to Q8_K: q [k], d [k / 256], bsums [k / 16] (quantize_row_q8_K_ref).
 void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsums) {

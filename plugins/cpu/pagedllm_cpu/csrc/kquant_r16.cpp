@@ -60,9 +60,8 @@ constexpr float kLevels = 16256.f;  // 127 * 128: v = 128 * hi + lo with hi in -
 using pagedllm_cpu::kQ4K;
 using pagedllm_cpu::kQ5K;
 using pagedllm_cpu::kQ6K;
+using pagedllm_cpu::nearest_int;
 using Type = pagedllm_cpu::KQuant;
-
-Type parse(const std::string& s, const char* op) { return pagedllm_cpu::parse_kquant(s, op); }
 
 int64_t record_bytes(Type t) { return t == kQ4K ? kQ4Rec : t == kQ5K ? kQ5Rec : kQ6Rec; }
 
@@ -137,7 +136,7 @@ void check_blocks(const at::Tensor& blocks, Type t, const char* op) {
 
 // blocks uint8 [N, K / 256 * bytes] (the file's) -> uint8 [N / 16, K / 256 * record].
 at::Tensor kquant_r16_repack(const at::Tensor& blocks, const std::string& weight_type) {
-  const Type t = parse(weight_type, "kquant_r16_repack");
+  const Type t = pagedllm_cpu::parse_kquant(weight_type, "kquant_r16_repack");
   check_blocks(blocks, t, "kquant_r16_repack");
   const int64_t bb = pagedllm_cpu::kquant_bytes(t), rb = record_bytes(t);
   const int64_t n = blocks.size(0), nsb = blocks.size(1) / bb, rs = blocks.stride(0);
@@ -157,7 +156,7 @@ at::Tensor kquant_r16_repack(const at::Tensor& blocks, const std::string& weight
 
 // The inverse: uint8 [N / 16, K / 256 * record] -> the file's blocks uint8 [N, K / 256 * bytes], bit for bit.
 at::Tensor kquant_r16_unpack(const at::Tensor& packed, const std::string& weight_type) {
-  const Type t = parse(weight_type, "kquant_r16_unpack");
+  const Type t = pagedllm_cpu::parse_kquant(weight_type, "kquant_r16_unpack");
   const int64_t bb = pagedllm_cpu::kquant_bytes(t), rb = record_bytes(t);
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
                   packed.size(1) % rb == 0,
@@ -175,14 +174,6 @@ at::Tensor kquant_r16_unpack(const at::Tensor& packed, const std::string& weight
       }
   });
   return out;
-}
-
-// ggml's nearest_int: round half to even through the float adder (|v| < 2^22).
-inline int nearest_int(float v) {
-  float f = v + 12582912.f;
-  int32_t i;
-  std::memcpy(&i, &f, 4);
-  return (i & 0x007fffff) - 0x00400000;
 }
 
 // One row of x [k] as the dot products see it: hi int8 [k], lo uint8 [k] (zero for one term), d fp32 [k / 32] and
@@ -457,7 +448,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kquant_r16_quantize(c
 // x [..., K] (read as fp32), packed from ``kquant_r16_repack``: y [..., N] in x's dtype.
 at::Tensor kquant_r16_gemv(const at::Tensor& x, const at::Tensor& packed, const std::string& weight_type,
                            int64_t terms) {
-  const Type t = parse(weight_type, "kquant_r16_gemv");
+  const Type t = pagedllm_cpu::parse_kquant(weight_type, "kquant_r16_gemv");
   TORCH_CHECK(have_vnni(), "kquant_r16_gemv: needs AVX-512 VNNI (this CPU has none: kquant_gemv runs instead)");
   TORCH_CHECK(terms == 1 || terms == 2, "kquant_r16_gemv: terms must be 1 or 2, got ", terms);
   const int64_t k = x.size(-1), nsb = k / kQK, rb = record_bytes(t);
