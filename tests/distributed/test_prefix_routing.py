@@ -308,10 +308,15 @@ def test_dp2_cache_aware_hits_more_with_identical_outputs(tiny_llama):
     # cache-aware: every tenant's system prompt computed once, on one replica; every later request hits all 3 blocks
     assert sum(ca_hits) == (n - TENANTS) * 3 * E2E_BS
     assert sum(ll_hits) < sum(ca_hits)  # least-loaded scatters tenants: some prompts recomputed on both replicas
-    assert ca_routing.decisions["prefix_match"] == [(n - TENANTS) // 2] * 2  # the tenants split 2 and 2
-    assert ca_routing.decisions["least_loaded"] == [TENANTS // 2] * 2 and sum(ca_routing.decisions["load_bound"]) == 0
+    # Each tenant's first request is placed by load, its later ones follow it. Which replica a tenant lands on
+    # depends on how fast the replicas finish (load is unfinished requests), so the split is checked, not fixed;
+    # the second tenant always goes to the other replica (load, or the round-robin tie).
+    first, follow = ca_routing.decisions["least_loaded"], ca_routing.decisions["prefix_match"]
+    assert sum(first) == TENANTS and min(first) >= 1 and sum(ca_routing.decisions["load_bound"]) == 0
+    assert follow == [(PER_TENANT - 1) * f for f in first]
     assert ca_routing.predicted_hit_tokens == [h for h in ca_hits]  # the record matched the replicas' caches
-    assert ll_routing.decisions["least_loaded"] == [n // 2] * 2
+    assert sum(ll_routing.decisions["least_loaded"]) == n and min(ll_routing.decisions["least_loaded"]) >= 1
+    assert sum(ll_routing.decisions["prefix_match"]) == sum(ll_routing.decisions["load_bound"]) == 0
 
     # /metrics: the replicas' own prefix-cache counters and the router's decisions, one sample per engine
     from prometheus_client.parser import text_string_to_metric_families
