@@ -48,9 +48,10 @@ def run_op(op, query, cache, meta, scale, window, cap, slopes):
     return out
 
 
-# Decodes only: lengths 1, a block boundary (16, 32), partly filled last blocks, one long context. Shapes whose token
-# rows (all kv heads) fill a 4 KiB page in some dtype (mha32-d64: 4 KiB in bf16, 8 in fp32; mha6-d176: 4,224 bytes
-# in fp32, a head size with a vector tail) take the kernel's tiled two-walk path.
+# Decodes only: lengths 1, a block boundary (16, 32), partly filled last blocks, one long context. Where a work item
+# reads a 4 KiB page or more of each token row, the kernel takes its tiled two-walk path: mha32-d64 in fp32 (8 KiB
+# rows; 4 KiB halves where these 7 sequences split the kv heads over 2 threads), and at one thread mha32-d64 in bf16
+# and mha6-d176 in fp32 (4,224 bytes, a head size with a vector tail); the other shapes take the per-head walk.
 DECODES = ([1] * 7, [1, 16, 17, 33, 5, 32, 151])
 
 
@@ -75,10 +76,11 @@ def test_kernel_matches_reference(op, dtype, heads, head_size, window, cap, use_
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("num", [1, 3, 40])
-@pytest.mark.parametrize("heads", [(12, 1), (20, 2)], ids=["mqa12", "gqa10"])
+@pytest.mark.parametrize("heads", [(12, 1), (20, 2), (32, 32)], ids=["mqa12", "gqa10", "mha32"])
 def test_kernel_splits_work_and_head_groups(op, threads, num, heads):
     """GQA groups wider than the kernel's 8-head register chunk (8 + 4, 8 + 2), and both ways of splitting work:
-    one item per sequence (batch >= 4 x threads) or a sequence's kv heads over several items (small batches)."""
+    one item per sequence (batch >= 4 x threads) or a sequence's kv heads over several items (small batches). MHA
+    with 8 KiB token rows: the tiled walk for whole rows (40 sequences), the per-head walk for split heads."""
     seq_lens = [1 + (37 * i) % 70 for i in range(num)]
     query, cache, meta = make_batch([1] * num, seq_lens, *heads, 64, 16, torch.float32, seed=num)
     saved = torch.get_num_threads()
