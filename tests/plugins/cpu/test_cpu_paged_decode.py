@@ -52,6 +52,7 @@ def run_op(op, query, cache, meta, scale, window, cap, slopes):
 # reads a 4 KiB page or more of each token row, the kernel takes its tiled two-walk path: mha32-d64 in fp32 (8 KiB
 # rows; 4 KiB halves where these 7 sequences split the kv heads over 2 threads), and at one thread mha32-d64 in bf16
 # and mha6-d176 in fp32 (4,224 bytes, a head size with a vector tail); the other shapes take the per-head walk.
+# ``test_tiled_walk_on_whole_rows_matches_reference`` takes those shapes down the tiled walk at any thread count.
 DECODES = ([1] * 7, [1, 16, 17, 33, 5, 32, 151])
 
 
@@ -65,6 +66,24 @@ DECODES = ([1] * 7, [1, 16, 17, 33, 5, 32, 151])
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_kernel_matches_reference(op, dtype, heads, head_size, window, cap, use_alibi, block_size):
     query, cache, meta = make_batch(*DECODES, *heads, head_size, block_size, dtype, seed=head_size + block_size)
+    check_reference(op, query, cache, meta, heads, head_size, dtype, window, cap, use_alibi)
+
+
+@pytest.mark.parametrize("dtype,heads,head_size", [(torch.bfloat16, (32, 32), 64), (torch.float16, (32, 32), 64),
+                                                   (torch.float32, (6, 6), 176)],
+                         ids=["mha32-d64-bf16", "mha32-d64-fp16", "mha6-d176-fp32"])
+@pytest.mark.parametrize("window,cap,use_alibi", [(None, None, False), (7, 2.0, True)], ids=["plain", "all"])
+def test_tiled_walk_on_whole_rows_matches_reference(op, dtype, heads, head_size, window, cap, use_alibi):
+    """Rows of a page or more, read whole (4 x threads sequences: one item each, no head split), take the tiled
+    two-walk path at any thread count; the small batch above reaches it for these shapes only at one thread."""
+    n = 4 * torch.get_num_threads()
+    seq_lens = [1 + (37 * i) % 70 for i in range(n - 1)] + [151]
+    query, cache, meta = make_batch([1] * n, seq_lens, *heads, head_size, 16, dtype, seed=n)
+    check_reference(op, query, cache, meta, heads, head_size, dtype, window, cap, use_alibi)
+
+
+def check_reference(op, query, cache, meta, heads, head_size, dtype, window, cap, use_alibi):
+    """The kernel's output against core's reference op, within the dtype's tolerance, no unwritten slot read."""
     slopes = alibi(heads[0]) if use_alibi else None
     scale = head_size ** -0.5
     want = ref_ops.paged_attention(query, cache, meta, scale, window, cap, alibi_slopes=slopes)

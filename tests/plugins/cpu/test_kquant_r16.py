@@ -29,8 +29,8 @@ def lib():
 @pytest.fixture()
 def vnni(lib):
     if not lib.kquant_r16_available():
-        pytest.skip("this CPU has no AVX-512 VNNI: kquant_r16 does not run here (test_runs_with_vnni_and_is_refused_without "
-                    "checks the refusal)")
+        pytest.skip("this CPU has no AVX-512 VNNI: kquant_r16 does not run here "
+                    "(test_runs_with_vnni_and_is_refused_without checks the refusal)")
     return lib
 
 

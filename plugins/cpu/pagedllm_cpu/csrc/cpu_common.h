@@ -1,6 +1,6 @@
-// What several kernels share: the SIMD levels the running CPU has, fp16 bits to float, ggml's rounding, GGUF K-quant super-block
-// types, and the software prefetch of a block's bytes a fixed distance ahead. Header-only (inline): each kernel file
-// stays one translation unit with its own anonymous namespace.
+// What several kernels share: the SIMD levels the running CPU has, fp16 bits to float, ggml's rounding, GGUF K-quant
+// super-block types, and the software prefetch of a block's bytes a fixed distance ahead. Header-only (inline): each
+// kernel file stays one translation unit with its own anonymous namespace.
 #pragma once
 
 #include <c10/util/Exception.h>
