@@ -130,6 +130,21 @@ def test_products_against_fp64(vnni, weight_type, rows):
         assert (one - q8k).abs().max().item() <= 2e-6 * scale
 
 
+@pytest.mark.parametrize("weight_type", TYPES)
+def test_a_row_does_not_depend_on_the_rows_beside_it(vnni, weight_type):
+    """One row of x keeps its sums in registers, more rows keep them in memory and take each record once for all:
+    the same operations per row, so each row of a 1-, 5- or 12-row call (above the 8 rows of the kernel's stack
+    buffer) is bit for bit that row alone, both terms (a decode batch's tokens do not depend on its size)."""
+    lib = vnni
+    w = _weight(weight_type, 48, 2048)
+    packed = lib.kquant_r16_repack(w.data, weight_type)
+    x = _x(12, 2048, 3)
+    for terms in (1, 2):
+        alone = torch.cat([lib.kquant_r16_gemv(x[i:i + 1], packed, weight_type, terms) for i in range(12)])
+        assert torch.equal(lib.kquant_r16_gemv(x[:5], packed, weight_type, terms), alone[:5])
+        assert torch.equal(lib.kquant_r16_gemv(x, packed, weight_type, terms), alone)
+
+
 def test_reduced_dtypes_and_shapes(vnni):
     lib = vnni
     w = _weight("Q4_K", 32, 512)
