@@ -8,12 +8,11 @@
 // advances 16 output rows (one per int32 lane) and the scales, unpacked once at load, are vectors of 16 rows.
 //
 // x is quantized per 32 values to 15 bits, x ~ d * v with d = max|x| / 16256 and v = round(x / d), and v is split
-// into two int8 terms, v = 128 * hi + lo (hi = v >> 7 in -127..127, lo = v & 127 in 0..127): each weight byte meets
-// hi (signed, as ``vpdpbusd``'s second operand) and lo (unsigned, its first operand, the weights 0..63 then the
-// signed one), and the two int32 sums join as 128 * hi_sum + lo_sum (below 2^24: exact in fp32). The error is at most
-// d / 2 = 1/32512 of the largest value of its 32, 128 times below llama.cpp's int8 activations (``terms`` = 1: hi
-// alone as round(x * 127 / max) per 256, llama.cpp's Q8_K, ``PAGEDLLM_CPU_INT8_ACT=1``) and far below bf16's rounding
-// of the batched path. x's and the sub-blocks' scales apply in fp32 per 16 rows; the weights are the file's values.
+// into two int8 terms, v = 128 * hi + lo (hi = v >> 7 in -127..127, lo = v & 127 in 0..127): each weight byte (the
+// unsigned first operand of ``vpdpbusd``) meets hi and lo (both fit its signed second operand), and the two int32 sums
+// join as 128 * hi_sum + lo_sum (below 2^24: exact in fp32). The error is at most d / 2 = 1/32512 of the largest
+// value of its 32, 128 times below llama.cpp's int8 activations (``terms`` = 1: hi alone as round(x * 127 / max) per
+// 256, llama.cpp's Q8_K, ``PAGEDLLM_CPU_INT8_ACT=1``) and far below bf16's rounding of the batched path. x's and the sub-blocks' scales apply in fp32 per 16 rows; the weights are the file's values.
 //
 // Layouts (uint8 [N / 16, K / 256 * record], one record per group of 16 rows and super-block):
 //   Q4_K, 2368 bytes (148 a row): d fp16 [16], dmin fp16 [16], scales u8 [8][16], mins u8 [8][16], then qs as 32
@@ -315,7 +314,10 @@ PAGEDLLM_R16_TVNNI inline void q4k_superblock(const uint8_t* r, const int8_t* h,
       }
       __m512i v = _mm512_loadu_si512(q);
       in_register(v);
-      __m512i q0 = _mm512_and_si512(v, m4), q1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      // Q4_K's high nibbles stay in place (16 q: one op, not a shift and a mask), their sub-block's sums shifted
+      // back below (exact); Q5_K's take the fifth bit as bit 4, so they come down
+      __m512i q0 = _mm512_and_si512(v, m4);
+      __m512i q1 = Q5 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), m4) : _mm512_andnot_si512(m4, v);
       if (Q5) {  // bit 2c (2c + 1) of the chunk's fifth-bit bytes is bit 4 of its low (high) nibbles' weights
         const uint8_t* qh = r + kQ4Rec + 64 * t;
         const __m512i hv = _mm512_loadu_si512(qh), b4 = _mm512_set1_epi8(0x10);
@@ -327,15 +329,20 @@ PAGEDLLM_R16_TVNNI inline void q4k_superblock(const uint8_t* r, const int8_t* h,
       const int64_t o = 64 * c + 4 * t;
       aH = _mm512_dpbusd_epi32(aH, q0, bcast(h + o));
       bH = _mm512_dpbusd_epi32(bH, q1, bcast(h + o + 32));
-      if (TERMS == 2) {
-        aL = _mm512_dpbusd_epi32(aL, bcast(l + o), q0);
-        bL = _mm512_dpbusd_epi32(bL, bcast(l + o + 32), q1);
+      if (TERMS == 2) {  // lo (0..127) as the signed operand: the weights, up to 240 here, as the unsigned one
+        aL = _mm512_dpbusd_epi32(aL, q0, bcast(l + o));
+        bL = _mm512_dpbusd_epi32(bL, q1, bcast(l + o + 32));
       }
     }
     const __m512 s0 = _mm512_mul_ps(scales_f32(r + 64 + 32 * c, false), _mm512_set1_ps(dx[2 * c]));
     const __m512 s1 = _mm512_mul_ps(scales_f32(r + 64 + 32 * c + 16, false), _mm512_set1_ps(dx[2 * c + 1]));
     S0 = _mm512_fmadd_ps(joined<TERMS>(aH, aL), s0, S0);
-    S1 = _mm512_fmadd_ps(joined<TERMS>(bH, bL), s1, S1);
+    if (Q5) {
+      S1 = _mm512_fmadd_ps(joined<TERMS>(bH, bL), s1, S1);
+    } else {  // 16 times the sums (below 2^28: int32), every product a multiple of 16: the shift is exact
+      const __m512i j = TERMS == 2 ? _mm512_add_epi32(_mm512_slli_epi32(bH, 7), bL) : bH;
+      S1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srai_epi32(j, 4)), s1, S1);
+    }
   }
   __m512 M0 = _mm512_setzero_ps(), M1 = M0;
   for (int s = 0; s < 8; s += 2) {
@@ -381,7 +388,7 @@ PAGEDLLM_R16_TVNNI __m512 q6k_superblock(const uint8_t* r, const int8_t* h, cons
         for (int j = 0; j < 4; ++j) {
           const int64_t o = 128 * n + 32 * j + 4 * t;
           aH[j] = _mm512_dpbusd_epi32(aH[j], w[j], bcast(h + o));
-          if (TERMS == 2) aL[j] = _mm512_dpbusd_epi32(aL[j], bcast(l + o), w[j]);
+          if (TERMS == 2) aL[j] = _mm512_dpbusd_epi32(aL[j], w[j], bcast(l + o));
         }
       }
       for (int j = 0; j < 4; ++j) {
