@@ -12,7 +12,8 @@
 // unsigned first operand of ``vpdpbusd``) meets hi and lo (both fit its signed second operand), and the two int32 sums
 // join as 128 * hi_sum + lo_sum (below 2^24: exact in fp32). The error is at most d / 2 = 1/32512 of the largest
 // value of its 32, 128 times below llama.cpp's int8 activations (``terms`` = 1: hi alone as round(x * 127 / max) per
-// 256, llama.cpp's Q8_K, ``PAGEDLLM_CPU_INT8_ACT=1``) and far below bf16's rounding of the batched path. x's and the sub-blocks' scales apply in fp32 per 16 rows; the weights are the file's values.
+// 256, llama.cpp's Q8_K, ``PAGEDLLM_CPU_INT8_ACT=1``) and far below bf16's rounding of the batched path. x's and the
+// sub-blocks' scales apply in fp32 per 16 rows; the weights are the file's values.
 //
 // Layouts (uint8 [N / 16, K / 256 * record], one record per group of 16 rows and super-block):
 //   Q4_K, 2368 bytes (148 a row): d fp16 [16], dmin fp16 [16], scales u8 [8][16], mins u8 [8][16], then qs as 32
@@ -224,17 +225,19 @@ struct XQ {
   const int8_t* hi;
   const uint8_t* lo;
   const float* d;
-  const float* sums;
   const float* xm;  // per 32 values: d * (sum of v), what the sub-block's min multiplies (Q4_K, Q5_K)
+  const float* x6;  // per 16 values: 32 * d * (sum of v), Q6_K's -32 on them
   int64_t k;
 };
 
 #ifdef PAGEDLLM_R16_X86
 // Q4_K reads a record in address order: each line kPrefetch ahead into L1 (measured the same as none, 29 GB/s on the
 // 1.7B model's 24 layers of Q4_K shapes from DRAM on 2 threads). Q6_K reads three interleaved streams of a record, so
-// it asks for the next record in address order instead (its shapes: 74.5 ms with each stream's line 2 KB ahead,
-// 55-57 ms; half a record or two ahead alike).
+// it asks for a record ahead in address order instead (its shapes: 74.5 ms with each stream's line 2 KB ahead,
+// 55-57 ms; half a record or two ahead alike then). Two records ahead since its loop takes ~330 cycles a record, not
+// ~460: one record is then ~90 ns, under the VM's DRAM latency (LM head 2.60 -> 2.23 ms, one ahead 2.32, at 34 GB/s).
 constexpr int64_t kPrefetch = 2048;
+constexpr int64_t kQ6Ahead = 2 * kQ6Rec;
 
 PAGEDLLM_R16_TVNNI inline __m512i bcast(const void* p) {
   int32_t v;
@@ -353,10 +356,11 @@ PAGEDLLM_R16_TVNNI inline void q4k_superblock(const uint8_t* r, const int8_t* h,
   M = _mm512_add_ps(M0, M1);
 }
 
-// Q6_K: (q - 32) per weight, the -32 taken off as 32 * the sum of v per sub-block of 16.
+// Q6_K: (q - 32) per weight, the -32 taken off as x6 = 32 * d * the sum of v per sub-block of 16 (one fmsub with
+// x's scale, then the sub-block's: ~4% fewer cycles than a subtraction and two multiplies).
 template <int TERMS>
 PAGEDLLM_R16_TVNNI __m512 q6k_superblock(const uint8_t* r, const int8_t* h, const uint8_t* l, const float* dx,
-                                         const float* sums) {
+                                         const float* x6) {
   const __m512i m4 = _mm512_set1_epi8(0xF), m03 = _mm512_set1_epi8(0x03), m0c = _mm512_set1_epi8(0x0C),
                 m30 = _mm512_set1_epi8(0x30);
   __m512 S = _mm512_setzero_ps();
@@ -373,8 +377,8 @@ PAGEDLLM_R16_TVNNI __m512 q6k_superblock(const uint8_t* r, const int8_t* h, cons
         const uint8_t* p0 = r + 288 + 64 * (16 * n + t);
         const uint8_t* p1 = p0 + 64 * 8;
         const uint8_t* ph = r + 2336 + 64 * (8 * n + t);
-        for (int o = 0; o < 256; o += 64)  // the next record, in address order
-          prefetch(r + kQ6Rec + 256 * (8 * n + t) + o);
+        for (int o = 0; o < 256; o += 64)  // two records ahead, in address order
+          prefetch(r + kQ6Ahead + 256 * (8 * n + t) + o);
         __m512i v0 = _mm512_loadu_si512(p0), v1 = _mm512_loadu_si512(p1), hv = _mm512_loadu_si512(ph);
         in_register(v0);
         in_register(v1);
@@ -393,21 +397,22 @@ PAGEDLLM_R16_TVNNI __m512 q6k_superblock(const uint8_t* r, const int8_t* h, cons
       }
       for (int j = 0; j < 4; ++j) {
         const int s = 8 * n + 2 * j + half;  // sub-block of 16
-        const __m512 dot = _mm512_sub_ps(joined<TERMS>(aH[j], aL[j]), _mm512_set1_ps(32.f * sums[s]));
-        S = _mm512_fmadd_ps(dot, _mm512_mul_ps(scales_f32(r + 32 + 16 * s, true), _mm512_set1_ps(dx[s / 2])), S);
+        const __m512 dot =
+            _mm512_fmsub_ps(joined<TERMS>(aH[j], aL[j]), _mm512_set1_ps(dx[s / 2]), _mm512_set1_ps(x6[s]));
+        S = _mm512_fmadd_ps(dot, scales_f32(r + 32 + 16 * s, true), S);
       }
     }
   return S;
 }
 
-// Super-block r of one row of x (h, l, dx, sums, xm at the super-block) into the 16 rows' sums of d * S (acc) and of
+// Super-block r of one row of x (h, l, dx, xm, x6 at the super-block) into the 16 rows' sums of d * S (acc) and of
 // dmin * M (accm, Q4_K and Q5_K), kept apart until the row's end.
 template <int TERMS>
 PAGEDLLM_R16_TVNNI inline void superblock(Type t, const uint8_t* r, const int8_t* h, const uint8_t* l, const float* dx,
-                                          const float* sums, const float* xm, __m512& acc, __m512& accm) {
+                                          const float* xm, const float* x6, __m512& acc, __m512& accm) {
   const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r)));
   if (t == kQ6K) {
-    acc = _mm512_fmadd_ps(d, q6k_superblock<TERMS>(r, h, l, dx, sums), acc);
+    acc = _mm512_fmadd_ps(d, q6k_superblock<TERMS>(r, h, l, dx, x6), acc);
     return;
   }
   __m512 S, M;
@@ -428,7 +433,7 @@ PAGEDLLM_R16_TVNNI void group(Type t, const uint8_t* w, int64_t nsb, const XQ& x
   const int64_t rb = record_bytes(t);
   auto row = [&](int64_t m, int64_t sb, __m512& acc, __m512& accm) {
     superblock<TERMS>(t, w + sb * rb, x.hi + m * x.k + sb * kQK, x.lo + m * x.k + sb * kQK,
-                      x.d + m * (x.k / 32) + sb * 8, x.sums + m * (x.k / 16) + sb * 16, x.xm + m * (x.k / 32) + sb * 8,
+                      x.d + m * (x.k / 32) + sb * 8, x.xm + m * (x.k / 32) + sb * 8, x.x6 + m * (x.k / 16) + sb * 16,
                       acc, accm);
   };
   if (mrows == 1) {
@@ -509,21 +514,23 @@ at::Tensor kquant_r16_gemv(const at::Tensor& x, const at::Tensor& packed, const 
   // x quantized into buffers kept by the calling thread (a decode step makes ~170 of these calls)
   thread_local std::vector<int8_t> hi;
   thread_local std::vector<uint8_t> lo;
-  thread_local std::vector<float> d, sums, xm;
+  thread_local std::vector<float> d, sums, xm, x6;
   hi.resize(mrows * k);
   lo.resize(mrows * k);
   d.resize(mrows * k / 32);
   sums.resize(mrows * k / 16);
   xm.resize(mrows * k / 32);
+  x6.resize(mrows * k / 16);
   const float* xp = rows.data_ptr<float>();
   for (int64_t i = 0; i < mrows; ++i)
     quantize(xp + i * k, k, terms, hi.data() + i * k, lo.data() + i * k, d.data() + i * (k / 32),
              sums.data() + i * (k / 16));
   for (int64_t s = 0; s < mrows * k / 32; ++s) xm[s] = d[s] * (sums[2 * s] + sums[2 * s + 1]);
+  for (int64_t s = 0; s < mrows * k / 16; ++s) x6[s] = 32.f * d[s / 2] * sums[s];
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = n;
   at::Tensor y = at::empty({mrows, n}, rows.options());
-  const XQ xq{hi.data(), lo.data(), d.data(), sums.data(), xm.data(), k};
+  const XQ xq{hi.data(), lo.data(), d.data(), xm.data(), x6.data(), k};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
 #ifdef PAGEDLLM_R16_X86
