@@ -261,12 +261,9 @@ PAGEDLLM_R16_TVNNI inline __m512 joined(__m512i h, __m512i l) {
 // ran a Q4_K super-block in ~240 cycles with the folded loads, ~211 without; Q6_K ~371 and ~337.
 PAGEDLLM_R16_TVNNI inline void in_register(__m512i& v) { asm("" : "+v"(v)); }
 
-// A prefetch the compiler keeps where it is written: GCC moves the intrinsic's freely, and with Q6_K's loops unrolled
-// it issued a super-block's 52 requests for the next record at its start, which halved the kernel's speed from DRAM
-// (the 1.7B model's LM head 2.4 -> 4.7 ms).
-inline void prefetch(const uint8_t* p) { asm volatile("prefetcht0 %0" ::"m"(*p)); }
-
-inline void pf(const uint8_t* p) { prefetch(p + kPrefetch); }
+// Prefetches are ``prefetch_line`` (cpu_common.h), kept in program order: with Q6_K's loops unrolled the intrinsic's
+// were all issued at a super-block's start (the 1.7B model's LM head 2.4 -> 4.7 ms from DRAM).
+using pagedllm_cpu::prefetch_line;
 
 // quantize_row's two terms, 32 values a step in AVX-512 (the same operations: fp32 max, fp32 product, round half to
 // even, so the same bits): ~10x the scalar loop, which cost ~1 ms of a 1.7B decode token.
@@ -310,10 +307,10 @@ PAGEDLLM_R16_TVNNI inline void q4k_superblock(const uint8_t* r, const int8_t* h,
     for (int t = 0; t < 8; ++t) {
       const uint8_t* q = r + 320 + 64 * (8 * c + t);
       if (Q5) {  // its fifth bits (the record's end) are read with each chunk: the next record in address order
-        prefetch(r + kQ5Rec + 128 * (8 * c + t));
-        prefetch(r + kQ5Rec + 128 * (8 * c + t) + 64);
+        prefetch_line(r + kQ5Rec + 128 * (8 * c + t));
+        prefetch_line(r + kQ5Rec + 128 * (8 * c + t) + 64);
       } else {
-        pf(q);
+        prefetch_line(q + kPrefetch);
       }
       __m512i v = _mm512_loadu_si512(q);
       in_register(v);
@@ -378,7 +375,7 @@ PAGEDLLM_R16_TVNNI __m512 q6k_superblock(const uint8_t* r, const int8_t* h, cons
         const uint8_t* p1 = p0 + 64 * 8;
         const uint8_t* ph = r + 2336 + 64 * (8 * n + t);
         for (int o = 0; o < 256; o += 64)  // two records ahead, in address order
-          prefetch(r + kQ6Ahead + 256 * (8 * n + t) + o);
+          prefetch_line(r + kQ6Ahead + 256 * (8 * n + t) + o);
         __m512i v0 = _mm512_loadu_si512(p0), v1 = _mm512_loadu_si512(p1), hv = _mm512_loadu_si512(ph);
         in_register(v0);
         in_register(v1);

@@ -171,7 +171,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int64_t splits = B >= 4 * threads ? 1 : std::min<int64_t>(hkv, (4 * threads + B - 1) / B);
   const int64_t heads_per = (hkv + splits - 1) / splits;
   // What an item reads of a token row: the whole row, or its kv heads' slice where the heads are split.
-  const bool prefetch = heads_per * head_s * static_cast<int64_t>(sizeof(T)) < kPageBytes;
+  const bool per_head_walk = heads_per * head_s * static_cast<int64_t>(sizeof(T)) < kPageBytes;
   const int64_t tile = std::max<int64_t>(1, kTileBytes / (tok_s * static_cast<int64_t>(sizeof(T))));
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t hh = heads_per * g;  // query heads of one item
@@ -244,7 +244,7 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
             PAGED_DECODE_DISPATCH(pv_rows, gc, &scores[(j0 + jc) * bs], bs, vblk, tok_s, ta, tb, &acc[(j0 + jc) * D], D, dv)
           }
         };
-        if (prefetch) {  // rows under a page: each kv head walks keys, softmax, values, the block ahead requested
+        if (per_head_walk) {  // rows under a page: each kv head walks keys, softmax, values, the block ahead requested
           const bool pf = (blk + kAhead) * bs < len && blk + kAhead < max_blocks;
           const int64_t ahead = pf ? bt[b * bt_s + blk + kAhead] : 0;
           for (int64_t kh = kh0; kh < kh1; ++kh) {
