@@ -145,6 +145,36 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(vnni, weight_type):
         assert torch.equal(lib.kquant_r16_gemv(x, packed, weight_type, terms), alone)
 
 
+def test_joined_parts_are_the_parts_joined(vnni):
+    """A fused linear's parts in different types (a Q4_K_M's q and k Q4_K beside a Q6_K v) in one call: each part's
+    outputs bit for bit its own call's, at 1 and 3 rows, both terms, on 1 to 3 threads (the threads' shares split by
+    bytes, so inside a part); more threads than groups; mismatched lists, a K-mismatched part and an unknown type
+    named."""
+    lib = vnni
+    types = ["Q4_K", "Q4_K", "Q6_K", "Q5_K"]
+    parts = [lib.kquant_r16_repack(_weight(t, n, 512, i).data, t) for i, (t, n) in enumerate(zip(types, (48, 16, 32, 64)))]
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2, 3):
+            torch.set_num_threads(nt)
+            for rows in (1, 3):
+                x = _x(rows, 512, rows)
+                for terms in (1, 2):
+                    alone = torch.cat([lib.kquant_r16_gemv(x, w, t, terms) for w, t in zip(parts, types)], -1)
+                    assert torch.equal(lib.kquant_r16_gemv_joined(x, parts, types, terms), alone)
+                    assert torch.equal(lib.kquant_r16_gemv_joined(x, parts[1:2], types[1:2], terms),
+                                       lib.kquant_r16_gemv(x, parts[1], types[1], terms))
+    finally:
+        torch.set_num_threads(threads)
+    x = _x(1, 512, 0)
+    with pytest.raises(RuntimeError, match="2 packed parts for 1 weight types"):
+        lib.kquant_r16_gemv_joined(x, parts[:2], types[:1])
+    with pytest.raises(RuntimeError, match="kquant_r16_gemv_joined: packed must be contiguous uint8"):
+        lib.kquant_r16_gemv_joined(_x(1, 256, 0), parts[:1], types[:1])
+    with pytest.raises(RuntimeError, match="weight_type must be Q4_K, Q5_K or Q6_K, got Q8_0"):
+        lib.kquant_r16_gemv_joined(x, parts[:1], ["Q8_0"])
+
+
 def test_reduced_dtypes_and_shapes(vnni):
     lib = vnni
     w = _weight("Q4_K", 32, 512)

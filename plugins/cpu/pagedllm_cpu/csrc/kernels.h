@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace pagedllm_cpu::kernels {
 
@@ -21,6 +22,8 @@ at::Tensor kquant_q8k_gemv(const at::Tensor& x, const at::Tensor& blocks, const 
                            int64_t isa);
 at::Tensor kquant_r16_gemv(const at::Tensor& x, const at::Tensor& packed, const std::string& weight_type,
                            int64_t terms);
+at::Tensor kquant_r16_gemv_joined(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                                  const std::vector<std::string>& weight_types, int64_t terms);
 // kquant_r16.cpp's layout for kquant_mm_bf16: a record's bytes (type: pagedllm_cpu::KQuant), and one
 // record (16 rows' super-block) back to the file's 16 super-blocks, row after row (16 * bytes).
 int64_t kquant_r16_record_bytes(int type);

@@ -496,18 +496,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kquant_r16_quantize(c
   return {hi, lo, d, sums};
 }
 
-// x [..., K] (read as fp32), packed from ``kquant_r16_repack``: y [..., N] in x's dtype.
-at::Tensor kquant_r16_gemv(const at::Tensor& x, const at::Tensor& packed, const std::string& weight_type,
-                           int64_t terms) {
-  const Type t = pagedllm_cpu::parse_kquant(weight_type, "kquant_r16_gemv");
-  TORCH_CHECK(have_vnni(), "kquant_r16_gemv: needs AVX-512 VNNI (this CPU has none: kquant_gemv runs instead)");
-  TORCH_CHECK(terms == 1 || terms == 2, "kquant_r16_gemv: terms must be 1 or 2, got ", terms);
-  const int64_t k = x.size(-1), nsb = k / kQK, rb = record_bytes(t);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() && k % kQK == 0 &&
-                  packed.size(1) == nsb * rb,
-              "kquant_r16_gemv: packed must be contiguous uint8 [N / 16, K / 256 * ", rb, "] for K = ", k);
+// One packed matrix of a call: its type, records and output columns.
+struct Part {
+  Type t;
+  const uint8_t* w;
+  int64_t groups;
+  int64_t col;  // its first output column in y
+};
+
+// y [M, N] = x @ W.T over the parts' groups of 16 rows (each part's rows at its columns), x [M, K] fp32 quantized
+// once. One parallel region for all parts, each thread a contiguous run of their groups holding an even share of the
+// bytes: a Q4_K_M's q, k and v (Q4_K, Q4_K, Q6_K) as three calls read ~20% slower than one call of their size
+// (each call's streams start cold and its threads meet at its end), and its groups differ in size by type.
+at::Tensor r16_gemv(const at::Tensor& x, const std::vector<Part>& parts, int64_t n, int64_t terms) {
+  const int64_t k = x.size(-1), nsb = k / kQK;
   const at::Tensor rows = x.reshape({-1, k}).to(at::kFloat).contiguous();
-  const int64_t mrows = rows.size(0), groups = packed.size(0), n = groups * kRows;
+  const int64_t mrows = rows.size(0);
   // x quantized into buffers kept by the calling thread (a decode step makes ~170 of these calls)
   thread_local std::vector<int8_t> hi;
   thread_local std::vector<uint8_t> lo;
@@ -528,19 +532,80 @@ at::Tensor kquant_r16_gemv(const at::Tensor& x, const at::Tensor& packed, const 
   shape.back() = n;
   at::Tensor y = at::empty({mrows, n}, rows.options());
   const XQ xq{hi.data(), lo.data(), d.data(), xm.data(), x6.data(), k};
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
 #ifdef PAGEDLLM_R16_X86
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      if (terms == 2)
-        group<2>(t, wp + g * nsb * rb, nsb, xq, mrows, yp + g * kRows, n);
-      else
-        group<1>(t, wp + g * nsb * rb, nsb, xq, mrows, yp + g * kRows, n);
+  // the parts' groups one after another: part j's are first[j] .. first[j + 1] - 1, after bytes[j] bytes
+  std::vector<int64_t> first(parts.size() + 1, 0), bytes(parts.size() + 1, 0);
+  for (size_t j = 0; j < parts.size(); ++j) {
+    first[j + 1] = first[j] + parts[j].groups;
+    bytes[j + 1] = bytes[j] + parts[j].groups * nsb * record_bytes(parts[j].t);
+  }
+  const int64_t total = first.back();
+  if (nsb == 0) y.zero_();  // K = 0: empty sums
+  if (nsb == 0 || total == 0) return y.view(shape).to(x.scalar_type());
+  auto group_at = [&](int64_t b) {  // the first group starting at byte b or after it
+    size_t j = 0;
+    while (j + 1 < parts.size() && bytes[j + 1] <= b) ++j;
+    const int64_t gb = nsb * record_bytes(parts[j].t);
+    return std::min(first[j + 1], first[j] + (b - bytes[j] + gb - 1) / gb);
+  };
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t th = t0; th < t1; ++th) {
+      const int64_t g1 = th + 1 == nt ? total : group_at(bytes.back() * (th + 1) / nt);
+      size_t j = 0;
+      for (int64_t i = group_at(bytes.back() * th / nt); i < g1; ++i) {
+        while (i >= first[j + 1]) ++j;
+        const Part& pt = parts[j];
+        const int64_t g = i - first[j], rb = record_bytes(pt.t);
+        float* yg = yp + pt.col + g * kRows;
+        if (terms == 2)
+          group<2>(pt.t, pt.w + g * nsb * rb, nsb, xq, mrows, yg, n);
+        else
+          group<1>(pt.t, pt.w + g * nsb * rb, nsb, xq, mrows, yg, n);
+      }
     }
   });
 #endif
   return y.view(shape).to(x.scalar_type());
+}
+
+Part checked_part(const at::Tensor& packed, const std::string& weight_type, int64_t k, int64_t col, const char* op) {
+  const Type t = pagedllm_cpu::parse_kquant(weight_type, op);
+  const int64_t nsb = k / kQK, rb = record_bytes(t);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() && k % kQK == 0 &&
+                  packed.size(1) == nsb * rb,
+              op, ": packed must be contiguous uint8 [N / 16, K / 256 * ", rb, "] for K = ", k);
+  return Part{t, packed.data_ptr<uint8_t>(), packed.size(0), col};
+}
+
+void check_call(int64_t terms, const char* op) {
+  TORCH_CHECK(have_vnni(), op, ": needs AVX-512 VNNI (this CPU has none: kquant_gemv runs instead)");
+  TORCH_CHECK(terms == 1 || terms == 2, op, ": terms must be 1 or 2, got ", terms);
+}
+
+// x [..., K] (read as fp32), packed from ``kquant_r16_repack``: y [..., N] in x's dtype.
+at::Tensor kquant_r16_gemv(const at::Tensor& x, const at::Tensor& packed, const std::string& weight_type,
+                           int64_t terms) {
+  check_call(terms, "kquant_r16_gemv");
+  const Part p = checked_part(packed, weight_type, x.size(-1), 0, "kquant_r16_gemv");
+  return r16_gemv(x, {p}, p.groups * kRows, terms);
+}
+
+// The parts of one fused linear (packed[i] of weight_types[i], all over the same K), outputs joined along N: the
+// same bits as each part's ``kquant_r16_gemv`` joined, in one call.
+at::Tensor kquant_r16_gemv_joined(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                                  const std::vector<std::string>& weight_types, int64_t terms) {
+  check_call(terms, "kquant_r16_gemv_joined");
+  TORCH_CHECK(!packed.empty() && packed.size() == weight_types.size(), "kquant_r16_gemv_joined: ", packed.size(),
+              " packed parts for ", weight_types.size(), " weight types");
+  std::vector<Part> parts;
+  int64_t n = 0;
+  for (size_t j = 0; j < packed.size(); ++j) {
+    parts.push_back(checked_part(packed[j], weight_types[j], x.size(-1), n, "kquant_r16_gemv_joined"));
+    n += parts.back().groups * kRows;
+  }
+  return r16_gemv(x, parts, n, terms);
 }
 
 bool kquant_r16_available() { return have_vnni(); }
@@ -550,6 +615,11 @@ bool kquant_r16_available() { return have_vnni(); }
 at::Tensor pagedllm_cpu::kernels::kquant_r16_gemv(const at::Tensor& x, const at::Tensor& packed,
                                                  const std::string& weight_type, int64_t terms) {
   return ::kquant_r16_gemv(x, packed, weight_type, terms);
+}
+
+at::Tensor pagedllm_cpu::kernels::kquant_r16_gemv_joined(const at::Tensor& x, const std::vector<at::Tensor>& packed,
+                                                        const std::vector<std::string>& weight_types, int64_t terms) {
+  return ::kquant_r16_gemv_joined(x, packed, weight_types, terms);
 }
 
 int64_t pagedllm_cpu::kernels::kquant_r16_record_bytes(int type) { return record_bytes(static_cast<Type>(type)); }
@@ -563,6 +633,7 @@ void pagedllm_cpu::kernels::kquant_r16_to_blocks(int type, const uint8_t* record
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("kquant_r16_gemv(Tensor x, Tensor packed, str weight_type, int terms=2) -> Tensor");
+  m.def("kquant_r16_gemv_joined(Tensor x, Tensor[] packed, str[] weight_types, int terms=2) -> Tensor");
   m.def("kquant_r16_repack(Tensor blocks, str weight_type) -> Tensor");
   m.def("kquant_r16_unpack(Tensor packed, str weight_type) -> Tensor");
   m.def("kquant_r16_quantize(Tensor x, int terms=2) -> (Tensor, Tensor, Tensor, Tensor)");
@@ -571,6 +642,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("kquant_r16_gemv", &kquant_r16_gemv);
+  m.impl("kquant_r16_gemv_joined", &kquant_r16_gemv_joined);
   m.impl("kquant_r16_repack", &kquant_r16_repack);
   m.impl("kquant_r16_unpack", &kquant_r16_unpack);
   m.impl("kquant_r16_quantize", &kquant_r16_quantize);
