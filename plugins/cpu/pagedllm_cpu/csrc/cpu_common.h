@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -58,6 +60,27 @@ inline int nearest_int(float v) {
   int32_t i;
   std::memcpy(&i, &f, 4);
   return (i & 0x007fffff) - 0x00400000;
+}
+
+// 256 values to llama.cpp's Q8_K (``quantize_row_q8_K_ref``): q = round(x * -127 / max) with max the value of the
+// largest magnitude, at most 127; returns the scale d (x ~ d * q; 0 for an all-zero block). kquant_q8k.cpp's int8
+// activations and kquant_r16.cpp's one term.
+inline float quantize_q8k_block(const float* x, int8_t* q) {
+  float amax = 0.f, max = 0.f;
+  for (int j = 0; j < 256; ++j) {
+    const float a = std::fabs(x[j]);
+    if (a > amax) {
+      amax = a;
+      max = x[j];
+    }
+  }
+  if (amax == 0.f) {
+    std::memset(q, 0, 256);
+    return 0.f;
+  }
+  const float iscale = -127.f / max;
+  for (int j = 0; j < 256; ++j) q[j] = static_cast<int8_t>(std::min(127, nearest_int(iscale * x[j])));
+  return 1.f / iscale;
 }
 
 // GGUF K-quant super-blocks of 256 weights: Q4_K 144 bytes, Q5_K 176, Q6_K 210.

@@ -53,7 +53,6 @@ using pagedllm_cpu::kquant_bytes;
 using pagedllm_cpu::kQ4K;
 using pagedllm_cpu::kQ5K;
 using pagedllm_cpu::kQ6K;
-using pagedllm_cpu::nearest_int;
 using Type = pagedllm_cpu::KQuant;
 enum Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kVnni = 3 };
 
@@ -69,24 +68,8 @@ __attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
 // One row of k values (a multiple of 256) to Q8_K: q [k], d [k / 256], bsums [k / 16] (quantize_row_q8_K_ref).
 void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int16_t* bsums) {
   for (int64_t b = 0; b < k / kQK; ++b) {
-    const float* xb = x + b * kQK;
     int8_t* qb = q + b * kQK;
-    float amax = 0.f, max = 0.f;
-    for (int j = 0; j < kQK; ++j) {
-      const float a = std::fabs(xb[j]);
-      if (a > amax) {
-        amax = a;
-        max = xb[j];
-      }
-    }
-    if (amax == 0.f) {
-      d[b] = 0.f;
-      std::memset(qb, 0, kQK);
-    } else {
-      const float iscale = -127.f / max;
-      for (int j = 0; j < kQK; ++j) qb[j] = static_cast<int8_t>(std::min(127, nearest_int(iscale * xb[j])));
-      d[b] = 1.f / iscale;
-    }
+    d[b] = pagedllm_cpu::quantize_q8k_block(x + b * kQK, qb);
     for (int j = 0; j < kQK / 16; ++j) {
       int s = 0;
       for (int i = 0; i < 16; ++i) s += qb[16 * j + i];

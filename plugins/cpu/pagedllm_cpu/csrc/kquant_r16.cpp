@@ -186,27 +186,22 @@ void quantize_row(const float* x, int64_t k, int terms, int8_t* hi, uint8_t* lo,
     const float* xb = x + b * unit;
     int8_t* h = hi + b * unit;
     uint8_t* l = lo + b * unit;
-    float amax = 0.f, max = 0.f;
-    for (int j = 0; j < unit; ++j) {
-      const float a = std::fabs(xb[j]);
-      if (a > amax) {
-        amax = a;
-        max = xb[j];
-      }
-    }
     int v[kQK];
     float scale = 0.f;
-    if (amax == 0.f) {
-      std::fill(v, v + unit, 0);
-    } else if (terms == 1) {  // llama.cpp's quantize_row_q8_K_ref
-      const float iscale = -127.f / max;
-      for (int j = 0; j < unit; ++j) v[j] = std::min(127, nearest_int(iscale * xb[j]));
-      scale = 1.f / iscale;
+    if (terms == 1) {
+      int8_t q[kQK];
+      scale = pagedllm_cpu::quantize_q8k_block(xb, q);
+      std::copy(q, q + kQK, v);
     } else {
-      const float iscale = kLevels / amax;
-      for (int j = 0; j < unit; ++j)
-        v[j] = std::max(-static_cast<int>(kLevels), std::min(static_cast<int>(kLevels), nearest_int(iscale * xb[j])));
-      scale = amax / kLevels;
+      float amax = 0.f;
+      for (int j = 0; j < unit; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      std::fill(v, v + unit, 0);
+      if (amax != 0.f) {
+        const float iscale = kLevels / amax;
+        for (int j = 0; j < unit; ++j)
+          v[j] = std::max(-static_cast<int>(kLevels), std::min(static_cast<int>(kLevels), nearest_int(iscale * xb[j])));
+        scale = amax / kLevels;
+      }
     }
     for (int j = 0; j < unit / 32; ++j) d[b * (unit / 32) + j] = scale;
     for (int j = 0; j < unit; ++j) {
