@@ -152,7 +152,8 @@ def test_joined_parts_are_the_parts_joined(vnni):
     named."""
     lib = vnni
     types = ["Q4_K", "Q4_K", "Q6_K", "Q5_K"]
-    parts = [lib.kquant_r16_repack(_weight(t, n, 512, i).data, t) for i, (t, n) in enumerate(zip(types, (48, 16, 32, 64)))]
+    parts = [lib.kquant_r16_repack(_weight(t, n, 512, i).data, t)
+             for i, (t, n) in enumerate(zip(types, (48, 16, 32, 64)))]
     threads = torch.get_num_threads()
     try:
         for nt in (1, 2, 3):

@@ -54,9 +54,12 @@ struct Layer {
   Linear linears[4];
 };
 
+// Whether a call of x's rows takes int8 activations, as the eager linear decides it for a part of ``int8_rows``.
+bool int8_call(int64_t int8_rows, const at::Tensor& x) { return x.numel() <= int8_rows * x.size(-1); }
+
 at::Tensor run_part(const Part& p, const at::Tensor& x) {
   at::Tensor y;
-  const bool int8 = x.numel() <= p.int8_rows * x.size(-1);
+  const bool int8 = int8_call(p.int8_rows, x);
   switch (p.kind) {
     case kQ4:
       y = int8 ? K::q8act_gemv(x, p.weight, p.has_min ? "Q4_1" : "Q4_0", p.n, -1)
@@ -82,7 +85,7 @@ std::optional<at::Tensor> run_joined_r16(const Linear& l, const at::Tensor& x) {
     weights.push_back(p.weight);
     types.push_back(p.type);
   }
-  return K::kquant_r16_gemv_joined(x, weights, types, x.numel() <= int8_rows * x.size(-1) ? 1 : 2);
+  return K::kquant_r16_gemv_joined(x, weights, types, int8_call(int8_rows, x) ? 1 : 2);
 }
 
 at::Tensor run_linear(const Linear& l, const at::Tensor& x) {
