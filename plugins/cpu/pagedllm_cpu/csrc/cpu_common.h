@@ -108,6 +108,10 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
 // (kquant_r16.cpp's Q6_K) it issued a super-block's 52 requests at its start, which halved that kernel's speed from
 // DRAM. The loops of ``prefetch_ahead``'s callers are not unrolled that way and keep the intrinsic (not re-measured).
 inline void prefetch_line(const uint8_t* p) { asm volatile("prefetcht0 %0" ::"m"(*p)); }
+
+// The line at p into L2 (``prefetcht1``), in program order likewise: a request far enough ahead that DRAM's latency is
+// covered, which the L1 requests a line or two ahead cannot do alone (see kquant_r16.cpp's kL2Records).
+inline void prefetch_line_l2(const uint8_t* p) { asm volatile("prefetcht1 %0" ::"m"(*p)); }
 #endif
 
 }  // namespace pagedllm_cpu

@@ -231,8 +231,14 @@ struct XQ {
 // it asks for a record ahead in address order instead (its shapes: 74.5 ms with each stream's line 2 KB ahead,
 // 55-57 ms; half a record or two ahead alike then). Two records ahead since its loop takes ~330 cycles a record, not
 // ~460: one record is then ~90 ns, under the VM's DRAM latency (LM head 2.60 -> 2.23 ms, one ahead 2.32, at 34 GB/s).
+// Beside those L1 requests, every type asks for the record kL2Records ahead into L2, in the same order: the L1
+// requests alone keep too few lines in flight to cover DRAM's latency (a core's compute and reads barely overlapped:
+// the Q6_K LM head read 26-35 GB/s from DRAM against ~50 streaming). From DRAM, 2 threads (AMD EPYC Zen 4), alternated:
+// the Q6_K head shape 25.9 -> 38.3 GB/s (3 records ahead 30.1, 6: 36.6, 8: 34.2), a Q4_K one of the same rows 27.3 ->
+// 30.1 (2: 29.7, 6: 25.8); the 1.7B Q4_K_M's decode step 32.2 -> 27.7 ms (10 alternated pairs, docs/benchmarks.md).
 constexpr int64_t kPrefetch = 2048;
 constexpr int64_t kQ6Ahead = 2 * kQ6Rec;
+constexpr int64_t kL2Records = 4;
 
 PAGEDLLM_R16_TVNNI inline __m512i bcast(const void* p) {
   int32_t v;
@@ -259,6 +265,7 @@ PAGEDLLM_R16_TVNNI inline void in_register(__m512i& v) { asm("" : "+v"(v)); }
 // Prefetches are ``prefetch_line`` (cpu_common.h), kept in program order: with Q6_K's loops unrolled the intrinsic's
 // were all issued at a super-block's start (the 1.7B model's LM head 2.4 -> 4.7 ms from DRAM).
 using pagedllm_cpu::prefetch_line;
+using pagedllm_cpu::prefetch_line_l2;
 
 // quantize_row's two terms, 32 values a step in AVX-512 (the same operations: fp32 max, fp32 product, round half to
 // even, so the same bits): ~10x the scalar loop, which cost ~1 ms of a 1.7B decode token.
@@ -302,10 +309,14 @@ PAGEDLLM_R16_TVNNI inline void q4k_superblock(const uint8_t* r, const int8_t* h,
     for (int t = 0; t < 8; ++t) {
       const uint8_t* q = r + 320 + 64 * (8 * c + t);
       if (Q5) {  // its fifth bits (the record's end) are read with each chunk: the next record in address order
-        prefetch_line(r + kQ5Rec + 128 * (8 * c + t));
-        prefetch_line(r + kQ5Rec + 128 * (8 * c + t) + 64);
+        const uint8_t* ahead = r + kQ5Rec + 128 * (8 * c + t);
+        prefetch_line(ahead);
+        prefetch_line(ahead + 64);
+        prefetch_line_l2(ahead + (kL2Records - 1) * kQ5Rec);
+        prefetch_line_l2(ahead + (kL2Records - 1) * kQ5Rec + 64);
       } else {
         prefetch_line(q + kPrefetch);
+        prefetch_line_l2(q + kL2Records * kQ4Rec);
       }
       __m512i v = _mm512_loadu_si512(q);
       in_register(v);
@@ -369,8 +380,10 @@ PAGEDLLM_R16_TVNNI __m512 q6k_superblock(const uint8_t* r, const int8_t* h, cons
         const uint8_t* p0 = r + 288 + 64 * (16 * n + t);
         const uint8_t* p1 = p0 + 64 * 8;
         const uint8_t* ph = r + 2336 + 64 * (8 * n + t);
-        for (int o = 0; o < 256; o += 64)  // two records ahead, in address order
+        for (int o = 0; o < 256; o += 64) {  // two records ahead into L1, kL2Records into L2, in address order
           prefetch_line(r + kQ6Ahead + 256 * (8 * n + t) + o);
+          prefetch_line_l2(r + kL2Records * kQ6Rec + 256 * (8 * n + t) + o);
+        }
         __m512i v0 = _mm512_loadu_si512(p0), v1 = _mm512_loadu_si512(p1), hv = _mm512_loadu_si512(ph);
         in_register(v0);
         in_register(v1);
