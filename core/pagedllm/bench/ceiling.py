@@ -1,6 +1,6 @@
 """Hardware ceilings to state beside measured rates: the GEMM-only time of a decode step, the weight bytes a step
 streams (batch-1 decode cannot beat copy bandwidth / weight bytes), and the FLOPs of a step's linear layers (no GEMM
-beats them / the matrix unit's peak, where the backend's op library measures one: ``matmul_peak``).
+beats them / the bf16 peak, where the backend's op library measures one: ``matmul_peak``).
 
 The GEMM ceiling times the model's own linear layers (whatever kernel each runs on: packed dense, quantized, or
 ``F.linear``) and its LM head, at the step's batch size, on random activations: a decode step can go no faster
@@ -69,10 +69,18 @@ def backend_op(backend_name: str, op: str) -> Any:
 
 
 def matmul_peak_tflops(backend_name: str, seconds: float = 0.5) -> float | None:
-    """The backend's ``matmul_peak(seconds) -> TFLOP/s`` op (its matrix unit's bf16 peak on all threads, 0 where it
+    """The backend's ``matmul_peak(seconds) -> TFLOP/s`` op (its bf16 peak on all threads, 0 where it
     has none), or None where the backend registers no such op or measures 0."""
     op = backend_op(backend_name, "matmul_peak")
     return (float(op(seconds)) or None) if op is not None else None
+
+
+def workload_flops(model: nn.Module, num_prompts: int, input_len: int, output_len: int) -> float:
+    """FLOPs of the throughput workload's linear layers and LM head: every prompt and generated token but the last
+    through the layers, the LM head on each prompt's last token and each decode token (``output_len`` a sequence)."""
+    head = 2.0 * model.hidden_size * model.vocab_size
+    layers = linear_flops(model, 1) - head
+    return layers * num_prompts * (input_len + output_len - 1) + head * num_prompts * output_len
 
 
 def gemm_workload_seconds(model: nn.Module, num_prompts: int, input_len: int, output_len: int,

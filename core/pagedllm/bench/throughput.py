@@ -78,7 +78,8 @@ class ThroughputResult:
     decode_vs_ceiling: Optional[float] = None  # decode_tok_s / gemm_ceiling_tok_s
     gemm_workload_s: Optional[tuple[float, float]] = None  # --gemm-ceiling: the whole workload's GEMMs alone (s)
     step_linear_gflop: Optional[float] = None  # --gemm-ceiling: one decode step's linear layers + LM head
-    matmul_peak_tflops: Optional[float] = None  # --gemm-ceiling, bf16: the matrix unit's peak on all threads
+    matmul_peak_tflops: Optional[float] = None  # --gemm-ceiling, bf16: the CPU's / matrix unit's peak, all threads
+    workload_gflop: Optional[float] = None  # --gemm-ceiling: the whole workload's linear layers + LM head
 
 
 def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
@@ -231,13 +232,14 @@ def run(args) -> ThroughputResult:
     res.decode_tok_s = args.num_prompts * (args.output_len - 1) / (med - statistics.median(prefill))
     if args.gemm_ceiling:
         from pagedllm.bench.ceiling import (gemm_step_seconds, gemm_workload_seconds, linear_flops,  # heavy: torch
-                                            matmul_peak_tflops)
+                                            matmul_peak_tflops, workload_flops)
 
         res.gemm_ceiling_tok_s = args.num_prompts / gemm_step_seconds(engine.model, args.num_prompts)
         res.decode_vs_ceiling = res.decode_tok_s / res.gemm_ceiling_tok_s
         res.gemm_workload_s = gemm_workload_seconds(engine.model, args.num_prompts, args.input_len, args.output_len,
                                                     engine.config.max_num_batched_tokens)
         res.step_linear_gflop = linear_flops(engine.model, args.num_prompts) / 1e9
+        res.workload_gflop = workload_flops(engine.model, args.num_prompts, args.input_len, args.output_len) / 1e9
         if engine.model.dtype == torch.bfloat16:
             res.matmul_peak_tflops = matmul_peak_tflops(engine.worker.backend.name)
     if schema_sp is not None:
@@ -296,7 +298,7 @@ def add_parser(sub) -> None:
     p.add_argument("--gemm-ceiling", action="store_true",
                    help="also time the model's linear layers and LM head alone at the batch size (the GEMM "
                         "ceiling of a decode step) and report decode speed as a fraction of it; on a bf16 model also "
-                        "the step's linear FLOPs against the matrix unit's peak, where the backend measures one")
+                        "the step's and the workload's linear FLOPs against the CPU's bf16 peak, where the backend measures one")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run every repeat with this JSON schema on every request (alternated with the "
@@ -332,10 +334,16 @@ def main(args) -> int:
         line = (f"one decode step's linears: {res.step_linear_gflop:.0f} GFLOP in {step_s * 1e3:.0f} ms = "
                 f"{res.step_linear_gflop / step_s / 1e3:.2f} TFLOP/s")
         if res.matmul_peak_tflops:
-            line += (f"; the matrix unit's bf16 peak measured now: {res.matmul_peak_tflops:.2f} TFLOP/s on "
-                     f"{res.threads} threads (operands in registers), so at least "
-                     f"{res.step_linear_gflop / res.matmul_peak_tflops:.0f} ms")
+            line += (f"; the bf16 peak measured now: {res.matmul_peak_tflops:.2f} TFLOP/s on {res.threads} threads "
+                     f"(operands in registers), so at least {res.step_linear_gflop / res.matmul_peak_tflops:.0f} ms")
         print(line)
+        if res.matmul_peak_tflops:
+            at_peak = res.workload_gflop / res.matmul_peak_tflops / 1e3
+            line = (f"the workload's {res.workload_gflop / 1e3:.1f} TFLOP of GEMMs at that peak: {at_peak:.2f} s, "
+                    f"the least any bf16 engine needs here")
+            if res.vllm_elapsed_s:
+                line += f"; {statistics.median(res.vllm_elapsed_s) / at_peak:.2f}x vLLM with nothing but GEMMs at peak"
+            print(line)
     if res.json_output_tok_s:
         print(f"json schema on every request: {res.json_output_tok_s:.1f} output tok/s vs unconstrained "
               f"{res.unconstrained_output_tok_s:.1f} (alternated, median of {res.repeats}): ratio "

@@ -9,8 +9,8 @@ with AVX-512 VNNI); ``q8act_gemv.cpp`` (Q8_0 / Q4_0 / Q4_1) and ``kquant_q8k.cpp
 activations for few rows (``quant.py``; these pick their own SIMD level at run time, every level compiled in with
 function target attributes). ``stream_read.cpp`` is the streaming-read bandwidth probe (``stream_read(buf) ->
 checksum``) that ``pagedllm bench latency`` finds in torch's op registry as ``torch.ops.pagedllm_cpu.stream_read``
-for its decode floor; ``matmul_peak.cpp`` the matrix unit's bf16 peak (AMX tile dot products on every thread,
-``matmul_peak(seconds) -> TFLOP/s``, 0 without AMX) that ``pagedllm bench throughput --gemm-ceiling`` states beside a
+for its decode floor; ``matmul_peak.cpp`` the CPU's bf16 peak (AMX tile dot products, else AVX512-BF16 vector ones, on
+every thread, ``matmul_peak(seconds) -> TFLOP/s``, 0 with neither) that ``pagedllm bench throughput --gemm-ceiling`` states beside a
 bf16 step's linears. ``cpu_common.h`` holds what several kernels share.
 
 Built with ``torch.utils.cpp_extension`` (g++, ninja) for the SIMD level ATen itself detected
