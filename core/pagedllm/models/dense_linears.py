@@ -47,13 +47,14 @@ def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, devic
     """Swap every ``nn.Linear`` of ``model`` for the backend's dense kernel, and give ``compute_logits`` a packed
     LM head (a copy: the tied embedding and ``lm_head_weight`` stay as they are; a tied GGUF-packed embedding gets
     its dense head here, also where the backend has no dense kernel, unless the backend has a kernel for its blocks
-    as they are: ``_block_head``). Returns how many were swapped.
+    as they are: ``block_head``). Returns how many were swapped.
 
     ``quantized``: the decoder's linears all run on the backend's quantized kernels, not core's exact reference
     (the weights are already rounded to 4-8 bits); a float32 LM head then runs in bf16 where the backend has a bf16 dense kernel, halving the bytes the largest single matrix
     streams per token (SmolLM2's tied 49152 x 576 head was a quarter of a Q4_1 batch-1 step in fp32)."""
     head_kernel = None
-    model.lm_head_kernel = _block_head(model, backend, dtype, device)
+    if getattr(model, "lm_head_kernel", None) is None:  # the loader makes it before the layers
+        model.lm_head_kernel = block_head(model, backend, dtype, device)
     if model.lm_head_kernel is None and quantized and dtype == torch.float32:
         head_kernel = backend.quantized_linear("unquantized", "bfloat16")
     kernel = backend.quantized_linear("unquantized", str(dtype).removeprefix("torch."))
@@ -85,11 +86,13 @@ def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, devic
 _BLOCK_HEAD_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")
 
 
-def _block_head(model: nn.Module, backend: Any, dtype: torch.dtype, device: Any) -> Optional[tuple]:
+def block_head(model: nn.Module, backend: Any, dtype: torch.dtype, device: Any) -> Optional[tuple]:
     """(apply, state) of a tied LM head on the backend's kernel for the embedding's own blocks (GGUF Q8_0 and the
     K-quants, whose tied embedding a Q4_K_M file stores as Q6_K), reading them in the file's mapping or in a copy the
     kernel repacked at load (the same bytes): no dense copy at all. None where the embedding is not such blocks or
-    the backend has no kernel for them."""
+    the backend has no kernel for them. The loader makes it right after the embedding, before the layers: a repack
+    maps in the embedding's file pages (82 MB of a 1.7B Q4_K_M) until it ends, and with the layers resident those
+    pages set the load's peak RSS."""
     if not _packed_tied_embedding(model) or model.embed_tokens.weight_type.name not in _BLOCK_HEAD_TYPES:
         return None
     e = model.embed_tokens

@@ -18,7 +18,7 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.models.arch import ARCHITECTURES, architecture_of, resolve_model_impl
 from pagedllm.models.bert import ENCODER_ARCHITECTURES, build_encoder_model
 from pagedllm.models.causal_lm import CausalLM
-from pagedllm.models.dense_linears import pack_dense_linears
+from pagedllm.models.dense_linears import block_head, pack_dense_linears
 from pagedllm.models.falcon import FalconCausalLM
 from pagedllm.models.granite_hybrid import GraniteMoeHybridCausalLM
 from pagedllm.models.lfm2 import Lfm2CausalLM
@@ -194,6 +194,7 @@ def load_model(model_path: str, *, backend: Any, dtype: torch.dtype, device: tor
     bar = progress_bar(len(model.state_dict()), "reading weights", unit="tensor")
     if quantization is not None:
         quantize_embedding(model, weights, dtype, device)
+        model.lm_head_kernel = block_head(model, backend, dtype, device)  # first, while little else is resident
         quantize_linears(model, weights, backend, dtype, device, progress=bar.update)
         trim_heap()
     sd = fused_state_dict(model, weights, dtype, device, progress=bar.update)

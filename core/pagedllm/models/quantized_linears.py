@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from pagedllm.models.heap import trim_heap
 from pagedllm.models.weights import checkpoint_prefix, source_names
 from pagedllm.quantization import get_method, make_quantized_linear
 from pagedllm.quantization.linear import SplitQuantizedLinear
@@ -47,6 +48,8 @@ def quantize_linears(model: nn.Module, weights: Any, backend: Any, dtype: torch.
             setattr(parent, leaf, make_quantized_linear(backend, weight, module.bias is not None, dtype, device))
         if hasattr(weights, "release"):  # GGUF: unmap the file pages of parts the kernel copied rather than kept
             weights.release(parts, getattr(parent, leaf))
+        if swapped % 4 == 3:  # give the freed repack transients back now, not at the end: they set the load's peak
+            trim_heap()
         swapped += 1
         if progress is not None:
             progress(1)
