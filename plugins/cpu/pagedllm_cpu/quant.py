@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.backend.hookspec import QuantizedLinearKernel, QuantizedWeight
-from pagedllm_cpu import native
+from pagedllm_cpu import huge_pages, native
 
 GROUP = 32
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
@@ -171,7 +171,7 @@ class Q4State:
 
 
 def _prepare(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> Q4State:
-    return Q4State(_repack(weight), weight.shape[0], weight.weight_type == "Q4_1",
+    return Q4State(huge_pages.to_huge_pages(_repack(weight)), weight.shape[0], weight.weight_type == "Q4_1",
                    bf16_rows=bf16_min_rows(dtype, BF16_MIN_ROWS_Q4))
 
 
@@ -243,6 +243,11 @@ def kquant_isa() -> int:
     return ISA_LEVELS.get(name, -1)
 
 
+#: A super-block's bytes a row in the file and in ``kquant_r16.cpp``'s records (Q4_K and Q5_K scales unpacked there).
+_KQUANT_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+_R16_ROW_BYTES = {"Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
+
+
 def _r16(weight: QuantizedWeight, isa: int) -> bool:
     """Whether ``weight`` runs repacked into ``kquant_r16.cpp``'s 16-row layout: a K-quant with whole groups of 16
     output rows, on a CPU with AVX-512 VNNI, no SIMD level forced (a forced level runs that level's kernels over the
@@ -263,8 +268,10 @@ def _prepare_kquant(weight: QuantizedWeight, dtype: torch.dtype, device: Any) ->
     int8_rows = INT8_ACT_MAX_ROWS if int8_activations() else 0
     blocks = weight.data.reshape(weight.shape[0], -1)
     if _r16(weight, isa):
-        return native.lib.kquant_r16_repack(blocks, weight.weight_type), weight.weight_type, isa, bf16_rows, \
-            int8_rows, True
+        packed = huge_pages.empty_on_huge_pages(blocks.shape[0] * blocks.shape[1] // _KQUANT_BYTES[weight.weight_type]
+                                                * _R16_ROW_BYTES[weight.weight_type])
+        return native.lib.kquant_r16_repack(blocks, weight.weight_type, packed), weight.weight_type, isa, \
+            bf16_rows, int8_rows, True
     return blocks, weight.weight_type, isa, bf16_rows, int8_rows, False
 
 

@@ -74,9 +74,14 @@ def test_repack_round_trips_bit_for_bit(lib, weight_type, shape):
     packed = lib.kquant_r16_repack(w.data, weight_type)
     assert packed.shape == (shape[0] // 16, shape[1] // 256 * 16 * RECORD[weight_type])
     assert torch.equal(lib.kquant_r16_unpack(packed, weight_type), w.data)
+    out = torch.empty(packed.numel(), dtype=torch.uint8)  # the caller places the records (huge pages, at load)
+    into = lib.kquant_r16_repack(w.data, weight_type, out)
+    assert into.data_ptr() == out.data_ptr() and torch.equal(into, packed)
 
 
 def test_repack_errors_name_the_problem(lib):
+    with pytest.raises(RuntimeError, match="out must be a contiguous uint8 tensor of 2368 bytes"):
+        lib.kquant_r16_repack(_weight("Q4_K", 16, 256).data, "Q4_K", torch.empty(2367, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="N a multiple of 16"):
         lib.kquant_r16_repack(_weight("Q4_K", 24, 256).data, "Q4_K")
     with pytest.raises(RuntimeError, match="weight_type must be Q4_K, Q5_K or Q6_K, got Q8_0"):

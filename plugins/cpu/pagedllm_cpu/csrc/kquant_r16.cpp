@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -134,13 +135,23 @@ void check_blocks(const at::Tensor& blocks, Type t, const char* op) {
               op, ": blocks must be uint8 [N, K / 256 * ", bb, "] with contiguous rows and N a multiple of 16");
 }
 
-// blocks uint8 [N, K / 256 * bytes] (the file's) -> uint8 [N / 16, K / 256 * record].
-at::Tensor kquant_r16_repack(const at::Tensor& blocks, const std::string& weight_type) {
+// blocks uint8 [N, K / 256 * bytes] (the file's) -> uint8 [N / 16, K / 256 * record], into ``out`` where given (a
+// contiguous uint8 tensor of that many bytes: the caller places the weights, e.g. on huge pages).
+at::Tensor kquant_r16_repack(const at::Tensor& blocks, const std::string& weight_type,
+                             const std::optional<at::Tensor>& out_arg) {
   const Type t = pagedllm_cpu::parse_kquant(weight_type, "kquant_r16_repack");
   check_blocks(blocks, t, "kquant_r16_repack");
   const int64_t bb = pagedllm_cpu::kquant_bytes(t), rb = record_bytes(t);
   const int64_t n = blocks.size(0), nsb = blocks.size(1) / bb, rs = blocks.stride(0);
-  at::Tensor out = at::empty({n / kRows, nsb * rb}, blocks.options());
+  at::Tensor out;
+  if (out_arg.has_value()) {
+    TORCH_CHECK(out_arg->scalar_type() == at::kByte && out_arg->is_contiguous() &&
+                    out_arg->numel() == n / kRows * nsb * rb,
+                "kquant_r16_repack: out must be a contiguous uint8 tensor of ", n / kRows * nsb * rb, " bytes");
+    out = out_arg->view({n / kRows, nsb * rb});
+  } else {
+    out = at::empty({n / kRows, nsb * rb}, blocks.options());
+  }
   uint8_t* w = const_cast<uint8_t*>(blocks.data_ptr<uint8_t>());  // read only (to_record)
   uint8_t* o = out.data_ptr<uint8_t>();
   at::parallel_for(0, n / kRows, 1, [&](int64_t g0, int64_t g1) {
@@ -641,7 +652,7 @@ void pagedllm_cpu::kernels::kquant_r16_to_blocks(int type, const uint8_t* record
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("kquant_r16_gemv(Tensor x, Tensor packed, str weight_type, int terms=2) -> Tensor");
   m.def("kquant_r16_gemv_joined(Tensor x, Tensor[] packed, str[] weight_types, int terms=2) -> Tensor");
-  m.def("kquant_r16_repack(Tensor blocks, str weight_type) -> Tensor");
+  m.def("kquant_r16_repack(Tensor blocks, str weight_type, Tensor(a!)? out=None) -> Tensor");
   m.def("kquant_r16_unpack(Tensor packed, str weight_type) -> Tensor");
   m.def("kquant_r16_quantize(Tensor x, int terms=2) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("kquant_r16_available() -> bool", &kquant_r16_available);
