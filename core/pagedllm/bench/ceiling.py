@@ -1,6 +1,7 @@
 """Hardware ceilings to state beside measured rates: the GEMM-only time of a decode step, the weight bytes a step
 streams (batch-1 decode cannot beat copy bandwidth / weight bytes), and the FLOPs of a step's linear layers (no GEMM
-beats them / the bf16 peak, where the backend's op library measures one: ``matmul_peak``).
+beats them / the bf16 peak, where the backend's op library measures one: ``matmul_peak``), and the KV cache a
+workload's decode steps must read (no attention beats it / the streaming-read bandwidth).
 
 The GEMM ceiling times the model's own linear layers (whatever kernel each runs on: packed dense, quantized, or
 ``F.linear``) and its LM head, at the step's batch size, on random activations: a decode step can go no faster
@@ -81,6 +82,14 @@ def workload_flops(model: nn.Module, num_prompts: int, input_len: int, output_le
     head = 2.0 * model.hidden_size * model.vocab_size
     layers = linear_flops(model, 1) - head
     return layers * num_prompts * (input_len + output_len - 1) + head * num_prompts * output_len
+
+
+def decode_kv_read_bytes(kv_bytes_per_position: float, num_prompts: int, input_len: int, output_len: int) -> float:
+    """Bytes of KV cache the throughput workload's decode steps read: the step that makes a sequence's token
+    ``k + 1`` attends over its ``input_len + k`` positions, every layer's keys and values (``kv_bytes_per_position``,
+    all layers). A lower bound on the attention's traffic: the prefill's is left out."""
+    positions = (output_len - 1) * input_len + (output_len - 1) * output_len // 2
+    return kv_bytes_per_position * num_prompts * positions
 
 
 def gemm_workload_seconds(model: nn.Module, num_prompts: int, input_len: int, output_len: int,

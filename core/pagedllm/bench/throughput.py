@@ -80,6 +80,8 @@ class ThroughputResult:
     step_linear_gflop: Optional[float] = None  # --gemm-ceiling: one decode step's linear layers + LM head
     matmul_peak_tflops: Optional[float] = None  # --gemm-ceiling, bf16: the CPU's / matrix unit's peak, all threads
     workload_gflop: Optional[float] = None  # --gemm-ceiling: the whole workload's linear layers + LM head
+    decode_kv_read_gb: Optional[float] = None  # --gemm-ceiling: KV cache the decode steps' attention reads
+    stream_read_gb_s: Optional[float] = None  # --gemm-ceiling: the backend's streaming-read op, where it has one
 
 
 def make_prompts(num: int, input_len: int, vocab: int, shared_prefix_len: int = 0, seed: int = 0) -> list[list[int]]:
@@ -231,8 +233,9 @@ def run(args) -> ThroughputResult:
     res.prefill_tok_s = args.num_prompts * args.input_len / statistics.median(prefill)
     res.decode_tok_s = args.num_prompts * (args.output_len - 1) / (med - statistics.median(prefill))
     if args.gemm_ceiling:
-        from pagedllm.bench.ceiling import (gemm_step_seconds, gemm_workload_seconds, linear_flops,  # heavy: torch
-                                            matmul_peak_tflops, workload_flops)
+        from pagedllm.bench.ceiling import (decode_kv_read_bytes, gemm_step_seconds,  # heavy: torch
+                                            gemm_workload_seconds, linear_flops, matmul_peak_tflops, workload_flops)
+        from pagedllm.bench.latency import stream_read_bandwidth, stream_read_op
 
         res.gemm_ceiling_tok_s = args.num_prompts / gemm_step_seconds(engine.model, args.num_prompts)
         res.decode_vs_ceiling = res.decode_tok_s / res.gemm_ceiling_tok_s
@@ -240,6 +243,12 @@ def run(args) -> ThroughputResult:
                                                     engine.config.max_num_batched_tokens)
         res.step_linear_gflop = linear_flops(engine.model, args.num_prompts) / 1e9
         res.workload_gflop = workload_flops(engine.model, args.num_prompts, args.input_len, args.output_len) / 1e9
+        spec = engine.worker.kv_spec
+        if spec is not None:
+            res.decode_kv_read_gb = decode_kv_read_bytes(spec.bytes_per_block / spec.block_size, args.num_prompts,
+                                                         args.input_len, args.output_len) / 1e9
+            op = stream_read_op(engine.worker.backend.name)
+            res.stream_read_gb_s = stream_read_bandwidth(op) / 1e9 if op is not None else None
         if engine.model.dtype == torch.bfloat16:
             res.matmul_peak_tflops = matmul_peak_tflops(engine.worker.backend.name)
     if schema_sp is not None:
@@ -298,7 +307,8 @@ def add_parser(sub) -> None:
     p.add_argument("--gemm-ceiling", action="store_true",
                    help="also time the model's linear layers and LM head alone at the batch size (the GEMM "
                         "ceiling of a decode step) and report decode speed as a fraction of it; on a bf16 model also "
-                        "the step's and the workload's linear FLOPs against the CPU's bf16 peak, where the backend measures one")
+                        "the step's and the workload's linear FLOPs against the CPU's bf16 peak, where the backend measures one, "
+                        "and the KV cache the decode steps read against the streaming-read rate")
     p.add_argument("--json", default=None, help="write the result as JSON here")
     p.add_argument("--json-schema", default=None, metavar="FILE",
                    help="also run every repeat with this JSON schema on every request (alternated with the "
@@ -330,6 +340,14 @@ def main(args) -> int:
             line += (f", vLLM's {floor / vllm:.0%}; {vllm / floor:.2f}x vLLM is the most these GEMMs allow "
                      f"(1.3x: {vllm / 1.3:.2f} s)")
         print(line)
+        if res.stream_read_gb_s:
+            kv_s = res.decode_kv_read_gb / res.stream_read_gb_s
+            line = (f"decode attention reads {res.decode_kv_read_gb:.1f} GB of KV cache (the model's dtype): at the "
+                    f"streaming-read rate, {res.stream_read_gb_s:.1f} GB/s, at least {kv_s:.2f} s; with the GEMMs "
+                    f"{floor + kv_s:.2f} s")
+            if res.vllm_elapsed_s:
+                line += f", so {vllm / (floor + kv_s):.2f}x vLLM at most with these GEMMs"
+            print(line)
         step_s = args.num_prompts / res.gemm_ceiling_tok_s
         line = (f"one decode step's linears: {res.step_linear_gflop:.0f} GFLOP in {step_s * 1e3:.0f} ms = "
                 f"{res.step_linear_gflop / step_s / 1e3:.2f} TFLOP/s")

@@ -202,7 +202,7 @@ def test_linear_flops_are_the_configs_matrix_shapes(tiny_llama):
     """FLOPs of a step's (and the throughput workload's) linears and LM head, against the arithmetic of the HF config
     (q, k, v, o, gate, up, down per layer; hidden x vocab once a row that reaches the head)."""
     from pagedllm import LLM
-    from pagedllm.bench.ceiling import linear_flops, workload_flops
+    from pagedllm.bench.ceiling import decode_kv_read_bytes, linear_flops, workload_flops
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(tiny_llama)
@@ -214,7 +214,33 @@ def test_linear_flops_are_the_configs_matrix_shapes(tiny_llama):
     # 4 prompts x 10 -> 3: 4 x 12 rows through the layers, 4 x 3 through the LM head
     assert workload_flops(llm.llm_engine.model, 4, 10, 3) == 2 * (48 * c.num_hidden_layers * layer
                                                                   + 12 * h * c.vocab_size)
+    # the decode steps' KV reads: the pool's bytes a position are every layer's bf16 keys and values; 4 x 10 -> 3
+    # decodes twice a prompt, over 11 then 12 positions
+    spec = llm.llm_engine.worker.kv_spec
+    per_position = c.num_hidden_layers * c.num_key_value_heads * hd * 2 * 2
+    assert spec.bytes_per_block / spec.block_size == per_position
+    assert decode_kv_read_bytes(per_position, 4, 10, 3) == 4 * (11 + 12) * per_position
 
+
+
+def test_bench_throughput_states_the_gemm_and_kv_floors(tiny_llama, tmp_path, lib):
+    """``bench throughput --gemm-ceiling`` on a bf16 model: the workload's GEMMs alone, the KV cache its decode steps
+    read against the streaming-read rate (the CPU's op), and, where the CPU has bf16 dot products, its bf16 peak."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "t.json"
+    p = subprocess.run([sys.executable, "-m", "pagedllm.cli", "bench", "throughput", "--model", tiny_llama,
+                        "--device", "cpu", "--dtype", "bfloat16", "--num-prompts", "4", "--input-len", "16",
+                        "--output-len", "4", "--repeats", "1", "--gemm-ceiling", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert sum(res["gemm_workload_s"]) > 0 and res["stream_read_gb_s"] > 0
+    assert res["decode_kv_read_gb"] > 0
+    assert "decode attention reads" in p.stdout and "of KV cache" in p.stdout
+    assert ("at that peak" in p.stdout) == (res["matmul_peak_tflops"] is not None)
 
 @pytest.mark.slow
 def test_bench_latency_reports_the_stream_floor_and_sizes_the_engine(lib, tiny_llama, tmp_path):
