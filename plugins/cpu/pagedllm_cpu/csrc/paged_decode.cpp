@@ -109,18 +109,19 @@ void pv_rows(const float* p, int64_t bs, const T* vblk, int64_t tok_s, int64_t t
 constexpr int64_t kAhead = 1;
 constexpr int64_t kPageBytes = 4096;
 
-// Where a row fills a page, a block is walked twice instead, keys then values, a tile of token rows at a time (16
-// KiB: 4 rows at SmolLM2-1.7B's shape) across every kv head of the item, with the whole block's softmax between the
-// two walks: each kv head walking its own keys, softmax and values visited each 4 KiB row once per kv head, 16 page
-// streams at a time. `pagedllm bench paged-attention` (64 sequences, blocks at random from a 2 GiB pool, AMD EPYC
-// Zen 4, 2 threads, bf16): 8.9-9.6 ms at 192 tokens and 90.3-94.1 at 2,048 before (37-44% of the streaming-read
-// floor), 5.1-7.6 and 57.0-68.4 after (61-72%). At rows under a page (GQA) the two walks measured 10-30% slower than
-// the per-head walk, which those shapes keep. So do items of a few kv heads (a small batch splits the heads): the
-// slice of a row such an item reads is under a page whatever the row, and the two walks cost it a call per tile of
-// rows and head (SmolLM2-1.7B's shape, one sequence, blocks at random from a 1 GiB pool, AMD EPYC Zen 4, 2 threads:
-// fp32 634 -> 390 us at 512 tokens, bf16 475 -> 269; a 1.7B Q4_K_M decode step's attention, both walks alternated
-// in one process: 1.72 -> 1.06 ms at ~48 tokens, 30.6 -> 17.8 ms at ~1,056).
-constexpr int64_t kTileBytes = 16384;
+// Where a row fills a page, a block is walked twice instead: every kv head of the item over the block's keys, the
+// whole block's softmax, every kv head over its values, rather than each kv head over keys, softmax and values in
+// turn. `pagedllm bench paged-attention` (64 sequences, blocks at random from a 2 GiB pool, AMD EPYC Zen 4, 2
+// threads, bf16): 8.9-9.6 ms at 192 tokens and 90.3-94.1 at 2,048 per head (37-44% of the streaming-read floor),
+// 5.1-7.6 and 57.0-68.4 in two walks (61-72%). The walks first went a tile of
+// rows at a time across the kv heads (16 KiB: 4 rows at SmolLM2-1.7B's shape, 2 in fp32): on Zen 4 tiles of 1-8 rows
+// and the whole block measured alike, on Zen 5 the whole block took 4.60-4.70 ms against 5.31-5.34 (bf16, 192
+// tokens; 24.2-25.0 against 27.8-28.2 at 1,024) and in fp32 6.25-7.13 against 11.73-11.93, so a call is the whole
+// block. At rows under a page (GQA) the two walks measured 10-30% slower than the per-head walk, which those shapes
+// keep. So do items of a few kv heads (a small batch splits the heads): the slice of a row such an item reads is
+// under a page whatever the row (SmolLM2-1.7B's shape, one sequence, blocks at random from a 1 GiB pool, AMD EPYC
+// Zen 4, 2 threads: fp32 634 -> 390 us at 512 tokens, bf16 475 -> 269; a 1.7B Q4_K_M decode step's attention, both
+// walks alternated in one process: 1.72 -> 1.06 ms at ~48 tokens, 30.6 -> 17.8 ms at ~1,056).
 
 // Request ``rows`` rows of ``width`` elements, ``stride`` apart, into L2.
 template <typename T>
@@ -172,7 +173,6 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
   const int64_t heads_per = (hkv + splits - 1) / splits;
   // What an item reads of a token row: the whole row, or its kv heads' slice where the heads are split.
   const bool per_head_walk = heads_per * head_s * static_cast<int64_t>(sizeof(T)) < kPageBytes;
-  const int64_t tile = std::max<int64_t>(1, kTileBytes / (tok_s * static_cast<int64_t>(sizeof(T))));
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
     const int64_t hh = heads_per * g;  // query heads of one item
     std::vector<float> q(hh * D), acc(hh * D), scores(hh * bs), m(hh), l(hh);
@@ -256,12 +256,10 @@ void decode_kernel(at::Tensor& out, const at::Tensor& query, const at::Tensor& k
             softmax((kh - kh0) * g, (kh - kh0 + 1) * g);
             pv(kh, t0, t1);
           }
-        } else {  // rows of a page or more: keys, then values, a tile of rows at a time across the kv heads
-          for (int64_t ta = t0; ta < t1; ta += tile)
-            for (int64_t kh = kh0; kh < kh1; ++kh) qk(kh, ta, std::min(t1, ta + tile));
+        } else {  // rows of a page or more: every kv head's keys, the softmax, every kv head's values
+          for (int64_t kh = kh0; kh < kh1; ++kh) qk(kh, t0, t1);
           softmax(0, nh);
-          for (int64_t ta = t0; ta < t1; ta += tile)
-            for (int64_t kh = kh0; kh < kh1; ++kh) pv(kh, ta, std::min(t1, ta + tile));
+          for (int64_t kh = kh0; kh < kh1; ++kh) pv(kh, t0, t1);
         }
       }
       for (int64_t j = 0; j < nh; ++j) {
