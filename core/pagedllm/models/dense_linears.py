@@ -46,15 +46,13 @@ def pack_dense_linears(model: nn.Module, backend: Any, dtype: torch.dtype, devic
                        quantized: bool = False) -> int:
     """Swap every ``nn.Linear`` of ``model`` for the backend's dense kernel, and give ``compute_logits`` a packed
     LM head (a copy: the tied embedding and ``lm_head_weight`` stay as they are; a tied GGUF-packed embedding gets
-    its dense head here, also where the backend has no dense kernel, unless the backend has a kernel for its blocks
-    as they are: ``block_head``). Returns how many were swapped.
+    its dense head here, also where the backend has no dense kernel, unless the loader gave it one over its blocks as
+    they are: ``block_head``). Returns how many were swapped.
 
     ``quantized``: the decoder's linears all run on the backend's quantized kernels, not core's exact reference
     (the weights are already rounded to 4-8 bits); a float32 LM head then runs in bf16 where the backend has a bf16 dense kernel, halving the bytes the largest single matrix
     streams per token (SmolLM2's tied 49152 x 576 head was a quarter of a Q4_1 batch-1 step in fp32)."""
     head_kernel = None
-    if getattr(model, "lm_head_kernel", None) is None:  # the loader makes it before the layers
-        model.lm_head_kernel = block_head(model, backend, dtype, device)
     if model.lm_head_kernel is None and quantized and dtype == torch.float32:
         head_kernel = backend.quantized_linear("unquantized", "bfloat16")
     kernel = backend.quantized_linear("unquantized", str(dtype).removeprefix("torch."))

@@ -59,9 +59,3 @@ def empty_on_huge_pages(nbytes: int) -> torch.Tensor:
             t = _arena.take(nbytes)
     return t
 
-
-def to_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of CPU tensor ``t`` on 2 MB pages (``empty_on_huge_pages``), same shape and dtype."""
-    out = empty_on_huge_pages(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,10 +40,12 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 ROWS = 16  # output rows interleaved per group of ``q4_gemv``'s layout
 
 
-def _repack(weight: QuantizedWeight) -> torch.Tensor:
+def _repack(weight: QuantizedWeight, alloc: Callable[[int], torch.Tensor] = huge_pages.empty_on_huge_pages
+            ) -> torch.Tensor:
     """The blocks in ``csrc/q4_gemv.cpp``'s layout: uint8 ``[ceil(N / 16), K / 32, bytes]``, per block of 16 output
     rows d[16] fp16, m[16] fp16 (Q4_1), then the nibbles as 4 chunks of [16 rows][4 bytes] (weights 8c..8c+7 of
-    the block at bits 4j of chunk c's word), so one 64-byte load holds a nibble of all 16 rows per 32-bit lane."""
+    the block at bits 4j of chunk c's word), so one 64-byte load holds a nibble of all 16 rows per 32-bit lane.
+    Written straight into ``alloc(nbytes)`` (by default on 2 MB pages, ``huge_pages``): no copy after."""
     n, k = weight.shape
     nb, scale_bytes = k // GROUP, 4 if weight.weight_type == "Q4_1" else 2
     blocks = weight.data.reshape(n, nb, _BLOCK_BYTES[weight.weight_type])
@@ -53,7 +55,9 @@ def _repack(weight: QuantizedWeight) -> torch.Tensor:
     q = torch.cat([qs & 0xF, qs >> 4], dim=-1).reshape(groups, ROWS, nb, 4, 8).permute(0, 2, 3, 1, 4)
     nibbles = (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(groups, nb, ROWS * GROUP // 2)
     scales = blocks[..., :scale_bytes].reshape(groups, ROWS, nb, scale_bytes // 2, 2).permute(0, 2, 3, 1, 4)
-    return torch.cat([scales.reshape(groups, nb, -1), nibbles], dim=-1).contiguous()
+    width = ROWS * scale_bytes + ROWS * GROUP // 2
+    out = alloc(groups * nb * width).view(groups, nb, width)
+    return torch.cat([scales.reshape(groups, nb, -1), nibbles], dim=-1, out=out)
 
 
 def _unpack(packed: torch.Tensor, n: int, has_min: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,7 +175,7 @@ class Q4State:
 
 
 def _prepare(weight: QuantizedWeight, dtype: torch.dtype, device: Any) -> Q4State:
-    return Q4State(huge_pages.to_huge_pages(_repack(weight)), weight.shape[0], weight.weight_type == "Q4_1",
+    return Q4State(_repack(weight), weight.shape[0], weight.weight_type == "Q4_1",
                    bf16_rows=bf16_min_rows(dtype, BF16_MIN_ROWS_Q4))
 
 

@@ -22,10 +22,15 @@ def _vma_anon_huge_kb(address: int) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    out = huge_pages.empty_on_huge_pages(t.numel() * t.element_size()).view(t.dtype).view(t.shape)
+    return out.copy_(t)
+
+
 def test_copies_are_equal_aligned_and_share_an_arena():
     src = [torch.randn(37, 11), torch.arange(1000, dtype=torch.int16).reshape(10, 100), torch.randint(0, 255, (77,),
                                                                                                       dtype=torch.uint8)]
-    out = [huge_pages.to_huge_pages(t) for t in src]
+    out = [_copy(t) for t in src]
     for s, o in zip(src, out):
         assert o.dtype == s.dtype and o.shape == s.shape and o.is_contiguous() and torch.equal(o, s)
         assert o.data_ptr() % 64 == 0
@@ -37,7 +42,7 @@ def test_copies_are_equal_aligned_and_share_an_arena():
 def test_a_tensor_outlives_the_arena_it_was_cut_from():
     big = huge_pages.empty_on_huge_pages(huge_pages._ARENA_BYTES + 1)  # its own arena, larger than the default
     assert big.numel() == huge_pages._ARENA_BYTES + 1 and big.dtype == torch.uint8
-    kept = huge_pages.to_huge_pages(torch.full((4096,), 7, dtype=torch.uint8))
+    kept = _copy(torch.full((4096,), 7, dtype=torch.uint8))
     del big
     huge_pages._arena = None  # the module lets go of its arena: only the tensor holds the mapping now
     gc.collect()
